@@ -1,0 +1,127 @@
+// liboptimus: what a training process links to use optimus. A Client talks to
+// the coordinator (gRPC) to create or join a job and get its shard map, then
+// pushes gradients and pulls parameters straight to and from the shard servers
+// over UCX, split by the map into chunks.
+//
+// Push and Pull return at once with a Ticket; Wait(ticket, timeout) blocks
+// until every chunk of that operation is answered. The buffers handed to Push
+// and Pull belong to the caller and must not change (Push) or be read (Pull)
+// until Wait returns OK or an error other than DEADLINE_EXCEEDED.
+// All methods are thread-safe.
+#ifndef OPTIMUS_CLIENT_CLIENT_H_
+#define OPTIMUS_CLIENT_CLIENT_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "common/dtype.h"
+#include "transport/ucx.h"
+
+namespace optimus {
+namespace client {
+
+struct ClientOptions {
+  // gRPC address of optimus-coord, "host:port". Required.
+  std::string coordinator_address;
+  // Deadline for each control-plane RPC. Default 10 s.
+  absl::Duration rpc_timeout = absl::Seconds(10);
+  // How long Join waits for the shards to load the job. Default 60 s.
+  absl::Duration ready_timeout = absl::Seconds(60);
+  // UCX settings for the data plane.
+  transport::WorkerOptions transport;
+};
+
+enum class Optimizer { kAdamW, kAdam, kSgd };
+
+struct OptimizerSpec {
+  Optimizer kind = Optimizer::kAdamW;
+  float lr = 1e-3f;
+  float beta1 = 0.9f;
+  float beta2 = 0.999f;
+  float eps = 1e-8f;
+  float weight_decay = 0.0f;
+  float momentum = 0.0f;   // SGD only.
+  // Multiplies the summed gradient; 0 means 1/world_size (the average).
+  float grad_scale = 0.0f;
+};
+
+struct TensorDef {
+  std::string name;
+  std::vector<int64_t> shape;
+};
+
+struct JobDef {
+  std::string name;
+  uint32_t world_size = 1;
+  std::vector<TensorDef> tensors;
+  OptimizerSpec optimizer;
+  DType grad_dtype = DType::kBf16;
+  DType param_dtype = DType::kBf16;
+  // Chunk size limit in bytes of fp32 state; 0 means the coordinator's 4 MiB.
+  uint64_t max_chunk_bytes = 0;
+};
+
+// Identifies one Push or Pull until Wait consumes it.
+using Ticket = uint64_t;
+
+struct TensorInfo {
+  std::string name;
+  std::vector<int64_t> shape;
+  uint64_t num_elems = 0;
+  uint32_t num_chunks = 0;
+};
+
+class Client {
+ public:
+  // Starts the data plane and opens the control channel. Does not contact the
+  // coordinator yet.
+  static absl::StatusOr<std::unique_ptr<Client>> Connect(const ClientOptions& options);
+  virtual ~Client() = default;
+
+  // Creates the job. ALREADY_EXISTS if a job of that name exists,
+  // RESOURCE_EXHAUSTED (with the numbers) if its state does not fit on the
+  // live shards, INVALID_ARGUMENT for a bad definition.
+  virtual absl::Status CreateJob(const JobDef& def) = 0;
+
+  // Joins job `name` as `rank` of `world_size`, waits until its shards are
+  // ready (ready_timeout) and connects to them.
+  virtual absl::Status Join(const std::string& name, uint32_t rank, uint32_t world_size) = 0;
+
+  // The joined job's tensors, in definition order; index = position.
+  virtual const std::vector<TensorInfo>& tensors() const = 0;
+  virtual absl::StatusOr<uint32_t> TensorIndex(const std::string& name) const = 0;
+  virtual uint32_t rank() const = 0;
+  virtual uint32_t world_size() const = 0;
+  virtual DType grad_dtype() const = 0;
+  virtual DType param_dtype() const = 0;
+
+  // Sends the initial fp32 values of a tensor (num_elems floats); they become
+  // version 1. One rank (by convention 0) does this; the others Pull version
+  // 1, which waits for it. Blocking.
+  virtual absl::Status InitTensor(uint32_t tensor, const float* values, size_t num_elems) = 0;
+
+  // Pushes this rank's gradient for `step` (>= 1), num_elems of grad_dtype().
+  virtual absl::StatusOr<Ticket> Push(uint32_t tensor, uint64_t step, const void* grad,
+                                      size_t num_elems) = 0;
+
+  // Pulls the parameters at `version` (>= 1) into dst, num_elems of
+  // param_dtype(). A version one ahead of the latest is answered once all
+  // workers' pushes for it are in.
+  virtual absl::StatusOr<Ticket> Pull(uint32_t tensor, uint64_t version, void* dst,
+                                      size_t num_elems) = 0;
+
+  // Waits for a ticket. OK; DEADLINE_EXCEEDED (the ticket stays valid; wait
+  // again); NOT_FOUND for an unknown or already-waited ticket; otherwise the
+  // first error a shard answered for any chunk of it.
+  virtual absl::Status Wait(Ticket ticket, absl::Duration timeout) = 0;
+};
+
+}  // namespace client
+}  // namespace optimus
+
+#endif  // OPTIMUS_CLIENT_CLIENT_H_

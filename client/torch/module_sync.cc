@@ -1,0 +1,149 @@
+#include "client/torch/module_sync.h"
+
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+
+namespace optimus {
+namespace client {
+namespace {
+
+torch::ScalarType ToTorch(DType d) {
+  switch (d) {
+    case DType::kFp32: return torch::kFloat32;
+    case DType::kBf16: return torch::kBFloat16;
+    case DType::kFp16: return torch::kFloat16;
+  }
+  return torch::kFloat32;
+}
+
+absl::Status WaitAll(Client* client, const std::vector<Ticket>& tickets, absl::Duration timeout) {
+  absl::Status first;
+  const absl::Time deadline = absl::Now() + timeout;
+  for (Ticket t : tickets) {
+    absl::Status s = client->Wait(t, std::max(deadline - absl::Now(), absl::ZeroDuration()));
+    if (!s.ok() && first.ok()) first = s;
+  }
+  return first;
+}
+
+}  // namespace
+
+absl::Status FromTorchException(const std::exception& e, absl::string_view what) {
+  return absl::InternalError(absl::StrCat(what, ": libtorch: ", e.what()));
+}
+
+std::vector<TensorDef> TensorDefsFromModule(const torch::nn::Module& module) {
+  std::vector<TensorDef> defs;
+  for (const auto& item : module.named_parameters(/*recurse=*/true)) {
+    TensorDef d;
+    d.name = item.key();
+    for (int64_t s : item.value().sizes()) d.shape.push_back(s);
+    defs.push_back(std::move(d));
+  }
+  return defs;
+}
+
+absl::StatusOr<std::unique_ptr<ModuleSync>> ModuleSync::Create(Client* client,
+                                                               torch::nn::Module* module) {
+  std::vector<torch::Tensor> params;
+  std::vector<uint32_t> index;
+  for (const auto& item : module->named_parameters(/*recurse=*/true)) {
+    auto idx = client->TensorIndex(item.key());
+    if (!idx.ok()) return idx.status();
+    const TensorInfo& info = client->tensors()[*idx];
+    std::vector<int64_t> shape(item.value().sizes().begin(), item.value().sizes().end());
+    if (shape != info.shape) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("parameter ", item.key(), " has shape [", absl::StrJoin(shape, ","),
+                       "] but the job's tensor has [", absl::StrJoin(info.shape, ","), "]"));
+    }
+    if (item.value().scalar_type() != torch::kFloat32) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("parameter ", item.key(), " is not float32 (master copies are fp32)"));
+    }
+    params.push_back(item.value());
+    index.push_back(*idx);
+  }
+  if (params.size() != client->tensors().size()) {
+    return absl::InvalidArgumentError(absl::StrCat("the module has ", params.size(),
+                                                   " parameters, the job has ",
+                                                   client->tensors().size(), " tensors"));
+  }
+  return std::unique_ptr<ModuleSync>(new ModuleSync(client, std::move(params), std::move(index)));
+}
+
+ModuleSync::ModuleSync(Client* client, std::vector<torch::Tensor> params,
+                       std::vector<uint32_t> index)
+    : client_(client), params_(std::move(params)), index_(std::move(index)) {
+  for (const auto& p : params_) {
+    grad_staging_.push_back(torch::empty(p.sizes(), torch::dtype(ToTorch(client_->grad_dtype()))));
+    param_staging_.push_back(
+        torch::empty(p.sizes(), torch::dtype(ToTorch(client_->param_dtype()))));
+  }
+}
+
+absl::Status ModuleSync::InitFromModule() {
+  for (size_t i = 0; i < params_.size(); ++i) {
+    torch::Tensor values = params_[i].detach().contiguous();
+    absl::Status s = client_->InitTensor(index_[i], values.data_ptr<float>(),
+                                         static_cast<size_t>(values.numel()));
+    if (!s.ok()) return s;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ModuleSync::PushGrads(uint64_t step, absl::Duration timeout) {
+  std::vector<Ticket> tickets;
+  absl::Status first;
+  try {
+    torch::NoGradGuard no_grad;
+    for (size_t i = 0; i < params_.size(); ++i) {
+      const torch::Tensor& g = params_[i].grad();
+      if (g.defined()) {
+        grad_staging_[i].copy_(g);  // Casts with round-to-nearest-even.
+      } else {
+        grad_staging_[i].zero_();
+      }
+      auto t = client_->Push(index_[i], step, grad_staging_[i].data_ptr(),
+                             static_cast<size_t>(grad_staging_[i].numel()));
+      if (!t.ok()) {
+        first = t.status();
+        break;
+      }
+      tickets.push_back(*t);
+    }
+  } catch (const std::exception& e) {
+    first = FromTorchException(e, "casting gradients");
+  }
+  absl::Status waited = WaitAll(client_, tickets, timeout);
+  return first.ok() ? waited : first;
+}
+
+absl::Status ModuleSync::PullParams(uint64_t version, absl::Duration timeout) {
+  std::vector<Ticket> tickets;
+  absl::Status first;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    auto t = client_->Pull(index_[i], version, param_staging_[i].data_ptr(),
+                           static_cast<size_t>(param_staging_[i].numel()));
+    if (!t.ok()) {
+      first = t.status();
+      break;
+    }
+    tickets.push_back(*t);
+  }
+  absl::Status waited = WaitAll(client_, tickets, timeout);
+  if (!first.ok()) return first;
+  if (!waited.ok()) return waited;
+  try {
+    torch::NoGradGuard no_grad;
+    for (size_t i = 0; i < params_.size(); ++i) params_[i].copy_(param_staging_[i]);
+  } catch (const std::exception& e) {
+    return FromTorchException(e, "writing pulled parameters");
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace client
+}  // namespace optimus

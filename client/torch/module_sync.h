@@ -1,0 +1,61 @@
+// The libtorch adapter of liboptimus: maps a torch::nn::Module's parameters
+// onto a job's tensors (by name, in registration order), and moves their
+// gradients to the shards and the updated parameters back.
+// Borrows the Client and the Module, which must outlive it. Not thread-safe:
+// use it from the training loop's thread.
+#ifndef OPTIMUS_CLIENT_TORCH_MODULE_SYNC_H_
+#define OPTIMUS_CLIENT_TORCH_MODULE_SYNC_H_
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <torch/torch.h>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "client/client.h"
+
+namespace optimus {
+namespace client {
+
+// The module's parameters as job tensors (named as in named_parameters()).
+std::vector<TensorDef> TensorDefsFromModule(const torch::nn::Module& module);
+
+// Converts an exception thrown by libtorch into a Status (the one converter
+// for libtorch errors).
+absl::Status FromTorchException(const std::exception& e, absl::string_view what);
+
+class ModuleSync {
+ public:
+  // Checks that the joined job has exactly the module's parameters (names,
+  // shapes) and allocates the staging buffers once.
+  static absl::StatusOr<std::unique_ptr<ModuleSync>> Create(Client* client,
+                                                            torch::nn::Module* module);
+
+  // Sends the module's current values as version 1 (call on one rank only).
+  absl::Status InitFromModule();
+
+  // Pushes every parameter's gradient for `step`, cast to the job's grad
+  // dtype, and waits until the shards hold them. A parameter with no
+  // gradient is pushed as zeros so the step can complete.
+  absl::Status PushGrads(uint64_t step, absl::Duration timeout);
+
+  // Pulls every parameter at `version` and writes it into the module.
+  absl::Status PullParams(uint64_t version, absl::Duration timeout);
+
+ private:
+  ModuleSync(Client* client, std::vector<torch::Tensor> params, std::vector<uint32_t> index);
+
+  Client* client_;
+  std::vector<torch::Tensor> params_;
+  std::vector<uint32_t> index_;          // Job tensor index per parameter.
+  std::vector<torch::Tensor> grad_staging_;   // grad dtype, contiguous.
+  std::vector<torch::Tensor> param_staging_;  // param dtype, contiguous.
+};
+
+}  // namespace client
+}  // namespace optimus
+
+#endif  // OPTIMUS_CLIENT_TORCH_MODULE_SYNC_H_

@@ -1,0 +1,75 @@
+#include "common/wire.h"
+
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+
+namespace optimus {
+namespace wire {
+namespace {
+constexpr size_t kMaxMessageBytes = 1024;  // Keeps replies inside one eager AM header.
+}  // namespace
+
+absl::StatusOr<RequestHeader> ParseRequestHeader(absl::Span<const uint8_t> bytes) {
+  if (bytes.size() != sizeof(RequestHeader)) {
+    return absl::InvalidArgumentError(absl::StrCat("malformed request header: ", bytes.size(),
+                                                   " bytes, expected ", sizeof(RequestHeader)));
+  }
+  RequestHeader h;
+  std::memcpy(&h, bytes.data(), sizeof(h));
+  if (h.magic != kMagic) {
+    return absl::InvalidArgumentError(absl::StrCat("malformed request header: bad magic 0x",
+                                                   absl::Hex(h.magic)));
+  }
+  if (h.version != kVersion) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("unsupported wire version ", h.version, " (this shard speaks ", kVersion, ")"));
+  }
+  if (h.op < static_cast<uint16_t>(Op::kPush) || h.op > static_cast<uint16_t>(Op::kInit)) {
+    return absl::InvalidArgumentError(absl::StrCat("unknown request op ", h.op));
+  }
+  if (auto d = DTypeFromInt(h.dtype); !d.ok()) return d.status();
+  return h;
+}
+
+std::string EncodeReply(uint64_t request_id, const absl::Status& status, uint64_t param_version,
+                        uint32_t flags) {
+  ReplyHeader h;
+  h.code = static_cast<uint16_t>(status.code());
+  h.request_id = request_id;
+  h.param_version = param_version;
+  h.flags = flags;
+  const size_t len = std::min(status.message().size(), kMaxMessageBytes);
+  h.message_len = static_cast<uint32_t>(len);
+  std::string out(sizeof(h) + len, '\0');
+  std::memcpy(&out[0], &h, sizeof(h));
+  if (len > 0) std::memcpy(&out[sizeof(h)], status.message().data(), len);
+  return out;
+}
+
+absl::StatusOr<Reply> ParseReply(absl::Span<const uint8_t> bytes) {
+  if (bytes.size() < sizeof(ReplyHeader)) {
+    return absl::InvalidArgumentError(absl::StrCat("malformed reply: ", bytes.size(), " bytes"));
+  }
+  Reply r;
+  std::memcpy(&r.header, bytes.data(), sizeof(r.header));
+  if (r.header.magic != kMagic || r.header.version != kVersion) {
+    return absl::InvalidArgumentError("malformed reply: bad magic or version");
+  }
+  if (r.header.message_len > kMaxMessageBytes ||
+      bytes.size() != sizeof(ReplyHeader) + r.header.message_len) {
+    return absl::InvalidArgumentError("malformed reply: bad message length");
+  }
+  const auto code = static_cast<absl::StatusCode>(r.header.code);
+  if (code == absl::StatusCode::kOk) {
+    r.status = absl::OkStatus();
+  } else {
+    r.status = absl::Status(
+        code, absl::string_view(reinterpret_cast<const char*>(bytes.data()) + sizeof(ReplyHeader),
+                                r.header.message_len));
+  }
+  return r;
+}
+
+}  // namespace wire
+}  // namespace optimus

@@ -1,0 +1,82 @@
+// Fused optimizer step for one chunk on the shard server: sum the W workers'
+// gradient slots in rank order in fp32, scale, apply the optimizer to the fp32
+// master weights and moments, and write the published low-precision copy, all
+// in one pass over memory. Elementwise and summation-order fixed, so results
+// do not depend on how a chunk is split. Stateless; safe from any thread as
+// long as different calls touch disjoint state.
+#ifndef OPTIMUS_KERNELS_CPU_OPTIMIZER_H_
+#define OPTIMUS_KERNELS_CPU_OPTIMIZER_H_
+
+#include <cstddef>
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "absl/strings/string_view.h"
+#include "absl/types/span.h"
+#include "common/dtype.h"
+
+namespace optimus {
+namespace kernels {
+
+enum class OptimizerKind : uint8_t {
+  kAdamW = 1,  // Adam, decoupled weight decay (Loshchilov & Hutter), as torch.optim.AdamW.
+  kAdam = 2,   // Adam, L2 weight decay added to the gradient, as torch.optim.Adam.
+  kSgd = 3,    // SGD with momentum (dampening 0, no Nesterov), as torch.optim.SGD.
+};
+
+struct OptimizerHyper {
+  OptimizerKind kind = OptimizerKind::kAdamW;
+  float lr = 1e-3f;
+  float beta1 = 0.9f;
+  float beta2 = 0.999f;
+  float eps = 1e-8f;
+  float weight_decay = 0.0f;
+  float momentum = 0.0f;  // SGD only; 0 disables the momentum buffer.
+};
+
+// One step's inputs for one chunk.
+struct StepInputs {
+  // W gradient slots in worker-rank order; each holds num_elems of grad_dtype.
+  absl::Span<const void* const> grads;
+  DType grad_dtype = DType::kFp32;
+  // Multiplies the fp32 sum over workers (1/W gives the average).
+  float grad_scale = 1.0f;
+  // 1-based step number t; Adam's bias corrections use beta^t.
+  int64_t step = 1;
+};
+
+// The chunk's fp32 state. `m` is Adam's first moment or SGD's momentum
+// buffer; `v` is Adam's second moment (unused, may be null, for SGD).
+struct ChunkState {
+  float* master = nullptr;
+  float* m = nullptr;
+  float* v = nullptr;
+};
+
+// Runs one fused step over num_elems elements and writes the updated master
+// weights, cast to out_dtype, into `out` (num_elems elements).
+// InvalidArgument for an empty grads span, null pointers or bad hyper values;
+// nothing is written then.
+absl::Status FusedStep(const OptimizerHyper& hyper, const StepInputs& in,
+                       size_t num_elems, ChunkState state, void* out,
+                       DType out_dtype);
+
+// Same math, one element at a time in plain C++: the reference that the
+// vectorized paths are tested against. Same error behaviour.
+absl::Status FusedStepScalar(const OptimizerHyper& hyper, const StepInputs& in,
+                             size_t num_elems, ChunkState state, void* out,
+                             DType out_dtype);
+
+// Converts num_elems fp32 values to dst_dtype (a vectorized cast).
+void CastFromFp32(const float* src, size_t num_elems, void* dst, DType dst_dtype);
+// Converts num_elems src_dtype values to fp32.
+void CastToFp32(const void* src, DType src_dtype, size_t num_elems, float* dst);
+
+// The instruction set FusedStep runs on this CPU ("avx512", "avx2", "neon",
+// "scalar"), chosen once at run time from the CPU's features.
+absl::string_view ActiveIsa();
+
+}  // namespace kernels
+}  // namespace optimus
+
+#endif  // OPTIMUS_KERNELS_CPU_OPTIMIZER_H_

@@ -1,0 +1,64 @@
+// optimus-shard: runs one optimizer shard server until SIGTERM or SIGINT.
+#include <pthread.h>
+#include <signal.h>
+
+#include <csignal>
+#include <cstdio>
+#include <string>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/synchronization/notification.h"
+#include "common/logging.h"
+#include "server/shard_server.h"
+
+ABSL_FLAG(std::string, coordinator, "127.0.0.1:7070", "optimus-coord gRPC address host:port");
+ABSL_FLAG(std::string, kind, "host", "dpu (BlueField Arm cores) or host (CPU fallback)");
+ABSL_FLAG(int64_t, memory_limit_mb, 1024, "state budget for all jobs on this shard, MiB");
+ABSL_FLAG(int, step_threads, 1, "threads running optimizer steps");
+ABSL_FLAG(std::string, transports, "tcp,sm,self", "UCX transports (UCX_TLS syntax)");
+ABSL_FLAG(std::string, net_devices, "all", "UCX network devices (lo keeps traffic local)");
+ABSL_FLAG(bool, verbose, false, "debug logging");
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage("optimus-shard --coordinator=HOST:PORT [--kind=dpu|host]");
+  absl::ParseCommandLine(argc, argv);
+  if (absl::GetFlag(FLAGS_verbose)) optimus::SetMinLogLevel(optimus::LogLevel::kDebug);
+
+  optimus::server::ShardServerOptions options;
+  options.coordinator_address = absl::GetFlag(FLAGS_coordinator);
+  const std::string kind = absl::GetFlag(FLAGS_kind);
+  if (kind != "dpu" && kind != "host") {
+    std::fprintf(stderr, "optimus-shard: --kind must be dpu or host, got '%s'\n", kind.c_str());
+    return 2;
+  }
+  options.is_dpu = kind == "dpu";
+  if (absl::GetFlag(FLAGS_memory_limit_mb) <= 0) {
+    std::fprintf(stderr, "optimus-shard: --memory_limit_mb must be positive\n");
+    return 2;
+  }
+  options.memory_limit_bytes = static_cast<uint64_t>(absl::GetFlag(FLAGS_memory_limit_mb)) << 20;
+  options.step_threads = absl::GetFlag(FLAGS_step_threads);
+  options.transport.transports = absl::GetFlag(FLAGS_transports);
+  options.transport.net_devices = absl::GetFlag(FLAGS_net_devices);
+  options.transport.name = "shard";
+
+  // Block the stop signals in every thread (threads inherit the mask) and
+  // take them synchronously below.
+  sigset_t stop_signals;
+  sigemptyset(&stop_signals);
+  sigaddset(&stop_signals, SIGTERM);
+  sigaddset(&stop_signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
+  auto server = optimus::server::ShardServer::Start(options);
+  if (!server.ok()) {
+    std::fprintf(stderr, "optimus-shard: %s\n", server.status().ToString().c_str());
+    return 1;
+  }
+  int sig = 0;
+  sigwait(&stop_signals, &sig);
+  OPTIMUS_LOG(Info, "shard", "signal ", sig, ", shutting down");
+  (*server)->Shutdown();
+  return 0;
+}

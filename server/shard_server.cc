@@ -1,0 +1,752 @@
+#include "server/shard_server.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
+#include "common/dtype.h"
+#include "common/grpc_status.h"
+#include "common/logging.h"
+#include "common/wire.h"
+#include "grpcpp/grpcpp.h"
+#include "kernels/cpu/optimizer.h"
+#include "proto/optimus.grpc.pb.h"
+#include "server/step_executor.h"
+
+namespace optimus {
+namespace server {
+namespace {
+
+constexpr char kLog[] = "shard";
+// Cache-line alignment so the SIMD kernels load whole lines.
+constexpr size_t kAlignBytes = 64;
+
+struct FreeDeleter {
+  void operator()(uint8_t* p) const { std::free(p); }
+};
+using AlignedBytes = std::unique_ptr<uint8_t[], FreeDeleter>;
+
+AlignedBytes AllocZeroed(size_t size_bytes) {
+  size_t rounded = (size_bytes + kAlignBytes - 1) / kAlignBytes * kAlignBytes;
+  if (rounded == 0) rounded = kAlignBytes;
+  auto* p = static_cast<uint8_t*>(std::aligned_alloc(kAlignBytes, rounded));
+  if (p != nullptr) std::memset(p, 0, rounded);
+  return AlignedBytes(p);
+}
+
+// What the job needs to know, taken from the coordinator's JobSpec once.
+struct JobConfig {
+  uint64_t job_id = 0;
+  uint64_t map_epoch = 0;
+  uint32_t world_size = 0;
+  DType grad_dtype = DType::kFp32;
+  DType param_dtype = DType::kBf16;
+  float grad_scale = 1.0f;
+  kernels::OptimizerHyper hyper;
+};
+
+enum class SlotState : uint8_t { kEmpty = 0, kReceiving = 1, kFull = 2 };
+
+// A pull waiting for a version that is not published yet.
+struct ParkedPull {
+  transport::EndpointRef reply_ep;
+  uint64_t request_id = 0;
+  uint64_t version = 0;
+};
+
+// One chunk's state on this shard. The buffers never move after creation.
+// Version v is published in published[v % 2]; steps run one at a time.
+struct Chunk {
+  uint32_t tensor = 0;
+  uint32_t chunk = 0;
+  uint64_t num_elems = 0;
+  AlignedBytes master, m, v;      // fp32.
+  AlignedBytes slots;             // world_size slots of grad dtype, rank order.
+  AlignedBytes published[2];      // param dtype.
+  std::vector<std::unique_ptr<transport::MemoryRegion>> regions;
+  std::vector<const void*> grad_ptrs;  // Into `slots`, rank order; fixed at load.
+
+  absl::Mutex mu;
+  uint64_t published_version ABSL_GUARDED_BY(mu) = 0;  // 0: not initialized.
+  bool init_receiving ABSL_GUARDED_BY(mu) = false;
+  std::vector<SlotState> slot_state ABSL_GUARDED_BY(mu);
+  uint32_t full_slots ABSL_GUARDED_BY(mu) = 0;
+  bool step_running ABSL_GUARDED_BY(mu) = false;
+  // Pull replies still being sent out of published[i]; a step may not
+  // overwrite a buffer while its count is non-zero.
+  int sends_inflight[2] ABSL_GUARDED_BY(mu) = {0, 0};
+  bool step_blocked_on_sends ABSL_GUARDED_BY(mu) = false;
+  std::vector<ParkedPull> parked ABSL_GUARDED_BY(mu);
+};
+
+// Jobs and their chunks are never removed while the server runs (job deletion
+// comes later), so handlers may keep raw pointers to them.
+struct Job {
+  JobConfig config;
+  uint64_t memory_bytes = 0;
+  // Keyed by (tensor << 32 | chunk). Immutable after load.
+  absl::flat_hash_map<uint64_t, std::unique_ptr<Chunk>> chunks;
+};
+
+uint64_t ChunkKey(uint32_t tensor, uint32_t chunk) {
+  return (static_cast<uint64_t>(tensor) << 32) | chunk;
+}
+
+absl::StatusOr<kernels::OptimizerKind> KindFromProto(v1::OptimizerKind k) {
+  switch (k) {
+    case v1::OPTIMIZER_ADAMW: return kernels::OptimizerKind::kAdamW;
+    case v1::OPTIMIZER_ADAM: return kernels::OptimizerKind::kAdam;
+    case v1::OPTIMIZER_SGD: return kernels::OptimizerKind::kSgd;
+    default: return absl::InvalidArgumentError(absl::StrCat("unknown optimizer kind ", k));
+  }
+}
+
+class ShardServerImpl : public ShardServer {
+ public:
+  explicit ShardServerImpl(const ShardServerOptions& options)
+      : options_(options), executor_(std::make_unique<StepExecutor>(options.step_threads)) {}
+
+  ~ShardServerImpl() override { Shutdown(); }
+
+  absl::Status Init() {
+    auto worker = transport::Worker::Create(options_.transport);
+    if (!worker.ok()) return worker.status();
+    worker_ = std::move(*worker);
+    worker_->SetHandler(wire::kAmRequest,
+                        [this](transport::IncomingMessage& msg) { OnRequest(msg); });
+    if (auto s = worker_->Start(); !s.ok()) return s;
+
+    channel_ = grpc::CreateChannel(options_.coordinator_address,
+                                   grpc::InsecureChannelCredentials());
+    stub_ = v1::Coordinator::NewStub(channel_);
+    if (auto s = Register(); !s.ok()) return s;
+    heartbeat_thread_ = std::thread([this] { HeartbeatLoop(); });
+    return absl::OkStatus();
+  }
+
+  uint64_t shard_id() const override { return shard_id_.load(); }
+
+  ShardServerStats stats() const override {
+    ShardServerStats s;
+    s.shard_id = shard_id_.load();
+    s.steps_applied = steps_applied_.load();
+    s.pushes_received = pushes_received_.load();
+    s.pushes_rejected = pushes_rejected_.load();
+    s.pulls_served = pulls_served_.load();
+    absl::MutexLock lock(&jobs_mu_);
+    for (const auto& [id, job] : jobs_) {
+      s.memory_used_bytes += job->memory_bytes;
+      s.chunks_owned += static_cast<uint32_t>(job->chunks.size());
+    }
+    return s;
+  }
+
+  void Shutdown() override {
+    {
+      absl::MutexLock lock(&stop_mu_);
+      if (stopped_) return;
+      stopped_ = true;
+    }
+    if (heartbeat_thread_.joinable()) heartbeat_thread_.join();
+    // No step is scheduled after this; queued steps finish (their sends are
+    // posted to the still-running worker).
+    std::unique_ptr<StepExecutor> executor;
+    {
+      absl::MutexLock lock(&exec_mu_);
+      executor = std::move(executor_);
+    }
+    executor.reset();
+    // The worker's destructor joins the progress thread, so no handler or
+    // send completion runs after this line; then the step threads drain.
+    worker_.reset();
+  }
+
+ private:
+  // ---- Control plane -------------------------------------------------------
+
+  absl::Status Register() {
+    v1::RegisterShardRequest req;
+    auto* caps = req.mutable_capabilities();
+    caps->set_kind(options_.is_dpu ? v1::SHARD_KIND_DPU : v1::SHARD_KIND_HOST);
+#if defined(__aarch64__)
+    caps->set_arch("aarch64");
+#elif defined(__x86_64__)
+    caps->set_arch("x86_64");
+#else
+    caps->set_arch("unknown");
+#endif
+    caps->set_cores(std::max(1u, std::thread::hardware_concurrency()));
+    caps->set_memory_limit_bytes(options_.memory_limit_bytes);
+    caps->set_data_address(worker_->address());
+    char host[256] = {0};
+    gethostname(host, sizeof(host) - 1);
+    caps->set_hostname(host);
+    v1::RegisterShardResponse resp;
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    auto s = FromGrpc(stub_->RegisterShard(&ctx, req, &resp));
+    if (!s.ok()) {
+      return absl::Status(s.code(), absl::StrCat("registering with coordinator at ",
+                                                 options_.coordinator_address, ": ",
+                                                 s.message()));
+    }
+    shard_id_.store(resp.shard_id());
+    lease_ = absl::Milliseconds(resp.lease_ms());
+    OPTIMUS_LOG(Info, kLog, "registered shard_id=", resp.shard_id(),
+                " kind=", options_.is_dpu ? "dpu" : "host", " lease_ms=", resp.lease_ms(),
+                " isa=", kernels::ActiveIsa());
+    return absl::OkStatus();
+  }
+
+  absl::Duration HeartbeatInterval() const {
+    if (options_.heartbeat_interval > absl::ZeroDuration()) return options_.heartbeat_interval;
+    return std::max(lease_ / 3, absl::Milliseconds(50));
+  }
+
+  void HeartbeatLoop() {
+    for (;;) {
+      {
+        absl::MutexLock lock(&stop_mu_);
+        if (stop_mu_.AwaitWithTimeout(absl::Condition(&stopped_), HeartbeatInterval())) return;
+      }
+      absl::Status s = HeartbeatOnce();
+      if (!s.ok()) {
+        OPTIMUS_LOG(Warning, kLog, "heartbeat failed: ", s.ToString());
+      }
+    }
+  }
+
+  absl::Status HeartbeatOnce() {
+    v1::HeartbeatRequest req;
+    req.set_shard_id(shard_id_.load());
+    {
+      absl::MutexLock lock(&jobs_mu_);
+      uint64_t used = 0;
+      uint32_t owned = 0;
+      for (const auto& [id, job] : jobs_) {
+        used += job->memory_bytes;
+        owned += static_cast<uint32_t>(job->chunks.size());
+        auto* p = req.add_jobs();
+        p->set_job_id(id);
+        p->set_map_epoch(job->config.map_epoch);
+        p->set_chunks_loaded(static_cast<uint32_t>(job->chunks.size()));
+        uint64_t min_applied = UINT64_MAX;
+        for (const auto& [key, chunk] : job->chunks) {
+          absl::MutexLock clock(&chunk->mu);
+          const uint64_t applied =
+              chunk->published_version > 0 ? chunk->published_version - 1 : 0;
+          min_applied = std::min(min_applied, applied);
+        }
+        p->set_applied_step(min_applied == UINT64_MAX ? 0 : min_applied);
+      }
+      req.set_memory_used_bytes(used);
+      req.set_chunks_owned(owned);
+    }
+    v1::HeartbeatResponse resp;
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
+    auto s = FromGrpc(stub_->Heartbeat(&ctx, req, &resp));
+    if (!s.ok()) return s;
+    if (!resp.known()) {
+      OPTIMUS_LOG(Warning, kLog, "coordinator no longer knows shard_id=", shard_id_.load(),
+                  "; registering again");
+      return Register();
+    }
+    for (const auto& a : resp.assignments()) {
+      bool loaded;
+      {
+        absl::MutexLock lock(&jobs_mu_);
+        auto it = jobs_.find(a.job_id());
+        loaded = it != jobs_.end() && it->second->config.map_epoch == a.map_epoch();
+      }
+      if (loaded) continue;
+      if (auto ls = LoadJob(a.job_id()); !ls.ok()) {
+        OPTIMUS_LOG(Error, kLog, "loading job ", a.job_id(), ": ", ls.ToString());
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  // Fetches the job and allocates the chunks the map places on this shard.
+  absl::Status LoadJob(uint64_t job_id) {
+    v1::GetJobRequest req;
+    req.set_job_id(job_id);
+    v1::GetJobResponse resp;
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    if (auto s = FromGrpc(stub_->GetJob(&ctx, req, &resp)); !s.ok()) return s;
+    const v1::JobSpec& spec = resp.spec();
+
+    auto job = std::make_unique<Job>();
+    JobConfig& c = job->config;
+    c.job_id = job_id;
+    c.map_epoch = resp.map().epoch();
+    c.world_size = spec.world_size();
+    auto gd = DTypeFromInt(spec.grad_dtype());
+    auto pd = DTypeFromInt(spec.param_dtype());
+    auto kind = KindFromProto(spec.optimizer().kind());
+    if (!gd.ok()) return gd.status();
+    if (!pd.ok()) return pd.status();
+    if (!kind.ok()) return kind.status();
+    if (c.world_size == 0) return absl::InvalidArgumentError("job has world_size 0");
+    c.grad_dtype = *gd;
+    c.param_dtype = *pd;
+    const auto& o = spec.optimizer();
+    c.hyper.kind = *kind;
+    c.hyper.lr = o.lr();
+    c.hyper.beta1 = o.beta1();
+    c.hyper.beta2 = o.beta2();
+    c.hyper.eps = o.eps();
+    c.hyper.weight_decay = o.weight_decay();
+    c.hyper.momentum = o.momentum();
+    c.grad_scale = o.grad_scale() > 0 ? o.grad_scale() : 1.0f / static_cast<float>(c.world_size);
+    const bool has_v = c.hyper.kind != kernels::OptimizerKind::kSgd;
+
+    const uint64_t me = shard_id_.load();
+    for (const auto& p : resp.map().chunks()) {
+      if (p.shard_id() != me) continue;
+      auto ch = std::make_unique<Chunk>();
+      ch->tensor = p.tensor();
+      ch->chunk = p.chunk();
+      ch->num_elems = p.num_elems();
+      const uint64_t n = p.num_elems();
+      ch->master = AllocZeroed(n * 4);
+      ch->m = AllocZeroed(n * 4);
+      if (has_v) ch->v = AllocZeroed(n * 4);
+      ch->slots = AllocZeroed(n * DTypeSize(c.grad_dtype) * c.world_size);
+      ch->published[0] = AllocZeroed(n * DTypeSize(c.param_dtype));
+      ch->published[1] = AllocZeroed(n * DTypeSize(c.param_dtype));
+      if (!ch->master || !ch->m || (has_v && !ch->v) || !ch->slots || !ch->published[0] ||
+          !ch->published[1]) {
+        return absl::ResourceExhaustedError(
+            absl::StrCat("out of memory allocating chunk of ", n, " elements for job ", job_id));
+      }
+      // Register the buffers rendezvous lands in or is read from.
+      for (auto [ptr, size] : {std::pair<uint8_t*, size_t>{ch->slots.get(),
+                                                             n * DTypeSize(c.grad_dtype) *
+                                                                 c.world_size},
+                               {ch->published[0].get(), n * DTypeSize(c.param_dtype)},
+                               {ch->published[1].get(), n * DTypeSize(c.param_dtype)},
+                               {ch->master.get(), n * 4}}) {
+        auto region = worker_->RegisterMemory(ptr, size);
+        if (!region.ok()) return region.status();
+        ch->regions.push_back(std::move(*region));
+      }
+      for (uint32_t r = 0; r < c.world_size; ++r) {
+        ch->grad_ptrs.push_back(ch->slots.get() + r * n * DTypeSize(c.grad_dtype));
+      }
+      {
+        absl::MutexLock lock(&ch->mu);
+        ch->slot_state.assign(c.world_size, SlotState::kEmpty);
+      }
+      job->memory_bytes += n * (4 + 4 + (has_v ? 4 : 0) + DTypeSize(c.grad_dtype) * c.world_size +
+                                2 * DTypeSize(c.param_dtype));
+      job->chunks[ChunkKey(p.tensor(), p.chunk())] = std::move(ch);
+    }
+    {
+      absl::MutexLock lock(&jobs_mu_);
+      uint64_t used = 0;
+      for (const auto& [id, j] : jobs_) {
+        if (id != job_id) used += j->memory_bytes;
+      }
+      if (used + job->memory_bytes > options_.memory_limit_bytes) {
+        return absl::ResourceExhaustedError(absl::StrCat(
+            "job ", job_id, " needs ", job->memory_bytes, " bytes on this shard; ",
+            options_.memory_limit_bytes - std::min(used, options_.memory_limit_bytes),
+            " of ", options_.memory_limit_bytes, " free"));
+      }
+      if (jobs_.count(job_id) != 0) {
+        // A new epoch of a loaded job: failover and resharding come with the
+        // reliability work; until then keep serving the loaded state.
+        OPTIMUS_LOG(Warning, kLog, "job ", job_id, " map epoch changed to ",
+                    job->config.map_epoch, "; keeping the loaded state");
+        jobs_[job_id]->config.map_epoch = job->config.map_epoch;
+        return absl::OkStatus();
+      }
+      OPTIMUS_LOG(Info, kLog, "loaded job ", job_id, " (", spec.name(), ") epoch ",
+                  job->config.map_epoch, ": ", job->chunks.size(), " chunks, ",
+                  job->memory_bytes, " bytes");
+      jobs_[job_id] = std::move(job);
+    }
+    // Tell the coordinator now rather than at the next beat.
+    return HeartbeatOnce();
+  }
+
+  // ---- Data plane (runs on the progress thread) ---------------------------
+
+  void Reply(transport::EndpointRef ep, uint64_t request_id, const absl::Status& status,
+             uint32_t flags = 0) {
+    std::string header = wire::EncodeReply(request_id, status, 0, flags);
+    worker_->Send(ep, wire::kAmReply,
+                  absl::Span<const uint8_t>(reinterpret_cast<const uint8_t*>(header.data()),
+                                            header.size()),
+                  nullptr, 0, [](absl::Status) {});
+  }
+
+  // Finds the job and chunk a request names and checks the fields every op
+  // shares. Returns null (and has replied with the error) on failure.
+  Chunk* Resolve(const wire::RequestHeader& h, Job** job_out, absl::Status* error) {
+    Job* job = nullptr;
+    {
+      absl::MutexLock lock(&jobs_mu_);
+      auto it = jobs_.find(h.job_id);
+      if (it != jobs_.end()) job = it->second.get();
+    }
+    if (job == nullptr) {
+      *error = absl::NotFoundError(absl::StrCat("unknown job ", h.job_id, " on shard ",
+                                                shard_id_.load()));
+      return nullptr;
+    }
+    if (h.map_epoch != job->config.map_epoch) {
+      *error = absl::FailedPreconditionError(
+          absl::StrCat("stale shard map: request has epoch ", h.map_epoch, ", job ", h.job_id,
+                       " is at epoch ", job->config.map_epoch));
+      return nullptr;
+    }
+    auto it = job->chunks.find(ChunkKey(h.tensor, h.chunk));
+    if (it == job->chunks.end()) {
+      *error = absl::NotFoundError(absl::StrCat("unknown chunk ", h.chunk, " of tensor ",
+                                                h.tensor, " in job ", h.job_id, " on shard ",
+                                                shard_id_.load()));
+      return nullptr;
+    }
+    *job_out = job;
+    return it->second.get();
+  }
+
+  void OnRequest(transport::IncomingMessage& msg) {
+    auto parsed = wire::ParseRequestHeader(msg.header());
+    if (!parsed.ok()) {
+      pushes_rejected_.fetch_add(1);
+      // Without a valid header there is no request id to answer; the reply
+      // carries id 0 so the sender still sees why.
+      Reply(msg.reply_endpoint(), 0, parsed.status());
+      return;
+    }
+    const wire::RequestHeader& h = *parsed;
+    absl::Status error;
+    Job* job = nullptr;
+    Chunk* chunk = Resolve(h, &job, &error);
+    if (chunk == nullptr) {
+      pushes_rejected_.fetch_add(1);
+      Reply(msg.reply_endpoint(), h.request_id, error);
+      return;
+    }
+    switch (static_cast<wire::Op>(h.op)) {
+      case wire::Op::kPush: return OnPush(msg, h, *job, chunk);
+      case wire::Op::kPull: return OnPull(msg, h, *job, chunk);
+      case wire::Op::kInit: return OnInit(msg, h, *job, chunk);
+    }
+  }
+
+  absl::Status CheckPayload(const transport::IncomingMessage& msg, const wire::RequestHeader& h,
+                            const Chunk& chunk, DType want, absl::string_view what) {
+    if (h.dtype != static_cast<uint8_t>(want)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          what, " for tensor ", h.tensor, " chunk ", h.chunk, " has dtype ",
+          DTypeName(static_cast<DType>(h.dtype)), ", the job expects ", DTypeName(want)));
+    }
+    const uint64_t want_bytes = chunk.num_elems * DTypeSize(want);
+    if (h.num_bytes != want_bytes || msg.payload_size() != want_bytes) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          what, " for tensor ", h.tensor, " chunk ", h.chunk, " carries ", msg.payload_size(),
+          " bytes (header says ", h.num_bytes, "), expected ", want_bytes, " (", chunk.num_elems,
+          " x ", DTypeName(want), ")"));
+    }
+    return absl::OkStatus();
+  }
+
+  void OnPush(transport::IncomingMessage& msg, const wire::RequestHeader& h, Job& job,
+              Chunk* chunk) {
+    const JobConfig& c = job.config;
+    const transport::EndpointRef ep = msg.reply_endpoint();
+    absl::Status s = CheckPayload(msg, h, *chunk, c.grad_dtype, "push");
+    if (s.ok() && h.rank >= c.world_size) {
+      s = absl::InvalidArgumentError(
+          absl::StrCat("push from rank ", h.rank, " but the job has world size ", c.world_size));
+    }
+    bool duplicate = false;
+    uint8_t* dst = nullptr;
+    if (s.ok()) {
+      absl::MutexLock lock(&chunk->mu);
+      const uint64_t expected = chunk->published_version;
+      if (expected == 0) {
+        s = absl::FailedPreconditionError(absl::StrCat(
+            "tensor ", h.tensor, " chunk ", h.chunk, " has no initial values yet"));
+      } else if (h.step < expected) {
+        s = absl::FailedPreconditionError(
+            absl::StrCat("stale push: step ", h.step, " of tensor ", h.tensor, " chunk ",
+                         h.chunk, " is already applied (next step is ", expected, ")"));
+      } else if (h.step > expected) {
+        s = absl::OutOfRangeError(
+            absl::StrCat("push for step ", h.step, " of tensor ", h.tensor, " chunk ", h.chunk,
+                         " is ahead: the chunk is waiting for step ", expected));
+      } else if (chunk->slot_state[h.rank] != SlotState::kEmpty) {
+        // The same (job, epoch, step, rank, chunk) again: pushes are idempotent.
+        duplicate = true;
+      } else {
+        chunk->slot_state[h.rank] = SlotState::kReceiving;
+        dst = chunk->slots.get() + h.rank * chunk->num_elems * DTypeSize(c.grad_dtype);
+      }
+    }
+    if (!s.ok()) {
+      pushes_rejected_.fetch_add(1);
+      return Reply(ep, h.request_id, s);
+    }
+    if (duplicate) {
+      pushes_duplicate_.fetch_add(1);
+      return Reply(ep, h.request_id, absl::OkStatus(), wire::kReplyDuplicate);
+    }
+    const uint64_t request_id = h.request_id;
+    const uint32_t rank = h.rank;
+    Job* jobp = &job;
+    msg.ReceiveInto(dst, [this, ep, request_id, rank, jobp, chunk](absl::Status rs) {
+      bool ready = false;
+      {
+        absl::MutexLock lock(&chunk->mu);
+        if (!rs.ok()) {
+          chunk->slot_state[rank] = SlotState::kEmpty;
+        } else {
+          chunk->slot_state[rank] = SlotState::kFull;
+          if (++chunk->full_slots == jobp->config.world_size) {
+            chunk->step_running = true;
+            ready = true;
+          }
+        }
+      }
+      if (!rs.ok()) {
+        pushes_rejected_.fetch_add(1);
+        return Reply(ep, request_id, rs);
+      }
+      pushes_received_.fetch_add(1);
+      Reply(ep, request_id, absl::OkStatus());
+      if (ready) MaybeScheduleStep(jobp, chunk);
+    });
+  }
+
+  // Starts the step unless a pull reply is still being sent out of the buffer
+  // the step will write; then the last such send starts it.
+  void MaybeScheduleStep(Job* job, Chunk* chunk) {
+    {
+      absl::MutexLock lock(&chunk->mu);
+      const int out = static_cast<int>((chunk->published_version + 1) % 2);
+      if (chunk->sends_inflight[out] > 0) {
+        chunk->step_blocked_on_sends = true;
+        return;
+      }
+      chunk->step_blocked_on_sends = false;
+    }
+    absl::MutexLock lock(&exec_mu_);
+    if (executor_ != nullptr) executor_->Schedule([this, job, chunk] { RunStep(job, chunk); });
+  }
+
+  void RunStep(Job* job, Chunk* chunk) {
+    const JobConfig& c = job->config;
+    uint64_t step;
+    {
+      absl::MutexLock lock(&chunk->mu);
+      step = chunk->published_version;
+    }
+    const size_t n = chunk->num_elems;
+    kernels::StepInputs in;
+    in.grads = absl::MakeConstSpan(chunk->grad_ptrs);
+    in.grad_dtype = c.grad_dtype;
+    in.grad_scale = c.grad_scale;
+    in.step = static_cast<int64_t>(step);
+    kernels::ChunkState state{reinterpret_cast<float*>(chunk->master.get()),
+                              reinterpret_cast<float*>(chunk->m.get()),
+                              reinterpret_cast<float*>(chunk->v.get())};
+    absl::Status s = kernels::FusedStep(c.hyper, in, n, state,
+                                        chunk->published[(step + 1) % 2].get(), c.param_dtype);
+    if (!s.ok()) {
+      // Our own invariant (the job config was validated at load): say so loudly.
+      OPTIMUS_LOG(Error, kLog, "optimizer step failed for job ", c.job_id, " tensor ",
+                  chunk->tensor, " chunk ", chunk->chunk, ": ", s.ToString());
+    }
+    std::vector<ParkedPull> ready;
+    {
+      absl::MutexLock lock(&chunk->mu);
+      chunk->published_version = step + 1;
+      std::fill(chunk->slot_state.begin(), chunk->slot_state.end(), SlotState::kEmpty);
+      chunk->full_slots = 0;
+      chunk->step_running = false;
+      TakeParked(chunk, step + 1, &ready);
+    }
+    steps_applied_.fetch_add(1);
+    for (const ParkedPull& p : ready) SendParams(job, chunk, p.reply_ep, p.request_id, p.version);
+  }
+
+  static void TakeParked(Chunk* chunk, uint64_t version, std::vector<ParkedPull>* out)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(chunk->mu) {
+    auto& parked = chunk->parked;
+    for (auto it = parked.begin(); it != parked.end();) {
+      if (it->version == version) {
+        out->push_back(*it);
+        it = parked.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    // Count the sends now so no step can start overwriting the buffer first.
+    chunk->sends_inflight[version % 2] += static_cast<int>(out->size());
+  }
+
+  // Sends version `version` (already counted in sends_inflight) to a worker.
+  void SendParams(Job* job, Chunk* chunk, transport::EndpointRef ep, uint64_t request_id,
+                  uint64_t version) {
+    const int idx = static_cast<int>(version % 2);
+    std::string header = wire::EncodeReply(request_id, absl::OkStatus(), version, 0);
+    const size_t bytes = chunk->num_elems * DTypeSize(job->config.param_dtype);
+    worker_->Send(ep, wire::kAmReply,
+                  absl::Span<const uint8_t>(reinterpret_cast<const uint8_t*>(header.data()),
+                                            header.size()),
+                  chunk->published[idx].get(), bytes,
+                  [this, job, chunk, idx](absl::Status s) {
+                    if (!s.ok()) {
+                      OPTIMUS_LOG(Warning, kLog, "pull reply failed: ", s.ToString());
+                    } else {
+                      pulls_served_.fetch_add(1);
+                    }
+                    bool start_step = false;
+                    {
+                      absl::MutexLock lock(&chunk->mu);
+                      --chunk->sends_inflight[idx];
+                      start_step = chunk->step_blocked_on_sends &&
+                                   chunk->sends_inflight[idx] == 0 &&
+                                   static_cast<int>((chunk->published_version + 1) % 2) == idx;
+                    }
+                    if (start_step) MaybeScheduleStep(job, chunk);
+                  });
+  }
+
+  void OnPull(transport::IncomingMessage& msg, const wire::RequestHeader& h, Job& job,
+              Chunk* chunk) {
+    const transport::EndpointRef ep = msg.reply_endpoint();
+    const DType want = job.config.param_dtype;
+    absl::Status s;
+    if (h.dtype != static_cast<uint8_t>(want)) {
+      s = absl::InvalidArgumentError(absl::StrCat(
+          "pull for tensor ", h.tensor, " chunk ", h.chunk, " asks for ",
+          DTypeName(static_cast<DType>(h.dtype)), ", the job publishes ", DTypeName(want)));
+    } else if (h.num_bytes != chunk->num_elems * DTypeSize(want) || msg.payload_size() != 0) {
+      s = absl::InvalidArgumentError(absl::StrCat(
+          "pull for tensor ", h.tensor, " chunk ", h.chunk, " expects ", h.num_bytes,
+          " bytes; the chunk has ", chunk->num_elems * DTypeSize(want)));
+    } else if (h.step == 0) {
+      s = absl::InvalidArgumentError("version 0 does not exist; initial values are version 1");
+    }
+    bool serve = false;
+    if (s.ok()) {
+      absl::MutexLock lock(&chunk->mu);
+      const uint64_t pv = chunk->published_version;
+      if (pv > 0 && (h.step == pv || (h.step + 1 == pv && pv >= 2 && !chunk->step_running))) {
+        serve = true;
+        ++chunk->sends_inflight[h.step % 2];
+      } else if (h.step == pv + 1) {
+        chunk->parked.push_back(ParkedPull{ep, h.request_id, h.step});
+      } else if (h.step > pv + 1) {
+        s = absl::OutOfRangeError(absl::StrCat(
+            "pull of version ", h.step, " of tensor ", h.tensor, " chunk ", h.chunk,
+            " is more than one step ahead (latest published is ", pv, ")"));
+      } else {
+        s = absl::FailedPreconditionError(absl::StrCat(
+            "version ", h.step, " of tensor ", h.tensor, " chunk ", h.chunk,
+            " is no longer held (latest published is ", pv, ")"));
+      }
+    }
+    if (!s.ok()) {
+      pushes_rejected_.fetch_add(1);
+      return Reply(ep, h.request_id, s);
+    }
+    if (serve) SendParams(&job, chunk, ep, h.request_id, h.step);
+  }
+
+  void OnInit(transport::IncomingMessage& msg, const wire::RequestHeader& h, Job& job,
+              Chunk* chunk) {
+    const transport::EndpointRef ep = msg.reply_endpoint();
+    absl::Status s = CheckPayload(msg, h, *chunk, DType::kFp32, "init");
+    if (s.ok()) {
+      absl::MutexLock lock(&chunk->mu);
+      if (chunk->published_version != 0 || chunk->init_receiving) {
+        s = absl::AlreadyExistsError(absl::StrCat("tensor ", h.tensor, " chunk ", h.chunk,
+                                                  " already has initial values"));
+      } else {
+        chunk->init_receiving = true;
+      }
+    }
+    if (!s.ok()) {
+      pushes_rejected_.fetch_add(1);
+      return Reply(ep, h.request_id, s);
+    }
+    const uint64_t request_id = h.request_id;
+    Job* jobp = &job;
+    msg.ReceiveInto(chunk->master.get(), [this, ep, request_id, jobp, chunk](absl::Status rs) {
+      std::vector<ParkedPull> ready;
+      if (rs.ok()) {
+        kernels::CastFromFp32(reinterpret_cast<const float*>(chunk->master.get()),
+                              chunk->num_elems, chunk->published[1].get(),
+                              jobp->config.param_dtype);
+      }
+      {
+        absl::MutexLock lock(&chunk->mu);
+        chunk->init_receiving = false;
+        if (rs.ok()) {
+          chunk->published_version = 1;
+          TakeParked(chunk, 1, &ready);
+        }
+      }
+      Reply(ep, request_id, rs);
+      for (const ParkedPull& p : ready) SendParams(jobp, chunk, p.reply_ep, p.request_id, 1);
+    });
+  }
+
+  const ShardServerOptions options_;
+  absl::Mutex exec_mu_;
+  // Null once shutting down.
+  std::unique_ptr<StepExecutor> executor_ ABSL_GUARDED_BY(exec_mu_);
+  std::unique_ptr<transport::Worker> worker_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<v1::Coordinator::Stub> stub_;
+  std::atomic<uint64_t> shard_id_{0};
+  absl::Duration lease_ = absl::Seconds(2);
+
+  std::atomic<uint64_t> steps_applied_{0};
+  std::atomic<uint64_t> pushes_received_{0};
+  std::atomic<uint64_t> pushes_rejected_{0};
+  std::atomic<uint64_t> pushes_duplicate_{0};
+  std::atomic<uint64_t> pulls_served_{0};
+
+  mutable absl::Mutex jobs_mu_;
+  std::map<uint64_t, std::unique_ptr<Job>> jobs_ ABSL_GUARDED_BY(jobs_mu_);
+
+  absl::Mutex stop_mu_;
+  bool stopped_ ABSL_GUARDED_BY(stop_mu_) = false;
+  std::thread heartbeat_thread_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<ShardServer>> ShardServer::Start(
+    const ShardServerOptions& options) {
+  if (options.coordinator_address.empty()) {
+    return absl::InvalidArgumentError("ShardServerOptions.coordinator_address is required");
+  }
+  auto server = std::make_unique<ShardServerImpl>(options);
+  if (auto s = server->Init(); !s.ok()) return s;
+  return std::unique_ptr<ShardServer>(std::move(server));
+}
+
+}  // namespace server
+}  // namespace optimus

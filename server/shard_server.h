@@ -1,0 +1,64 @@
+// optimus-shard: an optimizer shard server. It registers with the coordinator
+// and heartbeats to keep its lease, loads the chunks the shard map places on
+// it, receives gradient chunks over UCX active messages into one slot per
+// worker, runs the fused optimizer step when all W workers' pushes for
+// (chunk, step) are in, and serves pulls of the published parameters.
+//
+// A ShardServer is a handle: Start() either returns a running server or an
+// error; the destructor stops it. Public methods are thread-safe.
+#ifndef OPTIMUS_SERVER_SHARD_SERVER_H_
+#define OPTIMUS_SERVER_SHARD_SERVER_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "transport/ucx.h"
+
+namespace optimus {
+namespace server {
+
+struct ShardServerOptions {
+  // gRPC address of optimus-coord, "host:port". Required.
+  std::string coordinator_address;
+  // True on a DPU (BlueField Arm cores); false on the host CPU fallback.
+  bool is_dpu = false;
+  // Budget for all jobs' state on this shard. Default 1 GiB.
+  uint64_t memory_limit_bytes = uint64_t{1} << 30;
+  // Threads that run optimizer steps. Default 1 (the progress thread is extra).
+  int step_threads = 1;
+  // How often to heartbeat; 0 means a third of the lease the coordinator grants.
+  absl::Duration heartbeat_interval = absl::ZeroDuration();
+  // UCX settings for the data plane.
+  transport::WorkerOptions transport;
+};
+
+struct ShardServerStats {
+  uint64_t shard_id = 0;
+  uint64_t memory_used_bytes = 0;
+  uint32_t chunks_owned = 0;
+  uint64_t steps_applied = 0;       // Chunk steps, summed over chunks.
+  uint64_t pushes_received = 0;
+  uint64_t pushes_rejected = 0;
+  uint64_t pulls_served = 0;
+};
+
+class ShardServer {
+ public:
+  // Starts the data plane, registers with the coordinator and begins
+  // heartbeating. Fails if the coordinator cannot be reached.
+  static absl::StatusOr<std::unique_ptr<ShardServer>> Start(const ShardServerOptions& options);
+  virtual ~ShardServer() = default;
+
+  virtual uint64_t shard_id() const = 0;
+  virtual ShardServerStats stats() const = 0;
+  // Stops heartbeating and the data plane. Idempotent; the destructor calls it.
+  virtual void Shutdown() = 0;
+};
+
+}  // namespace server
+}  // namespace optimus
+
+#endif  // OPTIMUS_SERVER_SHARD_SERVER_H_

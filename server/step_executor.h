@@ -1,0 +1,42 @@
+// A fixed pool of threads owned by a shard server that runs optimizer steps
+// (and other short CPU tasks) off the transport's progress thread.
+// Thread-safe; the destructor finishes queued tasks and joins the threads.
+#ifndef OPTIMUS_SERVER_STEP_EXECUTOR_H_
+#define OPTIMUS_SERVER_STEP_EXECUTOR_H_
+
+#include <deque>
+#include <functional>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
+
+namespace optimus {
+namespace server {
+
+class StepExecutor {
+ public:
+  explicit StepExecutor(int num_threads);
+  ~StepExecutor();
+  StepExecutor(const StepExecutor&) = delete;
+  StepExecutor& operator=(const StepExecutor&) = delete;
+
+  void Schedule(std::function<void()> task);
+
+ private:
+  void Loop();
+  bool HasWorkOrStopping() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return stopping_ || !queue_.empty();
+  }
+
+  absl::Mutex mu_;
+  std::deque<std::function<void()>> queue_ ABSL_GUARDED_BY(mu_);
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  std::vector<std::thread> threads_;
+};
+
+}  // namespace server
+}  // namespace optimus
+
+#endif  // OPTIMUS_SERVER_STEP_EXECUTOR_H_

@@ -1,0 +1,108 @@
+// The data plane's UCX layer: one Worker owns a UCX context and worker, a
+// progress thread, and the endpoints it opened. Messages are UCX active
+// messages: a small header (copied) and an optional payload that UCX sends
+// eagerly or, above its rendezvous threshold, by rendezvous straight into the
+// receiver's buffer. Knows nothing of jobs or optimizers.
+//
+// Thread-safety: Create/SetHandler before Start; after Start, Connect, Send
+// and RegisterMemory may be called from any thread. Handlers and completion
+// callbacks run on the progress thread and must not block.
+#ifndef OPTIMUS_TRANSPORT_UCX_H_
+#define OPTIMUS_TRANSPORT_UCX_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+
+namespace optimus {
+namespace transport {
+
+struct WorkerOptions {
+  // UCX transports, in UCX_TLS syntax. Default: TCP, shared memory and self,
+  // which is what a single machine's loopback offers.
+  std::string transports = "tcp,sm,self";
+  // UCX_NET_DEVICES; "all" lets UCX choose. Tests and the local cluster use
+  // "lo" so that nothing leaves the machine.
+  std::string net_devices = "all";
+  // Name used in log lines.
+  std::string name = "worker";
+};
+
+// A connected peer. Copyable and cheap; valid until the Worker that made it
+// (by Connect, or as a message's reply endpoint) is destroyed.
+struct EndpointRef {
+  void* ep = nullptr;
+  bool valid() const { return ep != nullptr; }
+};
+
+// Called once when an operation finishes, on the progress thread.
+using DoneCallback = std::function<void(absl::Status)>;
+
+// One received active message, valid only during the handler call.
+class IncomingMessage {
+ public:
+  virtual ~IncomingMessage() = default;
+  virtual uint16_t am_id() const = 0;
+  virtual absl::Span<const uint8_t> header() const = 0;
+  virtual size_t payload_size() const = 0;
+  // True when the payload has not arrived yet and will be pulled by
+  // rendezvous when ReceiveInto is called.
+  virtual bool is_rendezvous() const = 0;
+  // Endpoint to answer the sender on (every Send asks UCX for one).
+  virtual EndpointRef reply_endpoint() const = 0;
+  // Receives the payload into dst (at least payload_size() bytes). Eager
+  // payloads are copied and `done` runs before this returns; rendezvous
+  // payloads land in dst later and `done` runs then. dst must stay valid
+  // until `done` runs. Call at most once, from inside the handler; a payload
+  // that is never received is dropped when the handler returns.
+  virtual void ReceiveInto(void* dst, DoneCallback done) = 0;
+};
+
+using Handler = std::function<void(IncomingMessage& msg)>;
+
+// Keeps a buffer registered with UCX (so rendezvous lands in it without a
+// bounce buffer) until destroyed. Must not outlive its Worker.
+class MemoryRegion {
+ public:
+  virtual ~MemoryRegion() = default;
+};
+
+class Worker {
+ public:
+  static absl::StatusOr<std::unique_ptr<Worker>> Create(const WorkerOptions& options);
+  virtual ~Worker() = default;  // Stops the progress thread, closes endpoints.
+
+  // This worker's UCX address, to hand to peers (e.g. via the coordinator).
+  virtual const std::string& address() const = 0;
+
+  // Registers the handler for active message id `am_id`. Before Start only.
+  virtual void SetHandler(uint16_t am_id, Handler handler) = 0;
+
+  // Starts the progress thread.
+  virtual absl::Status Start() = 0;
+
+  // Opens an endpoint to the worker whose address() is peer_address. Peer
+  // failures surface as errors on later Sends, never as a crash.
+  virtual absl::StatusOr<EndpointRef> Connect(const std::string& peer_address) = 0;
+
+  // Sends `header` (copied before return) and `payload` (payload_size bytes,
+  // may be null when 0) to `ep` as active message `am_id`. The payload must
+  // not change until `done` runs. Thread-safe.
+  virtual void Send(EndpointRef ep, uint16_t am_id, absl::Span<const uint8_t> header,
+                    const void* payload, size_t payload_size, DoneCallback done) = 0;
+
+  // Registers [data, data + size_bytes) with UCX.
+  virtual absl::StatusOr<std::unique_ptr<MemoryRegion>> RegisterMemory(
+      void* data, size_t size_bytes) = 0;
+};
+
+}  // namespace transport
+}  // namespace optimus
+
+#endif  // OPTIMUS_TRANSPORT_UCX_H_
