@@ -1,0 +1,321 @@
+// optimus-local-cluster: the main job. Starts optimus-coord, S shard servers
+// and W training workers on this machine (UCX over loopback), shows a live
+// progress line, then checks the result against the same training done in
+// one process with torch::optim::AdamW. Its last line is one JSON summary.
+// Every child is stopped before it exits, on success, failure or Ctrl-C.
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/stat.h>
+#include <sys/types.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
+#include "absl/time/clock.h"
+#include "deploy/local/mlp_task.h"
+#include "grpcpp/grpcpp.h"
+#include "proto/optimus.grpc.pb.h"
+
+ABSL_FLAG(int, workers, 2, "training worker processes (W)");
+ABSL_FLAG(int, shards, 2, "shard server processes (S)");
+ABSL_FLAG(int, steps, 300, "training steps");
+ABSL_FLAG(int, hidden, 256, "MLP hidden width");
+ABSL_FLAG(uint64_t, seed, 1, "seed of the model and data");
+ABSL_FLAG(std::string, bin_dir, "", "folder holding coordinator/, server/, deploy/local/ "
+                                    "binaries (default: found from this program's runfiles)");
+ABSL_FLAG(std::string, work_dir, "", "folder for logs and port files (default: a new temp dir)");
+ABSL_FLAG(double, max_abs_diff, 1e-2, "largest allowed difference from the local AdamW run");
+
+namespace {
+
+std::vector<pid_t> g_children;  // Every process started, for cleanup.
+
+void KillAll(int sig) {
+  for (pid_t p : g_children) {
+    if (p > 0) kill(p, sig);
+  }
+}
+
+void OnSignal(int sig) {
+  KillAll(SIGKILL);
+  _exit(128 + sig);
+}
+
+bool Exists(const std::string& path) {
+  struct stat st;
+  return stat(path.c_str(), &st) == 0;
+}
+
+// Finds the folder under which "server/optimus-shard" etc. live.
+std::string FindBinRoot(const char* argv0) {
+  std::vector<std::string> candidates;
+  if (!absl::GetFlag(FLAGS_bin_dir).empty()) candidates.push_back(absl::GetFlag(FLAGS_bin_dir));
+  if (const char* r = std::getenv("RUNFILES_DIR")) candidates.push_back(absl::StrCat(r, "/optimus"));
+  candidates.push_back(absl::StrCat(argv0, ".runfiles/optimus"));
+  std::string self(argv0);
+  const size_t slash = self.rfind('/');
+  if (slash != std::string::npos) candidates.push_back(self.substr(0, slash) + "/../..");
+  candidates.push_back(".");
+  for (const auto& c : candidates) {
+    if (Exists(c + "/server/optimus-shard") && Exists(c + "/coordinator/optimus-coord") &&
+        Exists(c + "/deploy/local/optimus-train-worker")) {
+      return c;
+    }
+  }
+  return "";
+}
+
+// Starts argv with stdout/stderr to `log_path`, or stdout to a pipe when
+// stdout_pipe is given.
+pid_t Spawn(const std::vector<std::string>& args, const std::string& log_path,
+            int* stdout_pipe = nullptr) {
+  int fds[2] = {-1, -1};
+  if (stdout_pipe != nullptr && pipe(fds) != 0) return -1;
+  const pid_t pid = fork();
+  if (pid == 0) {
+    const int log = open(log_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    if (log >= 0) {
+      dup2(log, 2);
+      dup2(stdout_pipe != nullptr ? fds[1] : log, 1);
+    }
+    if (stdout_pipe != nullptr) {
+      close(fds[0]);
+      close(fds[1]);
+    }
+    // Die with the launcher even if it is killed with SIGKILL.
+    prctl(PR_SET_PDEATHSIG, SIGKILL);
+    std::vector<char*> argv;
+    for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+    argv.push_back(nullptr);
+    execv(argv[0], argv.data());
+    std::fprintf(stderr, "exec %s: %s\n", argv[0], std::strerror(errno));
+    _exit(127);
+  }
+  if (stdout_pipe != nullptr) {
+    close(fds[1]);
+    *stdout_pipe = fds[0];
+  }
+  if (pid > 0) g_children.push_back(pid);
+  return pid;
+}
+
+// Waits for pid with a timeout; true if it exited (status in *status).
+bool WaitFor(pid_t pid, absl::Duration timeout, int* status) {
+  const absl::Time give_up = absl::Now() + timeout;
+  while (absl::Now() < give_up) {
+    const pid_t r = waitpid(pid, status, WNOHANG);
+    if (r == pid) return true;
+    if (r < 0) return true;
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  return false;
+}
+
+void StopChild(pid_t pid) {
+  int status = 0;
+  kill(pid, SIGTERM);
+  if (!WaitFor(pid, absl::Seconds(10), &status)) {
+    kill(pid, SIGKILL);
+    WaitFor(pid, absl::Seconds(5), &status);
+  }
+}
+
+std::string TailOf(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  std::string s = ss.str();
+  return s.size() > 2000 ? s.substr(s.size() - 2000) : s;
+}
+
+// Minimal field extraction from the worker's one-line JSON objects.
+bool JsonNumber(absl::string_view line, absl::string_view key, double* out) {
+  const std::string pat = absl::StrCat("\"", key, "\": ");
+  const size_t at = line.find(pat);
+  if (at == absl::string_view::npos) return false;
+  absl::string_view rest = line.substr(at + pat.size());
+  const size_t end = rest.find_first_of(",}");
+  return absl::SimpleAtod(rest.substr(0, end), out);
+}
+
+int Die(const std::string& msg) {
+  std::fprintf(stderr, "\noptimus-local-cluster: %s\n", msg.c_str());
+  KillAll(SIGKILL);
+  return 1;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::ParseCommandLine(argc, argv);
+  signal(SIGINT, OnSignal);
+  signal(SIGTERM, OnSignal);
+  signal(SIGPIPE, SIG_IGN);
+  const int workers = absl::GetFlag(FLAGS_workers);
+  const int shards = absl::GetFlag(FLAGS_shards);
+  const int steps = absl::GetFlag(FLAGS_steps);
+  if (workers < 1 || shards < 1 || steps < 1) return Die("--workers, --shards, --steps must be >= 1");
+
+  const std::string root = FindBinRoot(argv[0]);
+  if (root.empty()) {
+    return Die("cannot find optimus-coord/optimus-shard/optimus-train-worker; "
+               "run through `bazel run //deploy/local:local_cluster` or pass --bin_dir");
+  }
+  std::string dir = absl::GetFlag(FLAGS_work_dir);
+  if (dir.empty()) {
+    char tmpl[] = "/tmp/optimus-local-XXXXXX";
+    if (mkdtemp(tmpl) == nullptr) return Die("cannot create a temp dir");
+    dir = tmpl;
+  } else {
+    mkdir(dir.c_str(), 0755);
+  }
+  std::fprintf(stderr, "optimus-local-cluster: %d shards, %d workers, %d steps; logs in %s\n",
+               shards, workers, steps, dir.c_str());
+
+  // 1. Coordinator on an ephemeral port.
+  const std::string port_file = dir + "/coord.port";
+  unlink(port_file.c_str());
+  const pid_t coord = Spawn({root + "/coordinator/optimus-coord", "--listen=127.0.0.1:0",
+                             "--port_file=" + port_file, "--lease_ms=2000"},
+                            dir + "/coord.log");
+  if (coord < 0) return Die("cannot start optimus-coord");
+  std::string port;
+  for (int i = 0; i < 300 && port.empty(); ++i) {
+    std::ifstream in(port_file);
+    std::getline(in, port);
+    if (port.empty()) absl::SleepFor(absl::Milliseconds(50));
+  }
+  if (port.empty()) return Die("optimus-coord did not start:\n" + TailOf(dir + "/coord.log"));
+  const std::string coord_addr = "127.0.0.1:" + port;
+
+  // 2. Shard servers; wait until all are registered.
+  std::vector<pid_t> shard_pids;
+  for (int i = 0; i < shards; ++i) {
+    shard_pids.push_back(Spawn({root + "/server/optimus-shard", "--coordinator=" + coord_addr,
+                                "--kind=host", "--net_devices=lo", "--memory_limit_mb=512"},
+                               absl::StrCat(dir, "/shard-", i, ".log")));
+  }
+  auto stub = optimus::v1::Coordinator::NewStub(
+      grpc::CreateChannel(coord_addr, grpc::InsecureChannelCredentials()));
+  int up = 0;
+  for (int i = 0; i < 200 && up < shards; ++i) {
+    optimus::v1::StatusRequest req;
+    optimus::v1::StatusResponse resp;
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(1));
+    up = 0;
+    if (stub->Status(&ctx, req, &resp).ok()) {
+      for (const auto& s : resp.shards()) up += s.state() == optimus::v1::SHARD_STATE_UP;
+    }
+    if (up < shards) absl::SleepFor(absl::Milliseconds(50));
+  }
+  if (up < shards) {
+    return Die(absl::StrCat(up, " of ", shards, " shards registered:\n",
+                            TailOf(dir + "/shard-0.log")));
+  }
+
+  // 3. Workers; rank 0's stdout drives the progress line.
+  const std::string params_file = dir + "/params-rank0.bin";
+  std::vector<pid_t> worker_pids;
+  int progress_fd = -1;
+  for (int r = 0; r < workers; ++r) {
+    std::vector<std::string> args = {root + "/deploy/local/optimus-train-worker",
+                                     "--coordinator=" + coord_addr,
+                                     absl::StrCat("--rank=", r),
+                                     absl::StrCat("--world_size=", workers),
+                                     absl::StrCat("--steps=", steps),
+                                     absl::StrCat("--hidden=", absl::GetFlag(FLAGS_hidden)),
+                                     absl::StrCat("--seed=", absl::GetFlag(FLAGS_seed))};
+    if (r == 0) args.push_back("--params_out=" + params_file);
+    worker_pids.push_back(Spawn(args, absl::StrCat(dir, "/worker-", r, ".log"),
+                                r == 0 ? &progress_fd : nullptr));
+  }
+  double initial_loss = NAN, final_loss = NAN, step_ms_median = NAN;
+  {
+    FILE* progress = fdopen(progress_fd, "r");
+    char line[4096];
+    const bool tty = isatty(2);
+    while (progress != nullptr && std::fgets(line, sizeof(line), progress) != nullptr) {
+      absl::string_view l(line);
+      double step = 0, loss = 0, ms = 0;
+      if (l.find("\"event\": \"step\"") != absl::string_view::npos && JsonNumber(l, "step", &step) &&
+          JsonNumber(l, "loss", &loss) && JsonNumber(l, "step_ms", &ms)) {
+        const int s = static_cast<int>(step);
+        if (tty) {
+          std::fprintf(stderr, "\rstep %d/%d  loss %.5f  step %.1f ms   ", s, steps, loss, ms);
+        } else if (s == 1 || s % 50 == 0 || s == steps) {
+          std::fprintf(stderr, "step %d/%d  loss %.5f  step %.1f ms\n", s, steps, loss, ms);
+        }
+      } else if (l.find("\"event\": \"done\"") != absl::string_view::npos) {
+        JsonNumber(l, "initial_loss", &initial_loss);
+        JsonNumber(l, "final_loss", &final_loss);
+        JsonNumber(l, "step_ms_median", &step_ms_median);
+      }
+    }
+    if (tty) std::fprintf(stderr, "\n");
+    if (progress != nullptr) std::fclose(progress);
+  }
+  bool workers_ok = true;
+  for (int r = 0; r < workers; ++r) {
+    int status = 0;
+    if (!WaitFor(worker_pids[r], absl::Minutes(5), &status)) {
+      kill(worker_pids[r], SIGKILL);
+      WaitFor(worker_pids[r], absl::Seconds(5), &status);
+      workers_ok = false;
+    } else if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+      workers_ok = false;
+    }
+    if (!workers_ok) {
+      std::fprintf(stderr, "worker %d failed; its log:\n%s\n", r,
+                   TailOf(absl::StrCat(dir, "/worker-", r, ".log")).c_str());
+    }
+  }
+
+  // 4. Stop the servers (SIGTERM: clean shutdown), coordinator last.
+  for (pid_t p : shard_pids) StopChild(p);
+  StopChild(coord);
+  g_children.clear();
+  if (!workers_ok) return Die("training failed");
+
+  // 5. The same training in one process with torch::optim::AdamW.
+  std::fprintf(stderr, "running the single-process torch::optim::AdamW reference...\n");
+  torch::set_num_threads(2);
+  optimus::local::TaskOptions task;
+  task.hidden = absl::GetFlag(FLAGS_hidden);
+  task.seed = absl::GetFlag(FLAGS_seed);
+  optimus::local::ReferenceResult ref =
+      optimus::local::RunReference(task, static_cast<uint32_t>(workers),
+                                   static_cast<uint64_t>(steps));
+  auto got = optimus::local::ReadParams(params_file);
+  if (!got.ok()) return Die(got.status().ToString());
+  if (got->size() != ref.master.size()) {
+    return Die(absl::StrCat("parameter count ", got->size(), " vs reference ", ref.master.size()));
+  }
+  double max_diff = 0;
+  for (size_t i = 0; i < got->size(); ++i) {
+    max_diff = std::max(max_diff, std::fabs(static_cast<double>((*got)[i]) - ref.master[i]));
+  }
+  std::fprintf(stderr, "reference final loss %.6f\n", ref.final_loss);
+  std::printf("{\"summary\": \"local_cluster\", \"workers\": %d, \"shards\": %d, \"steps\": %d, "
+              "\"initial_loss\": %.6f, \"final_loss\": %.6f, "
+              "\"max_abs_diff_vs_local_adamw\": %.3g, \"step_ms_median\": %.3f}\n",
+              workers, shards, steps, initial_loss, final_loss, max_diff, step_ms_median);
+  std::fflush(stdout);
+  const bool ok = final_loss < initial_loss && max_diff <= absl::GetFlag(FLAGS_max_abs_diff);
+  return ok ? 0 : 1;
+}

@@ -1,0 +1,137 @@
+// optimus-train-worker: one data-parallel worker of the local cluster's job.
+// Rank 0 creates the job and sends the initial values; every rank then, per
+// step, pulls the parameters, runs forward/backward on its own batch, and
+// pushes the gradients. Progress goes to stdout as one JSON object per line.
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "client/client.h"
+#include "client/torch/module_sync.h"
+#include "common/logging.h"
+#include "deploy/local/mlp_task.h"
+
+ABSL_FLAG(std::string, coordinator, "127.0.0.1:7070", "optimus-coord address host:port");
+ABSL_FLAG(std::string, job, "local-mlp", "job name");
+ABSL_FLAG(int, rank, 0, "this worker's rank");
+ABSL_FLAG(int, world_size, 2, "number of workers");
+ABSL_FLAG(int, steps, 300, "training steps");
+ABSL_FLAG(int, hidden, 256, "MLP hidden width");
+ABSL_FLAG(uint64_t, seed, 1, "seed of the model and the synthetic data");
+ABSL_FLAG(std::string, params_out, "", "rank 0 writes the final parameters here (raw fp32)");
+ABSL_FLAG(std::string, net_devices, "lo", "UCX network devices");
+ABSL_FLAG(int, timeout_s, 60, "per-step wait limit, seconds");
+
+namespace {
+
+using optimus::client::Client;
+
+int Fail(const std::string& what, const absl::Status& s) {
+  std::fprintf(stderr, "optimus-train-worker rank %d: %s: %s\n", absl::GetFlag(FLAGS_rank),
+               what.c_str(), s.ToString().c_str());
+  return 1;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::ParseCommandLine(argc, argv);
+  torch::set_num_threads(1);  // Workers, shards and the coordinator share 2 cores.
+  const uint32_t rank = static_cast<uint32_t>(absl::GetFlag(FLAGS_rank));
+  const uint32_t world = static_cast<uint32_t>(absl::GetFlag(FLAGS_world_size));
+  const uint64_t steps = static_cast<uint64_t>(absl::GetFlag(FLAGS_steps));
+  const std::string job = absl::GetFlag(FLAGS_job);
+  const absl::Duration timeout = absl::Seconds(absl::GetFlag(FLAGS_timeout_s));
+
+  optimus::local::TaskOptions task;
+  task.hidden = absl::GetFlag(FLAGS_hidden);
+  task.seed = absl::GetFlag(FLAGS_seed);
+
+  optimus::client::ClientOptions options;
+  options.coordinator_address = absl::GetFlag(FLAGS_coordinator);
+  options.transport.net_devices = absl::GetFlag(FLAGS_net_devices);
+  options.transport.name = absl::StrCat("worker", rank);
+  auto client = Client::Connect(options);
+  if (!client.ok()) return Fail("connect", client.status());
+
+  optimus::local::Mlp model = optimus::local::MakeModel(task);
+  if (rank == 0) {
+    optimus::client::JobDef def;
+    def.name = job;
+    def.world_size = world;
+    def.tensors = optimus::client::TensorDefsFromModule(*model);
+    def.optimizer.kind = optimus::client::Optimizer::kAdamW;
+    def.optimizer.lr = task.lr;
+    def.optimizer.weight_decay = task.weight_decay;
+    def.grad_dtype = task.grad_dtype;
+    def.param_dtype = task.param_dtype;
+    if (auto s = (*client)->CreateJob(def); !s.ok()) return Fail("create job", s);
+  }
+  // Other ranks may get here before rank 0 created the job.
+  absl::Status joined;
+  const absl::Time give_up = absl::Now() + absl::Seconds(30);
+  do {
+    joined = (*client)->Join(job, rank, world);
+    if (joined.code() != absl::StatusCode::kNotFound) break;
+    absl::SleepFor(absl::Milliseconds(100));
+  } while (absl::Now() < give_up);
+  if (!joined.ok()) return Fail("join", joined);
+
+  auto sync = optimus::client::ModuleSync::Create(client->get(), model.get());
+  if (!sync.ok()) return Fail("map module", sync.status());
+  if (rank == 0) {
+    if (auto s = (*sync)->InitFromModule(); !s.ok()) return Fail("send initial values", s);
+  }
+  const optimus::local::Batch eval = optimus::local::EvalBatch(task);
+  float initial_loss = 0;
+  std::vector<double> step_ms;
+  for (uint64_t step = 1; step <= steps; ++step) {
+    const auto t0 = std::chrono::steady_clock::now();
+    if (auto s = (*sync)->PullParams(step, timeout); !s.ok()) {
+      return Fail(absl::StrCat("pull version ", step), s);
+    }
+    if (step == 1) initial_loss = optimus::local::Loss(model, eval);
+    model->zero_grad();
+    optimus::local::Batch b = optimus::local::MakeBatch(task, step, rank);
+    torch::Tensor loss = torch::mse_loss(model->forward(b.x), b.y);
+    loss.backward();
+    if (auto s = (*sync)->PushGrads(step, timeout); !s.ok()) {
+      return Fail(absl::StrCat("push step ", step), s);
+    }
+    const double ms =
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    step_ms.push_back(ms);
+    if (rank == 0) {
+      std::printf("{\"event\": \"step\", \"step\": %llu, \"steps\": %llu, \"loss\": %.6f, "
+                  "\"step_ms\": %.3f}\n",
+                  static_cast<unsigned long long>(step), static_cast<unsigned long long>(steps),
+                  loss.item<float>(), ms);
+      std::fflush(stdout);
+    }
+  }
+  if (auto s = (*sync)->PullParams(steps + 1, timeout); !s.ok()) {
+    return Fail("pull final parameters", s);
+  }
+  const float final_loss = optimus::local::Loss(model, eval);
+  std::sort(step_ms.begin(), step_ms.end());
+  const double median = step_ms.empty() ? 0 : step_ms[step_ms.size() / 2];
+  if (rank == 0) {
+    const std::string out = absl::GetFlag(FLAGS_params_out);
+    if (!out.empty()) {
+      if (auto s = optimus::local::WriteParams(out, optimus::local::FlattenParams(model)); !s.ok()) {
+        return Fail("write parameters", s);
+      }
+    }
+    std::printf("{\"event\": \"done\", \"initial_loss\": %.6f, \"final_loss\": %.6f, "
+                "\"step_ms_median\": %.3f}\n",
+                initial_loss, final_loss, median);
+    std::fflush(stdout);
+  }
+  return 0;
+}

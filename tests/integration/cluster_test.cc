@@ -1,0 +1,427 @@
+// End-to-end: a real coordinator (gRPC on localhost), two real shard servers
+// and two worker clients talking UCX over loopback, all in this process.
+// Checks the training result against a single-process reference and that
+// every kind of bad request is refused with a clear error and changes nothing.
+#include <cmath>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
+#include "client/client.h"
+#include "common/dtype.h"
+#include "common/wire.h"
+#include "coordinator/coordinator.h"
+#include "grpcpp/grpcpp.h"
+#include "gtest/gtest.h"
+#include "proto/optimus.grpc.pb.h"
+#include "kernels/cpu/optimizer.h"
+#include "server/shard_server.h"
+#include "transport/ucx.h"
+
+namespace optimus {
+namespace {
+
+using client::Client;
+using client::ClientOptions;
+using client::JobDef;
+
+constexpr uint32_t kWorkers = 2;
+constexpr absl::Duration kWait = absl::Seconds(20);
+
+transport::WorkerOptions Loopback(const std::string& name) {
+  transport::WorkerOptions o;
+  o.net_devices = "lo";
+  o.name = name;
+  return o;
+}
+
+// The gradient worker `rank` computes at `step` from the parameters it pulled.
+float Grad(float param, uint64_t step, uint32_t rank, size_t i) {
+  return 0.5f * param + std::sin(0.001f * static_cast<float>(i) + 0.1f * step + rank);
+}
+
+float Init(size_t i) { return std::cos(0.37f * static_cast<float>(i)); }
+
+class ClusterTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    coordinator::CoordinatorOptions copts;
+    copts.listen_address = "127.0.0.1:0";
+    auto coord = coordinator::CoordinatorServer::Start(copts);
+    ASSERT_TRUE(coord.ok()) << coord.status();
+    coord_ = std::move(*coord);
+    for (int i = 0; i < 2; ++i) {
+      server::ShardServerOptions sopts;
+      sopts.coordinator_address = coord_->address();
+      sopts.memory_limit_bytes = 256ull << 20;
+      sopts.transport = Loopback("shard");
+      sopts.heartbeat_interval = absl::Milliseconds(100);
+      auto shard = server::ShardServer::Start(sopts);
+      ASSERT_TRUE(shard.ok()) << shard.status();
+      shards_.push_back(std::move(*shard));
+    }
+    for (uint32_t r = 0; r < kWorkers; ++r) {
+      ClientOptions o;
+      o.coordinator_address = coord_->address();
+      o.transport = Loopback("worker");
+      auto c = Client::Connect(o);
+      ASSERT_TRUE(c.ok()) << c.status();
+      clients_.push_back(std::move(*c));
+    }
+  }
+
+  void TearDown() override {
+    clients_.clear();
+    shards_.clear();
+    coord_.reset();
+  }
+
+  // Two tensors; small chunks so both spread over both shards.
+  JobDef MakeJob(const std::string& name, DType grad, DType param) {
+    JobDef def;
+    def.name = name;
+    def.world_size = kWorkers;
+    def.tensors = {{"weight", {300, 257}}, {"bias", {37}}};
+    def.optimizer.kind = client::Optimizer::kAdamW;
+    def.optimizer.lr = 1e-2f;
+    def.optimizer.weight_decay = 0.1f;
+    def.grad_dtype = grad;
+    def.param_dtype = param;
+    def.max_chunk_bytes = 64 * 1024;  // 16384 fp32 elements per chunk.
+    return def;
+  }
+
+  void CreateAndJoin(const JobDef& def) {
+    ASSERT_TRUE(clients_[0]->CreateJob(def).ok());
+    for (uint32_t r = 0; r < kWorkers; ++r) {
+      absl::Status s = clients_[r]->Join(def.name, r, kWorkers);
+      ASSERT_TRUE(s.ok()) << s;
+    }
+    // Rank 0 sends the initial values.
+    for (uint32_t t = 0; t < clients_[0]->tensors().size(); ++t) {
+      std::vector<float> v(clients_[0]->tensors()[t].num_elems);
+      for (size_t i = 0; i < v.size(); ++i) v[i] = Init(i + t * 100000);
+      ASSERT_TRUE(clients_[0]->InitTensor(t, v.data(), v.size()).ok());
+    }
+  }
+
+  // Pulls tensor t at `version` as fp32 through client `c`.
+  std::vector<float> PullFp32(Client* c, uint32_t t, uint64_t version) {
+    const size_t n = c->tensors()[t].num_elems;
+    std::vector<uint8_t> raw(n * DTypeSize(c->param_dtype()));
+    auto ticket = c->Pull(t, version, raw.data(), n);
+    EXPECT_TRUE(ticket.ok()) << ticket.status();
+    absl::Status s = c->Wait(*ticket, kWait);
+    EXPECT_TRUE(s.ok()) << s;
+    std::vector<float> out(n);
+    kernels::CastToFp32(raw.data(), c->param_dtype(), n, out.data());
+    return out;
+  }
+
+  // Gradient of rank r at step from params, in the job's grad dtype.
+  std::vector<uint8_t> MakeGrad(Client* c, uint32_t t, const std::vector<float>& params,
+                                uint64_t step, uint32_t rank) {
+    std::vector<float> g(params.size());
+    for (size_t i = 0; i < g.size(); ++i) g[i] = Grad(params[i], step, rank, i + t * 100000);
+    std::vector<uint8_t> out(g.size() * DTypeSize(c->grad_dtype()));
+    kernels::CastFromFp32(g.data(), g.size(), out.data(), c->grad_dtype());
+    return out;
+  }
+
+  // One worker's loop: pull version s, compute, push step s.
+  void RunWorker(uint32_t rank, uint64_t first_step, uint64_t last_step) {
+    Client* c = clients_[rank].get();
+    for (uint64_t step = first_step; step <= last_step; ++step) {
+      for (uint32_t t = 0; t < c->tensors().size(); ++t) {
+        std::vector<float> p = PullFp32(c, t, step);
+        std::vector<uint8_t> g = MakeGrad(c, t, p, step, rank);
+        auto ticket = c->Push(t, step, g.data(), p.size());
+        ASSERT_TRUE(ticket.ok()) << ticket.status();
+        absl::Status s = c->Wait(*ticket, kWait);
+        ASSERT_TRUE(s.ok()) << "rank " << rank << " step " << step << ": " << s;
+      }
+    }
+  }
+
+  void Train(uint64_t first_step, uint64_t last_step) {
+    std::vector<std::thread> threads;
+    for (uint32_t r = 0; r < kWorkers; ++r) {
+      threads.emplace_back([this, r, first_step, last_step] { RunWorker(r, first_step, last_step); });
+    }
+    for (auto& t : threads) t.join();
+  }
+
+  // The same training in one process with the scalar reference kernel over
+  // whole tensors: returns the published params (as fp32) after `steps`.
+  std::vector<float> Reference(const JobDef& def, uint32_t t, uint64_t steps) {
+    size_t n = 1;
+    for (int64_t d : def.tensors[t].shape) n *= static_cast<size_t>(d);
+    std::vector<float> master(n), m(n, 0.f), v(n, 0.f), published(n);
+    for (size_t i = 0; i < n; ++i) master[i] = Init(i + t * 100000);
+    std::vector<uint8_t> out(n * DTypeSize(def.param_dtype));
+    kernels::CastFromFp32(master.data(), n, out.data(), def.param_dtype);
+    kernels::CastToFp32(out.data(), def.param_dtype, n, published.data());
+    kernels::OptimizerHyper h;
+    h.kind = kernels::OptimizerKind::kAdamW;
+    h.lr = def.optimizer.lr;
+    h.weight_decay = def.optimizer.weight_decay;
+    for (uint64_t step = 1; step <= steps; ++step) {
+      std::vector<std::vector<uint8_t>> grads;
+      std::vector<const void*> ptrs;
+      for (uint32_t r = 0; r < kWorkers; ++r) {
+        std::vector<float> g(n);
+        for (size_t i = 0; i < n; ++i) g[i] = Grad(published[i], step, r, i + t * 100000);
+        grads.emplace_back(n * DTypeSize(def.grad_dtype));
+        kernels::CastFromFp32(g.data(), n, grads.back().data(), def.grad_dtype);
+      }
+      for (auto& g : grads) ptrs.push_back(g.data());
+      kernels::StepInputs in;
+      in.grads = ptrs;
+      in.grad_dtype = def.grad_dtype;
+      in.grad_scale = 1.0f / kWorkers;
+      in.step = static_cast<int64_t>(step);
+      EXPECT_TRUE(kernels::FusedStepScalar(h, in, n, {master.data(), m.data(), v.data()},
+                                           out.data(), def.param_dtype)
+                      .ok());
+      kernels::CastToFp32(out.data(), def.param_dtype, n, published.data());
+    }
+    return published;
+  }
+
+  std::unique_ptr<coordinator::CoordinatorServer> coord_;
+  std::vector<std::unique_ptr<server::ShardServer>> shards_;
+  std::vector<std::unique_ptr<Client>> clients_;
+};
+
+TEST_F(ClusterTest, TwentyAdamWStepsMatchSingleProcessReference) {
+  JobDef def = MakeJob("adamw-fp32", DType::kFp32, DType::kFp32);
+  CreateAndJoin(def);
+  // The map spreads the job over both shards.
+  EXPECT_GT(clients_[0]->tensors()[0].num_chunks, 2u);
+  Train(1, 20);
+  for (uint32_t t = 0; t < 2; ++t) {
+    std::vector<float> got = PullFp32(clients_[1].get(), t, 21);
+    std::vector<float> want = Reference(def, t, 20);
+    ASSERT_EQ(got.size(), want.size());
+    size_t mismatches = 0;
+    for (size_t i = 0; i < got.size(); ++i) mismatches += got[i] != want[i];
+    // Same summation order, same elementwise math: bitwise equal.
+    EXPECT_EQ(mismatches, 0u) << "tensor " << t;
+    // And training moved the parameters.
+    EXPECT_NE(got[5], Init(5 + t * 100000));
+  }
+  for (const auto& s : shards_) EXPECT_GT(s->stats().steps_applied, 0u);
+}
+
+TEST_F(ClusterTest, Bf16GradientsAndParametersMatchReference) {
+  JobDef def = MakeJob("adamw-bf16", DType::kBf16, DType::kBf16);
+  CreateAndJoin(def);
+  Train(1, 20);
+  for (uint32_t t = 0; t < 2; ++t) {
+    std::vector<float> got = PullFp32(clients_[0].get(), t, 21);
+    std::vector<float> want = Reference(def, t, 20);
+    size_t mismatches = 0;
+    for (size_t i = 0; i < got.size(); ++i) mismatches += got[i] != want[i];
+    EXPECT_EQ(mismatches, 0u) << "tensor " << t;
+  }
+}
+
+// Sends raw requests to a shard and collects the replies.
+class RawPeer {
+ public:
+  explicit RawPeer(const std::string& shard_address) {
+    auto w = transport::Worker::Create(Loopback("raw"));
+    EXPECT_TRUE(w.ok());
+    worker_ = std::move(*w);
+    worker_->SetHandler(wire::kAmReply, [this](transport::IncomingMessage& m) {
+      auto r = wire::ParseReply(m.header());
+      absl::MutexLock lock(&mu_);
+      replies_.push_back(r.ok() ? *r : wire::Reply{});
+    });
+    EXPECT_TRUE(worker_->Start().ok());
+    auto ep = worker_->Connect(shard_address);
+    EXPECT_TRUE(ep.ok());
+    ep_ = *ep;
+  }
+
+  // Sends header bytes + payload and waits for the one reply.
+  wire::Reply Send(absl::Span<const uint8_t> header, const std::vector<uint8_t>& payload) {
+    size_t before;
+    {
+      absl::MutexLock lock(&mu_);
+      before = replies_.size();
+    }
+    worker_->Send(ep_, wire::kAmRequest, header, payload.empty() ? nullptr : payload.data(),
+                  payload.size(), [](absl::Status) {});
+    absl::MutexLock lock(&mu_);
+    auto arrived = [&]() { return replies_.size() > before; };
+    mu_.AwaitWithTimeout(absl::Condition(&arrived), kWait);
+    EXPECT_GT(replies_.size(), before) << "no reply";
+    return replies_.size() > before ? replies_[before] : wire::Reply{};
+  }
+
+ private:
+  std::unique_ptr<transport::Worker> worker_;
+  transport::EndpointRef ep_;
+  absl::Mutex mu_;
+  std::vector<wire::Reply> replies_ ABSL_GUARDED_BY(mu_);
+};
+
+TEST_F(ClusterTest, BadRequestsAreRefusedAndChangeNothing) {
+  JobDef def = MakeJob("bad-input", DType::kFp32, DType::kFp32);
+  CreateAndJoin(def);
+  Train(1, 3);  // Chunks are at version 4, waiting for step 4.
+  const std::vector<float> before_w = PullFp32(clients_[0].get(), 0, 4);
+  const std::vector<float> before_b = PullFp32(clients_[0].get(), 1, 4);
+
+  Client* c0 = clients_[0].get();
+  const size_t nb = c0->tensors()[1].num_elems;
+  std::vector<uint8_t> grad(nb * 4, 0);
+
+  // Stale step through the client API: step 3 is applied.
+  {
+    auto t = c0->Push(1, 3, grad.data(), nb);
+    ASSERT_TRUE(t.ok());
+    absl::Status s = c0->Wait(*t, kWait);
+    EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+    EXPECT_NE(s.message().find("already applied"), absl::string_view::npos) << s;
+  }
+  // More than one ahead.
+  {
+    auto t = c0->Push(1, 6, grad.data(), nb);
+    ASSERT_TRUE(t.ok());
+    absl::Status s = c0->Wait(*t, kWait);
+    EXPECT_EQ(s.code(), absl::StatusCode::kOutOfRange) << s;
+  }
+  // A version no longer held, and one too far ahead.
+  {
+    std::vector<uint8_t> dst(nb * 4);
+    auto t = c0->Pull(1, 1, dst.data(), nb);
+    ASSERT_TRUE(t.ok());
+    EXPECT_EQ(c0->Wait(*t, kWait).code(), absl::StatusCode::kFailedPrecondition);
+    t = c0->Pull(1, 9, dst.data(), nb);
+    ASSERT_TRUE(t.ok());
+    EXPECT_EQ(c0->Wait(*t, kWait).code(), absl::StatusCode::kOutOfRange);
+  }
+  // Wrong element count is caught by the client before anything is sent.
+  EXPECT_EQ(c0->Push(1, 4, grad.data(), nb - 1).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(c0->Push(7, 4, grad.data(), nb).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(c0->Wait(123456, absl::Milliseconds(1)).code(), absl::StatusCode::kNotFound);
+
+  // Raw requests straight to each shard, bypassing the client's checks.
+  auto stub = v1::Coordinator::NewStub(
+      grpc::CreateChannel(coord_->address(), grpc::InsecureChannelCredentials()));
+  v1::JoinJobRequest jreq;
+  jreq.set_job_name(def.name);
+  jreq.set_rank(0);
+  jreq.set_world_size(kWorkers);
+  v1::JoinJobResponse job;
+  {
+    grpc::ClientContext ctx;
+    ASSERT_TRUE(stub->JoinJob(&ctx, jreq, &job).ok());
+  }
+  ASSERT_EQ(job.map().shards_size(), 2);
+  int bias_refusals = 0;
+  for (const auto& shard : job.map().shards()) {
+    RawPeer peer(shard.data_address());
+    wire::RequestHeader h;
+    h.op = static_cast<uint16_t>(wire::Op::kPush);
+    h.job_id = job.job_id();
+    h.map_epoch = job.map().epoch();
+    h.tensor = 1;
+    h.chunk = 0;
+    h.step = 4;
+    h.rank = 0;
+    h.dtype = static_cast<uint8_t>(DType::kFp32);
+    h.num_bytes = nb * 4;
+    h.request_id = 77;
+
+    // Malformed header (too short): refused, request id unknown (0).
+    wire::Reply r = peer.Send(wire::AsBytes(h).subspan(0, 20), grad);
+    EXPECT_EQ(r.status.code(), absl::StatusCode::kInvalidArgument) << r.status;
+
+    wire::RequestHeader bad = h;
+    bad.job_id = 999;
+    r = peer.Send(wire::AsBytes(bad), grad);
+    EXPECT_EQ(r.status.code(), absl::StatusCode::kNotFound) << r.status;
+    EXPECT_NE(r.status.message().find("unknown job"), absl::string_view::npos);
+    EXPECT_EQ(r.header.request_id, 77u);
+
+    bad = h;
+    bad.tensor = 5;
+    r = peer.Send(wire::AsBytes(bad), grad);
+    EXPECT_EQ(r.status.code(), absl::StatusCode::kNotFound) << r.status;
+
+    bad = h;
+    bad.map_epoch = h.map_epoch + 5;
+    r = peer.Send(wire::AsBytes(bad), grad);
+    EXPECT_EQ(r.status.code(), absl::StatusCode::kFailedPrecondition) << r.status;
+
+    // Only the shard holding the bias chunk can judge the payload itself.
+    r = peer.Send(wire::AsBytes(h), std::vector<uint8_t>(nb * 4 - 4));
+    if (r.status.code() == absl::StatusCode::kNotFound) continue;  // Not this shard.
+    ++bias_refusals;
+    EXPECT_EQ(r.status.code(), absl::StatusCode::kInvalidArgument) << r.status;
+    EXPECT_NE(r.status.message().find("bytes"), absl::string_view::npos) << r.status;
+
+    bad = h;
+    bad.dtype = static_cast<uint8_t>(DType::kBf16);
+    bad.num_bytes = nb * 2;
+    r = peer.Send(wire::AsBytes(bad), std::vector<uint8_t>(nb * 2));
+    EXPECT_EQ(r.status.code(), absl::StatusCode::kInvalidArgument) << r.status;
+    EXPECT_NE(r.status.message().find("dtype"), absl::string_view::npos) << r.status;
+
+    bad = h;
+    bad.rank = 9;
+    r = peer.Send(wire::AsBytes(bad), grad);
+    EXPECT_EQ(r.status.code(), absl::StatusCode::kInvalidArgument) << r.status;
+  }
+  EXPECT_EQ(bias_refusals, 1);
+
+  // Nothing changed: version 4 is intact and still the latest.
+  EXPECT_EQ(PullFp32(clients_[1].get(), 0, 4), before_w);
+  EXPECT_EQ(PullFp32(clients_[1].get(), 1, 4), before_b);
+
+  // A duplicate push is dropped, not added twice: rank 0 pushes step 4 twice.
+  {
+    Client* c = clients_[0].get();
+    std::vector<uint8_t> g = MakeGrad(c, 1, before_b, 4, 0);
+    for (int i = 0; i < 2; ++i) {
+      auto t = c->Push(1, 4, g.data(), nb);
+      ASSERT_TRUE(t.ok());
+      EXPECT_TRUE(c->Wait(*t, kWait).ok());
+    }
+  }
+  // The servers kept running: the rest of step 4 and steps 5-6 complete and
+  // the result equals the reference that never saw the bad requests.
+  {
+    Client* c = clients_[0].get();
+    std::vector<uint8_t> g = MakeGrad(c, 0, before_w, 4, 0);
+    auto t = c->Push(0, 4, g.data(), before_w.size());
+    ASSERT_TRUE(t.ok());
+    ASSERT_TRUE(c->Wait(*t, kWait).ok());
+  }
+  std::thread rank1([this] { RunWorker(1, 4, 6); });
+  // Rank 0 already pushed step 4; it continues from 5.
+  RunWorker(0, 5, 6);
+  rank1.join();
+  for (uint32_t t = 0; t < 2; ++t) {
+    EXPECT_EQ(PullFp32(clients_[0].get(), t, 7), Reference(def, t, 6)) << "tensor " << t;
+  }
+}
+
+TEST_F(ClusterTest, JobTooBigIsRefusedWithNumbers) {
+  JobDef def = MakeJob("too-big", DType::kFp32, DType::kFp32);
+  def.tensors = {{"huge", {1 << 20, 64}}};  // 64 Mi params, ~1.4 GB of state.
+  absl::Status s = clients_[0]->CreateJob(def);
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
+  EXPECT_NE(s.message().find("bytes"), absl::string_view::npos) << s;
+}
+
+}  // namespace
+}  // namespace optimus
