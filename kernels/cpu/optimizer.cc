@@ -1,0 +1,236 @@
+// Validation, per-step constants and run-time ISA dispatch for the fused
+// optimizer step. The math itself lives in optimizer_{scalar,avx2,avx512}.cc.
+#include "kernels/cpu/optimizer.h"
+
+#include <cmath>
+#include <cstddef>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
+#include "kernels/cpu/optimizer_internal.h"
+
+namespace optimus {
+namespace kernels {
+namespace internal {
+namespace {
+
+bool ValidDType(DType d) {
+  return d == DType::kFp32 || d == DType::kBf16 || d == DType::kFp16;
+}
+
+absl::Status Invalid(absl::string_view what) {
+  return absl::InvalidArgumentError(absl::StrCat("FusedStep: ", what));
+}
+
+absl::Status CheckNonNegativeFinite(const char* name, float value) {
+  if (!std::isfinite(value) || value < 0.0f) {
+    return Invalid(absl::StrCat(name, " must be finite and >= 0, got ", value));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckBeta(const char* name, float value) {
+  if (!(value >= 0.0f && value < 1.0f)) {
+    return Invalid(absl::StrCat(name, " must be in [0, 1), got ", value));
+  }
+  return absl::OkStatus();
+}
+
+const IsaKernels kScalarKernels = {"scalar", &StepRangeScalar,
+                                   &CastFromFp32Scalar, &CastToFp32Scalar};
+
+#if defined(__x86_64__)
+const IsaKernels kAvx2Kernels = {"avx2", &StepRangeAvx2, &CastFromFp32Avx2,
+                                 &CastToFp32Avx2};
+const IsaKernels kAvx512Kernels = {"avx512", &StepRangeAvx512,
+                                   &CastFromFp32Avx512, &CastToFp32Avx512};
+
+// __builtin_cpu_supports also checks that the OS saves the wider registers.
+bool CpuRunsAvx2() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+         __builtin_cpu_supports("f16c");
+}
+
+bool CpuRunsAvx512() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") &&
+         __builtin_cpu_supports("avx512bw");
+}
+#endif
+
+const IsaKernels* ChooseKernels() {
+#if defined(__x86_64__)
+  if (CpuRunsAvx512()) return &kAvx512Kernels;
+  if (CpuRunsAvx2()) return &kAvx2Kernels;
+#endif
+  // aarch64 (BlueField): NEON kernels are not written yet; the scalar code
+  // is auto-vectorized by the compiler to some degree.
+  return &kScalarKernels;
+}
+
+const IsaKernels& Active() {
+  static const IsaKernels* const kernels = ChooseKernels();
+  return *kernels;
+}
+
+absl::Status RunStep(const IsaKernels& kernels, const OptimizerHyper& hyper,
+                     const StepInputs& in, size_t num_elems, ChunkState state,
+                     void* out, DType out_dtype) {
+  StepArgs args;
+  absl::Status status = PrepareStep(hyper, in, state, out, out_dtype, &args);
+  if (!status.ok()) return status;
+  kernels.step(args, 0, num_elems);
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status PrepareStep(const OptimizerHyper& hyper, const StepInputs& in,
+                         ChunkState state, void* out, DType out_dtype,
+                         StepArgs* args) {
+  const OptimizerKind kind = hyper.kind;
+  if (kind != OptimizerKind::kAdamW && kind != OptimizerKind::kAdam &&
+      kind != OptimizerKind::kSgd) {
+    return Invalid(absl::StrCat("unknown optimizer kind ",
+                                static_cast<int>(kind)));
+  }
+  if (in.grads.empty()) return Invalid("no gradient slots (grads is empty)");
+  for (size_t w = 0; w < in.grads.size(); ++w) {
+    if (in.grads[w] == nullptr) {
+      return Invalid(absl::StrCat("gradient slot of worker rank ", w, " is null"));
+    }
+  }
+  if (!ValidDType(in.grad_dtype)) {
+    return Invalid(absl::StrCat("invalid grad_dtype ",
+                                static_cast<int>(in.grad_dtype)));
+  }
+  if (!ValidDType(out_dtype)) {
+    return Invalid(absl::StrCat("invalid out_dtype ", static_cast<int>(out_dtype)));
+  }
+  if (!std::isfinite(in.grad_scale)) {
+    return Invalid(absl::StrCat("grad_scale must be finite, got ", in.grad_scale));
+  }
+  if (in.step < 1) {
+    return Invalid(absl::StrCat("step must be >= 1 (1-based), got ", in.step));
+  }
+  if (out == nullptr) return Invalid("out is null");
+  if (state.master == nullptr) return Invalid("state.master is null");
+  absl::Status status = CheckNonNegativeFinite("lr", hyper.lr);
+  if (!status.ok()) return status;
+  status = CheckNonNegativeFinite("weight_decay", hyper.weight_decay);
+  if (!status.ok()) return status;
+
+  StepConstants& k = args->k;
+  k = StepConstants();
+  k.kind = kind;
+  k.apply_weight_decay = hyper.weight_decay != 0.0f;
+  k.lr = hyper.lr;
+  k.weight_decay = hyper.weight_decay;
+  const double lr = hyper.lr;
+  if (kind == OptimizerKind::kSgd) {
+    status = CheckNonNegativeFinite("momentum", hyper.momentum);
+    if (!status.ok()) return status;
+    k.use_momentum = hyper.momentum != 0.0f;
+    k.momentum = hyper.momentum;
+    if (k.use_momentum && state.m == nullptr) {
+      return Invalid("state.m (momentum buffer) is null but momentum != 0");
+    }
+  } else {
+    status = CheckBeta("beta1", hyper.beta1);
+    if (!status.ok()) return status;
+    status = CheckBeta("beta2", hyper.beta2);
+    if (!status.ok()) return status;
+    status = CheckNonNegativeFinite("eps", hyper.eps);
+    if (!status.ok()) return status;
+    if (state.m == nullptr) return Invalid("state.m (first moment) is null");
+    if (state.v == nullptr) return Invalid("state.v (second moment) is null");
+    const double beta1 = hyper.beta1;
+    const double beta2 = hyper.beta2;
+    const double t = static_cast<double>(in.step);
+    const double bias_correction1 = 1.0 - std::pow(beta1, t);
+    const double bias_correction2 = 1.0 - std::pow(beta2, t);
+    k.decay_factor = static_cast<float>(1.0 - lr * static_cast<double>(hyper.weight_decay));
+    k.beta1 = hyper.beta1;
+    k.one_minus_beta1 = static_cast<float>(1.0 - beta1);
+    k.beta2 = hyper.beta2;
+    k.one_minus_beta2 = static_cast<float>(1.0 - beta2);
+    k.eps = hyper.eps;
+    k.step_size = static_cast<float>(lr / bias_correction1);
+    k.sqrt_bias_correction2 = static_cast<float>(std::sqrt(bias_correction2));
+    if (!std::isfinite(k.step_size) || !(k.sqrt_bias_correction2 > 0.0f)) {
+      return Invalid(absl::StrCat("bias correction underflows at step ", in.step,
+                                  " (beta1 ", hyper.beta1, ", beta2 ",
+                                  hyper.beta2, ")"));
+    }
+  }
+
+  args->grads = in.grads.data();
+  args->num_workers = in.grads.size();
+  args->grad_dtype = in.grad_dtype;
+  args->grad_scale = in.grad_scale;
+  args->master = state.master;
+  args->m = state.m;
+  args->v = state.v;
+  args->out = out;
+  args->out_dtype = out_dtype;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<const IsaKernels*> KernelsForIsa(absl::string_view isa) {
+  if (isa == "scalar") return &kScalarKernels;
+#if defined(__x86_64__)
+  if (isa == "avx2") {
+    if (!CpuRunsAvx2()) return absl::UnavailableError("CPU lacks AVX2/FMA/F16C");
+    return &kAvx2Kernels;
+  }
+  if (isa == "avx512") {
+    if (!CpuRunsAvx512()) return absl::UnavailableError("CPU lacks AVX-512 F/BW");
+    return &kAvx512Kernels;
+  }
+#endif
+  return absl::NotFoundError(
+      absl::StrCat("ISA \"", isa, "\" is not built into this binary"));
+}
+
+absl::Status FusedStepWithIsa(absl::string_view isa,
+                              const OptimizerHyper& hyper,
+                              const StepInputs& in, size_t num_elems,
+                              ChunkState state, void* out, DType out_dtype) {
+  absl::StatusOr<const IsaKernels*> kernels = KernelsForIsa(isa);
+  if (!kernels.ok()) return kernels.status();
+  return RunStep(**kernels, hyper, in, num_elems, state, out, out_dtype);
+}
+
+}  // namespace internal
+
+absl::Status FusedStep(const OptimizerHyper& hyper, const StepInputs& in,
+                       size_t num_elems, ChunkState state, void* out,
+                       DType out_dtype) {
+  return internal::RunStep(internal::Active(), hyper, in, num_elems, state, out,
+                           out_dtype);
+}
+
+absl::Status FusedStepScalar(const OptimizerHyper& hyper, const StepInputs& in,
+                             size_t num_elems, ChunkState state, void* out,
+                             DType out_dtype) {
+  return internal::RunStep(internal::kScalarKernels, hyper, in, num_elems,
+                           state, out, out_dtype);
+}
+
+void CastFromFp32(const float* src, size_t num_elems, void* dst,
+                  DType dst_dtype) {
+  internal::Active().cast_from_fp32(src, 0, num_elems, dst, dst_dtype);
+}
+
+void CastToFp32(const void* src, DType src_dtype, size_t num_elems,
+                float* dst) {
+  internal::Active().cast_to_fp32(src, src_dtype, 0, num_elems, dst);
+}
+
+absl::string_view ActiveIsa() { return internal::Active().name; }
+
+}  // namespace kernels
+}  // namespace optimus

@@ -1,0 +1,113 @@
+// Internal to //kernels/cpu: the per-ISA entry points behind FusedStep and
+// the casts, and the per-step constants they share. Not for use outside
+// kernels/ (tests included here may pick an ISA explicitly). Functions are
+// stateless; callers own all buffers. Safe from any thread on disjoint state.
+//
+// The files built with -mavx2/-mavx512f must not call any inline function
+// from a header (this one declares none): such a function would be emitted
+// with AVX instructions, and the linker may pick that copy for every caller,
+// including those on CPUs without AVX.
+#ifndef OPTIMUS_KERNELS_CPU_OPTIMIZER_INTERNAL_H_
+#define OPTIMUS_KERNELS_CPU_OPTIMIZER_INTERNAL_H_
+
+#include <cstddef>
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "common/dtype.h"
+#include "kernels/cpu/optimizer.h"
+
+namespace optimus {
+namespace kernels {
+namespace internal {
+
+// Everything an element update needs, computed once per call in
+// PrepareStep. fp32 values that torch derives from Python/C++ doubles are
+// derived here the same way: in double, then rounded to float once.
+struct StepConstants {
+  OptimizerKind kind = OptimizerKind::kAdamW;
+  bool apply_weight_decay = false;  // weight_decay != 0 (torch skips it at 0)
+  bool use_momentum = false;        // SGD: momentum != 0
+  float lr = 0;
+  float weight_decay = 0;
+  float decay_factor = 1;   // AdamW: float(1 - lr * weight_decay)
+  float beta1 = 0;
+  float one_minus_beta1 = 0;  // float(1 - beta1)
+  float beta2 = 0;
+  float one_minus_beta2 = 0;  // float(1 - beta2)
+  float eps = 0;
+  float step_size = 0;      // float(lr / (1 - beta1^t))
+  float sqrt_bias_correction2 = 1;  // float(sqrt(1 - beta2^t))
+  float momentum = 0;
+};
+
+// Validated arguments of one FusedStep call.
+struct StepArgs {
+  StepConstants k;
+  const void* const* grads = nullptr;  // num_workers slots
+  size_t num_workers = 0;
+  DType grad_dtype = DType::kFp32;
+  float grad_scale = 1;
+  float* master = nullptr;
+  float* m = nullptr;  // null for SGD without momentum
+  float* v = nullptr;  // null for SGD
+  void* out = nullptr;
+  DType out_dtype = DType::kFp32;
+};
+
+// Validates the inputs and fills `args`; InvalidArgument on bad input.
+absl::Status PrepareStep(const OptimizerHyper& hyper, const StepInputs& in,
+                         ChunkState state, void* out, DType out_dtype,
+                         StepArgs* args);
+
+// Updates elements [begin, end) of the chunk described by args. Each ISA
+// version must produce bit-identical results to the scalar one.
+using StepRangeFn = void (*)(const StepArgs& args, size_t begin, size_t end);
+using CastFromFp32Fn = void (*)(const float* src, size_t begin, size_t end,
+                                void* dst, DType dst_dtype);
+using CastToFp32Fn = void (*)(const void* src, DType src_dtype, size_t begin,
+                              size_t end, float* dst);
+
+void StepRangeScalar(const StepArgs& args, size_t begin, size_t end);
+void CastFromFp32Scalar(const float* src, size_t begin, size_t end, void* dst,
+                        DType dst_dtype);
+void CastToFp32Scalar(const void* src, DType src_dtype, size_t begin,
+                      size_t end, float* dst);
+
+#if defined(__x86_64__)
+void StepRangeAvx2(const StepArgs& args, size_t begin, size_t end);
+void CastFromFp32Avx2(const float* src, size_t begin, size_t end, void* dst,
+                      DType dst_dtype);
+void CastToFp32Avx2(const void* src, DType src_dtype, size_t begin, size_t end,
+                    float* dst);
+void StepRangeAvx512(const StepArgs& args, size_t begin, size_t end);
+void CastFromFp32Avx512(const float* src, size_t begin, size_t end, void* dst,
+                        DType dst_dtype);
+void CastToFp32Avx512(const void* src, DType src_dtype, size_t begin,
+                      size_t end, float* dst);
+#endif
+
+struct IsaKernels {
+  const char* name;  // "avx512", "avx2", "neon", "scalar"
+  StepRangeFn step;
+  CastFromFp32Fn cast_from_fp32;
+  CastToFp32Fn cast_to_fp32;
+};
+
+// The kernels for `isa` if this binary has them and this CPU runs them;
+// NotFound for an ISA not built in, Unavailable for one the CPU lacks.
+absl::StatusOr<const IsaKernels*> KernelsForIsa(absl::string_view isa);
+
+// FusedStep on an explicitly chosen ISA (for tests and benchmarks).
+absl::Status FusedStepWithIsa(absl::string_view isa,
+                              const OptimizerHyper& hyper,
+                              const StepInputs& in, size_t num_elems,
+                              ChunkState state, void* out, DType out_dtype);
+
+}  // namespace internal
+}  // namespace kernels
+}  // namespace optimus
+
+#endif  // OPTIMUS_KERNELS_CPU_OPTIMIZER_INTERNAL_H_
