@@ -49,9 +49,9 @@ float Init(size_t i) { return std::cos(0.37f * static_cast<float>(i)); }
 class ClusterTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    coordinator::CoordinatorOptions copts;
+    CoordinatorOptions copts;
     copts.listen_address = "127.0.0.1:0";
-    auto coord = coordinator::CoordinatorServer::Start(copts);
+    auto coord = CoordinatorServer::Start(copts);
     ASSERT_TRUE(coord.ok()) << coord.status();
     coord_ = std::move(*coord);
     for (int i = 0; i < 2; ++i) {
@@ -192,7 +192,7 @@ class ClusterTest : public ::testing::Test {
     return published;
   }
 
-  std::unique_ptr<coordinator::CoordinatorServer> coord_;
+  std::unique_ptr<CoordinatorServer> coord_;
   std::vector<std::unique_ptr<server::ShardServer>> shards_;
   std::vector<std::unique_ptr<Client>> clients_;
 };

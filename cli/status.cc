@@ -1,0 +1,201 @@
+#include "cli/status.h"
+
+#include <algorithm>
+#include <chrono>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "common/grpc_status.h"
+#include "grpcpp/grpcpp.h"
+#include "proto/optimus.grpc.pb.h"
+
+namespace optimus {
+namespace {
+
+const char* KindName(v1::ShardKind k) {
+  switch (k) {
+    case v1::SHARD_KIND_DPU: return "dpu";
+    case v1::SHARD_KIND_HOST: return "host";
+    default: return "unspecified";
+  }
+}
+
+const char* ShardStateName(v1::ShardState s) {
+  switch (s) {
+    case v1::SHARD_STATE_UP: return "up";
+    case v1::SHARD_STATE_DOWN: return "down";
+    default: return "unspecified";
+  }
+}
+
+const char* JobStateName(v1::JobState s) {
+  switch (s) {
+    case v1::JOB_STATE_PENDING: return "pending";
+    case v1::JOB_STATE_READY: return "ready";
+    case v1::JOB_STATE_FAILED: return "failed";
+    default: return "unspecified";
+  }
+}
+
+std::string Upper(const char* s) {
+  std::string out(s);
+  for (char& c : out) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+  return out;
+}
+
+std::string HumanAge(uint64_t age_ms) {
+  if (age_ms < 1000) return absl::StrCat(age_ms, "ms");
+  if (age_ms < 60 * 1000) return absl::StrFormat("%.1fs", age_ms / 1000.0);
+  const uint64_t s = age_ms / 1000;
+  if (s < 3600) return absl::StrFormat("%dm%02ds", s / 60, s % 60);
+  return absl::StrFormat("%dh%02dm", s / 3600, (s / 60) % 60);
+}
+
+// Left-aligned columns separated by two spaces; numbers are right-aligned.
+class Table {
+ public:
+  explicit Table(std::vector<std::string> header) { rows_.push_back(std::move(header)); }
+  void Add(std::vector<std::string> row) { rows_.push_back(std::move(row)); }
+  void RightAlign(size_t column) { right_.push_back(column); }
+
+  std::string Render() const {
+    std::vector<size_t> width(rows_[0].size(), 0);
+    for (const auto& row : rows_) {
+      for (size_t i = 0; i < row.size(); ++i) width[i] = std::max(width[i], row[i].size());
+    }
+    std::string out;
+    for (const auto& row : rows_) {
+      std::string line;
+      for (size_t i = 0; i < row.size(); ++i) {
+        const std::string pad(width[i] - row[i].size(), ' ');
+        const bool right = std::find(right_.begin(), right_.end(), i) != right_.end();
+        const bool last = i + 1 == row.size();
+        if (i > 0) line += "  ";
+        line += right ? pad + row[i] : (last ? row[i] : row[i] + pad);
+      }
+      absl::StrAppend(&out, line, "\n");
+    }
+    return out;
+  }
+
+ private:
+  std::vector<std::vector<std::string>> rows_;
+  std::vector<size_t> right_;
+};
+
+std::string JsonString(absl::string_view s) {
+  std::string out = "\"";
+  for (unsigned char c : s) {
+    switch (c) {
+      case '"': out += "\\\""; break;
+      case '\\': out += "\\\\"; break;
+      case '\n': out += "\\n"; break;
+      case '\r': out += "\\r"; break;
+      case '\t': out += "\\t"; break;
+      default:
+        if (c < 0x20) {
+          out += absl::StrFormat("\\u%04x", c);
+        } else {
+          out += static_cast<char>(c);
+        }
+    }
+  }
+  return out + "\"";
+}
+
+}  // namespace
+
+absl::StatusOr<v1::StatusResponse> FetchStatus(const std::string& address,
+                                               absl::Duration timeout) {
+  auto channel = grpc::CreateChannel(address, grpc::InsecureChannelCredentials());
+  auto stub = v1::Coordinator::NewStub(channel);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() +
+                   std::chrono::milliseconds(absl::ToInt64Milliseconds(timeout)));
+  v1::StatusResponse resp;
+  const grpc::Status s = stub->Status(&ctx, v1::StatusRequest(), &resp);
+  if (s.error_code() == grpc::StatusCode::UNAVAILABLE ||
+      s.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED) {
+    return absl::UnavailableError(
+        absl::StrCat("cannot reach coordinator at ", address, ": ", s.error_message()));
+  }
+  if (!s.ok()) {
+    absl::Status err = FromGrpc(s);
+    return absl::Status(err.code(), absl::StrCat("coordinator at ", address, ": ", err.message()));
+  }
+  return resp;
+}
+
+std::string HumanBytes(uint64_t size_bytes) {
+  static const char* const kUnits[] = {"KiB", "MiB", "GiB", "TiB", "PiB", "EiB"};
+  if (size_bytes < 1024) return absl::StrCat(size_bytes, " B");
+  double v = static_cast<double>(size_bytes) / 1024;
+  int unit = 0;
+  while (v >= 1024 && unit < 5) {
+    v /= 1024;
+    ++unit;
+  }
+  return absl::StrFormat("%.1f %s", v, kUnits[unit]);
+}
+
+std::string RenderStatusTable(const v1::StatusResponse& status) {
+  Table shards({"ID", "KIND", "ARCH", "HOST", "STATE", "MEM USED/LIMIT", "PLANNED", "CHUNKS",
+                "LEASE AGE"});
+  shards.RightAlign(0);
+  shards.RightAlign(7);
+  for (const v1::ShardStatus& s : status.shards()) {
+    const v1::ShardCapabilities& caps = s.capabilities();
+    shards.Add({absl::StrCat(s.shard_id()), KindName(caps.kind()),
+                caps.arch().empty() ? "-" : caps.arch(),
+                caps.hostname().empty() ? "-" : caps.hostname(), Upper(ShardStateName(s.state())),
+                absl::StrCat(HumanBytes(s.memory_used_bytes()), " / ",
+                             HumanBytes(caps.memory_limit_bytes())),
+                HumanBytes(s.memory_planned_bytes()), absl::StrCat(s.chunks_owned()),
+                HumanAge(s.lease_age_ms())});
+  }
+  Table jobs({"ID", "NAME", "STATE", "WORKERS", "STEP", "TENSORS", "PARAMS", "STATE BYTES",
+              "EPOCH"});
+  for (size_t c : {0, 4, 5, 6, 8}) jobs.RightAlign(c);
+  for (const v1::JobStatus& j : status.jobs()) {
+    jobs.Add({absl::StrCat(j.job_id()), j.name(), Upper(JobStateName(j.state())),
+              absl::StrCat(j.workers_joined(), "/", j.world_size()),
+              absl::StrCat(j.current_step()), absl::StrCat(j.num_tensors()),
+              absl::StrCat(j.num_params()), HumanBytes(j.state_bytes()),
+              absl::StrCat(j.map_epoch())});
+  }
+  std::string out = absl::StrCat("SHARDS (", status.shards_size(), ")\n");
+  absl::StrAppend(&out, shards.Render(), "\nJOBS (", status.jobs_size(), ")\n", jobs.Render());
+  return out;
+}
+
+std::string RenderStatusJson(const v1::StatusResponse& status) {
+  std::vector<std::string> shards;
+  for (const v1::ShardStatus& s : status.shards()) {
+    const v1::ShardCapabilities& caps = s.capabilities();
+    shards.push_back(absl::StrCat(
+        "{\"shard_id\":", s.shard_id(), ",\"kind\":", JsonString(KindName(caps.kind())),
+        ",\"arch\":", JsonString(caps.arch()), ",\"cores\":", caps.cores(),
+        ",\"hostname\":", JsonString(caps.hostname()),
+        ",\"state\":", JsonString(ShardStateName(s.state())),
+        ",\"memory_used_bytes\":", s.memory_used_bytes(),
+        ",\"memory_planned_bytes\":", s.memory_planned_bytes(),
+        ",\"memory_limit_bytes\":", caps.memory_limit_bytes(),
+        ",\"chunks_owned\":", s.chunks_owned(), ",\"lease_age_ms\":", s.lease_age_ms(), "}"));
+  }
+  std::vector<std::string> jobs;
+  for (const v1::JobStatus& j : status.jobs()) {
+    jobs.push_back(absl::StrCat(
+        "{\"job_id\":", j.job_id(), ",\"name\":", JsonString(j.name()),
+        ",\"state\":", JsonString(JobStateName(j.state())), ",\"world_size\":", j.world_size(),
+        ",\"workers_joined\":", j.workers_joined(), ",\"current_step\":", j.current_step(),
+        ",\"num_tensors\":", j.num_tensors(), ",\"num_params\":", j.num_params(),
+        ",\"state_bytes\":", j.state_bytes(), ",\"map_epoch\":", j.map_epoch(), "}"));
+  }
+  return absl::StrCat("{\"shards\":[", absl::StrJoin(shards, ","), "],\"jobs\":[",
+                      absl::StrJoin(jobs, ","), "]}\n");
+}
+
+}  // namespace optimus

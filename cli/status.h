@@ -1,0 +1,41 @@
+// `optimusctl status`: fetches the coordinator's StatusResponse and renders
+// it as aligned tables for people or as one JSON object for scripts.
+// Rendering functions are pure and thread-safe; FetchStatus makes one
+// blocking RPC and owns its channel for the duration of the call.
+#ifndef OPTIMUS_CLI_STATUS_H_
+#define OPTIMUS_CLI_STATUS_H_
+
+#include <cstdint>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "proto/optimus.pb.h"
+
+namespace optimus {
+
+// Asks the coordinator at `address` ("HOST:PORT") for its status, waiting at
+// most `timeout`. UNAVAILABLE with "cannot reach coordinator at ADDRESS: ..."
+// when it cannot be reached in time; other errors carry the server's status.
+absl::StatusOr<v1::StatusResponse> FetchStatus(const std::string& address,
+                                               absl::Duration timeout);
+
+// Two tables, SHARDS then JOBS, with a header row each; memory in binary
+// units ("1.5 GiB"), lease age as "250ms" / "3.2s" / "5m07s".
+std::string RenderStatusTable(const v1::StatusResponse& status);
+
+// One JSON object {"shards":[...],"jobs":[...]} and a newline. Fields are
+// snake_case; counts and byte sizes are JSON numbers; enums are lower-case
+// strings ("dpu", "up", "ready"). Shard fields: shard_id, kind, arch, cores,
+// hostname, state, memory_used_bytes, memory_planned_bytes,
+// memory_limit_bytes, chunks_owned, lease_age_ms. Job fields: job_id, name,
+// state, world_size, workers_joined, current_step, num_tensors, num_params,
+// state_bytes, map_epoch.
+std::string RenderStatusJson(const v1::StatusResponse& status);
+
+// "0 B", "512 B", "1.5 KiB", "16.0 GiB".
+std::string HumanBytes(uint64_t size_bytes);
+
+}  // namespace optimus
+
+#endif  // OPTIMUS_CLI_STATUS_H_

@@ -1,0 +1,122 @@
+#include "cli/status.h"
+
+#include <string>
+
+#include "cli/test_json.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace optimus {
+namespace {
+
+using ::testing::HasSubstr;
+
+v1::StatusResponse Sample() {
+  v1::StatusResponse st;
+  v1::ShardStatus* s = st.add_shards();
+  s->set_shard_id(1);
+  s->mutable_capabilities()->set_kind(v1::SHARD_KIND_DPU);
+  s->mutable_capabilities()->set_arch("aarch64");
+  s->mutable_capabilities()->set_cores(8);
+  s->mutable_capabilities()->set_hostname("bf-\"01\"\n");
+  s->mutable_capabilities()->set_memory_limit_bytes(uint64_t{16} << 30);
+  s->set_state(v1::SHARD_STATE_UP);
+  s->set_memory_used_bytes(uint64_t{2} << 30);
+  s->set_memory_planned_bytes(uint64_t{3} << 30);
+  s->set_chunks_owned(12);
+  s->set_lease_age_ms(250);
+  v1::ShardStatus* h = st.add_shards();
+  h->set_shard_id(2);
+  h->mutable_capabilities()->set_kind(v1::SHARD_KIND_HOST);
+  // More than 2^53: must survive as an exact integer.
+  h->mutable_capabilities()->set_memory_limit_bytes((uint64_t{1} << 60) + 1);
+  h->set_state(v1::SHARD_STATE_DOWN);
+  h->set_lease_age_ms(3200);
+  v1::JobStatus* j = st.add_jobs();
+  j->set_job_id(5);
+  j->set_name("llama-70b");
+  j->set_state(v1::JOB_STATE_READY);
+  j->set_world_size(8);
+  j->set_workers_joined(3);
+  j->set_current_step(41);
+  j->set_num_tensors(723);
+  j->set_num_params(70000000000);
+  j->set_state_bytes(840000000000);
+  j->set_map_epoch(2);
+  return st;
+}
+
+TEST(HumanBytesTest, UsesBinaryUnits) {
+  EXPECT_EQ(HumanBytes(0), "0 B");
+  EXPECT_EQ(HumanBytes(1023), "1023 B");
+  EXPECT_EQ(HumanBytes(1536), "1.5 KiB");
+  EXPECT_EQ(HumanBytes(uint64_t{16} << 30), "16.0 GiB");
+  EXPECT_EQ(HumanBytes(~uint64_t{0}), "16.0 EiB");
+}
+
+TEST(RenderStatusJsonTest, IsValidJsonWithNumbersAsNumbers) {
+  const std::string text = RenderStatusJson(Sample());
+  absl::StatusOr<JsonValue> doc = ParseJson(text);
+  ASSERT_TRUE(doc.ok()) << doc.status() << "\n" << text;
+  const JsonValue& shards = (*doc)["shards"];
+  ASSERT_EQ(shards.array.size(), 2u);
+  EXPECT_EQ(shards.array[0]["kind"].string, "dpu");
+  EXPECT_EQ(shards.array[0]["hostname"].string, "bf-\"01\"\n");  // Escaped and back.
+  EXPECT_EQ(shards.array[0]["state"].string, "up");
+  EXPECT_TRUE(shards.array[0]["memory_used_bytes"].IsInteger());
+  EXPECT_EQ(shards.array[0]["memory_used_bytes"].AsUint(), uint64_t{2} << 30);
+  EXPECT_EQ(shards.array[0]["memory_planned_bytes"].AsUint(), uint64_t{3} << 30);
+  EXPECT_EQ(shards.array[0]["chunks_owned"].AsUint(), 12u);
+  EXPECT_EQ(shards.array[0]["lease_age_ms"].AsUint(), 250u);
+  EXPECT_EQ(shards.array[1]["kind"].string, "host");
+  EXPECT_EQ(shards.array[1]["state"].string, "down");
+  EXPECT_EQ(shards.array[1]["memory_limit_bytes"].AsUint(), (uint64_t{1} << 60) + 1);
+  const JsonValue& jobs = (*doc)["jobs"];
+  ASSERT_EQ(jobs.array.size(), 1u);
+  EXPECT_EQ(jobs.array[0]["name"].string, "llama-70b");
+  EXPECT_EQ(jobs.array[0]["state"].string, "ready");
+  EXPECT_EQ(jobs.array[0]["world_size"].AsUint(), 8u);
+  EXPECT_EQ(jobs.array[0]["workers_joined"].AsUint(), 3u);
+  EXPECT_EQ(jobs.array[0]["current_step"].AsUint(), 41u);
+  EXPECT_EQ(jobs.array[0]["num_params"].AsUint(), 70000000000u);
+  EXPECT_EQ(jobs.array[0]["state_bytes"].AsUint(), 840000000000u);
+  EXPECT_EQ(jobs.array[0]["map_epoch"].AsUint(), 2u);
+}
+
+TEST(RenderStatusJsonTest, EmptyClusterIsEmptyArrays) {
+  absl::StatusOr<JsonValue> doc = ParseJson(RenderStatusJson(v1::StatusResponse()));
+  ASSERT_TRUE(doc.ok());
+  EXPECT_EQ((*doc)["shards"].type, JsonValue::Type::kArray);
+  EXPECT_TRUE((*doc)["shards"].array.empty());
+  EXPECT_TRUE((*doc)["jobs"].array.empty());
+}
+
+TEST(RenderStatusTableTest, ShowsHumanReadableRowsUnderAlignedHeaders) {
+  const std::string table = RenderStatusTable(Sample());
+  EXPECT_THAT(table, HasSubstr("SHARDS (2)"));
+  EXPECT_THAT(table, HasSubstr("JOBS (1)"));
+  EXPECT_THAT(table, HasSubstr("2.0 GiB / 16.0 GiB"));
+  EXPECT_THAT(table, HasSubstr("250ms"));
+  EXPECT_THAT(table, HasSubstr("3.2s"));
+  EXPECT_THAT(table, HasSubstr("DOWN"));
+  EXPECT_THAT(table, HasSubstr("llama-70b"));
+  EXPECT_THAT(table, HasSubstr("3/8"));
+  EXPECT_THAT(table, HasSubstr("782.3 GiB"));  // 840e9 state bytes.
+  // Column alignment: "KIND" in the header starts where "dpu" starts below.
+  const size_t header = table.find("ID  KIND");
+  ASSERT_NE(header, std::string::npos);
+  const size_t header_start = table.rfind('\n', header) + 1;
+  const size_t row_start = table.find('\n', header) + 1;
+  EXPECT_EQ(table.find("KIND", header_start) - header_start, table.find("dpu", row_start) - row_start);
+}
+
+TEST(ParseJsonTest, RejectsMalformedDocuments) {
+  EXPECT_FALSE(ParseJson("{\"a\":1,}").ok());
+  EXPECT_FALSE(ParseJson("{\"a\":01}").ok());
+  EXPECT_FALSE(ParseJson("[1] [2]").ok());
+  EXPECT_FALSE(ParseJson("{\"a\":1,\"a\":2}").ok());
+  EXPECT_TRUE(ParseJson(" {\"a\":[true,false,null,-1.5e3,\"x\\ty\"]} ").ok());
+}
+
+}  // namespace
+}  // namespace optimus

@@ -1,0 +1,558 @@
+#include "coordinator/coordinator.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <limits>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "common/dtype.h"
+#include "common/grpc_status.h"
+#include "common/logging.h"
+#include "grpcpp/grpcpp.h"
+#include "proto/optimus.grpc.pb.h"
+
+namespace optimus {
+namespace {
+
+constexpr char kLog[] = "coord";
+
+// Defaults filled into a stored JobSpec (see proto/optimus.proto).
+constexpr float kDefaultBeta1 = 0.9f;
+constexpr float kDefaultBeta2 = 0.999f;
+constexpr float kDefaultEps = 1e-8f;
+
+// gRPC message size limit of the server: a job's map travels whole in
+// CreateJob/JoinJob/GetJob responses (see kMaxChunksPerJob).
+constexpr int kMaxMessageBytes = 64 << 20;
+
+// 2^56 elements is far beyond any model, and keeps every byte count derived
+// from it (elements * bytes per element) inside 64 bits.
+constexpr uint64_t kMaxJobElems = uint64_t{1} << 56;
+
+// Every worker costs an aggregation slot per chunk on the shards; a million
+// is beyond any cluster and keeps world_size * dtype bytes a small int.
+constexpr uint32_t kMaxWorldSize = 1 << 20;
+
+bool IsAdamLike(v1::OptimizerKind k) {
+  return k == v1::OPTIMIZER_ADAM || k == v1::OPTIMIZER_ADAMW;
+}
+
+const char* KindName(v1::ShardKind k) {
+  switch (k) {
+    case v1::SHARD_KIND_DPU: return "dpu";
+    case v1::SHARD_KIND_HOST: return "host";
+    default: return "unspecified";
+  }
+}
+
+absl::Status Invalid(absl::string_view what) {
+  return absl::InvalidArgumentError(absl::StrCat("invalid job spec: ", what));
+}
+
+// Validates `spec` in place and fills its defaults; returns each tensor's
+// element count.
+absl::StatusOr<std::vector<uint64_t>> ValidateAndFillSpec(v1::JobSpec& spec) {
+  if (spec.world_size() < 1) return Invalid("world_size must be >= 1");
+  if (spec.world_size() > kMaxWorldSize) {
+    return Invalid(absl::StrCat("world_size must be <= ", kMaxWorldSize));
+  }
+  if (spec.tensors_size() < 1) return Invalid("at least one tensor is required");
+  std::set<std::string> names;
+  std::vector<uint64_t> num_elems;
+  uint64_t total_elems = 0;
+  for (int t = 0; t < spec.tensors_size(); ++t) {
+    const v1::TensorSpec& tensor = spec.tensors(t);
+    if (tensor.name().empty()) return Invalid(absl::StrCat("tensor ", t, " has an empty name"));
+    if (!names.insert(tensor.name()).second) {
+      return Invalid(absl::StrCat("tensor name \"", tensor.name(), "\" is used twice"));
+    }
+    // An empty shape is a scalar: one element.
+    uint64_t n = 1;
+    for (int64_t dim : tensor.shape()) {
+      if (dim <= 0) {
+        return Invalid(absl::StrCat("tensor \"", tensor.name(), "\" has dimension ", dim,
+                                    "; every dimension must be positive"));
+      }
+      if (__builtin_mul_overflow(n, static_cast<uint64_t>(dim), &n) || n > kMaxJobElems) {
+        return Invalid(absl::StrCat("tensor \"", tensor.name(), "\" is too large"));
+      }
+    }
+    total_elems += n;
+    if (total_elems > kMaxJobElems) return Invalid("the job has too many elements");
+    num_elems.push_back(n);
+  }
+  if (spec.grad_dtype() == v1::DTYPE_UNSPECIFIED || !DTypeFromInt(spec.grad_dtype()).ok()) {
+    return Invalid("grad_dtype must be FP32, BF16 or FP16");
+  }
+  if (spec.param_dtype() == v1::DTYPE_UNSPECIFIED || !DTypeFromInt(spec.param_dtype()).ok()) {
+    return Invalid("param_dtype must be FP32, BF16 or FP16");
+  }
+  v1::OptimizerConfig& opt = *spec.mutable_optimizer();
+  const v1::OptimizerKind kind = opt.kind();
+  if (kind != v1::OPTIMIZER_ADAMW && kind != v1::OPTIMIZER_ADAM && kind != v1::OPTIMIZER_SGD) {
+    return Invalid("optimizer.kind must be ADAMW, ADAM or SGD");
+  }
+  if (!(opt.lr() > 0) || !std::isfinite(opt.lr())) {
+    return Invalid(absl::StrCat("optimizer.lr must be positive and finite, got ", opt.lr()));
+  }
+  if (!(opt.weight_decay() >= 0) || !std::isfinite(opt.weight_decay())) {
+    return Invalid("optimizer.weight_decay must be >= 0 and finite");
+  }
+  if (!(opt.momentum() >= 0 && opt.momentum() < 1)) {
+    return Invalid("optimizer.momentum must be in [0, 1)");
+  }
+  if (!(opt.grad_scale() >= 0) || !std::isfinite(opt.grad_scale())) {
+    return Invalid("optimizer.grad_scale must be >= 0 and finite (0: 1/world_size)");
+  }
+  if (IsAdamLike(kind)) {
+    if (!(opt.beta1() >= 0 && opt.beta1() < 1)) return Invalid("optimizer.beta1 must be in [0, 1)");
+    if (!(opt.beta2() >= 0 && opt.beta2() < 1)) return Invalid("optimizer.beta2 must be in [0, 1)");
+    if (!(opt.eps() >= 0) || !std::isfinite(opt.eps())) return Invalid("optimizer.eps must be >= 0");
+    if (opt.beta1() == 0) opt.set_beta1(kDefaultBeta1);
+    if (opt.beta2() == 0) opt.set_beta2(kDefaultBeta2);
+    if (opt.eps() == 0) opt.set_eps(kDefaultEps);
+  }
+  if (opt.grad_scale() == 0) opt.set_grad_scale(1.0f / static_cast<float>(spec.world_size()));
+  if (spec.max_chunk_bytes() == 0) spec.set_max_chunk_bytes(kDefaultMaxChunkBytes);
+  if (spec.max_chunk_bytes() < 4) {
+    return Invalid("max_chunk_bytes must be 0 (4 MiB) or at least 4 (one fp32 element)");
+  }
+  const uint64_t max_chunk_elems = spec.max_chunk_bytes() / 4;
+  uint64_t num_chunks = 0;
+  for (uint64_t n : num_elems) num_chunks += (n + max_chunk_elems - 1) / max_chunk_elems;
+  if (num_chunks > kMaxChunksPerJob) {
+    return Invalid(absl::StrCat("the job would have ", num_chunks, " chunks, more than ",
+                                kMaxChunksPerJob, "; raise max_chunk_bytes"));
+  }
+  return num_elems;
+}
+
+}  // namespace
+
+Coordinator::Coordinator(const CoordinatorOptions& options) : options_(options) {}
+
+absl::StatusOr<v1::RegisterShardResponse> Coordinator::RegisterShard(
+    const v1::RegisterShardRequest& req) {
+  const v1::ShardCapabilities& caps = req.capabilities();
+  if (caps.kind() != v1::SHARD_KIND_DPU && caps.kind() != v1::SHARD_KIND_HOST) {
+    return absl::InvalidArgumentError("shard capabilities: kind must be DPU or HOST");
+  }
+  if (caps.memory_limit_bytes() == 0) {
+    return absl::InvalidArgumentError("shard capabilities: memory_limit_bytes must be > 0");
+  }
+  if (caps.data_address().empty()) {
+    return absl::InvalidArgumentError(
+        "shard capabilities: data_address (the UCX worker address) is empty");
+  }
+  absl::MutexLock lock(&mu_);
+  ShardRecord shard;
+  shard.id = next_shard_id_++;
+  shard.capabilities = caps;
+  shard.last_heartbeat = absl::Now();
+  shards_[shard.id] = shard;
+  OPTIMUS_LOG(Info, kLog, "shard registered id=", shard.id, " kind=", KindName(caps.kind()),
+              " host=", caps.hostname(), " arch=", caps.arch(),
+              " memory_limit_bytes=", caps.memory_limit_bytes());
+  v1::RegisterShardResponse resp;
+  resp.set_shard_id(shard.id);
+  resp.set_lease_ms(static_cast<uint32_t>(absl::ToInt64Milliseconds(options_.lease)));
+  return resp;
+}
+
+v1::HeartbeatResponse Coordinator::Heartbeat(const v1::HeartbeatRequest& req) {
+  v1::HeartbeatResponse resp;
+  absl::MutexLock lock(&mu_);
+  auto it = shards_.find(req.shard_id());
+  if (it == shards_.end() || it->second.state != v1::SHARD_STATE_UP) {
+    resp.set_known(false);
+    return resp;
+  }
+  ShardRecord& shard = it->second;
+  shard.last_heartbeat = absl::Now();
+  shard.memory_used_bytes = req.memory_used_bytes();
+  shard.chunks_reported = req.chunks_owned();
+  for (const v1::ShardJobProgress& p : req.jobs()) {
+    auto job_it = jobs_.find(p.job_id());
+    if (job_it == jobs_.end()) continue;
+    JobRecord& job = job_it->second;
+    if (job.load.count(shard.id) == 0) continue;  // Not a job of this shard.
+    job.progress[shard.id] = p;
+    MaybeMarkReadyLocked(job);
+  }
+  resp.set_known(true);
+  for (const auto& [job_id, job] : jobs_) {
+    if (job.state == v1::JOB_STATE_FAILED || job.load.count(shard.id) == 0) continue;
+    v1::Assignment* a = resp.add_assignments();
+    a->set_job_id(job_id);
+    a->set_map_epoch(job.map.epoch());
+  }
+  return resp;
+}
+
+void Coordinator::MaybeMarkReadyLocked(JobRecord& job) {
+  if (job.state != v1::JOB_STATE_PENDING) return;
+  for (const auto& [shard_id, load] : job.load) {
+    auto p = job.progress.find(shard_id);
+    if (p == job.progress.end() || p->second.map_epoch() != job.map.epoch() ||
+        p->second.chunks_loaded() != load.num_chunks) {
+      return;
+    }
+  }
+  job.state = v1::JOB_STATE_READY;
+  OPTIMUS_LOG(Info, kLog, "job ready id=", job.id, " name=", job.spec.name(),
+              " epoch=", job.map.epoch(), " shards=", job.load.size());
+}
+
+std::map<uint64_t, Coordinator::ShardLoad> Coordinator::PlannedLoadLocked() const {
+  std::map<uint64_t, ShardLoad> total;
+  for (const auto& [job_id, job] : jobs_) {
+    if (job.state == v1::JOB_STATE_FAILED) continue;  // Its shards drop it.
+    for (const auto& [shard_id, load] : job.load) {
+      total[shard_id].num_chunks += load.num_chunks;
+      total[shard_id].size_bytes += load.size_bytes;
+    }
+  }
+  return total;
+}
+
+absl::StatusOr<v1::CreateJobResponse> Coordinator::CreateJob(const v1::CreateJobRequest& req) {
+  v1::JobSpec spec = req.spec();
+  if (spec.name().empty()) return Invalid("name is empty");
+  absl::StatusOr<std::vector<uint64_t>> num_elems = ValidateAndFillSpec(spec);
+  if (!num_elems.ok()) return num_elems.status();
+
+  const size_t grad_bytes = DTypeSize(*DTypeFromInt(spec.grad_dtype()));
+  const size_t param_bytes = DTypeSize(*DTypeFromInt(spec.param_dtype()));
+  const bool adam = IsAdamLike(spec.optimizer().kind());
+  const uint64_t bytes_per_elem =
+      StateBytesPerElem(static_cast<int>(spec.world_size()), grad_bytes, param_bytes, adam);
+  std::vector<ChunkSpec> chunks = SplitTensors(*num_elems, spec.max_chunk_bytes() / 4);
+
+  absl::MutexLock lock(&mu_);
+  if (job_ids_by_name_.count(spec.name()) != 0) {
+    return absl::AlreadyExistsError(
+        absl::StrCat("a job named \"", spec.name(), "\" already exists (id ",
+                     job_ids_by_name_[spec.name()], ")"));
+  }
+  const std::map<uint64_t, ShardLoad> planned = PlannedLoadLocked();
+  std::vector<ShardInfo> live;
+  for (const auto& [id, shard] : shards_) {
+    if (shard.state != v1::SHARD_STATE_UP) continue;
+    auto p = planned.find(id);
+    live.push_back({id, shard.capabilities.kind() == v1::SHARD_KIND_DPU,
+                    shard.capabilities.memory_limit_bytes(),
+                    p == planned.end() ? 0 : p->second.size_bytes});
+  }
+  absl::StatusOr<std::vector<ChunkSpec>> placed = PlaceChunks(std::move(chunks), live, bytes_per_elem);
+  if (!placed.ok()) {
+    OPTIMUS_LOG(Warning, kLog, "job refused name=", spec.name(), ": ", placed.status().message());
+    return absl::Status(placed.status().code(),
+                        absl::StrCat("job \"", spec.name(), "\": ", placed.status().message()));
+  }
+
+  JobRecord job;
+  job.id = next_job_id_++;
+  job.spec = spec;
+  job.bytes_per_elem = bytes_per_elem;
+  for (uint64_t n : *num_elems) job.num_params += n;
+  job.map.set_job_id(job.id);
+  job.map.set_epoch(1);
+  for (const ChunkSpec& c : *placed) {
+    v1::ChunkPlacement* p = job.map.add_chunks();
+    p->set_tensor(c.tensor);
+    p->set_chunk(c.chunk);
+    p->set_offset_elems(c.offset_elems);
+    p->set_num_elems(c.num_elems);
+    p->set_shard_id(c.shard_id);
+    ShardLoad& load = job.load[c.shard_id];
+    load.num_chunks += 1;
+    load.size_bytes += c.num_elems * bytes_per_elem;
+  }
+  for (const auto& [shard_id, load] : job.load) {
+    const ShardRecord& shard = shards_.at(shard_id);
+    v1::ShardEndpoint* e = job.map.add_shards();
+    e->set_shard_id(shard_id);
+    e->set_data_address(shard.capabilities.data_address());
+    e->set_kind(shard.capabilities.kind());
+  }
+  OPTIMUS_LOG(Info, kLog, "job created id=", job.id, " name=", spec.name(),
+              " world_size=", spec.world_size(), " tensors=", spec.tensors_size(),
+              " params=", job.num_params, " chunks=", job.map.chunks_size(),
+              " shards=", job.load.size(), " bytes_per_elem=", bytes_per_elem);
+  v1::CreateJobResponse resp;
+  resp.set_job_id(job.id);
+  *resp.mutable_map() = job.map;
+  job_ids_by_name_[spec.name()] = job.id;
+  jobs_.emplace(job.id, std::move(job));
+  return resp;
+}
+
+absl::StatusOr<v1::JoinJobResponse> Coordinator::JoinJob(const v1::JoinJobRequest& req) {
+  absl::MutexLock lock(&mu_);
+  auto name_it = job_ids_by_name_.find(req.job_name());
+  if (name_it == job_ids_by_name_.end()) {
+    return absl::NotFoundError(absl::StrCat("no job named \"", req.job_name(), "\""));
+  }
+  JobRecord& job = jobs_.at(name_it->second);
+  if (req.world_size() != job.spec.world_size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("job \"", req.job_name(), "\" has world_size ", job.spec.world_size(),
+                     ", the worker says ", req.world_size()));
+  }
+  if (req.rank() >= job.spec.world_size()) {
+    return absl::InvalidArgumentError(absl::StrCat("rank ", req.rank(), " is out of range for job \"",
+                                                   req.job_name(), "\" with world_size ",
+                                                   job.spec.world_size()));
+  }
+  if (job.joined_ranks.insert(req.rank()).second) {
+    OPTIMUS_LOG(Info, kLog, "worker joined job=", job.id, " rank=", req.rank(), " joined=",
+                job.joined_ranks.size(), "/", job.spec.world_size());
+  }
+  v1::JoinJobResponse resp;
+  resp.set_job_id(job.id);
+  *resp.mutable_spec() = job.spec;
+  *resp.mutable_map() = job.map;
+  resp.set_state(job.state);
+  return resp;
+}
+
+absl::StatusOr<v1::GetJobResponse> Coordinator::GetJob(uint64_t job_id) {
+  absl::MutexLock lock(&mu_);
+  auto it = jobs_.find(job_id);
+  if (it == jobs_.end()) return absl::NotFoundError(absl::StrCat("no job with id ", job_id));
+  v1::GetJobResponse resp;
+  resp.set_job_id(job_id);
+  *resp.mutable_spec() = it->second.spec;
+  *resp.mutable_map() = it->second.map;
+  resp.set_state(it->second.state);
+  return resp;
+}
+
+absl::StatusOr<v1::ShardMap> Coordinator::GetShardMap(uint64_t job_id) {
+  absl::MutexLock lock(&mu_);
+  auto it = jobs_.find(job_id);
+  if (it == jobs_.end()) return absl::NotFoundError(absl::StrCat("no job with id ", job_id));
+  return it->second.map;
+}
+
+absl::StatusOr<std::optional<v1::ShardMap>> Coordinator::WaitForShardMap(uint64_t job_id,
+                                                                         uint64_t after_epoch,
+                                                                         absl::Duration timeout) {
+  const absl::Time deadline = absl::Now() + timeout;
+  absl::MutexLock lock(&mu_);
+  while (true) {
+    if (shutting_down_) return absl::UnavailableError("coordinator is shutting down");
+    auto it = jobs_.find(job_id);
+    if (it == jobs_.end()) return absl::NotFoundError(absl::StrCat("no job with id ", job_id));
+    const JobRecord& job = it->second;
+    if (job.map.epoch() > after_epoch) return std::optional<v1::ShardMap>(job.map);
+    if (job.state == v1::JOB_STATE_FAILED) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("job ", job_id, " failed: a shard holding its chunks went down"));
+    }
+    if (absl::Now() >= deadline) return std::optional<v1::ShardMap>();
+    map_changed_.WaitWithDeadline(&mu_, deadline);
+  }
+}
+
+v1::StatusResponse Coordinator::Status() {
+  v1::StatusResponse resp;
+  const absl::Time now = absl::Now();
+  absl::MutexLock lock(&mu_);
+  const std::map<uint64_t, ShardLoad> planned = PlannedLoadLocked();
+  for (const auto& [id, shard] : shards_) {
+    v1::ShardStatus* s = resp.add_shards();
+    s->set_shard_id(id);
+    *s->mutable_capabilities() = shard.capabilities;
+    s->set_state(shard.state);
+    s->set_memory_used_bytes(shard.memory_used_bytes);
+    auto p = planned.find(id);
+    if (p != planned.end()) {
+      s->set_memory_planned_bytes(p->second.size_bytes);
+      s->set_chunks_owned(p->second.num_chunks);
+    }
+    s->set_lease_age_ms(
+        static_cast<uint64_t>(std::max<int64_t>(0, absl::ToInt64Milliseconds(now - shard.last_heartbeat))));
+  }
+  for (const auto& [id, job] : jobs_) {
+    v1::JobStatus* j = resp.add_jobs();
+    j->set_job_id(id);
+    j->set_name(job.spec.name());
+    j->set_state(job.state);
+    j->set_world_size(job.spec.world_size());
+    j->set_workers_joined(static_cast<uint32_t>(job.joined_ranks.size()));
+    // Lowest step over the owning shards; one that has not reported counts as 0.
+    uint64_t step = std::numeric_limits<uint64_t>::max();
+    for (const auto& [shard_id, load] : job.load) {
+      auto p = job.progress.find(shard_id);
+      step = std::min<uint64_t>(step, p == job.progress.end() ? 0 : p->second.applied_step());
+    }
+    j->set_current_step(job.load.empty() ? 0 : step);
+    j->set_num_tensors(static_cast<uint32_t>(job.spec.tensors_size()));
+    j->set_num_params(job.num_params);
+    j->set_state_bytes(job.num_params * (IsAdamLike(job.spec.optimizer().kind()) ? 12 : 8));
+    j->set_map_epoch(job.map.epoch());
+  }
+  return resp;
+}
+
+int Coordinator::SweepExpiredLeases(absl::Time now) {
+  absl::MutexLock lock(&mu_);
+  int marked_down = 0;
+  for (auto& [id, shard] : shards_) {
+    if (shard.state != v1::SHARD_STATE_UP || now - shard.last_heartbeat <= options_.lease) continue;
+    shard.state = v1::SHARD_STATE_DOWN;
+    ++marked_down;
+    OPTIMUS_LOG(Warning, kLog, "shard down id=", id, " host=", shard.capabilities.hostname(),
+                ": no heartbeat for ", absl::FormatDuration(now - shard.last_heartbeat),
+                " (lease ", absl::FormatDuration(options_.lease), ")");
+    for (auto& [job_id, job] : jobs_) {
+      if (job.state == v1::JOB_STATE_FAILED || job.load.count(id) == 0) continue;
+      job.state = v1::JOB_STATE_FAILED;
+      // No failover yet: without a replica the chunks on the lost shard are gone.
+      OPTIMUS_LOG(Error, kLog, "job failed id=", job_id, " name=", job.spec.name(),
+                  ": shard ", id, " holding ", job.load[id].num_chunks,
+                  " of its chunks went down (no failover)");
+    }
+  }
+  if (marked_down > 0) map_changed_.SignalAll();
+  return marked_down;
+}
+
+void Coordinator::BeginShutdown() {
+  absl::MutexLock lock(&mu_);
+  shutting_down_ = true;
+  map_changed_.SignalAll();
+}
+
+// ---------------------------------------------------------------------------
+// gRPC adapter: converts statuses and nothing else.
+
+class CoordinatorServer::Service final : public v1::Coordinator::Service {
+ public:
+  explicit Service(Coordinator* core) : core_(core) {}
+
+  grpc::Status RegisterShard(grpc::ServerContext*, const v1::RegisterShardRequest* req,
+                             v1::RegisterShardResponse* resp) override {
+    return Reply(core_->RegisterShard(*req), resp);
+  }
+  grpc::Status Heartbeat(grpc::ServerContext*, const v1::HeartbeatRequest* req,
+                         v1::HeartbeatResponse* resp) override {
+    *resp = core_->Heartbeat(*req);
+    return grpc::Status::OK;
+  }
+  grpc::Status CreateJob(grpc::ServerContext*, const v1::CreateJobRequest* req,
+                         v1::CreateJobResponse* resp) override {
+    return Reply(core_->CreateJob(*req), resp);
+  }
+  grpc::Status JoinJob(grpc::ServerContext*, const v1::JoinJobRequest* req,
+                       v1::JoinJobResponse* resp) override {
+    return Reply(core_->JoinJob(*req), resp);
+  }
+  grpc::Status GetJob(grpc::ServerContext*, const v1::GetJobRequest* req,
+                      v1::GetJobResponse* resp) override {
+    return Reply(core_->GetJob(req->job_id()), resp);
+  }
+  grpc::Status GetShardMap(grpc::ServerContext*, const v1::GetShardMapRequest* req,
+                           v1::ShardMap* resp) override {
+    return Reply(core_->GetShardMap(req->job_id()), resp);
+  }
+  grpc::Status WatchShardMap(grpc::ServerContext* ctx, const v1::WatchShardMapRequest* req,
+                             grpc::ServerWriter<v1::ShardMap>* writer) override {
+    // The sync API has no cancellation callback: wait in short slices and
+    // poll IsCancelled() between them.
+    constexpr absl::Duration kPollInterval = absl::Milliseconds(100);
+    uint64_t after_epoch = req->after_epoch();
+    while (!ctx->IsCancelled()) {
+      absl::StatusOr<std::optional<v1::ShardMap>> map =
+          core_->WaitForShardMap(req->job_id(), after_epoch, kPollInterval);
+      if (!map.ok()) return ToGrpc(map.status());
+      if (!map->has_value()) continue;
+      if (!writer->Write(**map)) return grpc::Status::OK;  // Client went away.
+      after_epoch = (*map)->epoch();
+    }
+    return grpc::Status(grpc::StatusCode::CANCELLED, "watch cancelled by the client");
+  }
+  grpc::Status Status(grpc::ServerContext*, const v1::StatusRequest*,
+                      v1::StatusResponse* resp) override {
+    *resp = core_->Status();
+    return grpc::Status::OK;
+  }
+
+ private:
+  template <typename T>
+  static grpc::Status Reply(absl::StatusOr<T> result, T* resp) {
+    if (!result.ok()) return ToGrpc(result.status());
+    *resp = *std::move(result);
+    return grpc::Status::OK;
+  }
+
+  Coordinator* const core_;
+};
+
+absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
+    const CoordinatorOptions& options) {
+  if (options.lease <= absl::ZeroDuration() || options.sweep_interval <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("coordinator options: lease and sweep_interval must be > 0");
+  }
+  const size_t colon = options.listen_address.rfind(':');
+  if (colon == std::string::npos) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("listen address \"", options.listen_address, "\" is not HOST:PORT"));
+  }
+  std::unique_ptr<CoordinatorServer> s(new CoordinatorServer());
+  s->host_ = options.listen_address.substr(0, colon);
+  if (s->host_.empty() || s->host_ == "0.0.0.0" || s->host_ == "[::]" || s->host_ == "*") {
+    s->host_ = "127.0.0.1";
+  }
+  s->core_ = std::make_unique<Coordinator>(options);
+  s->service_ = std::make_unique<Service>(s->core_.get());
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort(options.listen_address, grpc::InsecureServerCredentials(), &s->port_);
+  builder.RegisterService(s->service_.get());
+  builder.SetMaxReceiveMessageSize(kMaxMessageBytes);
+  builder.SetMaxSendMessageSize(kMaxMessageBytes);
+  s->server_ = builder.BuildAndStart();
+  if (s->server_ == nullptr || s->port_ == 0) {
+    return absl::UnavailableError(
+        absl::StrCat("coordinator cannot listen on ", options.listen_address));
+  }
+  Coordinator* core = s->core_.get();
+  absl::Notification* stop = &s->stop_sweeper_;
+  const absl::Duration interval = options.sweep_interval;
+  s->sweeper_ = std::thread([core, stop, interval] {
+    while (!stop->WaitForNotificationWithTimeout(interval)) {
+      core->SweepExpiredLeases(absl::Now());
+    }
+  });
+  OPTIMUS_LOG(Info, kLog, "coordinator listening on ", s->address(),
+              " lease=", absl::FormatDuration(options.lease));
+  return s;
+}
+
+std::string CoordinatorServer::address() const { return absl::StrCat(host_, ":", port_); }
+
+void CoordinatorServer::Shutdown() {
+  {
+    absl::MutexLock lock(&shutdown_mu_);
+    if (shut_down_) return;
+    shut_down_ = true;
+  }
+  core_->BeginShutdown();  // Ends WatchShardMap streams.
+  // Gives in-flight unary calls a moment, then cancels what is left.
+  server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
+  server_->Wait();
+  stop_sweeper_.Notify();
+  if (sweeper_.joinable()) sweeper_.join();
+  OPTIMUS_LOG(Info, kLog, "coordinator stopped");
+}
+
+CoordinatorServer::~CoordinatorServer() {
+  if (server_ != nullptr) Shutdown();
+}
+
+}  // namespace optimus

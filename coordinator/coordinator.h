@@ -1,0 +1,183 @@
+// optimus-coord's service: shard membership with leases, jobs and their
+// shard maps, and cluster status. `Coordinator` is the core (plain methods,
+// absl::Status errors, one absl::Mutex, safe from any thread);
+// `CoordinatorServer` is a handle that owns a core, a gRPC server and the
+// lease sweeper, and stops them all in Shutdown() or its destructor.
+#ifndef OPTIMUS_COORDINATOR_COORDINATOR_H_
+#define OPTIMUS_COORDINATOR_COORDINATOR_H_
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/time.h"
+#include "coordinator/shard_map.h"
+#include "proto/optimus.pb.h"
+
+namespace grpc {
+class Server;
+}  // namespace grpc
+
+namespace optimus {
+
+struct CoordinatorOptions {
+  // gRPC listen address, "HOST:PORT". Port 0 picks a free port (read it back
+  // with CoordinatorServer::port()). Default: loopback only.
+  std::string listen_address = "127.0.0.1:0";
+  // A shard with no heartbeat for this long is marked DOWN and the jobs that
+  // hold chunks on it fail. Shorter detects failures sooner but costs more
+  // heartbeats (shards are told to beat every lease/3). Default 2 s.
+  absl::Duration lease = absl::Seconds(2);
+  // How often the sweeper checks leases; a dead shard is noticed within
+  // lease + sweep_interval. Default 200 ms.
+  absl::Duration sweep_interval = absl::Milliseconds(200);
+};
+
+// Most chunks one job may have: its whole map travels in one gRPC message
+// (~25 bytes per chunk), which must stay well under the 64 MiB the server
+// allows. A larger model needs a larger max_chunk_bytes.
+inline constexpr uint64_t kMaxChunksPerJob = uint64_t{1} << 20;
+
+// The coordinator's state machine. Request and response types are the
+// control-plane contract of proto/optimus.proto: this class *is* the RPC
+// layer's logic, so proto types stop here; the placement math below it
+// (shard_map.h) takes plain structs. Every method is thread-safe.
+class Coordinator {
+ public:
+  explicit Coordinator(const CoordinatorOptions& options);
+  Coordinator(const Coordinator&) = delete;
+  Coordinator& operator=(const Coordinator&) = delete;
+
+  // Assigns a new shard id (1, 2, ...; never reused), state UP.
+  // INVALID_ARGUMENT unless memory_limit_bytes > 0, kind is DPU or HOST and
+  // data_address is non-empty.
+  absl::StatusOr<v1::RegisterShardResponse> RegisterShard(const v1::RegisterShardRequest& req);
+
+  // Renews the lease and records the shard's reported usage and per-job
+  // progress; a PENDING job turns READY once every shard owning its chunks
+  // reports the current epoch with all its chunks loaded. An unknown or DOWN
+  // shard gets known=false and must register again (under a new id).
+  v1::HeartbeatResponse Heartbeat(const v1::HeartbeatRequest& req);
+
+  // Validates the spec (INVALID_ARGUMENT, or ALREADY_EXISTS for a taken name),
+  // fills defaults, places the chunks over UP shards (FAILED_PRECONDITION
+  // without shards, RESOURCE_EXHAUSTED when it does not fit) and returns the
+  // new job's id and map (epoch 1). The job starts PENDING.
+  absl::StatusOr<v1::CreateJobResponse> CreateJob(const v1::CreateJobRequest& req);
+
+  // Records `rank` as joined (idempotent). NOT_FOUND for an unknown job;
+  // INVALID_ARGUMENT when world_size differs from the job's or rank >= it.
+  absl::StatusOr<v1::JoinJobResponse> JoinJob(const v1::JoinJobRequest& req);
+
+  // NOT_FOUND for an unknown job.
+  absl::StatusOr<v1::GetJobResponse> GetJob(uint64_t job_id);
+  absl::StatusOr<v1::ShardMap> GetShardMap(uint64_t job_id);
+
+  // Waits up to `timeout` for the job's map to have an epoch > after_epoch
+  // and returns it; std::nullopt when the wait timed out. NOT_FOUND for an
+  // unknown job, FAILED_PRECONDITION once the job has FAILED (after its
+  // current map was delivered), UNAVAILABLE after BeginShutdown().
+  absl::StatusOr<std::optional<v1::ShardMap>> WaitForShardMap(uint64_t job_id,
+                                                              uint64_t after_epoch,
+                                                              absl::Duration timeout);
+
+  v1::StatusResponse Status();
+
+  // Marks DOWN every UP shard whose last heartbeat is older than the lease
+  // at `now`, and fails the PENDING/READY jobs holding chunks on it.
+  // Returns the number of shards marked DOWN. Called by the sweeper thread.
+  int SweepExpiredLeases(absl::Time now);
+
+  // Wakes every WaitForShardMap, which then returns UNAVAILABLE.
+  void BeginShutdown();
+
+ private:
+  struct ShardRecord {
+    uint64_t id = 0;
+    v1::ShardCapabilities capabilities;
+    v1::ShardState state = v1::SHARD_STATE_UP;
+    absl::Time last_heartbeat;
+    uint64_t memory_used_bytes = 0;  // As reported.
+    uint32_t chunks_reported = 0;    // As reported.
+  };
+  struct ShardLoad {
+    uint32_t num_chunks = 0;
+    uint64_t size_bytes = 0;
+  };
+  struct JobRecord {
+    uint64_t id = 0;
+    v1::JobSpec spec;  // Defaults filled.
+    v1::JobState state = v1::JOB_STATE_PENDING;
+    uint64_t num_params = 0;
+    uint64_t bytes_per_elem = 0;
+    v1::ShardMap map;                     // Current map, map.epoch() is the epoch.
+    std::map<uint64_t, ShardLoad> load;   // Planned, by shard id.
+    std::map<uint64_t, v1::ShardJobProgress> progress;  // Reported, by shard id.
+    std::set<uint32_t> joined_ranks;
+  };
+
+  // Planned load per shard over jobs that are not FAILED.
+  std::map<uint64_t, ShardLoad> PlannedLoadLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void MaybeMarkReadyLocked(JobRecord& job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  const CoordinatorOptions options_;
+  absl::Mutex mu_;
+  // Signalled when a map epoch changes, a job fails, or on shutdown.
+  absl::CondVar map_changed_;
+  bool shutting_down_ ABSL_GUARDED_BY(mu_) = false;
+  uint64_t next_shard_id_ ABSL_GUARDED_BY(mu_) = 1;
+  uint64_t next_job_id_ ABSL_GUARDED_BY(mu_) = 1;
+  std::map<uint64_t, ShardRecord> shards_ ABSL_GUARDED_BY(mu_);
+  std::map<uint64_t, JobRecord> jobs_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, uint64_t> job_ids_by_name_ ABSL_GUARDED_BY(mu_);
+};
+
+// A running coordinator: the core, its gRPC server and the lease sweeper.
+// Start() either returns a serving handle or an error; Shutdown() (or the
+// destructor) ends open WatchShardMap streams, stops the server and the
+// sweeper, and may be called from any thread, more than once.
+class CoordinatorServer {
+ public:
+  // UNAVAILABLE when the address cannot be bound.
+  static absl::StatusOr<std::unique_ptr<CoordinatorServer>> Start(const CoordinatorOptions& options);
+  ~CoordinatorServer();
+  CoordinatorServer(const CoordinatorServer&) = delete;
+  CoordinatorServer& operator=(const CoordinatorServer&) = delete;
+
+  // The bound port (never 0).
+  int port() const { return port_; }
+  // "HOST:PORT" to dial: the listen host with the bound port; a wildcard
+  // host (0.0.0.0, [::], *) becomes 127.0.0.1.
+  std::string address() const;
+  // Borrowed; valid until this handle is destroyed.
+  Coordinator* core() { return core_.get(); }
+
+  void Shutdown();
+
+ private:
+  class Service;
+  CoordinatorServer() = default;
+
+  std::unique_ptr<Coordinator> core_;
+  std::unique_ptr<Service> service_;
+  std::unique_ptr<grpc::Server> server_;
+  std::string host_;
+  int port_ = 0;
+  absl::Notification stop_sweeper_;
+  std::thread sweeper_;
+  absl::Mutex shutdown_mu_;
+  bool shut_down_ ABSL_GUARDED_BY(shutdown_mu_) = false;
+};
+
+}  // namespace optimus
+
+#endif  // OPTIMUS_COORDINATOR_COORDINATOR_H_

@@ -1,0 +1,83 @@
+// optimus-coord: the control-plane server. Parses flags into
+// CoordinatorOptions, serves until SIGTERM or SIGINT, then shuts down and
+// exits 0.
+#include <signal.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <string>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/time.h"
+#include "common/logging.h"
+#include "coordinator/coordinator.h"
+
+ABSL_FLAG(std::string, listen, "127.0.0.1:7070", "gRPC listen address HOST:PORT; port 0 picks one");
+ABSL_FLAG(int, lease_ms, 2000, "A shard with no heartbeat for this many ms is marked DOWN");
+ABSL_FLAG(int, sweep_ms, 200, "How often leases are checked, in ms");
+ABSL_FLAG(std::string, port_file, "",
+          "If set, the bound port is written to this file (atomically) once serving");
+ABSL_FLAG(bool, verbose, false, "Log debug lines too");
+
+namespace {
+
+// Writes via a temporary file and rename(2), so a reader polling for the
+// file never sees it half-written.
+absl::Status WritePortFile(const std::string& path, int port) {
+  const std::string tmp = absl::StrCat(path, ".tmp.", getpid());
+  {
+    std::ofstream out(tmp, std::ios::trunc);
+    out << port << "\n";
+    out.flush();
+    if (!out) return absl::InternalError(absl::StrCat("cannot write ", tmp));
+  }
+  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
+    std::remove(tmp.c_str());
+    return absl::InternalError(absl::StrCat("cannot rename ", tmp, " to ", path));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage("optimus-coord [--listen=HOST:PORT] [--lease_ms=N] [--port_file=PATH]");
+  absl::ParseCommandLine(argc, argv);
+  if (absl::GetFlag(FLAGS_verbose)) optimus::SetMinLogLevel(optimus::LogLevel::kDebug);
+
+  // Block the stop signals in every thread (gRPC's threads inherit this mask)
+  // and collect them synchronously below with sigwait.
+  sigset_t stop_signals;
+  sigemptyset(&stop_signals);
+  sigaddset(&stop_signals, SIGTERM);
+  sigaddset(&stop_signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
+
+  optimus::CoordinatorOptions options;
+  options.listen_address = absl::GetFlag(FLAGS_listen);
+  options.lease = absl::Milliseconds(absl::GetFlag(FLAGS_lease_ms));
+  options.sweep_interval = absl::Milliseconds(absl::GetFlag(FLAGS_sweep_ms));
+  auto server = optimus::CoordinatorServer::Start(options);
+  if (!server.ok()) {
+    OPTIMUS_LOG(Error, "coord", "cannot start: ", server.status().ToString());
+    return 1;
+  }
+  const std::string port_file = absl::GetFlag(FLAGS_port_file);
+  if (!port_file.empty()) {
+    absl::Status s = WritePortFile(port_file, (*server)->port());
+    if (!s.ok()) {
+      OPTIMUS_LOG(Error, "coord", s.ToString());
+      return 1;
+    }
+  }
+  int signal_number = 0;
+  sigwait(&stop_signals, &signal_number);
+  OPTIMUS_LOG(Info, "coord", "received signal ", signal_number, ", shutting down");
+  (*server)->Shutdown();
+  return 0;
+}

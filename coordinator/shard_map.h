@@ -1,0 +1,70 @@
+// Shard-map math of the coordinator: how many bytes of state an element
+// costs, how tensors are cut into contiguous chunks, and where chunks go.
+// Pure functions over plain structs (no proto, no clock); they own nothing
+// and are safe to call from any thread.
+#ifndef OPTIMUS_COORDINATOR_SHARD_MAP_H_
+#define OPTIMUS_COORDINATOR_SHARD_MAP_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+
+namespace optimus {
+
+// A live shard as the placer sees it.
+struct ShardInfo {
+  uint64_t id = 0;
+  bool is_dpu = false;
+  uint64_t memory_limit_bytes = 0;
+  // Bytes already placed on this shard by other jobs.
+  uint64_t memory_planned_bytes = 0;
+};
+
+// One contiguous slice [offset_elems, offset_elems + num_elems) of a tensor.
+struct ChunkSpec {
+  uint32_t tensor = 0;  // Index of the tensor in the job spec.
+  uint32_t chunk = 0;   // Index of the chunk within its tensor.
+  uint64_t offset_elems = 0;
+  uint64_t num_elems = 0;
+  uint64_t shard_id = 0;  // 0 until placed.
+};
+
+// Default chunk size: 4 MiB of fp32 state, i.e. 1 Mi elements. Large enough
+// that per-message overheads vanish, small enough that a layer's push
+// pipelines over several shards.
+inline constexpr uint64_t kDefaultMaxChunkBytes = uint64_t{4} << 20;
+
+// Bytes a shard holds per element of a job:
+//   4 (fp32 master) + 4 (first moment / momentum) + 4 if has_second_moment
+//   (Adam's v) + world_size * grad_dtype_bytes (one aggregation slot per
+//   worker) + 2 * param_dtype_bytes (two published versions, double buffer).
+uint64_t StateBytesPerElem(int world_size, size_t grad_dtype_bytes,
+                           size_t param_dtype_bytes, bool has_second_moment);
+
+// Cuts each tensor into contiguous chunks of at most max_chunk_elems
+// elements (all full-size except possibly the last of each tensor), in
+// tensor order then offset order, with shard_id = 0. A tensor with zero
+// elements gets no chunk: there is nothing to store or update for it.
+// max_chunk_elems == 0 is treated as 1.
+std::vector<ChunkSpec> SplitTensors(absl::Span<const uint64_t> tensor_num_elems,
+                                    uint64_t max_chunk_elems);
+
+// Assigns shard_id to every chunk, each chunk costing
+// num_elems * bytes_per_elem bytes. Greedy, largest chunk first: a chunk
+// goes to the DPU shard with the fewest planned bytes among those where it
+// still fits under memory_limit_bytes; only if no DPU fits, to the host
+// shard chosen the same way. Ties are broken by the lower shard id, so the
+// result depends only on the inputs. Returns the chunks in their input order.
+// Errors: FAILED_PRECONDITION when live_shards is empty ("no live shards");
+// RESOURCE_EXHAUSTED when some chunk fits nowhere, with the bytes the job
+// needs, the free bytes over the live shards and the largest free space.
+absl::StatusOr<std::vector<ChunkSpec>> PlaceChunks(
+    std::vector<ChunkSpec> chunks, absl::Span<const ShardInfo> live_shards,
+    uint64_t bytes_per_elem);
+
+}  // namespace optimus
+
+#endif  // OPTIMUS_COORDINATOR_SHARD_MAP_H_

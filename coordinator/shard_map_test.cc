@@ -1,0 +1,182 @@
+#include "coordinator/shard_map.h"
+
+#include <algorithm>
+#include <map>
+#include <random>
+
+#include "absl/status/status.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace optimus {
+namespace {
+
+using ::testing::HasSubstr;
+
+std::map<uint64_t, uint64_t> PlannedBytes(const std::vector<ChunkSpec>& chunks,
+                                          absl::Span<const ShardInfo> shards,
+                                          uint64_t bytes_per_elem) {
+  std::map<uint64_t, uint64_t> planned;
+  for (const ShardInfo& s : shards) planned[s.id] = s.memory_planned_bytes;
+  for (const ChunkSpec& c : chunks) planned[c.shard_id] += c.num_elems * bytes_per_elem;
+  return planned;
+}
+
+TEST(StateBytesPerElemTest, CountsMasterMomentsSlotsAndVersions) {
+  // AdamW, 8 workers pushing bf16, publishing bf16: 12 + 8*2 + 2*2.
+  EXPECT_EQ(StateBytesPerElem(8, 2, 2, true), 32u);
+  // SGD with momentum, 1 worker, fp32 grads and params: 8 + 4 + 8.
+  EXPECT_EQ(StateBytesPerElem(1, 4, 4, false), 20u);
+}
+
+TEST(SplitTensorsTest, ChunksAreContiguousBoundedAndOrdered) {
+  const std::vector<uint64_t> sizes = {10, 3, 0, 7};
+  const std::vector<ChunkSpec> chunks = SplitTensors(sizes, 4);
+  // 10 -> 4,4,2; 3 -> 3; 0 -> none; 7 -> 4,3.
+  ASSERT_EQ(chunks.size(), 6u);
+  EXPECT_EQ(chunks[0].tensor, 0u);
+  EXPECT_EQ(chunks[2].num_elems, 2u);
+  EXPECT_EQ(chunks[2].offset_elems, 8u);
+  EXPECT_EQ(chunks[2].chunk, 2u);
+  EXPECT_EQ(chunks[3].tensor, 1u);
+  EXPECT_EQ(chunks[3].chunk, 0u);
+  EXPECT_EQ(chunks[4].tensor, 3u);  // The empty tensor 2 has no chunk.
+  EXPECT_EQ(chunks[5].offset_elems, 4u);
+  EXPECT_EQ(chunks[5].num_elems, 3u);
+}
+
+TEST(SplitTensorsTest, ZeroMaxChunkIsTreatedAsOne) {
+  EXPECT_EQ(SplitTensors({3}, 0).size(), 3u);
+}
+
+TEST(PlaceChunksTest, RandomShapesCoverEveryElementOnceWithinLimits) {
+  std::mt19937_64 rng(12345);
+  int num_placed = 0, num_refused = 0;
+  for (int trial = 0; trial < 50; ++trial) {
+    const int num_tensors = 1 + static_cast<int>(rng() % 20);
+    std::vector<uint64_t> sizes;
+    for (int t = 0; t < num_tensors; ++t) sizes.push_back(rng() % 5000);  // Some zero.
+    const uint64_t max_chunk = 1 + rng() % 700;
+    std::vector<ShardInfo> shards;
+    const int num_shards = 1 + static_cast<int>(rng() % 6);
+    for (int i = 0; i < num_shards; ++i) {
+      shards.push_back({static_cast<uint64_t>(10 + i), (rng() % 2) == 0,
+                        /*memory_limit_bytes=*/5000 + rng() % 40000,
+                        /*memory_planned_bytes=*/rng() % 1000});
+    }
+    const uint64_t bpe = 1 + rng() % 4;
+    std::vector<ChunkSpec> split = SplitTensors(sizes, max_chunk);
+    absl::StatusOr<std::vector<ChunkSpec>> placed = PlaceChunks(split, shards, bpe);
+    uint64_t total = 0;
+    for (uint64_t n : sizes) total += n;
+    uint64_t capacity = 0;
+    for (const ShardInfo& s : shards) capacity += s.memory_limit_bytes - s.memory_planned_bytes;
+    if (!placed.ok()) {
+      // Refusal is only allowed when the job is at least close to full.
+      EXPECT_EQ(placed.status().code(), absl::StatusCode::kResourceExhausted);
+      EXPECT_GT(total * bpe + max_chunk * bpe * num_shards, capacity);
+      ++num_refused;
+      continue;
+    }
+    ++num_placed;
+    ASSERT_EQ(placed->size(), split.size());
+    // Every element of every tensor exactly once, in order, bounded chunks.
+    std::vector<uint64_t> next_offset(sizes.size(), 0);
+    for (size_t i = 0; i < placed->size(); ++i) {
+      const ChunkSpec& c = (*placed)[i];
+      EXPECT_EQ(c.tensor, split[i].tensor);  // Input order kept.
+      EXPECT_EQ(c.chunk, split[i].chunk);
+      ASSERT_LT(c.tensor, sizes.size());
+      EXPECT_EQ(c.offset_elems, next_offset[c.tensor]);
+      EXPECT_GT(c.num_elems, 0u);
+      EXPECT_LE(c.num_elems, max_chunk);
+      next_offset[c.tensor] += c.num_elems;
+      EXPECT_TRUE(std::any_of(shards.begin(), shards.end(),
+                              [&](const ShardInfo& s) { return s.id == c.shard_id; }));
+    }
+    EXPECT_EQ(next_offset, sizes);
+    // Memory limits never exceeded.
+    const auto planned = PlannedBytes(*placed, shards, bpe);
+    for (const ShardInfo& s : shards) EXPECT_LE(planned.at(s.id), s.memory_limit_bytes);
+  }
+  // The shapes are drawn so that both outcomes are exercised.
+  EXPECT_GT(num_placed, 10);
+  EXPECT_GT(num_refused, 0);
+}
+
+TEST(PlaceChunksTest, BalancedWithinOneChunkWhenAllShardsAreAlike) {
+  std::mt19937_64 rng(7);
+  for (int trial = 0; trial < 20; ++trial) {
+    std::vector<uint64_t> sizes;
+    for (int t = 0; t < 30; ++t) sizes.push_back(1 + rng() % 10000);
+    const uint64_t max_chunk = 1000, bpe = 16;
+    std::vector<ShardInfo> shards;
+    for (uint64_t id = 1; id <= 5; ++id) shards.push_back({id, true, uint64_t{1} << 40, 0});
+    auto placed = PlaceChunks(SplitTensors(sizes, max_chunk), shards, bpe);
+    ASSERT_TRUE(placed.ok()) << placed.status();
+    const auto planned = PlannedBytes(*placed, shards, bpe);
+    uint64_t lo = UINT64_MAX, hi = 0;
+    for (const auto& [id, bytes] : planned) {
+      lo = std::min(lo, bytes);
+      hi = std::max(hi, bytes);
+    }
+    EXPECT_LE(hi - lo, max_chunk * bpe);
+  }
+}
+
+TEST(PlaceChunksTest, PrefersDpusAndSpillsToHostOnlyWhenFull) {
+  const uint64_t bpe = 10;
+  // Two DPUs with room for 2 chunks of 100 elems each; one big host.
+  std::vector<ShardInfo> shards = {{1, false, 1000000, 0},
+                                   {2, true, 2000, 0},
+                                   {3, true, 2000, 0}};
+  auto fits = PlaceChunks(SplitTensors({400}, 100), shards, bpe);
+  ASSERT_TRUE(fits.ok()) << fits.status();
+  for (const ChunkSpec& c : *fits) EXPECT_NE(c.shard_id, 1u) << "host used while DPUs had room";
+
+  auto spills = PlaceChunks(SplitTensors({600}, 100), shards, bpe);
+  ASSERT_TRUE(spills.ok()) << spills.status();
+  const auto planned = PlannedBytes(*spills, shards, bpe);
+  EXPECT_EQ(planned.at(2), 2000u);
+  EXPECT_EQ(planned.at(3), 2000u);
+  EXPECT_EQ(planned.at(1), 2000u);
+}
+
+TEST(PlaceChunksTest, IsDeterministicAndBreaksTiesByShardId) {
+  std::vector<ShardInfo> shards = {{9, true, 1000, 0}, {4, true, 1000, 0}};
+  auto a = PlaceChunks(SplitTensors({1}, 10), shards, 4);
+  ASSERT_TRUE(a.ok());
+  EXPECT_EQ((*a)[0].shard_id, 4u);
+  // Bytes already planned by other jobs count.
+  shards[1].memory_planned_bytes = 100;
+  auto b = PlaceChunks(SplitTensors({1}, 10), shards, 4);
+  ASSERT_TRUE(b.ok());
+  EXPECT_EQ((*b)[0].shard_id, 9u);
+}
+
+TEST(PlaceChunksTest, RefusesWithTheNumbersWhenItDoesNotFit) {
+  std::vector<ShardInfo> shards = {{1, true, 1000, 200}, {2, false, 300, 0}};
+  // 3 chunks of 100 elems at 4 bytes: 1200 bytes; 800 + 300 bytes free.
+  auto r = PlaceChunks(SplitTensors({300}, 100), shards, 4);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(r.status().message(), HasSubstr("needs 1200 bytes"));
+  EXPECT_THAT(r.status().message(), HasSubstr("1100 bytes free over 2 live shards"));
+  EXPECT_THAT(r.status().message(), HasSubstr("largest free 800 bytes"));
+}
+
+TEST(PlaceChunksTest, HugeJobsDoNotOverflowIntoFitting) {
+  std::vector<ShardInfo> shards = {{1, true, 1000, 0}};
+  auto r = PlaceChunks(SplitTensors({uint64_t{1} << 62}, uint64_t{1} << 62), shards, 16);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kResourceExhausted);
+}
+
+TEST(PlaceChunksTest, NoLiveShardsIsAnError) {
+  auto r = PlaceChunks(SplitTensors({10}, 4), {}, 4);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(r.status().message(), HasSubstr("no live shards"));
+}
+
+}  // namespace
+}  // namespace optimus
