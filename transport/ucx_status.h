@@ -1,0 +1,50 @@
+// Converts UCX status codes into absl::Status: the one place where UCX's
+// error type crosses into optimus code (STYLE.md rule 2).
+#ifndef OPTIMUS_TRANSPORT_UCX_STATUS_H_
+#define OPTIMUS_TRANSPORT_UCX_STATUS_H_
+
+#include <ucs/type/status.h>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
+
+namespace optimus {
+namespace transport {
+
+inline absl::Status FromUcs(ucs_status_t s, absl::string_view what) {
+  if (s == UCS_OK || s == UCS_INPROGRESS) return absl::OkStatus();
+  const std::string msg = absl::StrCat(what, ": UCX: ", ucs_status_string(s));
+  switch (s) {
+    case UCS_ERR_CANCELED:
+      return absl::CancelledError(msg);
+    case UCS_ERR_NO_MEMORY:
+    case UCS_ERR_NO_RESOURCE:
+    case UCS_ERR_EXCEEDS_LIMIT:
+      return absl::ResourceExhaustedError(msg);
+    case UCS_ERR_INVALID_PARAM:
+    case UCS_ERR_INVALID_ADDR:
+      return absl::InvalidArgumentError(msg);
+    case UCS_ERR_TIMED_OUT:
+    case UCS_ERR_ENDPOINT_TIMEOUT:
+      return absl::DeadlineExceededError(msg);
+    case UCS_ERR_UNREACHABLE:
+    case UCS_ERR_CONNECTION_RESET:
+    case UCS_ERR_NOT_CONNECTED:
+    case UCS_ERR_REJECTED:
+    case UCS_ERR_IO_ERROR:
+    case UCS_ERR_NO_DEVICE:
+    case UCS_ERR_BUSY:
+      return absl::UnavailableError(msg);
+    case UCS_ERR_UNSUPPORTED:
+    case UCS_ERR_NOT_IMPLEMENTED:
+      return absl::UnimplementedError(msg);
+    default:
+      return absl::InternalError(msg);
+  }
+}
+
+}  // namespace transport
+}  // namespace optimus
+
+#endif  // OPTIMUS_TRANSPORT_UCX_STATUS_H_
