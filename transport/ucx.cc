@@ -244,7 +244,8 @@ class UcxWorker : public Worker {
       p.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
                      UCP_EP_PARAM_FIELD_ERR_HANDLER;
       p.address = reinterpret_cast<const ucp_address_t*>(peer_address.data());
-      p.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+      p.err_mode = options_.detect_peer_failure ? UCP_ERR_HANDLING_MODE_PEER
+                                                : UCP_ERR_HANDLING_MODE_NONE;
       p.err_handler.cb = &UcxWorker::OnEpError;
       p.err_handler.arg = this;
       ucp_ep_h ep = nullptr;

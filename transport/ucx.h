@@ -30,6 +30,13 @@ struct WorkerOptions {
   // UCX_NET_DEVICES; "all" lets UCX choose. Tests and the local cluster use
   // "lo" so that nothing leaves the machine.
   std::string net_devices = "all";
+  // Ask UCX to detect failed peers (UCP_ERR_HANDLING_MODE_PEER), so a dead
+  // peer turns into failed sends rather than undefined behaviour. UCX 1.13's
+  // shared-memory transports (posix, sysv) cannot detect peer failure, so with
+  // this on, messages between processes on one machine go over tcp (cma may
+  // still copy rendezvous payloads). Turn it off to carry messages over
+  // shared memory when the peers' lifetimes are tied together. Default on.
+  bool detect_peer_failure = true;
   // Name used in log lines.
   std::string name = "worker";
 };
