@@ -143,7 +143,8 @@ class ShardServerImpl : public ShardServer {
     s.shard_id = shard_id_.load();
     s.steps_applied = steps_applied_.load();
     s.pushes_received = pushes_received_.load();
-    s.pushes_rejected = pushes_rejected_.load();
+    s.requests_rejected = requests_rejected_.load();
+    s.pushes_duplicate = pushes_duplicate_.load();
     s.pulls_served = pulls_served_.load();
     absl::MutexLock lock(&jobs_mu_);
     for (const auto& [id, job] : jobs_) {
@@ -429,7 +430,7 @@ class ShardServerImpl : public ShardServer {
   void OnRequest(transport::IncomingMessage& msg) {
     auto parsed = wire::ParseRequestHeader(msg.header());
     if (!parsed.ok()) {
-      pushes_rejected_.fetch_add(1);
+      requests_rejected_.fetch_add(1);
       // Without a valid header there is no request id to answer; the reply
       // carries id 0 so the sender still sees why.
       Reply(msg.reply_endpoint(), 0, parsed.status());
@@ -440,7 +441,7 @@ class ShardServerImpl : public ShardServer {
     Job* job = nullptr;
     Chunk* chunk = Resolve(h, &job, &error);
     if (chunk == nullptr) {
-      pushes_rejected_.fetch_add(1);
+      requests_rejected_.fetch_add(1);
       Reply(msg.reply_endpoint(), h.request_id, error);
       return;
     }
@@ -502,7 +503,7 @@ class ShardServerImpl : public ShardServer {
       }
     }
     if (!s.ok()) {
-      pushes_rejected_.fetch_add(1);
+      requests_rejected_.fetch_add(1);
       return Reply(ep, h.request_id, s);
     }
     if (duplicate) {
@@ -527,7 +528,7 @@ class ShardServerImpl : public ShardServer {
         }
       }
       if (!rs.ok()) {
-        pushes_rejected_.fetch_add(1);
+        requests_rejected_.fetch_add(1);
         return Reply(ep, request_id, rs);
       }
       pushes_received_.fetch_add(1);
@@ -667,7 +668,7 @@ class ShardServerImpl : public ShardServer {
       }
     }
     if (!s.ok()) {
-      pushes_rejected_.fetch_add(1);
+      requests_rejected_.fetch_add(1);
       return Reply(ep, h.request_id, s);
     }
     if (serve) SendParams(&job, chunk, ep, h.request_id, h.step);
@@ -687,7 +688,7 @@ class ShardServerImpl : public ShardServer {
       }
     }
     if (!s.ok()) {
-      pushes_rejected_.fetch_add(1);
+      requests_rejected_.fetch_add(1);
       return Reply(ep, h.request_id, s);
     }
     const uint64_t request_id = h.request_id;
@@ -724,7 +725,7 @@ class ShardServerImpl : public ShardServer {
 
   std::atomic<uint64_t> steps_applied_{0};
   std::atomic<uint64_t> pushes_received_{0};
-  std::atomic<uint64_t> pushes_rejected_{0};
+  std::atomic<uint64_t> requests_rejected_{0};
   std::atomic<uint64_t> pushes_duplicate_{0};
   std::atomic<uint64_t> pulls_served_{0};
 

@@ -41,7 +41,8 @@ struct ShardServerStats {
   uint32_t chunks_owned = 0;
   uint64_t steps_applied = 0;       // Chunk steps, summed over chunks.
   uint64_t pushes_received = 0;
-  uint64_t pushes_rejected = 0;
+  uint64_t requests_rejected = 0;  // Pushes, pulls and inits refused with an error.
+  uint64_t pushes_duplicate = 0;   // Repeated pushes acknowledged and dropped.
   uint64_t pulls_served = 0;
 };
 

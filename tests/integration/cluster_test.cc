@@ -413,6 +413,14 @@ TEST_F(ClusterTest, BadRequestsAreRefusedAndChangeNothing) {
   for (uint32_t t = 0; t < 2; ++t) {
     EXPECT_EQ(PullFp32(clients_[0].get(), t, 7), Reference(def, t, 6)) << "tensor " << t;
   }
+  // The shards counted what they refused and the one dropped duplicate.
+  uint64_t rejected = 0, duplicates = 0;
+  for (const auto& s : shards_) {
+    rejected += s->stats().requests_rejected;
+    duplicates += s->stats().pushes_duplicate;
+  }
+  EXPECT_GE(rejected, 12u);
+  EXPECT_EQ(duplicates, 1u);
 }
 
 TEST_F(ClusterTest, JobTooBigIsRefusedWithNumbers) {
