@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <array>
+#include <atomic>
 #include <limits>
 #include <utility>
 
@@ -12,6 +14,7 @@
 #include "common/dtype.h"
 #include "common/grpc_status.h"
 #include "common/logging.h"
+#include "common/metrics.h"
 #include "grpcpp/grpcpp.h"
 #include "proto/optimus.grpc.pb.h"
 
@@ -436,6 +439,10 @@ class CoordinatorServer::Service final : public v1::Coordinator::Service {
  public:
   explicit Service(Coordinator* core) : core_(core) {}
 
+  // Errors answered, by absl::StatusCode value.
+  static constexpr int kNumCodes = 17;
+  uint64_t errors(int code) const { return errors_[code].load(); }
+
   grpc::Status RegisterShard(grpc::ServerContext*, const v1::RegisterShardRequest* req,
                              v1::RegisterShardResponse* resp) override {
     return Reply(core_->RegisterShard(*req), resp);
@@ -485,13 +492,18 @@ class CoordinatorServer::Service final : public v1::Coordinator::Service {
 
  private:
   template <typename T>
-  static grpc::Status Reply(absl::StatusOr<T> result, T* resp) {
-    if (!result.ok()) return ToGrpc(result.status());
+  grpc::Status Reply(absl::StatusOr<T> result, T* resp) {
+    if (!result.ok()) {
+      const int code = static_cast<int>(result.status().code());
+      if (code > 0 && code < kNumCodes) errors_[code].fetch_add(1);
+      return ToGrpc(result.status());
+    }
     *resp = *std::move(result);
     return grpc::Status::OK;
   }
 
   Coordinator* const core_;
+  std::array<std::atomic<uint64_t>, kNumCodes> errors_{};
 };
 
 absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
@@ -529,9 +541,62 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
       core->SweepExpiredLeases(absl::Now());
     }
   });
+  if (!options.metrics_address.empty()) {
+    CoordinatorServer* raw = s.get();
+    auto http = HttpServer::Start(
+        options.metrics_address,
+        {{"/metrics", [raw] { return HttpResponse{200, "text/plain; version=0.0.4",
+                                                  raw->RenderMetrics()}; }},
+         {"/healthz", [] { return HttpResponse{200, "text/plain", "ok\n"}; }}});
+    if (!http.ok()) return http.status();
+    s->http_ = std::move(*http);
+  }
   OPTIMUS_LOG(Info, kLog, "coordinator listening on ", s->address(),
               " lease=", absl::FormatDuration(options.lease));
   return s;
+}
+
+int CoordinatorServer::metrics_port() const { return http_ != nullptr ? http_->port() : 0; }
+
+std::string CoordinatorServer::RenderMetrics() const {
+  const v1::StatusResponse st = core_->Status();
+  MetricsText m;
+  int up = 0, down = 0;
+  for (const auto& sh : st.shards()) {
+    (sh.state() == v1::SHARD_STATE_UP ? up : down)++;
+    const MetricLabels id = {{"shard_id", absl::StrCat(sh.shard_id())},
+                             {"kind", sh.capabilities().kind() == v1::SHARD_KIND_DPU ? "dpu"
+                                                                                     : "host"}};
+    m.Gauge("optimus_coord_shard_up", "1 while the shard holds its lease.",
+            sh.state() == v1::SHARD_STATE_UP ? 1 : 0, id);
+    m.Gauge("optimus_coord_shard_lease_age_seconds", "Time since the shard's last heartbeat.",
+            sh.lease_age_ms() / 1000.0, id);
+    m.Gauge("optimus_coord_shard_memory_used_bytes", "State bytes the shard reports allocated.",
+            sh.memory_used_bytes(), id);
+    m.Gauge("optimus_coord_shard_memory_limit_bytes", "The shard's state budget.",
+            sh.capabilities().memory_limit_bytes(), id);
+    m.Gauge("optimus_coord_shard_chunks_owned", "Chunks placed on the shard.", sh.chunks_owned(),
+            id);
+  }
+  m.Gauge("optimus_coord_shards", "Registered shards by state.", up, {{"state", "up"}});
+  m.Gauge("optimus_coord_shards", "Registered shards by state.", down, {{"state", "down"}});
+  for (const auto& j : st.jobs()) {
+    const MetricLabels id = {{"job", j.name()}};
+    m.Gauge("optimus_coord_job_step", "Lowest step applied over the job's shards.",
+            j.current_step(), id);
+    m.Gauge("optimus_coord_job_ready", "1 while the job is READY.",
+            j.state() == v1::JOB_STATE_READY ? 1 : 0, id);
+    m.Gauge("optimus_coord_job_workers_joined", "Workers that joined the job.",
+            j.workers_joined(), id);
+    m.Gauge("optimus_coord_job_state_bytes", "fp32 master + moment bytes of the job.",
+            j.state_bytes(), id);
+  }
+  for (int c = 1; c < Service::kNumCodes; ++c) {
+    m.Counter("optimus_coord_errors_total", "RPCs answered with an error, by kind.",
+              service_->errors(c),
+              {{"kind", absl::StatusCodeToString(static_cast<absl::StatusCode>(c))}});
+  }
+  return m.text();
 }
 
 std::string CoordinatorServer::address() const { return absl::StrCat(host_, ":", port_); }
@@ -542,6 +607,7 @@ void CoordinatorServer::Shutdown() {
     if (shut_down_) return;
     shut_down_ = true;
   }
+  http_.reset();
   core_->BeginShutdown();  // Ends WatchShardMap streams.
   // Gives in-flight unary calls a moment, then cancels what is left.
   server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));

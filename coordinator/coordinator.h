@@ -20,6 +20,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
+#include "common/http_server.h"
 #include "coordinator/shard_map.h"
 #include "proto/optimus.pb.h"
 
@@ -40,6 +41,9 @@ struct CoordinatorOptions {
   // How often the sweeper checks leases; a dead shard is noticed within
   // lease + sweep_interval. Default 200 ms.
   absl::Duration sweep_interval = absl::Milliseconds(200);
+  // "HOST:PORT" for the HTTP /metrics (Prometheus) and /healthz endpoints;
+  // port 0 picks one; empty turns them off. Default off.
+  std::string metrics_address;
 };
 
 // Most chunks one job may have: its whole map travels in one gRPC message
@@ -160,6 +164,10 @@ class CoordinatorServer {
   std::string address() const;
   // Borrowed; valid until this handle is destroyed.
   Coordinator* core() { return core_.get(); }
+  // The /metrics and /healthz port, or 0 when they are off.
+  int metrics_port() const;
+  // The Prometheus text that /metrics serves.
+  std::string RenderMetrics() const;
 
   void Shutdown();
 
@@ -170,6 +178,7 @@ class CoordinatorServer {
   std::unique_ptr<Coordinator> core_;
   std::unique_ptr<Service> service_;
   std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<HttpServer> http_;
   std::string host_;
   int port_ = 0;
   absl::Notification stop_sweeper_;

@@ -22,6 +22,7 @@ ABSL_FLAG(int, lease_ms, 2000, "A shard with no heartbeat for this many ms is ma
 ABSL_FLAG(int, sweep_ms, 200, "How often leases are checked, in ms");
 ABSL_FLAG(std::string, port_file, "",
           "If set, the bound port is written to this file (atomically) once serving");
+ABSL_FLAG(int, metrics_port, 0, "HTTP port for /metrics and /healthz on all interfaces; 0: off");
 ABSL_FLAG(bool, verbose, false, "Log debug lines too");
 
 namespace {
@@ -62,6 +63,9 @@ int main(int argc, char** argv) {
   options.listen_address = absl::GetFlag(FLAGS_listen);
   options.lease = absl::Milliseconds(absl::GetFlag(FLAGS_lease_ms));
   options.sweep_interval = absl::Milliseconds(absl::GetFlag(FLAGS_sweep_ms));
+  if (absl::GetFlag(FLAGS_metrics_port) > 0) {
+    options.metrics_address = absl::StrCat("0.0.0.0:", absl::GetFlag(FLAGS_metrics_port));
+  }
   auto server = optimus::CoordinatorServer::Start(options);
   if (!server.ok()) {
     OPTIMUS_LOG(Error, "coord", "cannot start: ", server.status().ToString());

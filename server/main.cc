@@ -9,6 +9,7 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "common/logging.h"
 #include "server/shard_server.h"
@@ -19,6 +20,7 @@ ABSL_FLAG(int64_t, memory_limit_mb, 1024, "state budget for all jobs on this sha
 ABSL_FLAG(int, step_threads, 1, "threads running optimizer steps");
 ABSL_FLAG(std::string, transports, "tcp,sm,self", "UCX transports (UCX_TLS syntax)");
 ABSL_FLAG(std::string, net_devices, "all", "UCX network devices (lo keeps traffic local)");
+ABSL_FLAG(int, metrics_port, 0, "HTTP port for /metrics and /healthz on all interfaces; 0: off");
 ABSL_FLAG(bool, verbose, false, "debug logging");
 
 int main(int argc, char** argv) {
@@ -43,6 +45,9 @@ int main(int argc, char** argv) {
   options.transport.transports = absl::GetFlag(FLAGS_transports);
   options.transport.net_devices = absl::GetFlag(FLAGS_net_devices);
   options.transport.name = "shard";
+  if (absl::GetFlag(FLAGS_metrics_port) > 0) {
+    options.metrics_address = absl::StrCat("0.0.0.0:", absl::GetFlag(FLAGS_metrics_port));
+  }
 
   // Block the stop signals in every thread (threads inherit the mask) and
   // take them synchronously below.

@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
@@ -18,6 +19,8 @@
 #include "absl/synchronization/notification.h"
 #include "common/dtype.h"
 #include "common/grpc_status.h"
+#include "common/http_server.h"
+#include "common/metrics.h"
 #include "common/logging.h"
 #include "common/wire.h"
 #include "grpcpp/grpcpp.h"
@@ -133,7 +136,61 @@ class ShardServerImpl : public ShardServer {
     stub_ = v1::Coordinator::NewStub(channel_);
     if (auto s = Register(); !s.ok()) return s;
     heartbeat_thread_ = std::thread([this] { HeartbeatLoop(); });
+    if (!options_.metrics_address.empty()) {
+      auto http = HttpServer::Start(
+          options_.metrics_address,
+          {{"/metrics", [this] { return HttpResponse{200, "text/plain; version=0.0.4",
+                                                     RenderMetrics()}; }},
+           {"/healthz", [this] { return Health(); }}});
+      if (!http.ok()) return http.status();
+      http_ = std::move(*http);
+    }
     return absl::OkStatus();
+  }
+
+  int metrics_port() const override { return http_ != nullptr ? http_->port() : 0; }
+
+  // Healthy while registered and the last heartbeat is younger than the lease.
+  HttpResponse Health() const {
+    const absl::Duration age = absl::Now() - absl::FromUnixNanos(last_beat_unix_ns_.load());
+    if (shard_id_.load() == 0 || age > absl::Milliseconds(lease_ms_.load())) {
+      return {503, "text/plain",
+              absl::StrCat("unhealthy: last heartbeat ", absl::FormatDuration(age), " ago\n")};
+    }
+    return {200, "text/plain", absl::StrCat("ok shard_id=", shard_id_.load(), "\n")};
+  }
+
+  std::string RenderMetrics() const {
+    const ShardServerStats st = stats();
+    MetricsText m;
+    const MetricLabels id = {{"shard_id", absl::StrCat(st.shard_id)}};
+    step_latency_.Render(&m, "optimus_shard_step_seconds",
+                         "Latency of one fused optimizer step over one chunk.");
+    m.Counter("optimus_shard_steps_total", "Chunk steps applied.", st.steps_applied, id);
+    m.Counter("optimus_shard_optimizer_params_total",
+              "Parameters updated by the optimizer (rate = optimizer throughput).",
+              params_stepped_.load(), id);
+    m.Counter("optimus_shard_pushed_bytes_total", "Gradient bytes received from workers.",
+              pushed_bytes_.load(), id);
+    m.Counter("optimus_shard_pulled_bytes_total", "Parameter bytes sent to workers.",
+              pulled_bytes_.load(), id);
+    m.Counter("optimus_shard_duplicate_pushes_total", "Repeated pushes acknowledged and dropped.",
+              st.pushes_duplicate, id);
+    m.Gauge("optimus_shard_memory_used_bytes", "Bytes of job state allocated.",
+            st.memory_used_bytes, id);
+    m.Gauge("optimus_shard_memory_limit_bytes", "State budget of this shard.",
+            options_.memory_limit_bytes, id);
+    m.Gauge("optimus_shard_chunks_owned", "Chunks held for all jobs.", st.chunks_owned, id);
+    m.Gauge("optimus_shard_lease_age_seconds", "Time since the last accepted heartbeat.",
+            absl::ToDoubleSeconds(absl::Now() - absl::FromUnixNanos(last_beat_unix_ns_.load())),
+            id);
+    for (int c = 1; c < kNumCodes; ++c) {
+      m.Counter("optimus_shard_errors_total", "Requests refused, by error kind.",
+                errors_[c].load(),
+                {{"shard_id", absl::StrCat(st.shard_id)},
+                 {"kind", absl::StatusCodeToString(static_cast<absl::StatusCode>(c))}});
+    }
+    return m.text();
   }
 
   uint64_t shard_id() const override { return shard_id_.load(); }
@@ -161,6 +218,7 @@ class ShardServerImpl : public ShardServer {
       stopped_ = true;
     }
     if (heartbeat_thread_.joinable()) heartbeat_thread_.join();
+    http_.reset();
     // No step is scheduled after this; queued steps finish (their sends are
     // posted to the still-running worker).
     std::unique_ptr<StepExecutor> executor;
@@ -204,7 +262,8 @@ class ShardServerImpl : public ShardServer {
                                                  s.message()));
     }
     shard_id_.store(resp.shard_id());
-    lease_ = absl::Milliseconds(resp.lease_ms());
+    lease_ms_.store(resp.lease_ms());
+    last_beat_unix_ns_.store(absl::ToUnixNanos(absl::Now()));
     OPTIMUS_LOG(Info, kLog, "registered shard_id=", resp.shard_id(),
                 " kind=", options_.is_dpu ? "dpu" : "host", " lease_ms=", resp.lease_ms(),
                 " isa=", kernels::ActiveIsa());
@@ -213,7 +272,7 @@ class ShardServerImpl : public ShardServer {
 
   absl::Duration HeartbeatInterval() const {
     if (options_.heartbeat_interval > absl::ZeroDuration()) return options_.heartbeat_interval;
-    return std::max(lease_ / 3, absl::Milliseconds(50));
+    return std::max(absl::Milliseconds(lease_ms_.load()) / 3, absl::Milliseconds(50));
   }
 
   void HeartbeatLoop() {
@@ -260,6 +319,7 @@ class ShardServerImpl : public ShardServer {
     ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
     auto s = FromGrpc(stub_->Heartbeat(&ctx, req, &resp));
     if (!s.ok()) return s;
+    last_beat_unix_ns_.store(absl::ToUnixNanos(absl::Now()));
     if (!resp.known()) {
       OPTIMUS_LOG(Warning, kLog, "coordinator no longer knows shard_id=", shard_id_.load(),
                   "; registering again");
@@ -389,6 +449,8 @@ class ShardServerImpl : public ShardServer {
 
   void Reply(transport::EndpointRef ep, uint64_t request_id, const absl::Status& status,
              uint32_t flags = 0) {
+    const int code = static_cast<int>(status.code());
+    if (code > 0 && code < kNumCodes) errors_[code].fetch_add(1);
     std::string header = wire::EncodeReply(request_id, status, 0, flags);
     worker_->Send(ep, wire::kAmReply,
                   absl::Span<const uint8_t>(reinterpret_cast<const uint8_t*>(header.data()),
@@ -532,6 +594,7 @@ class ShardServerImpl : public ShardServer {
         return Reply(ep, request_id, rs);
       }
       pushes_received_.fetch_add(1);
+      pushed_bytes_.fetch_add(chunk->num_elems * DTypeSize(jobp->config.grad_dtype));
       Reply(ep, request_id, absl::OkStatus());
       if (ready) MaybeScheduleStep(jobp, chunk);
     });
@@ -569,8 +632,11 @@ class ShardServerImpl : public ShardServer {
     kernels::ChunkState state{reinterpret_cast<float*>(chunk->master.get()),
                               reinterpret_cast<float*>(chunk->m.get()),
                               reinterpret_cast<float*>(chunk->v.get())};
+    const absl::Time start = absl::Now();
     absl::Status s = kernels::FusedStep(c.hyper, in, n, state,
                                         chunk->published[(step + 1) % 2].get(), c.param_dtype);
+    step_latency_.Observe(absl::ToDoubleSeconds(absl::Now() - start));
+    params_stepped_.fetch_add(n);
     if (!s.ok()) {
       // Our own invariant (the job config was validated at load): say so loudly.
       OPTIMUS_LOG(Error, kLog, "optimizer step failed for job ", c.job_id, " tensor ",
@@ -614,11 +680,12 @@ class ShardServerImpl : public ShardServer {
                   absl::Span<const uint8_t>(reinterpret_cast<const uint8_t*>(header.data()),
                                             header.size()),
                   chunk->published[idx].get(), bytes,
-                  [this, job, chunk, idx](absl::Status s) {
+                  [this, job, chunk, idx, bytes](absl::Status s) {
                     if (!s.ok()) {
                       OPTIMUS_LOG(Warning, kLog, "pull reply failed: ", s.ToString());
                     } else {
                       pulls_served_.fetch_add(1);
+                      pulled_bytes_.fetch_add(bytes);
                     }
                     bool start_step = false;
                     {
@@ -721,12 +788,20 @@ class ShardServerImpl : public ShardServer {
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::Coordinator::Stub> stub_;
   std::atomic<uint64_t> shard_id_{0};
-  absl::Duration lease_ = absl::Seconds(2);
+  std::atomic<int64_t> lease_ms_{2000};  // Granted by the coordinator.
 
   std::atomic<uint64_t> steps_applied_{0};
   std::atomic<uint64_t> pushes_received_{0};
   std::atomic<uint64_t> requests_rejected_{0};
   std::atomic<uint64_t> pushes_duplicate_{0};
+  std::atomic<uint64_t> pushed_bytes_{0};
+  std::atomic<uint64_t> pulled_bytes_{0};
+  std::atomic<uint64_t> params_stepped_{0};
+  std::atomic<int64_t> last_beat_unix_ns_{0};
+  static constexpr int kNumCodes = 17;  // absl::StatusCode values 0..16.
+  std::array<std::atomic<uint64_t>, kNumCodes> errors_{};
+  Histogram step_latency_;
+  std::unique_ptr<HttpServer> http_;
   std::atomic<uint64_t> pulls_served_{0};
 
   mutable absl::Mutex jobs_mu_;

@@ -33,6 +33,9 @@ struct ShardServerOptions {
   absl::Duration heartbeat_interval = absl::ZeroDuration();
   // UCX settings for the data plane.
   transport::WorkerOptions transport;
+  // "HOST:PORT" for the HTTP /metrics (Prometheus) and /healthz endpoints;
+  // port 0 picks one; empty turns them off. Default off.
+  std::string metrics_address;
 };
 
 struct ShardServerStats {
@@ -55,6 +58,8 @@ class ShardServer {
 
   virtual uint64_t shard_id() const = 0;
   virtual ShardServerStats stats() const = 0;
+  // The /metrics and /healthz port, or 0 when they are off.
+  virtual int metrics_port() const = 0;
   // Stops heartbeating and the data plane. Idempotent; the destructor calls it.
   virtual void Shutdown() = 0;
 };

@@ -13,6 +13,7 @@
 #include "absl/synchronization/notification.h"
 #include "client/client.h"
 #include "common/dtype.h"
+#include "common/http_server.h"
 #include "common/wire.h"
 #include "coordinator/coordinator.h"
 #include "grpcpp/grpcpp.h"
@@ -51,6 +52,7 @@ class ClusterTest : public ::testing::Test {
   void SetUp() override {
     CoordinatorOptions copts;
     copts.listen_address = "127.0.0.1:0";
+    copts.metrics_address = "127.0.0.1:0";
     auto coord = CoordinatorServer::Start(copts);
     ASSERT_TRUE(coord.ok()) << coord.status();
     coord_ = std::move(*coord);
@@ -60,6 +62,7 @@ class ClusterTest : public ::testing::Test {
       sopts.memory_limit_bytes = 256ull << 20;
       sopts.transport = Loopback("shard");
       sopts.heartbeat_interval = absl::Milliseconds(100);
+      sopts.metrics_address = "127.0.0.1:0";
       auto shard = server::ShardServer::Start(sopts);
       ASSERT_TRUE(shard.ok()) << shard.status();
       shards_.push_back(std::move(*shard));
@@ -421,6 +424,88 @@ TEST_F(ClusterTest, BadRequestsAreRefusedAndChangeNothing) {
   }
   EXPECT_GE(rejected, 12u);
   EXPECT_EQ(duplicates, 1u);
+}
+
+// Sum of the samples of `name` (any labels) whose label text contains `match`.
+double MetricSum(const std::string& text, const std::string& name, const std::string& match = "") {
+  double sum = 0;
+  bool found = false;
+  size_t pos = 0;
+  while (pos < text.size()) {
+    size_t end = text.find('\n', pos);
+    if (end == std::string::npos) end = text.size();
+    const std::string line = text.substr(pos, end - pos);
+    pos = end + 1;
+    if (line.empty() || line[0] == '#') continue;
+    const size_t name_end = line.find_first_of("{ ");
+    if (line.substr(0, name_end) != name) continue;
+    if (!match.empty() && line.find(match) == std::string::npos) continue;
+    sum += std::stod(line.substr(line.rfind(' ') + 1));
+    found = true;
+  }
+  EXPECT_TRUE(found) << "no sample of " << name << " " << match << " in:\n" << text;
+  return sum;
+}
+
+std::string Scrape(int port) {
+  auto body = HttpGet(port, "/metrics");
+  EXPECT_TRUE(body.ok()) << body.status();
+  return body.ok() ? *body : "";
+}
+
+TEST_F(ClusterTest, MetricsMoveAsTrainingRuns) {
+  JobDef def = MakeJob("metrics", DType::kBf16, DType::kBf16);
+  CreateAndJoin(def);
+  Train(1, 2);
+  auto total = [&](const std::string& name, const std::string& match = "") {
+    double sum = 0;
+    for (const auto& s : shards_) sum += MetricSum(Scrape(s->metrics_port()), name, match);
+    return sum;
+  };
+  const double steps1 = total("optimus_shard_steps_total");
+  const double pushed1 = total("optimus_shard_pushed_bytes_total");
+  const double pulled1 = total("optimus_shard_pulled_bytes_total");
+  const double params1 = total("optimus_shard_optimizer_params_total");
+  const double hist1 = total("optimus_shard_step_seconds_count");
+  const double stale1 = total("optimus_shard_errors_total", "FAILED_PRECONDITION");
+  EXPECT_GT(steps1, 0);
+  EXPECT_EQ(total("optimus_shard_memory_limit_bytes"), 2.0 * (256 << 20));
+  EXPECT_GT(total("optimus_shard_memory_used_bytes"), 0);
+  EXPECT_EQ(total("optimus_shard_chunks_owned"), 6);
+  Train(3, 5);
+  // A stale push shows up as an error of its kind.
+  {
+    std::vector<uint8_t> g(37 * 2);
+    auto t = clients_[0]->Push(1, 2, g.data(), 37);
+    ASSERT_TRUE(t.ok());
+    EXPECT_EQ(clients_[0]->Wait(*t, kWait).code(), absl::StatusCode::kFailedPrecondition);
+  }
+  // 3 more steps of 6 chunks, and the bytes that moved for them.
+  EXPECT_EQ(total("optimus_shard_steps_total") - steps1, 3 * 6);
+  EXPECT_EQ(total("optimus_shard_pushed_bytes_total") - pushed1, 3.0 * 2 * 77137 * 2);
+  EXPECT_GE(total("optimus_shard_pulled_bytes_total") - pulled1, 3.0 * 2 * 77137 * 2);
+  EXPECT_EQ(total("optimus_shard_optimizer_params_total") - params1, 3.0 * 77137);
+  EXPECT_EQ(total("optimus_shard_step_seconds_count") - hist1, 3 * 6);
+  EXPECT_EQ(total("optimus_shard_errors_total", "FAILED_PRECONDITION") - stale1, 1);
+  for (const auto& s : shards_) {
+    EXPECT_LT(MetricSum(Scrape(s->metrics_port()), "optimus_shard_lease_age_seconds"), 2.0);
+    auto health = HttpGet(s->metrics_port(), "/healthz");
+    EXPECT_TRUE(health.ok()) << health.status();
+  }
+  // The coordinator sees the job's progress from the shards' heartbeats.
+  const absl::Time give_up = absl::Now() + absl::Seconds(5);
+  double step = 0;
+  while (absl::Now() < give_up) {
+    step = MetricSum(Scrape(coord_->metrics_port()), "optimus_coord_job_step", "metrics");
+    if (step >= 5) break;
+    absl::SleepFor(absl::Milliseconds(50));
+  }
+  EXPECT_EQ(step, 5);
+  const std::string coord = Scrape(coord_->metrics_port());
+  EXPECT_EQ(MetricSum(coord, "optimus_coord_shards", "up"), 2);
+  EXPECT_EQ(MetricSum(coord, "optimus_coord_job_workers_joined", "metrics"), 2);
+  EXPECT_EQ(MetricSum(coord, "optimus_coord_shard_chunks_owned"), 6);
+  EXPECT_TRUE(HttpGet(coord_->metrics_port(), "/healthz").ok());
 }
 
 TEST_F(ClusterTest, JobTooBigIsRefusedWithNumbers) {
