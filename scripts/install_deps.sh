@@ -8,6 +8,7 @@ PACKAGES=(
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libucx-dev ucx-utils libabsl-dev libgtest-dev libgmock-dev
   libtorch-dev python3
+  g++-aarch64-linux-gnu binutils-aarch64-linux-gnu qemu-user
 )
 
 missing=()

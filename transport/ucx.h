@@ -42,7 +42,8 @@ struct WorkerOptions {
 };
 
 // A connected peer. Copyable and cheap; valid until the Worker that made it
-// (by Connect, or as a message's reply endpoint) is destroyed.
+// (by Connect, or as a message's reply endpoint) is destroyed, even after the
+// peer has failed (Sends on it then fail). Use it only with that Worker.
 struct EndpointRef {
   void* ep = nullptr;
   bool valid() const { return ep != nullptr; }
@@ -61,7 +62,9 @@ class IncomingMessage {
   // True when the payload has not arrived yet and will be pulled by
   // rendezvous when ReceiveInto is called.
   virtual bool is_rendezvous() const = 0;
-  // Endpoint to answer the sender on (every Send asks UCX for one).
+  // Endpoint to answer the sender on. Every message carries its sender's
+  // identity, learned when the sender Connected; the endpoint back is opened
+  // on the first Send. Keep it as long as needed (see EndpointRef).
   virtual EndpointRef reply_endpoint() const = 0;
   // Receives the payload into dst (at least payload_size() bytes). Eager
   // payloads are copied and `done` runs before this returns; rendezvous
@@ -83,19 +86,26 @@ class MemoryRegion {
 class Worker {
  public:
   static absl::StatusOr<std::unique_ptr<Worker>> Create(const WorkerOptions& options);
-  virtual ~Worker() = default;  // Stops the progress thread, closes endpoints.
+  // Stops the progress thread and closes endpoints. Operations still in flight
+  // complete with an error (Cancelled) before it returns; handlers may run
+  // until then. Takes at most ~2 s even when peers are dead.
+  virtual ~Worker() = default;
 
   // This worker's UCX address, to hand to peers (e.g. via the coordinator).
   virtual const std::string& address() const = 0;
 
-  // Registers the handler for active message id `am_id`. Before Start only.
+  // Registers the handler for active message id `am_id` (0..65533; the two
+  // highest ids are reserved and refused with an error log). Before Start only.
   virtual void SetHandler(uint16_t am_id, Handler handler) = 0;
 
   // Starts the progress thread.
   virtual absl::Status Start() = 0;
 
-  // Opens an endpoint to the worker whose address() is peer_address. Peer
-  // failures surface as errors on later Sends, never as a crash.
+  // Opens an endpoint to the worker whose address() is peer_address and
+  // introduces this worker to it (one round trip; Unavailable or
+  // DeadlineExceeded after 10 s when the peer does not answer). After Start
+  // only. Called from a handler or callback it cannot wait and returns at
+  // once. Peer failures surface as errors on later Sends, never as a crash.
   virtual absl::StatusOr<EndpointRef> Connect(const std::string& peer_address) = 0;
 
   // Sends `header` (copied before return) and `payload` (payload_size bytes,
@@ -104,7 +114,8 @@ class Worker {
   virtual void Send(EndpointRef ep, uint16_t am_id, absl::Span<const uint8_t> header,
                     const void* payload, size_t payload_size, DoneCallback done) = 0;
 
-  // Registers [data, data + size_bytes) with UCX.
+  // Registers [data, data + size_bytes) with UCX. Thread-safe; the
+  // registration runs on the progress thread once started.
   virtual absl::StatusOr<std::unique_ptr<MemoryRegion>> RegisterMemory(
       void* data, size_t size_bytes) = 0;
 };

@@ -1,5 +1,6 @@
 // Validation, per-step constants and run-time ISA dispatch for the fused
-// optimizer step. The math itself lives in optimizer_{scalar,avx2,avx512}.cc.
+// optimizer step, and the split of a chunk over a thread pool. The math
+// itself lives in optimizer_{scalar,avx2,avx512,neon}.cc.
 #include "kernels/cpu/optimizer.h"
 
 #include <cmath>
@@ -10,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "kernels/cpu/optimizer_internal.h"
+#include "kernels/cpu/thread_pool.h"
 
 namespace optimus {
 namespace kernels {
@@ -38,14 +40,22 @@ absl::Status CheckBeta(const char* name, float value) {
   return absl::OkStatus();
 }
 
+// A thread's share of a chunk is a multiple of this many elements: 64 KiB of
+// fp32 master, a whole number of cache lines of every array (so no two
+// threads write one line) and enough work to amortize the hand-off to a
+// pool thread (a few microseconds).
+constexpr size_t kSplitGrainElems = 16384;
+
 const IsaKernels kScalarKernels = {"scalar", &StepRangeScalar,
-                                   &CastFromFp32Scalar, &CastToFp32Scalar};
+                                   &CastFromFp32Scalar, &CastToFp32Scalar,
+                                   &SumGradsScalar, &TouchScalar};
 
 #if defined(__x86_64__)
 const IsaKernels kAvx2Kernels = {"avx2", &StepRangeAvx2, &CastFromFp32Avx2,
-                                 &CastToFp32Avx2};
+                                 &CastToFp32Avx2, &SumGradsAvx2, &TouchAvx2};
 const IsaKernels kAvx512Kernels = {"avx512", &StepRangeAvx512,
-                                   &CastFromFp32Avx512, &CastToFp32Avx512};
+                                   &CastFromFp32Avx512, &CastToFp32Avx512,
+                                   &SumGradsAvx512, &TouchAvx512};
 
 // __builtin_cpu_supports also checks that the OS saves the wider registers.
 bool CpuRunsAvx2() {
@@ -61,39 +71,53 @@ bool CpuRunsAvx512() {
 }
 #endif
 
+#if defined(__aarch64__)
+// Advanced SIMD is part of the AArch64 base architecture: no run-time check.
+// The bandwidth-ceiling loop is the scalar one (benchmarks run on x86).
+const IsaKernels kNeonKernels = {"neon", &StepRangeNeon, &CastFromFp32Neon,
+                                 &CastToFp32Neon, &SumGradsNeon, &TouchScalar};
+#endif
+
 const IsaKernels* ChooseKernels() {
 #if defined(__x86_64__)
   if (CpuRunsAvx512()) return &kAvx512Kernels;
   if (CpuRunsAvx2()) return &kAvx2Kernels;
 #endif
-  // aarch64 (BlueField): NEON kernels are not written yet; the scalar code
-  // is auto-vectorized by the compiler to some degree.
+#if defined(__aarch64__)
+  return &kNeonKernels;
+#endif
   return &kScalarKernels;
-}
-
-const IsaKernels& Active() {
-  static const IsaKernels* const kernels = ChooseKernels();
-  return *kernels;
 }
 
 absl::Status RunStep(const IsaKernels& kernels, const OptimizerHyper& hyper,
                      const StepInputs& in, size_t num_elems, ChunkState state,
-                     void* out, DType out_dtype) {
+                     void* out, DType out_dtype, ThreadPool* pool) {
   StepArgs args;
   absl::Status status = PrepareStep(hyper, in, state, out, out_dtype, &args);
   if (!status.ok()) return status;
-  kernels.step(args, 0, num_elems);
+  if (pool == nullptr || pool->num_threads() == 1) {
+    kernels.step(args, 0, num_elems);
+  } else {
+    pool->ParallelFor(num_elems, kSplitGrainElems, [&](size_t begin, size_t end) {
+      kernels.step(args, begin, end);
+    });
+  }
   return absl::OkStatus();
 }
 
 }  // namespace
+
+const IsaKernels& ActiveKernels() {
+  static const IsaKernels* const kernels = ChooseKernels();
+  return *kernels;
+}
 
 absl::Status PrepareStep(const OptimizerHyper& hyper, const StepInputs& in,
                          ChunkState state, void* out, DType out_dtype,
                          StepArgs* args) {
   const OptimizerKind kind = hyper.kind;
   if (kind != OptimizerKind::kAdamW && kind != OptimizerKind::kAdam &&
-      kind != OptimizerKind::kSgd) {
+      kind != OptimizerKind::kSgd && kind != OptimizerKind::kLion) {
     return Invalid(absl::StrCat("unknown optimizer kind ",
                                 static_cast<int>(kind)));
   }
@@ -116,7 +140,6 @@ absl::Status PrepareStep(const OptimizerHyper& hyper, const StepInputs& in,
   if (in.step < 1) {
     return Invalid(absl::StrCat("step must be >= 1 (1-based), got ", in.step));
   }
-  if (out == nullptr) return Invalid("out is null");
   if (state.master == nullptr) return Invalid("state.master is null");
   absl::Status status = CheckNonNegativeFinite("lr", hyper.lr);
   if (!status.ok()) return status;
@@ -138,6 +161,17 @@ absl::Status PrepareStep(const OptimizerHyper& hyper, const StepInputs& in,
     if (k.use_momentum && state.m == nullptr) {
       return Invalid("state.m (momentum buffer) is null but momentum != 0");
     }
+  } else if (kind == OptimizerKind::kLion) {
+    status = CheckBeta("beta1", hyper.beta1);
+    if (!status.ok()) return status;
+    status = CheckBeta("beta2", hyper.beta2);
+    if (!status.ok()) return status;
+    if (state.m == nullptr) return Invalid("state.m (Lion moment) is null");
+    k.decay_factor = static_cast<float>(1.0 - lr * static_cast<double>(hyper.weight_decay));
+    k.beta1 = hyper.beta1;
+    k.one_minus_beta1 = static_cast<float>(1.0 - static_cast<double>(hyper.beta1));
+    k.beta2 = hyper.beta2;
+    k.one_minus_beta2 = static_cast<float>(1.0 - static_cast<double>(hyper.beta2));
   } else {
     status = CheckBeta("beta1", hyper.beta1);
     if (!status.ok()) return status;
@@ -181,6 +215,9 @@ absl::Status PrepareStep(const OptimizerHyper& hyper, const StepInputs& in,
 
 absl::StatusOr<const IsaKernels*> KernelsForIsa(absl::string_view isa) {
   if (isa == "scalar") return &kScalarKernels;
+#if defined(__aarch64__)
+  if (isa == "neon") return &kNeonKernels;
+#endif
 #if defined(__x86_64__)
   if (isa == "avx2") {
     if (!CpuRunsAvx2()) return absl::UnavailableError("CPU lacks AVX2/FMA/F16C");
@@ -201,7 +238,8 @@ absl::Status FusedStepWithIsa(absl::string_view isa,
                               ChunkState state, void* out, DType out_dtype) {
   absl::StatusOr<const IsaKernels*> kernels = KernelsForIsa(isa);
   if (!kernels.ok()) return kernels.status();
-  return RunStep(**kernels, hyper, in, num_elems, state, out, out_dtype);
+  return RunStep(**kernels, hyper, in, num_elems, state, out, out_dtype,
+                 /*pool=*/nullptr);
 }
 
 }  // namespace internal
@@ -209,28 +247,35 @@ absl::Status FusedStepWithIsa(absl::string_view isa,
 absl::Status FusedStep(const OptimizerHyper& hyper, const StepInputs& in,
                        size_t num_elems, ChunkState state, void* out,
                        DType out_dtype) {
-  return internal::RunStep(internal::Active(), hyper, in, num_elems, state, out,
-                           out_dtype);
+  return internal::RunStep(internal::ActiveKernels(), hyper, in, num_elems,
+                           state, out, out_dtype, /*pool=*/nullptr);
+}
+
+absl::Status FusedStep(const OptimizerHyper& hyper, const StepInputs& in,
+                       size_t num_elems, ChunkState state, void* out,
+                       DType out_dtype, ThreadPool* pool) {
+  return internal::RunStep(internal::ActiveKernels(), hyper, in, num_elems,
+                           state, out, out_dtype, pool);
 }
 
 absl::Status FusedStepScalar(const OptimizerHyper& hyper, const StepInputs& in,
                              size_t num_elems, ChunkState state, void* out,
                              DType out_dtype) {
   return internal::RunStep(internal::kScalarKernels, hyper, in, num_elems,
-                           state, out, out_dtype);
+                           state, out, out_dtype, /*pool=*/nullptr);
 }
 
 void CastFromFp32(const float* src, size_t num_elems, void* dst,
                   DType dst_dtype) {
-  internal::Active().cast_from_fp32(src, 0, num_elems, dst, dst_dtype);
+  internal::ActiveKernels().cast_from_fp32(src, 0, num_elems, dst, dst_dtype);
 }
 
 void CastToFp32(const void* src, DType src_dtype, size_t num_elems,
                 float* dst) {
-  internal::Active().cast_to_fp32(src, src_dtype, 0, num_elems, dst);
+  internal::ActiveKernels().cast_to_fp32(src, src_dtype, 0, num_elems, dst);
 }
 
-absl::string_view ActiveIsa() { return internal::Active().name; }
+absl::string_view ActiveIsa() { return internal::ActiveKernels().name; }
 
 }  // namespace kernels
 }  // namespace optimus

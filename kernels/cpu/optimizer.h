@@ -2,8 +2,9 @@
 // gradient slots in rank order in fp32, scale, apply the optimizer to the fp32
 // master weights and moments, and write the published low-precision copy, all
 // in one pass over memory. Elementwise and summation-order fixed, so results
-// do not depend on how a chunk is split. Stateless; safe from any thread as
-// long as different calls touch disjoint state.
+// do not depend on how a chunk is split or on the number of threads.
+// Stateless; safe from any thread as long as different calls touch disjoint
+// state. The ThreadPool overload borrows the caller's pool.
 #ifndef OPTIMUS_KERNELS_CPU_OPTIMIZER_H_
 #define OPTIMUS_KERNELS_CPU_OPTIMIZER_H_
 
@@ -22,6 +23,11 @@ enum class OptimizerKind : uint8_t {
   kAdamW = 1,  // Adam, decoupled weight decay (Loshchilov & Hutter), as torch.optim.AdamW.
   kAdam = 2,   // Adam, L2 weight decay added to the gradient, as torch.optim.Adam.
   kSgd = 3,    // SGD with momentum (dampening 0, no Nesterov), as torch.optim.SGD.
+  // Lion (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms"),
+  // as lion-pytorch: c = b1*m + (1-b1)*g; p = p*(1 - lr*wd) - lr*sign(c);
+  // m = b2*m + (1-b2)*g. Uses beta1, beta2 (Lion's usual 0.9, 0.99: set
+  // beta2 explicitly, the default below is Adam's), lr, weight_decay; state m.
+  kLion = 4,
 };
 
 struct OptimizerHyper {
@@ -45,21 +51,33 @@ struct StepInputs {
   int64_t step = 1;
 };
 
-// The chunk's fp32 state. `m` is Adam's first moment or SGD's momentum
-// buffer; `v` is Adam's second moment (unused, may be null, for SGD).
+// The chunk's fp32 state. `m` is Adam's first moment, SGD's momentum buffer
+// or Lion's moment; `v` is Adam's second moment (unused, may be null, for SGD
+// and Lion).
 struct ChunkState {
   float* master = nullptr;
   float* m = nullptr;
   float* v = nullptr;
 };
 
+class ThreadPool;  // kernels/cpu/thread_pool.h
+
 // Runs one fused step over num_elems elements and writes the updated master
-// weights, cast to out_dtype, into `out` (num_elems elements).
+// weights, cast to out_dtype, into `out` (num_elems elements). A null `out`
+// skips the published copy (a plain fp32 optimizer step).
 // InvalidArgument for an empty grads span, null pointers or bad hyper values;
 // nothing is written then.
 absl::Status FusedStep(const OptimizerHyper& hyper, const StepInputs& in,
                        size_t num_elems, ChunkState state, void* out,
                        DType out_dtype);
+
+// Same, with the chunk split into contiguous cache-line-aligned ranges run on
+// `pool` (borrowed; null or a 1-thread pool runs on the calling thread).
+// Results are bitwise identical to the overload above for any thread count.
+// Blocks until the whole chunk is done.
+absl::Status FusedStep(const OptimizerHyper& hyper, const StepInputs& in,
+                       size_t num_elems, ChunkState state, void* out,
+                       DType out_dtype, ThreadPool* pool);
 
 // Same math, one element at a time in plain C++: the reference that the
 // vectorized paths are tested against. Same error behaviour.

@@ -1,9 +1,9 @@
-// AVX2 + FMA + F16C versions of the fused step and casts, 8 floats at a time.
-// Same operation order as optimizer_scalar.cc and no fused multiply-add, so
-// results are bit-identical to it; the tail (< 8 elements) runs the scalar
-// code. Compiled with -mavx2 -mfma -mf16c: only reached after run-time
-// dispatch has checked the CPU, and it calls no inline header functions (see
-// optimizer_internal.h).
+// AVX2 + FMA + F16C versions of the fused step, casts, gradient sum and
+// bandwidth-ceiling loop, 8 floats at a time. Same operation order as
+// optimizer_scalar.cc and no fused multiply-add, so results are bit-identical
+// to it; heads and tails (< 8 elements) run the scalar code. Compiled with
+// -mavx2 -mfma -mf16c: only reached after run-time dispatch has checked the
+// CPU, and it calls no inline header functions (see optimizer_internal.h).
 #if defined(__x86_64__)
 
 #include <immintrin.h>
@@ -19,6 +19,20 @@ namespace internal {
 namespace {
 
 constexpr size_t kLanes = 8;  // floats per __m256
+// Out "dtype" of a step without a published copy.
+constexpr DType kNoOut = static_cast<DType>(0);
+
+constexpr size_t OutBytes(DType d) { return d == DType::kFp32 ? 4 : 2; }
+
+// Elements from `begin` until dst + i * elem_bytes is a multiple of
+// vector_bytes (what a streaming store needs); `end - begin` if never.
+size_t AlignHead(const void* dst, size_t elem_bytes, size_t vector_bytes,
+                 size_t begin, size_t end) {
+  const uintptr_t addr = reinterpret_cast<uintptr_t>(dst) + begin * elem_bytes;
+  if (addr % elem_bytes != 0) return end - begin;
+  const size_t head = ((vector_bytes - addr % vector_bytes) % vector_bytes) / elem_bytes;
+  return head < end - begin ? head : end - begin;
+}
 
 template <DType D>
 __m256 Load(const void* src, size_t i) {
@@ -35,6 +49,13 @@ __m256 Load(const void* src, size_t i) {
   }
 }
 
+// Low 16 bits of each 32-bit lane (which must hold a value < 2^16).
+__m128i Narrow(__m256i x) {
+  // packus works within 128-bit lanes; gather the two useful quarters.
+  const __m256i packed = _mm256_packus_epi32(x, x);
+  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0xD8));
+}
+
 // Same rounding as FloatToBf16: round to nearest even, NaN -> quiet NaN.
 __m128i ToBf16(__m256 x) {
   const __m256i bits = _mm256_castps_si256(x);
@@ -44,16 +65,31 @@ __m128i ToBf16(__m256 x) {
       _mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(0x7fff)), lsb), 16);
   const __m256i quiet_nan = _mm256_or_si256(high, _mm256_set1_epi32(0x40));
   const __m256i is_nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
-  const __m256i result = _mm256_blendv_epi8(rounded, quiet_nan, is_nan);
-  // packus works within 128-bit lanes; gather the two useful quarters.
-  const __m256i packed = _mm256_packus_epi32(result, result);
-  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0xD8));
+  return Narrow(_mm256_blendv_epi8(rounded, quiet_nan, is_nan));
 }
 
-template <DType D>
+void StoreF32(float* dst, __m256 x, bool stream) {
+  if (stream) {
+    _mm256_stream_ps(dst, x);
+  } else {
+    _mm256_storeu_ps(dst, x);
+  }
+}
+
+void StoreHalf(void* dst, __m128i h, bool stream) {
+  if (stream) {
+    _mm_stream_si128(static_cast<__m128i*>(dst), h);
+  } else {
+    _mm_storeu_si128(static_cast<__m128i*>(dst), h);
+  }
+}
+
+template <DType D, bool kStream>
 void Store(__m256 x, void* dst, size_t i) {
-  if constexpr (D == DType::kFp32) {
-    _mm256_storeu_ps(static_cast<float*>(dst) + i, x);
+  if constexpr (D == kNoOut) {
+    return;
+  } else if constexpr (D == DType::kFp32) {
+    StoreF32(static_cast<float*>(dst) + i, x, kStream);
   } else {
     __m128i h;
     if constexpr (D == DType::kBf16) {
@@ -61,12 +97,11 @@ void Store(__m256 x, void* dst, size_t i) {
     } else {
       h = _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT);  // RNE, as FloatToFp16
     }
-    _mm_storeu_si128(
-        reinterpret_cast<__m128i*>(static_cast<uint16_t*>(dst) + i), h);
+    StoreHalf(static_cast<uint16_t*>(dst) + i, h, kStream);
   }
 }
 
-template <OptimizerKind K, DType G, DType O>
+template <OptimizerKind K, DType G, DType O, bool kStream>
 void StepLoop(const StepArgs& a, size_t begin, size_t end) {
   const StepConstants& k = a.k;
   const __m256 grad_scale = _mm256_set1_ps(a.grad_scale);
@@ -81,6 +116,9 @@ void StepLoop(const StepArgs& a, size_t begin, size_t end) {
   const __m256 sqrt_bc2 = _mm256_set1_ps(k.sqrt_bias_correction2);
   const __m256 momentum = _mm256_set1_ps(k.momentum);
   const __m256 lr = _mm256_set1_ps(k.lr);
+  const __m256 zero = _mm256_setzero_ps();
+  const __m256 one = _mm256_set1_ps(1.0f);
+  const __m256 minus_one = _mm256_set1_ps(-1.0f);
 
   size_t i = begin;
   for (; i + kLanes <= end; i += kLanes) {
@@ -99,6 +137,18 @@ void StepLoop(const StepArgs& a, size_t begin, size_t end) {
         g = m;
       }
       p = _mm256_sub_ps(p, _mm256_mul_ps(lr, g));
+    } else if constexpr (K == OptimizerKind::kLion) {
+      if (k.apply_weight_decay) p = _mm256_mul_ps(p, decay_factor);
+      const __m256 m_old = _mm256_loadu_ps(a.m + i);
+      const __m256 c = _mm256_add_ps(_mm256_mul_ps(m_old, beta1),
+                                     _mm256_mul_ps(one_minus_beta1, g));
+      // sign(c): +1, -1, +0 for zeros, c itself for NaN.
+      __m256 sign = _mm256_blendv_ps(zero, one, _mm256_cmp_ps(c, zero, _CMP_GT_OQ));
+      sign = _mm256_blendv_ps(sign, minus_one, _mm256_cmp_ps(c, zero, _CMP_LT_OQ));
+      sign = _mm256_blendv_ps(sign, c, _mm256_cmp_ps(c, c, _CMP_UNORD_Q));
+      p = _mm256_sub_ps(p, _mm256_mul_ps(lr, sign));
+      _mm256_storeu_ps(a.m + i, _mm256_add_ps(_mm256_mul_ps(m_old, beta2),
+                                              _mm256_mul_ps(one_minus_beta2, g)));
     } else {
       if (k.apply_weight_decay) {
         if constexpr (K == OptimizerKind::kAdamW) {
@@ -119,20 +169,35 @@ void StepLoop(const StepArgs& a, size_t begin, size_t end) {
       _mm256_storeu_ps(a.v + i, v);
     }
     _mm256_storeu_ps(a.master + i, p);
-    Store<O>(p, a.out, i);
+    Store<O, kStream>(p, a.out, i);
   }
   StepRangeScalar(a, i, end);
 }
 
+// Streams the published copy on long ranges (see kStreamMinElems): a scalar
+// head aligns `out`, and the fence orders the streaming stores before
+// whatever the caller does next (publishing the version).
+template <OptimizerKind K, DType G, DType O>
+void StepOut(const StepArgs& a, size_t begin, size_t end) {
+  if (O == kNoOut || end - begin < kStreamMinElems) {
+    return StepLoop<K, G, O, false>(a, begin, end);
+  }
+  const size_t head = AlignHead(a.out, OutBytes(O), kLanes * OutBytes(O), begin, end);
+  StepRangeScalar(a, begin, begin + head);
+  StepLoop<K, G, O, true>(a, begin + head, end);
+  _mm_sfence();
+}
+
 template <OptimizerKind K, DType G>
 void DispatchOut(const StepArgs& a, size_t begin, size_t end) {
+  if (a.out == nullptr) return StepOut<K, G, kNoOut>(a, begin, end);
   switch (a.out_dtype) {
     case DType::kFp32:
-      return StepLoop<K, G, DType::kFp32>(a, begin, end);
+      return StepOut<K, G, DType::kFp32>(a, begin, end);
     case DType::kBf16:
-      return StepLoop<K, G, DType::kBf16>(a, begin, end);
+      return StepOut<K, G, DType::kBf16>(a, begin, end);
     case DType::kFp16:
-      return StepLoop<K, G, DType::kFp16>(a, begin, end);
+      return StepOut<K, G, DType::kFp16>(a, begin, end);
   }
 }
 
@@ -148,11 +213,22 @@ void DispatchGrad(const StepArgs& a, size_t begin, size_t end) {
   }
 }
 
-template <DType D>
+template <DType D, bool kStream>
 void CastFromLoop(const float* src, size_t begin, size_t end, void* dst) {
   size_t i = begin;
-  for (; i + kLanes <= end; i += kLanes) Store<D>(_mm256_loadu_ps(src + i), dst, i);
+  for (; i + kLanes <= end; i += kLanes) {
+    Store<D, kStream>(_mm256_loadu_ps(src + i), dst, i);
+  }
   CastFromFp32Scalar(src, i, end, dst, D);
+}
+
+template <DType D>
+void CastFromOut(const float* src, size_t begin, size_t end, void* dst) {
+  if (end - begin < kStreamMinElems) return CastFromLoop<D, false>(src, begin, end, dst);
+  const size_t head = AlignHead(dst, OutBytes(D), kLanes * OutBytes(D), begin, end);
+  CastFromFp32Scalar(src, begin, begin + head, dst, D);
+  CastFromLoop<D, true>(src, begin + head, end, dst);
+  _mm_sfence();
 }
 
 template <DType D>
@@ -160,6 +236,89 @@ void CastToLoop(const void* src, size_t begin, size_t end, float* dst) {
   size_t i = begin;
   for (; i + kLanes <= end; i += kLanes) _mm256_storeu_ps(dst + i, Load<D>(src, i));
   CastToFp32Scalar(src, D, i, end, dst);
+}
+
+template <DType G, bool kStream>
+void SumLoop(const StepArgs& a, size_t begin, size_t end, float* dst) {
+  const __m256 grad_scale = _mm256_set1_ps(a.grad_scale);
+  size_t i = begin;
+  for (; i + kLanes <= end; i += kLanes) {
+    __m256 g = Load<G>(a.grads[0], i);
+    for (size_t w = 1; w < a.num_workers; ++w) {
+      g = _mm256_add_ps(g, Load<G>(a.grads[w], i));
+    }
+    StoreF32(dst + i, _mm256_mul_ps(g, grad_scale), kStream);
+  }
+  SumGradsScalar(a, i, end, dst);
+}
+
+template <DType G>
+void SumOut(const StepArgs& a, size_t begin, size_t end, float* dst) {
+  if (end - begin < kStreamMinElems) return SumLoop<G, false>(a, begin, end, dst);
+  const size_t head = AlignHead(dst, 4, kLanes * 4, begin, end);
+  SumGradsScalar(a, begin, begin + head, dst);
+  SumLoop<G, true>(a, begin + head, end, dst);
+  _mm_sfence();
+}
+
+// Grad bits of 8 elements, widened to 32 bits per element.
+template <DType G>
+__m256i LoadBits(const void* src, size_t i) {
+  if constexpr (G == DType::kFp32) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+        static_cast<const float*>(src) + i));
+  } else {
+    return _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(
+        static_cast<const uint16_t*>(src) + i)));
+  }
+}
+
+__m256i LoadU(const float* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+void StoreU(float* p, __m256i x) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), x); }
+
+template <DType G, DType O, bool kStream>
+void TouchLoop(const StepArgs& a, uint32_t grad_mask, size_t begin, size_t end) {
+  const __m256i mask = _mm256_set1_epi32(static_cast<int>(grad_mask));
+  const __m256i low16 = _mm256_set1_epi32(0xffff);
+  size_t i = begin;
+  for (; i + kLanes <= end; i += kLanes) {
+    __m256i g = LoadBits<G>(a.grads[0], i);
+    for (size_t w = 1; w < a.num_workers; ++w) g = _mm256_or_si256(g, LoadBits<G>(a.grads[w], i));
+    g = _mm256_and_si256(g, mask);
+    const __m256i p = _mm256_or_si256(LoadU(a.master + i), g);
+    StoreU(a.master + i, p);
+    if (a.m != nullptr) StoreU(a.m + i, _mm256_or_si256(LoadU(a.m + i), g));
+    if (a.v != nullptr) StoreU(a.v + i, _mm256_or_si256(LoadU(a.v + i), g));
+    if constexpr (O == DType::kFp32) {
+      StoreF32(static_cast<float*>(a.out) + i, _mm256_castsi256_ps(p), kStream);
+    } else if constexpr (O != kNoOut) {
+      StoreHalf(static_cast<uint16_t*>(a.out) + i, Narrow(_mm256_and_si256(p, low16)), kStream);
+    }
+  }
+  TouchScalar(a, grad_mask, i, end);
+}
+
+template <DType G, DType O>
+void TouchOut(const StepArgs& a, uint32_t grad_mask, size_t begin, size_t end) {
+  if (O == kNoOut || end - begin < kStreamMinElems) {
+    return TouchLoop<G, O, false>(a, grad_mask, begin, end);
+  }
+  const size_t head = AlignHead(a.out, OutBytes(O), kLanes * OutBytes(O), begin, end);
+  TouchScalar(a, grad_mask, begin, begin + head);
+  TouchLoop<G, O, true>(a, grad_mask, begin + head, end);
+  _mm_sfence();
+}
+
+template <DType G>
+void TouchDispatchOut(const StepArgs& a, uint32_t grad_mask, size_t begin, size_t end) {
+  if (a.out == nullptr) return TouchOut<G, kNoOut>(a, grad_mask, begin, end);
+  switch (a.out_dtype) {
+    case DType::kFp32:
+      return TouchOut<G, DType::kFp32>(a, grad_mask, begin, end);
+    case DType::kBf16:
+    case DType::kFp16:
+      return TouchOut<G, DType::kBf16>(a, grad_mask, begin, end);
+  }
 }
 
 }  // namespace
@@ -172,23 +331,25 @@ void StepRangeAvx2(const StepArgs& a, size_t begin, size_t end) {
       return DispatchGrad<OptimizerKind::kAdam>(a, begin, end);
     case OptimizerKind::kSgd:
       return DispatchGrad<OptimizerKind::kSgd>(a, begin, end);
+    case OptimizerKind::kLion:
+      return DispatchGrad<OptimizerKind::kLion>(a, begin, end);
   }
 }
 
 void CastFromFp32Avx2(const float* src, size_t begin, size_t end, void* dst,
-                      DType dst_dtype) {
+                        DType dst_dtype) {
   switch (dst_dtype) {
     case DType::kFp32:
-      return CastFromLoop<DType::kFp32>(src, begin, end, dst);
+      return CastFromOut<DType::kFp32>(src, begin, end, dst);
     case DType::kBf16:
-      return CastFromLoop<DType::kBf16>(src, begin, end, dst);
+      return CastFromOut<DType::kBf16>(src, begin, end, dst);
     case DType::kFp16:
-      return CastFromLoop<DType::kFp16>(src, begin, end, dst);
+      return CastFromOut<DType::kFp16>(src, begin, end, dst);
   }
 }
 
 void CastToFp32Avx2(const void* src, DType src_dtype, size_t begin, size_t end,
-                    float* dst) {
+                      float* dst) {
   switch (src_dtype) {
     case DType::kFp32:
       return CastToLoop<DType::kFp32>(src, begin, end, dst);
@@ -197,6 +358,24 @@ void CastToFp32Avx2(const void* src, DType src_dtype, size_t begin, size_t end,
     case DType::kFp16:
       return CastToLoop<DType::kFp16>(src, begin, end, dst);
   }
+}
+
+void SumGradsAvx2(const StepArgs& a, size_t begin, size_t end, float* dst) {
+  switch (a.grad_dtype) {
+    case DType::kFp32:
+      return SumOut<DType::kFp32>(a, begin, end, dst);
+    case DType::kBf16:
+      return SumOut<DType::kBf16>(a, begin, end, dst);
+    case DType::kFp16:
+      return SumOut<DType::kFp16>(a, begin, end, dst);
+  }
+}
+
+void TouchAvx2(const StepArgs& a, uint32_t grad_mask, size_t begin, size_t end) {
+  if (a.grad_dtype == DType::kFp32) {
+    return TouchDispatchOut<DType::kFp32>(a, grad_mask, begin, end);
+  }
+  return TouchDispatchOut<DType::kBf16>(a, grad_mask, begin, end);
 }
 
 }  // namespace internal

@@ -1,9 +1,9 @@
-// AVX-512 (F + BW) versions of the fused step and casts, 16 floats at a time.
-// Same operation order as optimizer_scalar.cc and no fused multiply-add, so
-// results are bit-identical to it; the tail (< 16 elements) runs the scalar
-// code. Compiled with -mavx512f -mavx512bw: only reached after run-time
-// dispatch has checked the CPU, and it calls no inline header functions (see
-// optimizer_internal.h).
+// AVX-512 (F + BW) versions of the fused step, casts, gradient sum and
+// bandwidth-ceiling loop, 16 floats at a time. Same operation order as
+// optimizer_scalar.cc and no fused multiply-add, so results are bit-identical
+// to it; heads and tails (< 16 elements) run the scalar code. Compiled with
+// -mavx512f -mavx512bw: only reached after run-time dispatch has checked the
+// CPU, and it calls no inline header functions (see optimizer_internal.h).
 #if defined(__x86_64__)
 
 #include <immintrin.h>
@@ -19,6 +19,20 @@ namespace internal {
 namespace {
 
 constexpr size_t kLanes = 16;  // floats per __m512
+// Out "dtype" of a step without a published copy.
+constexpr DType kNoOut = static_cast<DType>(0);
+
+constexpr size_t OutBytes(DType d) { return d == DType::kFp32 ? 4 : 2; }
+
+// Elements from `begin` until dst + i * elem_bytes is a multiple of
+// vector_bytes (what a streaming store needs); `end - begin` if never.
+size_t AlignHead(const void* dst, size_t elem_bytes, size_t vector_bytes,
+                 size_t begin, size_t end) {
+  const uintptr_t addr = reinterpret_cast<uintptr_t>(dst) + begin * elem_bytes;
+  if (addr % elem_bytes != 0) return end - begin;
+  const size_t head = ((vector_bytes - addr % vector_bytes) % vector_bytes) / elem_bytes;
+  return head < end - begin ? head : end - begin;
+}
 
 template <DType D>
 __m512 Load(const void* src, size_t i) {
@@ -48,10 +62,28 @@ __m256i ToBf16(__m512 x) {
   return _mm512_cvtepi32_epi16(result);  // values fit: plain truncation
 }
 
-template <DType D>
+void StoreF32(float* dst, __m512 x, bool stream) {
+  if (stream) {
+    _mm512_stream_ps(dst, x);
+  } else {
+    _mm512_storeu_ps(dst, x);
+  }
+}
+
+void StoreHalf(void* dst, __m256i h, bool stream) {
+  if (stream) {
+    _mm256_stream_si256(static_cast<__m256i*>(dst), h);
+  } else {
+    _mm256_storeu_si256(static_cast<__m256i*>(dst), h);
+  }
+}
+
+template <DType D, bool kStream>
 void Store(__m512 x, void* dst, size_t i) {
-  if constexpr (D == DType::kFp32) {
-    _mm512_storeu_ps(static_cast<float*>(dst) + i, x);
+  if constexpr (D == kNoOut) {
+    return;
+  } else if constexpr (D == DType::kFp32) {
+    StoreF32(static_cast<float*>(dst) + i, x, kStream);
   } else {
     __m256i h;
     if constexpr (D == DType::kBf16) {
@@ -59,12 +91,11 @@ void Store(__m512 x, void* dst, size_t i) {
     } else {
       h = _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT);  // RNE, as FloatToFp16
     }
-    _mm256_storeu_si256(
-        reinterpret_cast<__m256i*>(static_cast<uint16_t*>(dst) + i), h);
+    StoreHalf(static_cast<uint16_t*>(dst) + i, h, kStream);
   }
 }
 
-template <OptimizerKind K, DType G, DType O>
+template <OptimizerKind K, DType G, DType O, bool kStream>
 void StepLoop(const StepArgs& a, size_t begin, size_t end) {
   const StepConstants& k = a.k;
   const __m512 grad_scale = _mm512_set1_ps(a.grad_scale);
@@ -79,6 +110,9 @@ void StepLoop(const StepArgs& a, size_t begin, size_t end) {
   const __m512 sqrt_bc2 = _mm512_set1_ps(k.sqrt_bias_correction2);
   const __m512 momentum = _mm512_set1_ps(k.momentum);
   const __m512 lr = _mm512_set1_ps(k.lr);
+  const __m512 zero = _mm512_setzero_ps();
+  const __m512 one = _mm512_set1_ps(1.0f);
+  const __m512 minus_one = _mm512_set1_ps(-1.0f);
 
   size_t i = begin;
   for (; i + kLanes <= end; i += kLanes) {
@@ -97,6 +131,18 @@ void StepLoop(const StepArgs& a, size_t begin, size_t end) {
         g = m;
       }
       p = _mm512_sub_ps(p, _mm512_mul_ps(lr, g));
+    } else if constexpr (K == OptimizerKind::kLion) {
+      if (k.apply_weight_decay) p = _mm512_mul_ps(p, decay_factor);
+      const __m512 m_old = _mm512_loadu_ps(a.m + i);
+      const __m512 c = _mm512_add_ps(_mm512_mul_ps(m_old, beta1),
+                                     _mm512_mul_ps(one_minus_beta1, g));
+      // sign(c): +1, -1, +0 for zeros, c itself for NaN.
+      __m512 sign = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(c, zero, _CMP_GT_OQ), zero, one);
+      sign = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(c, zero, _CMP_LT_OQ), sign, minus_one);
+      sign = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(c, c, _CMP_UNORD_Q), sign, c);
+      p = _mm512_sub_ps(p, _mm512_mul_ps(lr, sign));
+      _mm512_storeu_ps(a.m + i, _mm512_add_ps(_mm512_mul_ps(m_old, beta2),
+                                              _mm512_mul_ps(one_minus_beta2, g)));
     } else {
       if (k.apply_weight_decay) {
         if constexpr (K == OptimizerKind::kAdamW) {
@@ -117,20 +163,35 @@ void StepLoop(const StepArgs& a, size_t begin, size_t end) {
       _mm512_storeu_ps(a.v + i, v);
     }
     _mm512_storeu_ps(a.master + i, p);
-    Store<O>(p, a.out, i);
+    Store<O, kStream>(p, a.out, i);
   }
   StepRangeScalar(a, i, end);
 }
 
+// Streams the published copy on long ranges (see kStreamMinElems): a scalar
+// head aligns `out`, and the fence orders the streaming stores before
+// whatever the caller does next (publishing the version).
+template <OptimizerKind K, DType G, DType O>
+void StepOut(const StepArgs& a, size_t begin, size_t end) {
+  if (O == kNoOut || end - begin < kStreamMinElems) {
+    return StepLoop<K, G, O, false>(a, begin, end);
+  }
+  const size_t head = AlignHead(a.out, OutBytes(O), kLanes * OutBytes(O), begin, end);
+  StepRangeScalar(a, begin, begin + head);
+  StepLoop<K, G, O, true>(a, begin + head, end);
+  _mm_sfence();
+}
+
 template <OptimizerKind K, DType G>
 void DispatchOut(const StepArgs& a, size_t begin, size_t end) {
+  if (a.out == nullptr) return StepOut<K, G, kNoOut>(a, begin, end);
   switch (a.out_dtype) {
     case DType::kFp32:
-      return StepLoop<K, G, DType::kFp32>(a, begin, end);
+      return StepOut<K, G, DType::kFp32>(a, begin, end);
     case DType::kBf16:
-      return StepLoop<K, G, DType::kBf16>(a, begin, end);
+      return StepOut<K, G, DType::kBf16>(a, begin, end);
     case DType::kFp16:
-      return StepLoop<K, G, DType::kFp16>(a, begin, end);
+      return StepOut<K, G, DType::kFp16>(a, begin, end);
   }
 }
 
@@ -146,11 +207,22 @@ void DispatchGrad(const StepArgs& a, size_t begin, size_t end) {
   }
 }
 
-template <DType D>
+template <DType D, bool kStream>
 void CastFromLoop(const float* src, size_t begin, size_t end, void* dst) {
   size_t i = begin;
-  for (; i + kLanes <= end; i += kLanes) Store<D>(_mm512_loadu_ps(src + i), dst, i);
+  for (; i + kLanes <= end; i += kLanes) {
+    Store<D, kStream>(_mm512_loadu_ps(src + i), dst, i);
+  }
   CastFromFp32Scalar(src, i, end, dst, D);
+}
+
+template <DType D>
+void CastFromOut(const float* src, size_t begin, size_t end, void* dst) {
+  if (end - begin < kStreamMinElems) return CastFromLoop<D, false>(src, begin, end, dst);
+  const size_t head = AlignHead(dst, OutBytes(D), kLanes * OutBytes(D), begin, end);
+  CastFromFp32Scalar(src, begin, begin + head, dst, D);
+  CastFromLoop<D, true>(src, begin + head, end, dst);
+  _mm_sfence();
 }
 
 template <DType D>
@@ -158,6 +230,84 @@ void CastToLoop(const void* src, size_t begin, size_t end, float* dst) {
   size_t i = begin;
   for (; i + kLanes <= end; i += kLanes) _mm512_storeu_ps(dst + i, Load<D>(src, i));
   CastToFp32Scalar(src, D, i, end, dst);
+}
+
+template <DType G, bool kStream>
+void SumLoop(const StepArgs& a, size_t begin, size_t end, float* dst) {
+  const __m512 grad_scale = _mm512_set1_ps(a.grad_scale);
+  size_t i = begin;
+  for (; i + kLanes <= end; i += kLanes) {
+    __m512 g = Load<G>(a.grads[0], i);
+    for (size_t w = 1; w < a.num_workers; ++w) {
+      g = _mm512_add_ps(g, Load<G>(a.grads[w], i));
+    }
+    StoreF32(dst + i, _mm512_mul_ps(g, grad_scale), kStream);
+  }
+  SumGradsScalar(a, i, end, dst);
+}
+
+template <DType G>
+void SumOut(const StepArgs& a, size_t begin, size_t end, float* dst) {
+  if (end - begin < kStreamMinElems) return SumLoop<G, false>(a, begin, end, dst);
+  const size_t head = AlignHead(dst, 4, kLanes * 4, begin, end);
+  SumGradsScalar(a, begin, begin + head, dst);
+  SumLoop<G, true>(a, begin + head, end, dst);
+  _mm_sfence();
+}
+
+// Grad bits of 16 elements, widened to 32 bits per element.
+template <DType G>
+__m512i LoadBits(const void* src, size_t i) {
+  if constexpr (G == DType::kFp32) {
+    return _mm512_loadu_si512(static_cast<const float*>(src) + i);
+  } else {
+    return _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+        static_cast<const uint16_t*>(src) + i)));
+  }
+}
+
+template <DType G, DType O, bool kStream>
+void TouchLoop(const StepArgs& a, uint32_t grad_mask, size_t begin, size_t end) {
+  const __m512i mask = _mm512_set1_epi32(static_cast<int>(grad_mask));
+  size_t i = begin;
+  for (; i + kLanes <= end; i += kLanes) {
+    __m512i g = LoadBits<G>(a.grads[0], i);
+    for (size_t w = 1; w < a.num_workers; ++w) g = _mm512_or_si512(g, LoadBits<G>(a.grads[w], i));
+    g = _mm512_and_si512(g, mask);
+    const __m512i p = _mm512_or_si512(_mm512_loadu_si512(a.master + i), g);
+    _mm512_storeu_si512(a.master + i, p);
+    if (a.m != nullptr) _mm512_storeu_si512(a.m + i, _mm512_or_si512(_mm512_loadu_si512(a.m + i), g));
+    if (a.v != nullptr) _mm512_storeu_si512(a.v + i, _mm512_or_si512(_mm512_loadu_si512(a.v + i), g));
+    if constexpr (O == DType::kFp32) {
+      StoreF32(static_cast<float*>(a.out) + i, _mm512_castsi512_ps(p), kStream);
+    } else if constexpr (O != kNoOut) {
+      StoreHalf(static_cast<uint16_t*>(a.out) + i, _mm512_cvtepi32_epi16(p), kStream);
+    }
+  }
+  TouchScalar(a, grad_mask, i, end);
+}
+
+template <DType G, DType O>
+void TouchOut(const StepArgs& a, uint32_t grad_mask, size_t begin, size_t end) {
+  if (O == kNoOut || end - begin < kStreamMinElems) {
+    return TouchLoop<G, O, false>(a, grad_mask, begin, end);
+  }
+  const size_t head = AlignHead(a.out, OutBytes(O), kLanes * OutBytes(O), begin, end);
+  TouchScalar(a, grad_mask, begin, begin + head);
+  TouchLoop<G, O, true>(a, grad_mask, begin + head, end);
+  _mm_sfence();
+}
+
+template <DType G>
+void TouchDispatchOut(const StepArgs& a, uint32_t grad_mask, size_t begin, size_t end) {
+  if (a.out == nullptr) return TouchOut<G, kNoOut>(a, grad_mask, begin, end);
+  switch (a.out_dtype) {
+    case DType::kFp32:
+      return TouchOut<G, DType::kFp32>(a, grad_mask, begin, end);
+    case DType::kBf16:
+    case DType::kFp16:
+      return TouchOut<G, DType::kBf16>(a, grad_mask, begin, end);
+  }
 }
 
 }  // namespace
@@ -170,23 +320,25 @@ void StepRangeAvx512(const StepArgs& a, size_t begin, size_t end) {
       return DispatchGrad<OptimizerKind::kAdam>(a, begin, end);
     case OptimizerKind::kSgd:
       return DispatchGrad<OptimizerKind::kSgd>(a, begin, end);
+    case OptimizerKind::kLion:
+      return DispatchGrad<OptimizerKind::kLion>(a, begin, end);
   }
 }
 
 void CastFromFp32Avx512(const float* src, size_t begin, size_t end, void* dst,
-                      DType dst_dtype) {
+                        DType dst_dtype) {
   switch (dst_dtype) {
     case DType::kFp32:
-      return CastFromLoop<DType::kFp32>(src, begin, end, dst);
+      return CastFromOut<DType::kFp32>(src, begin, end, dst);
     case DType::kBf16:
-      return CastFromLoop<DType::kBf16>(src, begin, end, dst);
+      return CastFromOut<DType::kBf16>(src, begin, end, dst);
     case DType::kFp16:
-      return CastFromLoop<DType::kFp16>(src, begin, end, dst);
+      return CastFromOut<DType::kFp16>(src, begin, end, dst);
   }
 }
 
 void CastToFp32Avx512(const void* src, DType src_dtype, size_t begin, size_t end,
-                    float* dst) {
+                      float* dst) {
   switch (src_dtype) {
     case DType::kFp32:
       return CastToLoop<DType::kFp32>(src, begin, end, dst);
@@ -195,6 +347,24 @@ void CastToFp32Avx512(const void* src, DType src_dtype, size_t begin, size_t end
     case DType::kFp16:
       return CastToLoop<DType::kFp16>(src, begin, end, dst);
   }
+}
+
+void SumGradsAvx512(const StepArgs& a, size_t begin, size_t end, float* dst) {
+  switch (a.grad_dtype) {
+    case DType::kFp32:
+      return SumOut<DType::kFp32>(a, begin, end, dst);
+    case DType::kBf16:
+      return SumOut<DType::kBf16>(a, begin, end, dst);
+    case DType::kFp16:
+      return SumOut<DType::kFp16>(a, begin, end, dst);
+  }
+}
+
+void TouchAvx512(const StepArgs& a, uint32_t grad_mask, size_t begin, size_t end) {
+  if (a.grad_dtype == DType::kFp32) {
+    return TouchDispatchOut<DType::kFp32>(a, grad_mask, begin, end);
+  }
+  return TouchDispatchOut<DType::kBf16>(a, grad_mask, begin, end);
 }
 
 }  // namespace internal

@@ -32,7 +32,7 @@ struct StepConstants {
   bool use_momentum = false;        // SGD: momentum != 0
   float lr = 0;
   float weight_decay = 0;
-  float decay_factor = 1;   // AdamW: float(1 - lr * weight_decay)
+  float decay_factor = 1;   // AdamW, Lion: float(1 - lr * weight_decay)
   float beta1 = 0;
   float one_minus_beta1 = 0;  // float(1 - beta1)
   float beta2 = 0;
@@ -52,10 +52,17 @@ struct StepArgs {
   float grad_scale = 1;
   float* master = nullptr;
   float* m = nullptr;  // null for SGD without momentum
-  float* v = nullptr;  // null for SGD
-  void* out = nullptr;
+  float* v = nullptr;  // null for SGD and Lion
+  void* out = nullptr;  // null: no published copy
   DType out_dtype = DType::kFp32;
 };
+
+// Ranges at least this long write the published copy with non-temporal
+// (streaming) stores: it is write-only here, and streaming skips the read
+// for ownership that an ordinary store pays, 2 of ~34 bytes per element for
+// bf16. Shorter ranges use ordinary stores (the copy is likely still cached
+// when a worker pulls it, and the fence would cost more than it saves).
+constexpr size_t kStreamMinElems = 4096;
 
 // Validates the inputs and fills `args`; InvalidArgument on bad input.
 absl::Status PrepareStep(const OptimizerHyper& hyper, const StepInputs& in,
@@ -69,12 +76,26 @@ using CastFromFp32Fn = void (*)(const float* src, size_t begin, size_t end,
                                 void* dst, DType dst_dtype);
 using CastToFp32Fn = void (*)(const void* src, DType src_dtype, size_t begin,
                               size_t end, float* dst);
+// Elements [begin, end) of dst = (sum of args.grads in rank order) *
+// args.grad_scale: the first pass of the unfused pipeline (benchmarks).
+using SumGradsFn = void (*)(const StepArgs& args, size_t begin, size_t end,
+                            float* dst);
+// The fused step's memory traffic with no arithmetic, for the benchmarks'
+// bandwidth ceiling: reads every grad slot, master, m and v (those non-null),
+// writes master, m, v and out with the same store kinds as `step`. Values
+// are kept: each store writes (loaded bits | (grad bits & grad_mask)), so a
+// grad_mask of 0 (opaque to the compiler) leaves the state unchanged.
+using TouchFn = void (*)(const StepArgs& args, uint32_t grad_mask,
+                         size_t begin, size_t end);
 
 void StepRangeScalar(const StepArgs& args, size_t begin, size_t end);
 void CastFromFp32Scalar(const float* src, size_t begin, size_t end, void* dst,
                         DType dst_dtype);
 void CastToFp32Scalar(const void* src, DType src_dtype, size_t begin,
                       size_t end, float* dst);
+void SumGradsScalar(const StepArgs& args, size_t begin, size_t end, float* dst);
+void TouchScalar(const StepArgs& args, uint32_t grad_mask, size_t begin,
+                 size_t end);
 
 #if defined(__x86_64__)
 void StepRangeAvx2(const StepArgs& args, size_t begin, size_t end);
@@ -87,6 +108,21 @@ void CastFromFp32Avx512(const float* src, size_t begin, size_t end, void* dst,
                         DType dst_dtype);
 void CastToFp32Avx512(const void* src, DType src_dtype, size_t begin,
                       size_t end, float* dst);
+void SumGradsAvx2(const StepArgs& args, size_t begin, size_t end, float* dst);
+void TouchAvx2(const StepArgs& args, uint32_t grad_mask, size_t begin,
+               size_t end);
+void SumGradsAvx512(const StepArgs& args, size_t begin, size_t end, float* dst);
+void TouchAvx512(const StepArgs& args, uint32_t grad_mask, size_t begin,
+                 size_t end);
+#endif
+
+#if defined(__aarch64__)
+void StepRangeNeon(const StepArgs& args, size_t begin, size_t end);
+void CastFromFp32Neon(const float* src, size_t begin, size_t end, void* dst,
+                      DType dst_dtype);
+void CastToFp32Neon(const void* src, DType src_dtype, size_t begin, size_t end,
+                    float* dst);
+void SumGradsNeon(const StepArgs& args, size_t begin, size_t end, float* dst);
 #endif
 
 struct IsaKernels {
@@ -94,7 +130,12 @@ struct IsaKernels {
   StepRangeFn step;
   CastFromFp32Fn cast_from_fp32;
   CastToFp32Fn cast_to_fp32;
+  SumGradsFn sum_grads;
+  TouchFn touch;
 };
+
+// The ISA kernels FusedStep uses on this CPU.
+const IsaKernels& ActiveKernels();
 
 // The kernels for `isa` if this binary has them and this CPU runs them;
 // NotFound for an ISA not built in, Unavailable for one the CPU lacks.

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 
 #include "common/dtype.h"
 #include "kernels/cpu/optimizer.h"
@@ -38,6 +39,25 @@ void StoreFromFloat(float value, void* dst, DType dtype, size_t i) {
       static_cast<uint16_t*>(dst)[i] = FloatToFp16(value);
       return;
   }
+}
+
+// torch.sign: +1, -1, 0 for either zero (as +0), NaN stays NaN.
+float Sign(float c) {
+  if (c > 0.0f) return 1.0f;
+  if (c < 0.0f) return -1.0f;
+  return c == c ? 0.0f : c;
+}
+
+uint32_t Bits(float f) {
+  uint32_t b;
+  std::memcpy(&b, &f, sizeof(b));
+  return b;
+}
+
+float FromBits(uint32_t b) {
+  float f;
+  std::memcpy(&f, &b, sizeof(f));
+  return f;
 }
 
 }  // namespace
@@ -85,9 +105,19 @@ void StepRangeScalar(const StepArgs& a, size_t begin, size_t end) {
         p = p - k.lr * g;
         break;
       }
+      case OptimizerKind::kLion: {
+        if (k.apply_weight_decay) p = p * k.decay_factor;
+        const float m_old = a.m[i];
+        // c = exp_avg * b1 + (1 - b1) * g; p -= lr * sign(c)
+        const float c = m_old * k.beta1 + k.one_minus_beta1 * g;
+        p = p - k.lr * Sign(c);
+        // exp_avg.mul_(b2).add_(g, 1 - b2)
+        a.m[i] = m_old * k.beta2 + k.one_minus_beta2 * g;
+        break;
+      }
     }
     a.master[i] = p;
-    StoreFromFloat(p, a.out, a.out_dtype, i);
+    if (a.out != nullptr) StoreFromFloat(p, a.out, a.out_dtype, i);
   }
 }
 
@@ -99,6 +129,39 @@ void CastFromFp32Scalar(const float* src, size_t begin, size_t end, void* dst,
 void CastToFp32Scalar(const void* src, DType src_dtype, size_t begin,
                       size_t end, float* dst) {
   for (size_t i = begin; i < end; ++i) dst[i] = LoadAsFloat(src, src_dtype, i);
+}
+
+void SumGradsScalar(const StepArgs& a, size_t begin, size_t end, float* dst) {
+  for (size_t i = begin; i < end; ++i) {
+    float g = LoadAsFloat(a.grads[0], a.grad_dtype, i);
+    for (size_t w = 1; w < a.num_workers; ++w) {
+      g = g + LoadAsFloat(a.grads[w], a.grad_dtype, i);
+    }
+    dst[i] = g * a.grad_scale;
+  }
+}
+
+void TouchScalar(const StepArgs& a, uint32_t grad_mask, size_t begin,
+                 size_t end) {
+  const bool half = a.grad_dtype != DType::kFp32;
+  for (size_t i = begin; i < end; ++i) {
+    uint32_t g = 0;
+    for (size_t w = 0; w < a.num_workers; ++w) {
+      g |= half ? static_cast<const uint16_t*>(a.grads[w])[i]
+                : static_cast<const uint32_t*>(a.grads[w])[i];
+    }
+    g &= grad_mask;
+    const float p = FromBits(Bits(a.master[i]) | g);
+    a.master[i] = p;
+    if (a.m != nullptr) a.m[i] = FromBits(Bits(a.m[i]) | g);
+    if (a.v != nullptr) a.v[i] = FromBits(Bits(a.v[i]) | g);
+    if (a.out == nullptr) continue;
+    if (a.out_dtype == DType::kFp32) {
+      static_cast<float*>(a.out)[i] = p;
+    } else {
+      static_cast<uint16_t*>(a.out)[i] = static_cast<uint16_t>(Bits(p));
+    }
+  }
 }
 
 }  // namespace internal

@@ -15,14 +15,15 @@
 #include "common/dtype.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu/optimizer_internal.h"
+#include "kernels/cpu/thread_pool.h"
 
 namespace optimus {
 namespace kernels {
 namespace {
 
 constexpr DType kAllDTypes[] = {DType::kFp32, DType::kBf16, DType::kFp16};
-constexpr OptimizerKind kAllKinds[] = {OptimizerKind::kAdamW,
-                                       OptimizerKind::kAdam, OptimizerKind::kSgd};
+constexpr OptimizerKind kAllKinds[] = {OptimizerKind::kAdamW, OptimizerKind::kAdam,
+                                       OptimizerKind::kSgd, OptimizerKind::kLion};
 
 const char* KindName(OptimizerKind k) {
   switch (k) {
@@ -32,6 +33,8 @@ const char* KindName(OptimizerKind k) {
       return "adam";
     case OptimizerKind::kSgd:
       return "sgd";
+    case OptimizerKind::kLion:
+      return "lion";
   }
   return "?";
 }
@@ -54,6 +57,12 @@ OptimizerHyper HyperFor(OptimizerKind kind) {
       h.lr = 0.01f;
       h.momentum = 0.9f;
       h.weight_decay = 1e-4f;
+      break;
+    case OptimizerKind::kLion:
+      h.lr = 1e-4f;
+      h.beta1 = 0.9f;
+      h.beta2 = 0.99f;
+      h.weight_decay = 0.1f;
       break;
   }
   return h;
@@ -93,8 +102,8 @@ uint16_t U16At(const std::vector<uint8_t>& bytes, size_t i) {
   return h;
 }
 
-// Double-precision reference of the three optimizers, written from the
-// torch.optim formulas.
+// Double-precision reference of the optimizers, written from the
+// torch.optim formulas and, for Lion, the paper's Algorithm 2.
 struct RefState {
   std::vector<double> p, m, v;
 };
@@ -120,6 +129,13 @@ void RefStep(const OptimizerHyper& h, int64_t t,
         g = m;
       }
       p -= lr * g;
+      continue;
+    }
+    if (h.kind == OptimizerKind::kLion) {
+      const double c = b1 * m + (1 - b1) * g;
+      const double sign = c > 0 ? 1.0 : (c < 0 ? -1.0 : 0.0);
+      p = p * (1.0 - lr * wd) - lr * sign;
+      m = b2 * m + (1 - b2) * g;
       continue;
     }
     if (h.kind == OptimizerKind::kAdamW) {
@@ -204,15 +220,27 @@ void RunAgainstReference(OptimizerKind kind, DType grad_dtype, DType out_dtype,
     ASSERT_TRUE(FusedStep(hyper, in, n, chunk.state(), chunk.out.data(), out_dtype).ok());
     RefStep(hyper, t, grads, grad_dtype, grad_scale, &ref);
   }
+  // Lion moves p by +-lr depending on sign(c); where c is within rounding of
+  // zero, fp32 and double can pick different signs. Allow that rarely, and
+  // never by more than the size of the steps involved.
+  size_t lion_sign_flips = 0;
   for (size_t i = 0; i < n; ++i) {
-    ASSERT_NEAR(chunk.master[i], ref.p[i], 1e-5 * std::fabs(ref.p[i]) + 1e-6) << i;
+    const double tolerance = 1e-5 * std::fabs(ref.p[i]) + 1e-6;
+    if (kind == OptimizerKind::kLion &&
+        std::fabs(chunk.master[i] - ref.p[i]) > tolerance) {
+      ASSERT_LE(std::fabs(chunk.master[i] - ref.p[i]), 2.0 * hyper.lr * steps + tolerance) << i;
+      ++lion_sign_flips;
+      continue;
+    }
+    ASSERT_NEAR(chunk.master[i], ref.p[i], tolerance) << i;
     if (kind != OptimizerKind::kSgd || hyper.momentum != 0) {
       ASSERT_NEAR(chunk.m[i], ref.m[i], 1e-5 * std::fabs(ref.m[i]) + 1e-6) << i;
     }
-    if (kind != OptimizerKind::kSgd) {
+    if (kind == OptimizerKind::kAdamW || kind == OptimizerKind::kAdam) {
       ASSERT_NEAR(chunk.v[i], ref.v[i], 1e-5 * ref.v[i] + 1e-12) << i;
     }
   }
+  EXPECT_LE(lion_sign_flips, n / 10000 + 1);
   ExpectOutIsCastOfMaster(chunk, out_dtype);
 }
 
@@ -448,6 +476,157 @@ TEST(FusedStepTest, SplittingAChunkDoesNotChangeResults) {
   EXPECT_EQ(whole.out, parts.out);
 }
 
+TEST(FusedStepTest, LionByHand) {
+  // m = 0 at first: c = 0.1 g, so p moves by exactly lr against the
+  // gradient's sign (after decay), zero gradients leave p decayed only, and
+  // m becomes 0.01 g.
+  OptimizerHyper hyper;
+  hyper.kind = OptimizerKind::kLion;
+  hyper.lr = 0.25f;
+  hyper.beta2 = 0.99f;
+  hyper.weight_decay = 0.5f;
+  std::vector<float> g = {3.0f, -0.5f, 0.0f};
+  std::vector<float> master = {1.0f, 1.0f, 1.0f}, m(3, 0.0f);
+  std::vector<float> out(3);
+  const void* slots[] = {g.data()};
+  StepInputs in;
+  in.grads = slots;
+  ASSERT_TRUE(FusedStep(hyper, in, 3, ChunkState{master.data(), m.data(), nullptr},
+                        out.data(), DType::kFp32)
+                  .ok());
+  // decay: 1 * (1 - 0.25 * 0.5) = 0.875
+  EXPECT_EQ(master, (std::vector<float>{0.875f - 0.25f, 0.875f + 0.25f, 0.875f}));
+  EXPECT_NEAR(m[0], 0.03f, 1e-7);
+  EXPECT_NEAR(m[1], -0.005f, 1e-8);
+  EXPECT_EQ(m[2], 0.0f);
+  EXPECT_EQ(out, master);
+}
+
+TEST(FusedStepTest, NullOutSkipsThePublishedCopy) {
+  // A plain fp32 step (no published copy) updates the state exactly as a
+  // step that also writes a copy.
+  const size_t n = 50003;
+  std::mt19937 rng(5);
+  for (OptimizerKind kind : kAllKinds) {
+    const OptimizerHyper hyper = HyperFor(kind);
+    Chunk a(n, DType::kBf16, &rng);
+    Chunk b = a;
+    const std::vector<std::vector<uint8_t>> grads = {MakeGrad(DType::kFp32, n, &rng, 1.0f)};
+    const std::vector<const void*> ptrs = SlotPointers(grads);
+    StepInputs in;
+    in.grads = absl::MakeConstSpan(ptrs);
+    ASSERT_TRUE(FusedStep(hyper, in, n, a.state(), nullptr, DType::kBf16).ok());
+    ASSERT_TRUE(FusedStep(hyper, in, n, b.state(), b.out.data(), DType::kBf16).ok());
+    EXPECT_EQ(std::memcmp(a.master.data(), b.master.data(), 4 * n), 0) << KindName(kind);
+    EXPECT_EQ(std::memcmp(a.m.data(), b.m.data(), 4 * n), 0) << KindName(kind);
+    EXPECT_EQ(std::memcmp(a.v.data(), b.v.data(), 4 * n), 0) << KindName(kind);
+    EXPECT_EQ(a.out, std::vector<uint8_t>(a.out.size(), 0xAB));  // untouched
+  }
+}
+
+TEST(FusedStepTest, ThreadCountDoesNotChangeResults) {
+  // Big enough for several ranges per thread count, odd-sized, and offset so
+  // that the streaming-store heads are exercised; compared with the scalar
+  // reference bit for bit.
+  const size_t n = 300007;
+  const size_t offset = 3;
+  std::mt19937 rng(13);
+  for (OptimizerKind kind : kAllKinds) {
+    for (DType out_dtype : kAllDTypes) {
+      SCOPED_TRACE(absl::StrCat(KindName(kind), " out=", DTypeName(out_dtype)));
+      const OptimizerHyper hyper = HyperFor(kind);
+      Chunk reference(n + offset, out_dtype, &rng);
+      std::vector<std::vector<uint8_t>> grads;
+      for (int w = 0; w < 3; ++w) grads.push_back(MakeNastyGrad(DType::kBf16, n + offset, &rng));
+      std::vector<const void*> ptrs;
+      for (const auto& g : grads) ptrs.push_back(g.data() + 2 * offset);
+      StepInputs in;
+      in.grads = absl::MakeConstSpan(ptrs);
+      in.grad_dtype = DType::kBf16;
+      in.grad_scale = 1.0f / 3;
+      in.step = 2;
+      const Chunk original = reference;
+      const size_t out_offset = offset * DTypeSize(out_dtype);
+      auto state_of = [&](Chunk& c) {
+        return ChunkState{c.master.data() + offset, c.m.data() + offset,
+                          c.v.data() + offset};
+      };
+      ASSERT_TRUE(FusedStepScalar(hyper, in, n, state_of(reference),
+                                  reference.out.data() + out_offset, out_dtype)
+                      .ok());
+      for (int threads : {1, 2, 3, 8}) {
+        ThreadPool pool(threads);
+        Chunk c = original;
+        ASSERT_TRUE(FusedStep(hyper, in, n, state_of(c), c.out.data() + out_offset,
+                              out_dtype, &pool)
+                        .ok());
+        for (size_t i = 0; i < n + offset; ++i) {
+          ASSERT_TRUE(SameBitsOrBothNan(c.master[i], reference.master[i]))
+              << "threads=" << threads << " i=" << i;
+          ASSERT_TRUE(SameBitsOrBothNan(c.m[i], reference.m[i])) << i;
+          ASSERT_TRUE(SameBitsOrBothNan(c.v[i], reference.v[i])) << i;
+        }
+        if (out_dtype == DType::kFp32) {
+          for (size_t i = 0; i < n + offset; ++i) {
+            float x, y;
+            std::memcpy(&x, c.out.data() + 4 * i, 4);
+            std::memcpy(&y, reference.out.data() + 4 * i, 4);
+            ASSERT_TRUE(SameBitsOrBothNan(x, y)) << i;
+          }
+        } else {
+          for (size_t i = 0; i < n + offset; ++i) {
+            ASSERT_TRUE(SameHalfOrBothNan(U16At(c.out, i), U16At(reference.out, i),
+                                          out_dtype))
+                << i;
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(FusedStepTest, SumAndTouchKernelsMatchTheirDefinitions) {
+  // The benchmarks' helpers: the gradient sum equals the fused pass's sum,
+  // and the no-math loop with a zero mask leaves every value unchanged.
+  const size_t n = 20011;
+  std::mt19937 rng(17);
+  std::vector<std::vector<uint8_t>> grads = {MakeGrad(DType::kBf16, n, &rng, 1.0f),
+                                             MakeGrad(DType::kBf16, n, &rng, 1.0f)};
+  const std::vector<const void*> ptrs = SlotPointers(grads);
+  for (const std::string& isa : AvailableIsas()) {
+    SCOPED_TRACE(isa);
+    const internal::IsaKernels* k = *internal::KernelsForIsa(isa);
+    internal::StepArgs args;
+    args.grads = ptrs.data();
+    args.num_workers = 2;
+    args.grad_dtype = DType::kBf16;
+    args.grad_scale = 0.5f;
+    std::vector<float> sum(n);
+    k->sum_grads(args, 0, n, sum.data());
+    for (size_t i = 0; i < n; ++i) {
+      const float want = (Bf16ToFloat(U16At(grads[0], i)) + Bf16ToFloat(U16At(grads[1], i))) * 0.5f;
+      ASSERT_EQ(sum[i], want) << i;
+    }
+    Chunk c(n, DType::kBf16, &rng);
+    for (float& x : c.m) x = 2.0f;
+    const Chunk before = c;
+    args.master = c.master.data();
+    args.m = c.m.data();
+    args.v = c.v.data();
+    args.out = c.out.data();
+    args.out_dtype = DType::kBf16;
+    k->touch(args, 0, 0, n);
+    ASSERT_EQ(c.master, before.master);
+    ASSERT_EQ(c.m, before.m);
+    ASSERT_EQ(c.v, before.v);
+    for (size_t i = 0; i < n; ++i) {
+      uint32_t bits;
+      std::memcpy(&bits, &c.master[i], 4);
+      ASSERT_EQ(U16At(c.out, i), static_cast<uint16_t>(bits)) << i;
+    }
+  }
+}
+
 TEST(FusedStepTest, AdamWFirstStepByHand) {
   // Step 1 with m = v = 0: m = 0.1 g, v = 0.001 g^2, bias corrections make
   // m_hat / sqrt(v_hat) = sign(g), so p moves by ~lr against the gradient.
@@ -566,7 +745,11 @@ TEST_F(FusedStepErrorTest, NullState) {
   s = state();
   s.m = nullptr;
   ExpectInvalid(sgd, in_, s, out_.data(), DType::kFp32, "momentum");
-  ExpectInvalid(hyper_, in_, state(), nullptr, DType::kFp32, "out is null");
+  OptimizerHyper lion;
+  lion.kind = OptimizerKind::kLion;
+  s = state();
+  s.m = nullptr;
+  ExpectInvalid(lion, in_, s, out_.data(), DType::kFp32, "state.m");
 }
 
 TEST_F(FusedStepErrorTest, BadHyperAndInputs) {
@@ -588,6 +771,10 @@ TEST_F(FusedStepErrorTest, BadHyperAndInputs) {
   h = hyper_;
   h.weight_decay = -0.1f;
   ExpectInvalid(h, in_, state(), out_.data(), DType::kFp32, "weight_decay");
+  h = hyper_;
+  h.kind = OptimizerKind::kLion;
+  h.beta2 = 1.0f;
+  ExpectInvalid(h, in_, state(), out_.data(), DType::kFp32, "beta2");
   h = hyper_;
   h.kind = static_cast<OptimizerKind>(9);
   ExpectInvalid(h, in_, state(), out_.data(), DType::kFp32, "optimizer kind");

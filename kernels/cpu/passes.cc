@@ -1,0 +1,79 @@
+#include "kernels/cpu/passes.h"
+
+#include <cstddef>
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "kernels/cpu/optimizer_internal.h"
+
+namespace optimus {
+namespace kernels {
+namespace {
+
+// Same grain as FusedStep's split (optimizer.cc), for the same reasons.
+constexpr size_t kSplitGrainElems = 16384;
+
+absl::Status FillArgs(const StepInputs& in, internal::StepArgs* args) {
+  if (in.grads.empty()) return absl::InvalidArgumentError("no gradient slots");
+  for (const void* slot : in.grads) {
+    if (slot == nullptr) return absl::InvalidArgumentError("null gradient slot");
+  }
+  if (in.grad_dtype != DType::kFp32 && in.grad_dtype != DType::kBf16 &&
+      in.grad_dtype != DType::kFp16) {
+    return absl::InvalidArgumentError("invalid grad_dtype");
+  }
+  args->grads = in.grads.data();
+  args->num_workers = in.grads.size();
+  args->grad_dtype = in.grad_dtype;
+  args->grad_scale = in.grad_scale;
+  return absl::OkStatus();
+}
+
+template <typename Fn>
+void Split(size_t num_elems, ThreadPool* pool, Fn fn) {
+  if (pool == nullptr) {
+    fn(size_t{0}, num_elems);
+  } else {
+    pool->ParallelFor(num_elems, kSplitGrainElems, fn);
+  }
+}
+
+}  // namespace
+
+absl::Status SumGradsToFp32(const StepInputs& in, size_t num_elems, float* dst,
+                            ThreadPool* pool) {
+  internal::StepArgs args;
+  absl::Status status = FillArgs(in, &args);
+  if (!status.ok()) return status;
+  if (dst == nullptr) return absl::InvalidArgumentError("dst is null");
+  const internal::IsaKernels& k = internal::ActiveKernels();
+  Split(num_elems, pool, [&](size_t b, size_t e) { k.sum_grads(args, b, e, dst); });
+  return absl::OkStatus();
+}
+
+void CastFromFp32(const float* src, size_t num_elems, void* dst,
+                  DType dst_dtype, ThreadPool* pool) {
+  const internal::IsaKernels& k = internal::ActiveKernels();
+  Split(num_elems, pool,
+        [&](size_t b, size_t e) { k.cast_from_fp32(src, b, e, dst, dst_dtype); });
+}
+
+absl::Status BandwidthCeilingPass(const StepInputs& in, size_t num_elems,
+                                  ChunkState state, void* out, DType out_dtype,
+                                  uint32_t grad_mask, ThreadPool* pool) {
+  internal::StepArgs args;
+  absl::Status status = FillArgs(in, &args);
+  if (!status.ok()) return status;
+  if (state.master == nullptr) return absl::InvalidArgumentError("state.master is null");
+  args.master = state.master;
+  args.m = state.m;
+  args.v = state.v;
+  args.out = out;
+  args.out_dtype = out_dtype;
+  const internal::IsaKernels& k = internal::ActiveKernels();
+  Split(num_elems, pool, [&](size_t b, size_t e) { k.touch(args, grad_mask, b, e); });
+  return absl::OkStatus();
+}
+
+}  // namespace kernels
+}  // namespace optimus

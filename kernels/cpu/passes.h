@@ -1,0 +1,41 @@
+// The separate memory passes that benchmarks compare the fused step with: the
+// unfused pipeline's gradient sum and cast, and a no-arithmetic pass with the
+// fused step's exact memory traffic (the bandwidth ceiling). Stateless; the
+// pool is borrowed; safe from any thread on disjoint buffers.
+#ifndef OPTIMUS_KERNELS_CPU_PASSES_H_
+#define OPTIMUS_KERNELS_CPU_PASSES_H_
+
+#include <cstddef>
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "common/dtype.h"
+#include "kernels/cpu/optimizer.h"
+#include "kernels/cpu/thread_pool.h"
+
+namespace optimus {
+namespace kernels {
+
+// dst[i] = (sum over in.grads in rank order of grad[i]) * in.grad_scale, in
+// fp32, exactly as FusedStep sums (so sum, fp32 step, cast reproduces
+// FusedStep bit for bit). InvalidArgument for empty/null slots or a bad dtype.
+absl::Status SumGradsToFp32(const StepInputs& in, size_t num_elems, float* dst,
+                            ThreadPool* pool);
+
+// CastFromFp32 split over `pool` (null: the calling thread).
+void CastFromFp32(const float* src, size_t num_elems, void* dst,
+                  DType dst_dtype, ThreadPool* pool);
+
+// Reads every grad slot and state.master/m/v (those non-null) and writes
+// state.master/m/v and `out` (if non-null) with the store kinds FusedStep
+// uses, doing no arithmetic: values are kept (each written value is the
+// loaded one OR-ed with the grad bits AND grad_mask; pass 0). The split over
+// the pool is FusedStep's. Same validation of `in` as SumGradsToFp32.
+absl::Status BandwidthCeilingPass(const StepInputs& in, size_t num_elems,
+                                  ChunkState state, void* out, DType out_dtype,
+                                  uint32_t grad_mask, ThreadPool* pool);
+
+}  // namespace kernels
+}  // namespace optimus
+
+#endif  // OPTIMUS_KERNELS_CPU_PASSES_H_
