@@ -48,6 +48,7 @@ v1::OptimizerKind ToProto(Optimizer k) {
     case Optimizer::kAdamW: return v1::OPTIMIZER_ADAMW;
     case Optimizer::kAdam: return v1::OPTIMIZER_ADAM;
     case Optimizer::kSgd: return v1::OPTIMIZER_SGD;
+    case Optimizer::kLion: return v1::OPTIMIZER_LION;
   }
   return v1::OPTIMIZER_UNSPECIFIED;
 }

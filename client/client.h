@@ -36,7 +36,9 @@ struct ClientOptions {
   transport::WorkerOptions transport;
 };
 
-enum class Optimizer { kAdamW, kAdam, kSgd };
+// Lion uses beta1, beta2 (its usual values are 0.9, 0.99), lr and
+// weight_decay, and keeps one moment.
+enum class Optimizer { kAdamW, kAdam, kSgd, kLion };
 
 struct OptimizerSpec {
   Optimizer kind = Optimizer::kAdamW;

@@ -96,8 +96,9 @@ absl::StatusOr<std::vector<uint64_t>> ValidateAndFillSpec(v1::JobSpec& spec) {
   }
   v1::OptimizerConfig& opt = *spec.mutable_optimizer();
   const v1::OptimizerKind kind = opt.kind();
-  if (kind != v1::OPTIMIZER_ADAMW && kind != v1::OPTIMIZER_ADAM && kind != v1::OPTIMIZER_SGD) {
-    return Invalid("optimizer.kind must be ADAMW, ADAM or SGD");
+  if (kind != v1::OPTIMIZER_ADAMW && kind != v1::OPTIMIZER_ADAM && kind != v1::OPTIMIZER_SGD &&
+      kind != v1::OPTIMIZER_LION) {
+    return Invalid("optimizer.kind must be ADAMW, ADAM, SGD or LION");
   }
   if (!(opt.lr() > 0) || !std::isfinite(opt.lr())) {
     return Invalid(absl::StrCat("optimizer.lr must be positive and finite, got ", opt.lr()));
@@ -118,6 +119,13 @@ absl::StatusOr<std::vector<uint64_t>> ValidateAndFillSpec(v1::JobSpec& spec) {
     if (opt.beta1() == 0) opt.set_beta1(kDefaultBeta1);
     if (opt.beta2() == 0) opt.set_beta2(kDefaultBeta2);
     if (opt.eps() == 0) opt.set_eps(kDefaultEps);
+  }
+  if (kind == v1::OPTIMIZER_LION) {
+    // Lion's own defaults (Chen et al. 2023): beta1 0.9, beta2 0.99.
+    if (!(opt.beta1() >= 0 && opt.beta1() < 1)) return Invalid("optimizer.beta1 must be in [0, 1)");
+    if (!(opt.beta2() >= 0 && opt.beta2() < 1)) return Invalid("optimizer.beta2 must be in [0, 1)");
+    if (opt.beta1() == 0) opt.set_beta1(0.9f);
+    if (opt.beta2() == 0) opt.set_beta2(0.99f);
   }
   if (opt.grad_scale() == 0) opt.set_grad_scale(1.0f / static_cast<float>(spec.world_size()));
   if (spec.max_chunk_bytes() == 0) spec.set_max_chunk_bytes(kDefaultMaxChunkBytes);

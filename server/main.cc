@@ -17,7 +17,8 @@
 ABSL_FLAG(std::string, coordinator, "127.0.0.1:7070", "optimus-coord gRPC address host:port");
 ABSL_FLAG(std::string, kind, "host", "dpu (BlueField Arm cores) or host (CPU fallback)");
 ABSL_FLAG(int64_t, memory_limit_mb, 1024, "state budget for all jobs on this shard, MiB");
-ABSL_FLAG(int, step_threads, 1, "threads running optimizer steps");
+ABSL_FLAG(int, step_threads, 1, "threads running optimizer steps (one chunk each)");
+ABSL_FLAG(int, kernel_threads, 1, "threads splitting one chunk's optimizer step (use the core count)");
 ABSL_FLAG(std::string, transports, "tcp,sm,self", "UCX transports (UCX_TLS syntax)");
 ABSL_FLAG(std::string, net_devices, "all", "UCX network devices (lo keeps traffic local)");
 ABSL_FLAG(int, metrics_port, 0, "HTTP port for /metrics and /healthz on all interfaces; 0: off");
@@ -42,6 +43,11 @@ int main(int argc, char** argv) {
   }
   options.memory_limit_bytes = static_cast<uint64_t>(absl::GetFlag(FLAGS_memory_limit_mb)) << 20;
   options.step_threads = absl::GetFlag(FLAGS_step_threads);
+  options.kernel_threads = absl::GetFlag(FLAGS_kernel_threads);
+  if (options.step_threads < 1 || options.kernel_threads < 1) {
+    std::fprintf(stderr, "optimus-shard: --step_threads and --kernel_threads must be >= 1\n");
+    return 2;
+  }
   options.transport.transports = absl::GetFlag(FLAGS_transports);
   options.transport.net_devices = absl::GetFlag(FLAGS_net_devices);
   options.transport.name = "shard";

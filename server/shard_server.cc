@@ -25,6 +25,7 @@
 #include "common/wire.h"
 #include "grpcpp/grpcpp.h"
 #include "kernels/cpu/optimizer.h"
+#include "kernels/cpu/thread_pool.h"
 #include "proto/optimus.grpc.pb.h"
 #include "server/step_executor.h"
 
@@ -112,6 +113,7 @@ absl::StatusOr<kernels::OptimizerKind> KindFromProto(v1::OptimizerKind k) {
     case v1::OPTIMIZER_ADAMW: return kernels::OptimizerKind::kAdamW;
     case v1::OPTIMIZER_ADAM: return kernels::OptimizerKind::kAdam;
     case v1::OPTIMIZER_SGD: return kernels::OptimizerKind::kSgd;
+    case v1::OPTIMIZER_LION: return kernels::OptimizerKind::kLion;
     default: return absl::InvalidArgumentError(absl::StrCat("unknown optimizer kind ", k));
   }
 }
@@ -119,7 +121,9 @@ absl::StatusOr<kernels::OptimizerKind> KindFromProto(v1::OptimizerKind k) {
 class ShardServerImpl : public ShardServer {
  public:
   explicit ShardServerImpl(const ShardServerOptions& options)
-      : options_(options), executor_(std::make_unique<StepExecutor>(options.step_threads)) {}
+      : options_(options),
+        kernel_pool_(std::make_unique<kernels::ThreadPool>(options.kernel_threads)),
+        executor_(std::make_unique<StepExecutor>(options.step_threads)) {}
 
   ~ShardServerImpl() override { Shutdown(); }
 
@@ -373,7 +377,8 @@ class ShardServerImpl : public ShardServer {
     c.hyper.weight_decay = o.weight_decay();
     c.hyper.momentum = o.momentum();
     c.grad_scale = o.grad_scale() > 0 ? o.grad_scale() : 1.0f / static_cast<float>(c.world_size);
-    const bool has_v = c.hyper.kind != kernels::OptimizerKind::kSgd;
+    const bool has_v = c.hyper.kind != kernels::OptimizerKind::kSgd &&
+                       c.hyper.kind != kernels::OptimizerKind::kLion;
 
     const uint64_t me = shard_id_.load();
     for (const auto& p : resp.map().chunks()) {
@@ -634,7 +639,8 @@ class ShardServerImpl : public ShardServer {
                               reinterpret_cast<float*>(chunk->v.get())};
     const absl::Time start = absl::Now();
     absl::Status s = kernels::FusedStep(c.hyper, in, n, state,
-                                        chunk->published[(step + 1) % 2].get(), c.param_dtype);
+                                        chunk->published[(step + 1) % 2].get(), c.param_dtype,
+                                        kernel_pool_.get());
     step_latency_.Observe(absl::ToDoubleSeconds(absl::Now() - start));
     params_stepped_.fetch_add(n);
     if (!s.ok()) {
@@ -781,6 +787,9 @@ class ShardServerImpl : public ShardServer {
   }
 
   const ShardServerOptions options_;
+  // Borrowed by every step; outlives executor_ (declared before it, so the
+  // step threads are joined first).
+  std::unique_ptr<kernels::ThreadPool> kernel_pool_;
   absl::Mutex exec_mu_;
   // Null once shutting down.
   std::unique_ptr<StepExecutor> executor_ ABSL_GUARDED_BY(exec_mu_);

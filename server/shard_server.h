@@ -29,6 +29,10 @@ struct ShardServerOptions {
   uint64_t memory_limit_bytes = uint64_t{1} << 30;
   // Threads that run optimizer steps. Default 1 (the progress thread is extra).
   int step_threads = 1;
+  // Threads that split one chunk's fused step into ranges (a pool the server
+  // owns, shared by all step threads; results are bitwise the same for any
+  // count). Default 1: no split. On a DPU set it to its core count.
+  int kernel_threads = 1;
   // How often to heartbeat; 0 means a third of the lease the coordinator grants.
   absl::Duration heartbeat_interval = absl::ZeroDuration();
   // UCX settings for the data plane.

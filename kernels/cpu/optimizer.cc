@@ -193,8 +193,8 @@ absl::Status PrepareStep(const OptimizerHyper& hyper, const StepInputs& in,
     k.one_minus_beta2 = static_cast<float>(1.0 - beta2);
     k.eps = hyper.eps;
     k.step_size = static_cast<float>(lr / bias_correction1);
-    k.sqrt_bias_correction2 = static_cast<float>(std::sqrt(bias_correction2));
-    if (!std::isfinite(k.step_size) || !(k.sqrt_bias_correction2 > 0.0f)) {
+    k.inv_sqrt_bias_correction2 = static_cast<float>(1.0 / std::sqrt(bias_correction2));
+    if (!std::isfinite(k.step_size) || !std::isfinite(k.inv_sqrt_bias_correction2)) {
       return Invalid(absl::StrCat("bias correction underflows at step ", in.step,
                                   " (beta1 ", hyper.beta1, ", beta2 ",
                                   hyper.beta2, ")"));

@@ -113,7 +113,7 @@ void StepLoop(const StepArgs& a, size_t begin, size_t end) {
   const __m256 one_minus_beta2 = _mm256_set1_ps(k.one_minus_beta2);
   const __m256 eps = _mm256_set1_ps(k.eps);
   const __m256 step_size = _mm256_set1_ps(k.step_size);
-  const __m256 sqrt_bc2 = _mm256_set1_ps(k.sqrt_bias_correction2);
+  const __m256 inv_sqrt_bc2 = _mm256_set1_ps(k.inv_sqrt_bias_correction2);
   const __m256 momentum = _mm256_set1_ps(k.momentum);
   const __m256 lr = _mm256_set1_ps(k.lr);
   const __m256 zero = _mm256_setzero_ps();
@@ -163,7 +163,7 @@ void StepLoop(const StepArgs& a, size_t begin, size_t end) {
           _mm256_mul_ps(_mm256_loadu_ps(a.v + i), beta2),
           _mm256_mul_ps(_mm256_mul_ps(one_minus_beta2, g), g));
       const __m256 denom =
-          _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v), sqrt_bc2), eps);
+          _mm256_add_ps(_mm256_mul_ps(_mm256_sqrt_ps(v), inv_sqrt_bc2), eps);
       p = _mm256_sub_ps(p, _mm256_div_ps(_mm256_mul_ps(step_size, m), denom));
       _mm256_storeu_ps(a.m + i, m);
       _mm256_storeu_ps(a.v + i, v);

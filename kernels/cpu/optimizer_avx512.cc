@@ -107,7 +107,7 @@ void StepLoop(const StepArgs& a, size_t begin, size_t end) {
   const __m512 one_minus_beta2 = _mm512_set1_ps(k.one_minus_beta2);
   const __m512 eps = _mm512_set1_ps(k.eps);
   const __m512 step_size = _mm512_set1_ps(k.step_size);
-  const __m512 sqrt_bc2 = _mm512_set1_ps(k.sqrt_bias_correction2);
+  const __m512 inv_sqrt_bc2 = _mm512_set1_ps(k.inv_sqrt_bias_correction2);
   const __m512 momentum = _mm512_set1_ps(k.momentum);
   const __m512 lr = _mm512_set1_ps(k.lr);
   const __m512 zero = _mm512_setzero_ps();
@@ -157,7 +157,7 @@ void StepLoop(const StepArgs& a, size_t begin, size_t end) {
           _mm512_mul_ps(_mm512_loadu_ps(a.v + i), beta2),
           _mm512_mul_ps(_mm512_mul_ps(one_minus_beta2, g), g));
       const __m512 denom =
-          _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(v), sqrt_bc2), eps);
+          _mm512_add_ps(_mm512_mul_ps(_mm512_sqrt_ps(v), inv_sqrt_bc2), eps);
       p = _mm512_sub_ps(p, _mm512_div_ps(_mm512_mul_ps(step_size, m), denom));
       _mm512_storeu_ps(a.m + i, m);
       _mm512_storeu_ps(a.v + i, v);

@@ -117,7 +117,7 @@ float32x4_t Update(const StepConstants& k, float32x4_t g, float32x4_t p,
         vaddq_f32(vmulq_f32(vld1q_f32(v_ptr), vdupq_n_f32(k.beta2)),
                   vmulq_f32(vmulq_f32(vdupq_n_f32(k.one_minus_beta2), g), g));
     const float32x4_t denom =
-        vaddq_f32(vdivq_f32(vsqrtq_f32(v), vdupq_n_f32(k.sqrt_bias_correction2)),
+        vaddq_f32(vmulq_f32(vsqrtq_f32(v), vdupq_n_f32(k.inv_sqrt_bias_correction2)),
                   vdupq_n_f32(k.eps));
     p = vsubq_f32(p, vdivq_f32(vmulq_f32(vdupq_n_f32(k.step_size), m), denom));
     vst1q_f32(m_ptr, m);

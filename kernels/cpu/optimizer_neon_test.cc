@@ -66,8 +66,8 @@ StepConstants Constants(OptimizerKind kind, int64_t t) {
   k.one_minus_beta2 = static_cast<float>(1.0 - double{k.beta2});
   k.eps = 1e-8f;
   k.step_size = static_cast<float>(k.lr / (1.0 - std::pow(double{k.beta1}, t)));
-  k.sqrt_bias_correction2 =
-      static_cast<float>(std::sqrt(1.0 - std::pow(double{k.beta2}, t)));
+  k.inv_sqrt_bias_correction2 =
+      static_cast<float>(1.0 / std::sqrt(1.0 - std::pow(double{k.beta2}, t)));
   k.use_momentum = kind == OptimizerKind::kSgd;
   k.momentum = 0.9f;
   return k;

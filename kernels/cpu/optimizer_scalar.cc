@@ -87,8 +87,9 @@ void StepRangeScalar(const StepArgs& a, size_t begin, size_t end) {
         const float m = a.m[i] * k.beta1 + k.one_minus_beta1 * g;
         // exp_avg_sq.mul_(b2).addcmul_(g, g, 1 - b2)
         const float v = a.v[i] * k.beta2 + (k.one_minus_beta2 * g) * g;
-        // denom = exp_avg_sq.sqrt() / sqrt(bc2) + eps
-        const float denom = std::sqrt(v) / k.sqrt_bias_correction2 + k.eps;
+        // denom = exp_avg_sq.sqrt() / sqrt(bc2) + eps (times the reciprocal:
+        // see StepConstants)
+        const float denom = std::sqrt(v) * k.inv_sqrt_bias_correction2 + k.eps;
         // param.addcdiv_(exp_avg, denom, -step_size)
         p = p - (k.step_size * m) / denom;
         a.m[i] = m;

@@ -108,7 +108,7 @@ absl::Status AdamWStepCuda(const OptimizerHyper& hyper, int64_t step,
   k.one_minus_beta2 = args.k.one_minus_beta2;
   k.eps = args.k.eps;
   k.step_size = args.k.step_size;
-  k.sqrt_bias_correction2 = args.k.sqrt_bias_correction2;
+  k.inv_sqrt_bias_correction2 = args.k.inv_sqrt_bias_correction2;
   return CudaStatus(OptimusCudaAdamWStep(&k, master, m, v, grad, num_elems),
                     "AdamWStepCuda");
 }

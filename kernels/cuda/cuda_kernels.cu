@@ -123,7 +123,7 @@ __global__ void AdamWKernel(OptimusCudaAdamWConstants k, float* master, float* m
     if (k.apply_weight_decay) p = p * k.decay_factor;
     const float mi = m[i] * k.beta1 + k.one_minus_beta1 * g;
     const float vi = v[i] * k.beta2 + (k.one_minus_beta2 * g) * g;
-    const float denom = sqrtf(vi) / k.sqrt_bias_correction2 + k.eps;
+    const float denom = sqrtf(vi) * k.inv_sqrt_bias_correction2 + k.eps;
     p = p - (k.step_size * mi) / denom;
     m[i] = mi;
     v[i] = vi;

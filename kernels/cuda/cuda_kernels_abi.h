@@ -34,7 +34,7 @@ struct OptimusCudaAdamWConstants {
   float one_minus_beta2;
   float eps;
   float step_size;
-  float sqrt_bias_correction2;
+  float inv_sqrt_bias_correction2;
 };
 
 int OptimusCudaClassifyError(int code);
