@@ -63,6 +63,7 @@ class ClusterTest : public ::testing::Test {
       sopts.transport = Loopback("shard");
       sopts.heartbeat_interval = absl::Milliseconds(100);
       sopts.metrics_address = "127.0.0.1:0";
+      sopts.kernel_threads = KernelThreads();
       auto shard = server::ShardServer::Start(sopts);
       ASSERT_TRUE(shard.ok()) << shard.status();
       shards_.push_back(std::move(*shard));
@@ -76,6 +77,9 @@ class ClusterTest : public ::testing::Test {
       clients_.push_back(std::move(*c));
     }
   }
+
+  // Threads each shard splits one chunk's step over.
+  virtual int KernelThreads() const { return 1; }
 
   void TearDown() override {
     clients_.clear();
@@ -169,7 +173,10 @@ class ClusterTest : public ::testing::Test {
     kernels::CastFromFp32(master.data(), n, out.data(), def.param_dtype);
     kernels::CastToFp32(out.data(), def.param_dtype, n, published.data());
     kernels::OptimizerHyper h;
-    h.kind = kernels::OptimizerKind::kAdamW;
+    h.kind = def.optimizer.kind == client::Optimizer::kLion ? kernels::OptimizerKind::kLion
+                                                            : kernels::OptimizerKind::kAdamW;
+    // The coordinator's defaults for betas left at 0 (Lion: 0.9, 0.99).
+    if (h.kind == kernels::OptimizerKind::kLion) h.beta2 = 0.99f;
     h.lr = def.optimizer.lr;
     h.weight_decay = def.optimizer.weight_decay;
     for (uint64_t step = 1; step <= steps; ++step) {
@@ -218,6 +225,33 @@ TEST_F(ClusterTest, TwentyAdamWStepsMatchSingleProcessReference) {
     EXPECT_NE(got[5], Init(5 + t * 100000));
   }
   for (const auto& s : shards_) EXPECT_GT(s->stats().steps_applied, 0u);
+}
+
+// Shards that split each chunk's step over a 2-thread pool, running Lion:
+// the result must still be bitwise the single-threaded reference.
+class ClusterWithKernelPoolTest : public ClusterTest {
+ protected:
+  int KernelThreads() const override { return 2; }
+};
+
+TEST_F(ClusterWithKernelPoolTest, LionSplitOverThreadsMatchesReferenceBitwise) {
+  JobDef def = MakeJob("lion-pool", DType::kBf16, DType::kFp32);
+  def.optimizer.kind = client::Optimizer::kLion;
+  def.optimizer.lr = 1e-3f;
+  def.optimizer.beta1 = 0.0f;  // 0: the coordinator fills Lion's defaults
+  def.optimizer.beta2 = 0.0f;
+  def.max_chunk_bytes = 256 * 1024;  // 65536 elements: large enough to split
+  CreateAndJoin(def);
+  Train(1, 12);
+  for (uint32_t t = 0; t < 2; ++t) {
+    std::vector<float> got = PullFp32(clients_[0].get(), t, 13);
+    std::vector<float> want = Reference(def, t, 12);
+    ASSERT_EQ(got.size(), want.size());
+    size_t mismatches = 0;
+    for (size_t i = 0; i < got.size(); ++i) mismatches += got[i] != want[i];
+    EXPECT_EQ(mismatches, 0u) << "tensor " << t;
+    EXPECT_NE(got[5], Init(5 + t * 100000));
+  }
 }
 
 TEST_F(ClusterTest, Bf16GradientsAndParametersMatchReference) {
