@@ -1,0 +1,153 @@
+{{/* Chart name, at most 63 characters. */}}
+{{- define "optimus.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/*
+Prefix of every object name. Leaves room for the longest suffix ("-shard-host",
+11 characters) under the 63-character limit of label values and DNS names.
+*/}}
+{{- define "optimus.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 52 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 52 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 52 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "optimus.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* Labels that select one component's pods. Call with (dict "root" $ "component" "coordinator"). */}}
+{{- define "optimus.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "optimus.name" .root }}
+app.kubernetes.io/instance: {{ .root.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end -}}
+
+{{/* All labels of one component's objects. Same argument as optimus.selectorLabels. */}}
+{{- define "optimus.labels" -}}
+helm.sh/chart: {{ include "optimus.chart" .root }}
+{{ include "optimus.selectorLabels" . }}
+app.kubernetes.io/version: {{ .root.Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .root.Release.Service }}
+app.kubernetes.io/part-of: optimus
+{{- with .root.Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{- define "optimus.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "optimus.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- required "serviceAccount.name is required when serviceAccount.create is false: name an existing ServiceAccount" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The coordinator's gRPC address as shards (and optimusctl inside the cluster) dial it. */}}
+{{- define "optimus.coordinatorAddress" -}}
+{{- if .Values.coordinator.enabled -}}
+{{- printf "%s-coord.%s.svc:%d" (include "optimus.fullname" .) .Release.Namespace (int .Values.coordinator.port) -}}
+{{- else -}}
+{{- $addr := required "coordinatorAddress is required when coordinator.enabled is false: set it to the HOST:PORT of the optimus-coord the shards should register with" .Values.coordinatorAddress -}}
+{{- if not (regexMatch "^[^:/\\s]+:[0-9]+$" $addr) -}}
+{{- fail (printf "coordinatorAddress must be HOST:PORT, got %q" $addr) -}}
+{{- end -}}
+{{- $addr -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Image reference. Call with (dict "root" $ "image" .Values.x.image "fallback" .Values.shard.image). */}}
+{{- define "optimus.image" -}}
+{{- $repo := .image.repository -}}
+{{- $tag := .image.tag -}}
+{{- with get . "fallback" -}}
+{{- $repo = $repo | default .repository -}}
+{{- $tag = $tag | default .tag -}}
+{{- end -}}
+{{- $tag = $tag | default .root.Chart.AppVersion -}}
+{{- if not $repo -}}
+{{- fail "an image repository is empty: set coordinator.image.repository and shard.image.repository" -}}
+{{- end -}}
+{{- if .root.Values.imageRegistry -}}
+{{- printf "%s/%s:%s" (trimSuffix "/" .root.Values.imageRegistry) $repo $tag -}}
+{{- else -}}
+{{- printf "%s:%s" $repo $tag -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+A memory quantity ("13Gi", "12800Mi", "1G", "500M") in MiB, or -1 when the form
+is not one of those (then the chart does not check it).
+*/}}
+{{- define "optimus.quantityMiB" -}}
+{{- $q := toString . -}}
+{{- if regexMatch "^[0-9]+Gi$" $q -}}{{- mul (trimSuffix "Gi" $q | int64) 1024 -}}
+{{- else if regexMatch "^[0-9]+Mi$" $q -}}{{- trimSuffix "Mi" $q | int64 -}}
+{{- else if regexMatch "^[0-9]+G$" $q -}}{{- div (mul (trimSuffix "G" $q | int64) 1000000000) 1048576 -}}
+{{- else if regexMatch "^[0-9]+M$" $q -}}{{- div (mul (trimSuffix "M" $q | int64) 1000000) 1048576 -}}
+{{- else -}}-1
+{{- end -}}
+{{- end -}}
+
+{{/*
+Fails unless the container's memory limit holds the shard's state budget plus
+headroom. Call with (dict "root" $ "name" "dpu" "values" .Values.dpu).
+*/}}
+{{- define "optimus.checkShardMemory" -}}
+{{- $v := .values -}}
+{{- $limit := dig "limits" "memory" "" ($v.resources | default dict) -}}
+{{- if $limit -}}
+{{- $limitMiB := include "optimus.quantityMiB" $limit | int64 -}}
+{{- $needMiB := add (int64 $v.memoryLimitMb) (int64 .root.Values.shard.memoryHeadroomMb) -}}
+{{- if and (ge $limitMiB 0) (lt $limitMiB $needMiB) -}}
+{{- fail (printf "%s.resources.limits.memory (%s = %d MiB) is below %s.memoryLimitMb (%d) + shard.memoryHeadroomMb (%d) = %d MiB: the shard would be OOM-killed before reaching its state budget; raise the limit or lower %s.memoryLimitMb" .name (toString $limit) $limitMiB .name (int64 $v.memoryLimitMb) (int64 .root.Values.shard.memoryHeadroomMb) $needMiB .name) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Prometheus scrape annotations for a pod. Call with (dict "root" $ "port" N). */}}
+{{- define "optimus.scrapeAnnotations" -}}
+{{- if .root.Values.metrics.podAnnotations -}}
+prometheus.io/scrape: "true"
+prometheus.io/port: {{ .port | int | quote }}
+prometheus.io/path: /metrics
+{{- end -}}
+{{- end -}}
+
+{{/* The shard flag file for one kind. Call with (dict "root" $ "kind" "dpu" "values" .Values.dpu). */}}
+{{- define "optimus.shardFlags" -}}
+{{- $s := .root.Values.shard -}}
+--coordinator={{ include "optimus.coordinatorAddress" .root }}
+--kind={{ .kind }}
+--memory_limit_mb={{ int64 .values.memoryLimitMb }}
+--step_threads={{ int .values.stepThreads }}
+--kernel_threads={{ int .values.kernelThreads }}
+--transports={{ .values.transports | default $s.transports }}
+--net_devices={{ .values.netDevices | default $s.netDevices }}
+--metrics_port={{ int $s.metricsPort }}
+--verbose={{ $s.verbose }}
+{{- range $s.extraArgs }}
+{{ . }}
+{{- end }}
+{{- end -}}
+
+{{/* The coordinator's flag file. */}}
+{{- define "optimus.coordinatorFlags" -}}
+{{- $c := .Values.coordinator -}}
+--listen=0.0.0.0:{{ int $c.port }}
+--metrics_port={{ int $c.metricsPort }}
+--lease_ms={{ int $c.leaseMs }}
+--sweep_ms={{ int $c.sweepMs }}
+--verbose={{ $c.verbose }}
+{{- range $c.extraArgs }}
+{{ . }}
+{{- end }}
+{{- end -}}
