@@ -8,10 +8,14 @@
 #include <limits>
 #include <utility>
 
+#include <errno.h>
+#include <sys/stat.h>
+
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/dtype.h"
+#include "common/durable_file.h"
 #include "common/grpc_status.h"
 #include "common/logging.h"
 #include "common/metrics.h"
@@ -146,6 +150,97 @@ absl::StatusOr<std::vector<uint64_t>> ValidateAndFillSpec(v1::JobSpec& spec) {
 
 Coordinator::Coordinator(const CoordinatorOptions& options) : options_(options) {}
 
+namespace {
+// First word of the state file's header: names the format and its version.
+constexpr absl::string_view kStateMagic = "OPTIMUS-COORD-STATE-1";
+}  // namespace
+
+std::string Coordinator::StatePath() const {
+  return absl::StrCat(options_.state_dir, "/coordinator.state");
+}
+
+absl::Status Coordinator::PersistLocked() {
+  if (options_.state_dir.empty()) return absl::OkStatus();
+  v1::CoordinatorState state;
+  state.set_next_shard_id(next_shard_id_);
+  state.set_next_job_id(next_job_id_);
+  for (const auto& [id, shard] : shards_) {
+    v1::PersistedShard* s = state.add_shards();
+    s->set_shard_id(id);
+    *s->mutable_capabilities() = shard.capabilities;
+    s->set_state(shard.state);
+  }
+  for (const auto& [id, job] : jobs_) {
+    v1::PersistedJob* j = state.add_jobs();
+    j->set_job_id(id);
+    *j->mutable_spec() = job.spec;
+    j->set_state(job.state);
+    *j->mutable_map() = job.map;
+    j->set_num_params(job.num_params);
+    j->set_bytes_per_elem(job.bytes_per_elem);
+    for (uint32_t r : job.joined_ranks) j->add_joined_ranks(r);
+  }
+  std::string bytes;
+  if (!state.SerializeToString(&bytes)) return absl::InternalError("serializing coordinator state");
+  absl::Status s = WriteChecksummedFile(StatePath(), kStateMagic, bytes);
+  if (!s.ok()) {
+    return absl::Status(s.code(), absl::StrCat("saving coordinator state: ", s.message()));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Coordinator::Recover() {
+  if (options_.state_dir.empty()) return absl::OkStatus();
+  if (::mkdir(options_.state_dir.c_str(), 0755) != 0 && errno != EEXIST) {
+    return ErrnoToStatus(errno, "creating state folder", options_.state_dir);
+  }
+  absl::StatusOr<std::string> bytes = ReadChecksummedFile(StatePath(), kStateMagic);
+  if (absl::IsNotFound(bytes.status())) {
+    OPTIMUS_LOG(Info, kLog, "no state in ", options_.state_dir, ": starting empty");
+    return absl::OkStatus();
+  }
+  if (!bytes.ok()) return bytes.status();
+  v1::CoordinatorState state;
+  if (!state.ParseFromString(*bytes)) {
+    return absl::DataLossError(absl::StrCat(StatePath(), " does not parse as CoordinatorState"));
+  }
+  absl::MutexLock lock(&mu_);
+  const absl::Time now = absl::Now();
+  next_shard_id_ = state.next_shard_id();
+  next_job_id_ = state.next_job_id();
+  shards_.clear();
+  jobs_.clear();
+  job_ids_by_name_.clear();
+  for (const v1::PersistedShard& s : state.shards()) {
+    ShardRecord& r = shards_[s.shard_id()];
+    r.id = s.shard_id();
+    r.capabilities = s.capabilities();
+    r.state = s.state();
+    // A fresh lease, doubled: it may have kept running, and needs a moment
+    // to reconnect.
+    r.last_heartbeat = now + options_.lease;
+  }
+  for (const v1::PersistedJob& j : state.jobs()) {
+    JobRecord& r = jobs_[j.job_id()];
+    r.id = j.job_id();
+    r.spec = j.spec();
+    r.state = j.state();
+    r.map = j.map();
+    r.num_params = j.num_params();
+    r.bytes_per_elem = j.bytes_per_elem();
+    r.joined_ranks.insert(j.joined_ranks().begin(), j.joined_ranks().end());
+    for (const v1::ChunkPlacement& p : r.map.chunks()) {
+      ShardLoad& load = r.load[p.shard_id()];
+      load.num_chunks += 1;
+      load.size_bytes += p.num_elems() * r.bytes_per_elem;
+    }
+    job_ids_by_name_[r.spec.name()] = r.id;
+  }
+  OPTIMUS_LOG(Info, kLog, "recovered state from ", StatePath(), ": ", shards_.size(),
+              " shards, ", jobs_.size(), " jobs");
+  return absl::OkStatus();
+}
+
 absl::StatusOr<v1::RegisterShardResponse> Coordinator::RegisterShard(
     const v1::RegisterShardRequest& req) {
   const v1::ShardCapabilities& caps = req.capabilities();
@@ -165,6 +260,11 @@ absl::StatusOr<v1::RegisterShardResponse> Coordinator::RegisterShard(
   shard.capabilities = caps;
   shard.last_heartbeat = absl::Now();
   shards_[shard.id] = shard;
+  if (absl::Status s = PersistLocked(); !s.ok()) {
+    shards_.erase(shard.id);
+    --next_shard_id_;
+    return s;
+  }
   OPTIMUS_LOG(Info, kLog, "shard registered id=", shard.id, " kind=", KindName(caps.kind()),
               " host=", caps.hostname(), " arch=", caps.arch(),
               " memory_limit_bytes=", caps.memory_limit_bytes());
@@ -216,6 +316,11 @@ void Coordinator::MaybeMarkReadyLocked(JobRecord& job) {
   job.state = v1::JOB_STATE_READY;
   OPTIMUS_LOG(Info, kLog, "job ready id=", job.id, " name=", job.spec.name(),
               " epoch=", job.map.epoch(), " shards=", job.load.size());
+  // A restart before this is saved finds the job PENDING, and the next
+  // heartbeats make it READY again: a failure here only costs a log line.
+  if (absl::Status s = PersistLocked(); !s.ok()) {
+    OPTIMUS_LOG(Warning, kLog, s.ToString());
+  }
 }
 
 std::map<uint64_t, Coordinator::ShardLoad> Coordinator::PlannedLoadLocked() const {
@@ -297,8 +402,15 @@ absl::StatusOr<v1::CreateJobResponse> Coordinator::CreateJob(const v1::CreateJob
   v1::CreateJobResponse resp;
   resp.set_job_id(job.id);
   *resp.mutable_map() = job.map;
-  job_ids_by_name_[spec.name()] = job.id;
-  jobs_.emplace(job.id, std::move(job));
+  const uint64_t job_id = job.id;
+  job_ids_by_name_[spec.name()] = job_id;
+  jobs_.emplace(job_id, std::move(job));
+  if (absl::Status s = PersistLocked(); !s.ok()) {
+    jobs_.erase(job_id);
+    job_ids_by_name_.erase(spec.name());
+    --next_job_id_;
+    return s;
+  }
   return resp;
 }
 
@@ -320,6 +432,10 @@ absl::StatusOr<v1::JoinJobResponse> Coordinator::JoinJob(const v1::JoinJobReques
                                                    job.spec.world_size()));
   }
   if (job.joined_ranks.insert(req.rank()).second) {
+    if (absl::Status s = PersistLocked(); !s.ok()) {
+      job.joined_ranks.erase(req.rank());
+      return s;
+    }
     OPTIMUS_LOG(Info, kLog, "worker joined job=", job.id, " rank=", req.rank(), " joined=",
                 job.joined_ranks.size(), "/", job.spec.world_size());
   }
@@ -430,7 +546,12 @@ int Coordinator::SweepExpiredLeases(absl::Time now) {
                   " of its chunks went down (no failover)");
     }
   }
-  if (marked_down > 0) map_changed_.SignalAll();
+  if (marked_down > 0) {
+    // Not saved: the restarted coordinator gives every shard a fresh lease
+    // and marks the dead ones down again.
+    if (absl::Status s = PersistLocked(); !s.ok()) OPTIMUS_LOG(Warning, kLog, s.ToString());
+    map_changed_.SignalAll();
+  }
   return marked_down;
 }
 
@@ -530,6 +651,7 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
     s->host_ = "127.0.0.1";
   }
   s->core_ = std::make_unique<Coordinator>(options);
+  if (absl::Status r = s->core_->Recover(); !r.ok()) return r;
   s->service_ = std::make_unique<Service>(s->core_.get());
   grpc::ServerBuilder builder;
   builder.AddListeningPort(options.listen_address, grpc::InsecureServerCredentials(), &s->port_);

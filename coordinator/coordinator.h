@@ -44,6 +44,11 @@ struct CoordinatorOptions {
   // "HOST:PORT" for the HTTP /metrics (Prometheus) and /healthz endpoints;
   // port 0 picks one; empty turns them off. Default off.
   std::string metrics_address;
+  // Folder for the durable state (shards, jobs, maps), rewritten with fsync
+  // and an atomic rename on every membership or job change (not on
+  // heartbeats), and loaded at start, so a restarted coordinator loses
+  // nothing. Empty: state lives in memory only. Default empty.
+  std::string state_dir;
 };
 
 // Most chunks one job may have: its whole map travels in one gRPC message
@@ -59,6 +64,13 @@ class Coordinator {
  public:
   explicit Coordinator(const CoordinatorOptions& options);
   Coordinator(const Coordinator&) = delete;
+
+  // Loads options.state_dir's state, if the folder holds one (a missing file
+  // is a fresh start). Shards that were UP get a fresh lease from now: they
+  // keep running while the coordinator is away and heartbeat again when it
+  // is back. DATA_LOSS naming the file when it is corrupted; nothing is
+  // loaded then. Call once, before serving.
+  absl::Status Recover();
   Coordinator& operator=(const Coordinator&) = delete;
 
   // Assigns a new shard id (1, 2, ...; never reused), state UP.
@@ -128,6 +140,11 @@ class Coordinator {
     std::map<uint64_t, v1::ShardJobProgress> progress;  // Reported, by shard id.
     std::set<uint32_t> joined_ranks;
   };
+
+  // Writes the durable state when options_.state_dir is set. On failure (a
+  // full disk, say) the file on disk keeps the previous state.
+  absl::Status PersistLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  std::string StatePath() const;
 
   // Planned load per shard over jobs that are not FAILED.
   std::map<uint64_t, ShardLoad> PlannedLoadLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

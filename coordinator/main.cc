@@ -23,6 +23,8 @@ ABSL_FLAG(int, sweep_ms, 200, "How often leases are checked, in ms");
 ABSL_FLAG(std::string, port_file, "",
           "If set, the bound port is written to this file (atomically) once serving");
 ABSL_FLAG(int, metrics_port, 0, "HTTP port for /metrics and /healthz on all interfaces; 0: off");
+ABSL_FLAG(std::string, state_dir, "",
+          "Folder for durable state (shards, jobs, maps), loaded at start; empty: memory only");
 ABSL_FLAG(bool, verbose, false, "Log debug lines too");
 
 namespace {
@@ -63,6 +65,7 @@ int main(int argc, char** argv) {
   options.listen_address = absl::GetFlag(FLAGS_listen);
   options.lease = absl::Milliseconds(absl::GetFlag(FLAGS_lease_ms));
   options.sweep_interval = absl::Milliseconds(absl::GetFlag(FLAGS_sweep_ms));
+  options.state_dir = absl::GetFlag(FLAGS_state_dir);
   if (absl::GetFlag(FLAGS_metrics_port) > 0) {
     options.metrics_address = absl::StrCat("0.0.0.0:", absl::GetFlag(FLAGS_metrics_port));
   }

@@ -135,8 +135,15 @@ class ShardServerImpl : public ShardServer {
                         [this](transport::IncomingMessage& msg) { OnRequest(msg); });
     if (auto s = worker_->Start(); !s.ok()) return s;
 
-    channel_ = grpc::CreateChannel(options_.coordinator_address,
-                                   grpc::InsecureChannelCredentials());
+    // Reconnect quickly after a coordinator restart: gRPC's default backoff
+    // grows to minutes, and the restarted coordinator expects a heartbeat
+    // within two leases.
+    grpc::ChannelArguments channel_args;
+    channel_args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
+    channel_args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
+    channel_args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 500);
+    channel_ = grpc::CreateCustomChannel(options_.coordinator_address,
+                                         grpc::InsecureChannelCredentials(), channel_args);
     stub_ = v1::Coordinator::NewStub(channel_);
     if (auto s = Register(); !s.ok()) return s;
     heartbeat_thread_ = std::thread([this] { HeartbeatLoop(); });

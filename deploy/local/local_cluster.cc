@@ -40,6 +40,10 @@ ABSL_FLAG(std::string, bin_dir, "", "folder holding coordinator/, server/, deplo
                                     "binaries (default: found from this program's runfiles)");
 ABSL_FLAG(std::string, work_dir, "", "folder for logs and port files (default: a new temp dir)");
 ABSL_FLAG(double, max_abs_diff, 1e-2, "largest allowed difference from the local AdamW run");
+ABSL_FLAG(int, kill_coordinator_at_step, 0,
+          "fault drill: SIGKILL optimus-coord when rank 0 reports this step, restart it from its "
+          "state after --coordinator_down_ms (0: never)");
+ABSL_FLAG(int, coordinator_down_ms, 1500, "how long the killed coordinator stays down");
 
 namespace {
 
@@ -187,12 +191,16 @@ int main(int argc, char** argv) {
   std::fprintf(stderr, "optimus-local-cluster: %d shards, %d workers, %d steps; logs in %s\n",
                shards, workers, steps, dir.c_str());
 
-  // 1. Coordinator on an ephemeral port.
+  // 1. Coordinator on an ephemeral port, its durable state in the work dir.
   const std::string port_file = dir + "/coord.port";
   unlink(port_file.c_str());
-  const pid_t coord = Spawn({root + "/coordinator/optimus-coord", "--listen=127.0.0.1:0",
-                             "--port_file=" + port_file, "--lease_ms=2000"},
-                            dir + "/coord.log");
+  const std::string state_dir = dir + "/coord-state";
+  auto coord_args = [&](const std::string& listen) {
+    return std::vector<std::string>{root + "/coordinator/optimus-coord", "--listen=" + listen,
+                                    "--port_file=" + port_file, "--lease_ms=2000",
+                                    "--state_dir=" + state_dir};
+  };
+  pid_t coord = Spawn(coord_args("127.0.0.1:0"), dir + "/coord.log");
   if (coord < 0) return Die("cannot start optimus-coord");
   std::string port;
   for (int i = 0; i < 300 && port.empty(); ++i) {
@@ -246,6 +254,31 @@ int main(int argc, char** argv) {
                                 r == 0 ? &progress_fd : nullptr));
   }
   double initial_loss = NAN, final_loss = NAN, step_ms_median = NAN;
+  const int kill_at = absl::GetFlag(FLAGS_kill_coordinator_at_step);
+  bool coord_down = false;
+  absl::Time restart_at;
+  int killed_at_step = 0, restarted_at_step = 0, last_step = 0;
+  // The fault drill: SIGKILL the coordinator, then restart it on the same
+  // port from its state folder while the workers keep training.
+  auto drill = [&]() -> bool {
+    if (kill_at > 0 && killed_at_step == 0 && last_step >= kill_at) {
+      kill(coord, SIGKILL);
+      int st = 0;
+      WaitFor(coord, absl::Seconds(5), &st);
+      killed_at_step = last_step;
+      coord_down = true;
+      restart_at = absl::Now() + absl::Milliseconds(absl::GetFlag(FLAGS_coordinator_down_ms));
+      std::fprintf(stderr, "fault drill: killed optimus-coord (SIGKILL) at step %d\n", last_step);
+    }
+    if (coord_down && absl::Now() >= restart_at) {
+      coord = Spawn(coord_args(coord_addr), dir + "/coord-restarted.log");
+      if (coord < 0) return false;
+      coord_down = false;
+      restarted_at_step = last_step;
+      std::fprintf(stderr, "fault drill: restarted optimus-coord at step %d\n", last_step);
+    }
+    return true;
+  };
   {
     FILE* progress = fdopen(progress_fd, "r");
     char line[4096];
@@ -256,6 +289,8 @@ int main(int argc, char** argv) {
       if (l.find("\"event\": \"step\"") != absl::string_view::npos && JsonNumber(l, "step", &step) &&
           JsonNumber(l, "loss", &loss) && JsonNumber(l, "step_ms", &ms)) {
         const int s = static_cast<int>(step);
+        last_step = s;
+        if (!drill()) return Die("cannot restart optimus-coord");
         if (tty) {
           std::fprintf(stderr, "\rstep %d/%d  loss %.5f  step %.1f ms   ", s, steps, loss, ms);
         } else if (s == 1 || s % 50 == 0 || s == steps) {
@@ -269,6 +304,10 @@ int main(int argc, char** argv) {
     }
     if (tty) std::fprintf(stderr, "\n");
     if (progress != nullptr) std::fclose(progress);
+    if (coord_down) {  // Training ended before the restart was due.
+      restart_at = absl::Now();
+      if (!drill()) return Die("cannot restart optimus-coord");
+    }
   }
   bool workers_ok = true;
   for (int r = 0; r < workers; ++r) {
@@ -286,13 +325,37 @@ int main(int argc, char** argv) {
     }
   }
 
-  // 4. Stop the servers (SIGTERM: clean shutdown), coordinator last.
+  // 4. After a drill, the restarted coordinator must know the cluster again:
+  // every shard back UP (heartbeating under its old id) and the job READY.
+  if (kill_at > 0) {
+    bool recovered = false;
+    for (int i = 0; i < 100 && !recovered; ++i) {
+      optimus::v1::StatusRequest req;
+      optimus::v1::StatusResponse resp;
+      grpc::ClientContext ctx;
+      ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(1));
+      if (stub->Status(&ctx, req, &resp).ok()) {
+        int up_now = 0;
+        for (const auto& s : resp.shards()) up_now += s.state() == optimus::v1::SHARD_STATE_UP;
+        recovered = up_now == shards && resp.shards_size() == shards && resp.jobs_size() == 1 &&
+                    resp.jobs(0).state() == optimus::v1::JOB_STATE_READY;
+      }
+      if (!recovered) absl::SleepFor(absl::Milliseconds(100));
+    }
+    if (!recovered) {
+      workers_ok = false;
+      std::fprintf(stderr, "the restarted coordinator did not recover the cluster:\n%s\n",
+                   TailOf(dir + "/coord-restarted.log").c_str());
+    }
+  }
+
+  // 5. Stop the servers (SIGTERM: clean shutdown), coordinator last.
   for (pid_t p : shard_pids) StopChild(p);
   StopChild(coord);
   g_children.clear();
   if (!workers_ok) return Die("training failed");
 
-  // 5. The same training in one process with torch::optim::AdamW.
+  // 6. The same training in one process with torch::optim::AdamW.
   std::fprintf(stderr, "running the single-process torch::optim::AdamW reference...\n");
   torch::set_num_threads(2);
   optimus::local::TaskOptions task;
@@ -313,8 +376,12 @@ int main(int argc, char** argv) {
   std::fprintf(stderr, "reference final loss %.6f\n", ref.final_loss);
   std::printf("{\"summary\": \"local_cluster\", \"workers\": %d, \"shards\": %d, \"steps\": %d, "
               "\"initial_loss\": %.6f, \"final_loss\": %.6f, "
-              "\"max_abs_diff_vs_local_adamw\": %.3g, \"step_ms_median\": %.3f}\n",
-              workers, shards, steps, initial_loss, final_loss, max_diff, step_ms_median);
+              "\"max_abs_diff_vs_local_adamw\": %.3g, \"step_ms_median\": %.3f%s}\n",
+              workers, shards, steps, initial_loss, final_loss, max_diff, step_ms_median,
+              kill_at > 0 ? absl::StrCat(", \"coordinator_killed_at_step\": ", killed_at_step,
+                                         ", \"coordinator_restarted_at_step\": ",
+                                         restarted_at_step).c_str()
+                          : "");
   std::fflush(stdout);
   const bool ok = final_loss < initial_loss && max_diff <= absl::GetFlag(FLAGS_max_abs_diff);
   return ok ? 0 : 1;
