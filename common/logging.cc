@@ -4,13 +4,40 @@
 #include <cstdio>
 #include <ctime>
 #include <mutex>
+#include <string>
 #include <sys/time.h>
 #include <unistd.h>
 
 namespace optimus {
 namespace {
 std::atomic<int> g_min_level{static_cast<int>(LogLevel::kInfo)};
+std::atomic<int> g_format{static_cast<int>(LogFormat::kText)};
 std::mutex g_write_mu;
+std::FILE* g_out = nullptr;  // Guarded by g_write_mu; null means stderr.
+
+// JSON string contents: quotes, backslashes and control characters escaped.
+std::string JsonEscape(absl::string_view s) {
+  std::string out;
+  out.reserve(s.size() + 8);
+  for (unsigned char c : s) {
+    switch (c) {
+      case '"': out += "\\\""; break;
+      case '\\': out += "\\\\"; break;
+      case '\n': out += "\\n"; break;
+      case '\r': out += "\\r"; break;
+      case '\t': out += "\\t"; break;
+      default:
+        if (c < 0x20) {
+          char buf[8];
+          std::snprintf(buf, sizeof(buf), "\\u%04x", c);
+          out += buf;
+        } else {
+          out += static_cast<char>(c);
+        }
+    }
+  }
+  return out;
+}
 
 const char* LevelName(LogLevel level) {
   switch (level) {
@@ -24,6 +51,24 @@ const char* LevelName(LogLevel level) {
 }  // namespace
 
 void SetMinLogLevel(LogLevel level) { g_min_level.store(static_cast<int>(level)); }
+
+void SetLogFormat(LogFormat format) { g_format.store(static_cast<int>(format)); }
+
+bool ParseLogFormat(absl::string_view name, LogFormat* format) {
+  if (name == "text") {
+    *format = LogFormat::kText;
+  } else if (name == "json") {
+    *format = LogFormat::kJson;
+  } else {
+    return false;
+  }
+  return true;
+}
+
+void SetLogOutput(std::FILE* out) {
+  std::lock_guard<std::mutex> lock(g_write_mu);
+  g_out = out;
+}
 LogLevel MinLogLevel() { return static_cast<LogLevel>(g_min_level.load()); }
 
 void LogLine(LogLevel level, absl::string_view component, absl::string_view message) {
@@ -34,7 +79,17 @@ void LogLine(LogLevel level, absl::string_view component, absl::string_view mess
   char when[32];
   std::strftime(when, sizeof(when), "%Y-%m-%dT%H:%M:%S", &tm_utc);
   std::lock_guard<std::mutex> lock(g_write_mu);
-  std::fprintf(stderr, "%s.%06ldZ %s pid=%d %.*s: %.*s\n", when,
+  std::FILE* out = g_out != nullptr ? g_out : stderr;
+  if (static_cast<LogFormat>(g_format.load()) == LogFormat::kJson) {
+    const std::string line = absl::StrCat(
+        "{\"ts\": \"", when, ".", absl::Dec(tv.tv_usec, absl::kZeroPad6), "Z\", \"level\": \"",
+        LevelName(level), "\", \"pid\": ", getpid(), ", \"component\": \"",
+        JsonEscape(component), "\", \"msg\": \"", JsonEscape(message), "\"}\n");
+    std::fwrite(line.data(), 1, line.size(), out);
+    std::fflush(out);
+    return;
+  }
+  std::fprintf(out, "%s.%06ldZ %s pid=%d %.*s: %.*s\n", when,
                static_cast<long>(tv.tv_usec), LevelName(level),
                static_cast<int>(getpid()), static_cast<int>(component.size()),
                component.data(), static_cast<int>(message.size()), message.data());

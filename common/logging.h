@@ -1,9 +1,11 @@
 // The one logging facility of optimus (abseil 20220623 has no absl/log).
-// Writes one line per event to stderr: time, level, component, message, and
-// optional key=value fields, so logs can be grepped and parsed. Thread-safe.
+// Writes one line per event to stderr: time, level, pid, component and
+// message, as text or as one JSON object per line (for log collectors such
+// as Fluent Bit or Loki on Kubernetes). Thread-safe.
 #ifndef OPTIMUS_COMMON_LOGGING_H_
 #define OPTIMUS_COMMON_LOGGING_H_
 
+#include <cstdio>
 #include <string>
 
 #include "absl/strings/str_cat.h"
@@ -17,7 +19,23 @@ enum class LogLevel { kDebug = 0, kInfo = 1, kWarning = 2, kError = 3 };
 void SetMinLogLevel(LogLevel level);
 LogLevel MinLogLevel();
 
-// Writes `level component: message` with a timestamp, atomically per line.
+enum class LogFormat {
+  // 2026-11-23T09:00:00.123456Z INFO pid=7 shard: message
+  kText = 0,
+  // {"ts": "2026-11-23T09:00:00.123456Z", "level": "INFO", "pid": 7,
+  //  "component": "shard", "msg": "message"}   (one line)
+  kJson = 1,
+};
+
+// Default kText. Binaries set it from --log_format.
+void SetLogFormat(LogFormat format);
+// "text" or "json"; false for anything else (the format is unchanged).
+bool ParseLogFormat(absl::string_view name, LogFormat* format);
+
+// Where lines go; borrowed, must stay open. Default stderr. For tests.
+void SetLogOutput(std::FILE* out);
+
+// Writes one line (see LogFormat) atomically with respect to other lines.
 void LogLine(LogLevel level, absl::string_view component, absl::string_view message);
 
 }  // namespace optimus

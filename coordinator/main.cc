@@ -26,6 +26,7 @@ ABSL_FLAG(int, metrics_port, 0, "HTTP port for /metrics and /healthz on all inte
 ABSL_FLAG(std::string, state_dir, "",
           "Folder for durable state (shards, jobs, maps), loaded at start; empty: memory only");
 ABSL_FLAG(bool, verbose, false, "Log debug lines too");
+ABSL_FLAG(std::string, log_format, "text", "text, or json (one object per line, for log collectors)");
 
 namespace {
 
@@ -52,6 +53,12 @@ int main(int argc, char** argv) {
   absl::SetProgramUsageMessage("optimus-coord [--listen=HOST:PORT] [--lease_ms=N] [--port_file=PATH]");
   absl::ParseCommandLine(argc, argv);
   if (absl::GetFlag(FLAGS_verbose)) optimus::SetMinLogLevel(optimus::LogLevel::kDebug);
+  optimus::LogFormat log_format;
+  if (!optimus::ParseLogFormat(absl::GetFlag(FLAGS_log_format), &log_format)) {
+    std::fprintf(stderr, "optimus-coord: --log_format must be text or json\n");
+    return 2;
+  }
+  optimus::SetLogFormat(log_format);
 
   // Block the stop signals in every thread (gRPC's threads inherit this mask)
   // and collect them synchronously below with sigwait.

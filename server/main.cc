@@ -23,11 +23,18 @@ ABSL_FLAG(std::string, transports, "tcp,sm,self", "UCX transports (UCX_TLS synta
 ABSL_FLAG(std::string, net_devices, "all", "UCX network devices (lo keeps traffic local)");
 ABSL_FLAG(int, metrics_port, 0, "HTTP port for /metrics and /healthz on all interfaces; 0: off");
 ABSL_FLAG(bool, verbose, false, "debug logging");
+ABSL_FLAG(std::string, log_format, "text", "text, or json (one object per line, for log collectors)");
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage("optimus-shard --coordinator=HOST:PORT [--kind=dpu|host]");
   absl::ParseCommandLine(argc, argv);
   if (absl::GetFlag(FLAGS_verbose)) optimus::SetMinLogLevel(optimus::LogLevel::kDebug);
+  optimus::LogFormat log_format;
+  if (!optimus::ParseLogFormat(absl::GetFlag(FLAGS_log_format), &log_format)) {
+    std::fprintf(stderr, "optimus-shard: --log_format must be text or json\n");
+    return 2;
+  }
+  optimus::SetLogFormat(log_format);
 
   optimus::server::ShardServerOptions options;
   options.coordinator_address = absl::GetFlag(FLAGS_coordinator);
