@@ -9,6 +9,7 @@ PACKAGES=(
   libucx-dev ucx-utils libabsl-dev libgtest-dev libgmock-dev
   libtorch-dev python3
   g++-aarch64-linux-gnu binutils-aarch64-linux-gnu qemu-user
+  golang-go golang-github-masterminds-sprig-dev golang-gopkg-yaml.v3-dev nodejs
 )
 
 missing=()
@@ -24,6 +25,19 @@ if [ "${#missing[@]}" -gt 0 ]; then
   if [ "$(id -u)" != "0" ]; then SUDO="sudo"; fi
   $SUDO apt-get update -q
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q --no-install-recommends "${missing[@]}"
+fi
+
+# The Helm chart test's node modules (versions pinned by
+# deploy/helm/tests/package-lock.json), from the npm registry, once.
+HELM_TESTS="$(cd "$(dirname "$0")/.." && pwd)/deploy/helm/tests"
+if [ ! -d "$HELM_TESTS/node_modules/kubernetes-models" ]; then
+  if ! command -v npm >/dev/null; then
+    echo "install_deps: installing npm" >&2
+    if [ "$(id -u)" != "0" ]; then NPM_SUDO="sudo"; else NPM_SUDO=""; fi
+    DEBIAN_FRONTEND=noninteractive $NPM_SUDO apt-get install -y -q --no-install-recommends npm
+  fi
+  echo "install_deps: npm ci in deploy/helm/tests" >&2
+  (cd "$HELM_TESTS" && npm ci --no-audit --no-fund --loglevel=error)
 fi
 
 # The CUDA kernels are compiled by nvcc (the machine image ships CUDA in
