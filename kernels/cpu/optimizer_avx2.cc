@@ -24,6 +24,10 @@ constexpr DType kNoOut = static_cast<DType>(0);
 
 constexpr size_t OutBytes(DType d) { return d == DType::kFp32 ? 4 : 2; }
 
+// Slot pointers copied to the stack for the step loop (more workers than
+// this read them through StepArgs).
+constexpr size_t kLocalSlots = 64;
+
 // Elements from `begin` until dst + i * elem_bytes is a multiple of
 // vector_bytes (what a streaming store needs); `end - begin` if never.
 size_t AlignHead(const void* dst, size_t elem_bytes, size_t vector_bytes,
@@ -120,26 +124,38 @@ void StepLoop(const StepArgs& a, size_t begin, size_t end) {
   const __m256 one = _mm256_set1_ps(1.0f);
   const __m256 minus_one = _mm256_set1_ps(-1.0f);
 
-  size_t i = begin;
-  for (; i + kLanes <= end; i += kLanes) {
-    __m256 g = Load<G>(a.grads[0], i);
-    for (size_t w = 1; w < a.num_workers; ++w) {
-      g = _mm256_add_ps(g, Load<G>(a.grads[w], i));
-    }
+  // Locals, not reads through `a`: the vector stores below may alias
+  // anything, so the compiler would reload every field each iteration.
+  float* const master = a.master;
+  float* const mp = a.m;
+  float* const vp = a.v;
+  void* const out = a.out;
+  const bool apply_wd = k.apply_weight_decay;
+  const bool use_momentum = k.use_momentum;
+  const size_t num_workers = a.num_workers;
+  const void* local_slots[kLocalSlots];
+  const void* const* slots = a.grads;
+  if (num_workers <= kLocalSlots) {
+    for (size_t w = 0; w < num_workers; ++w) local_slots[w] = a.grads[w];
+    slots = local_slots;
+  }
+
+  // Everything after the sum over workers, for 8 elements at i.
+  auto update = [&](__m256 g, size_t i) {
     g = _mm256_mul_ps(g, grad_scale);
-    __m256 p = _mm256_loadu_ps(a.master + i);
+    __m256 p = _mm256_loadu_ps(master + i);
     if constexpr (K == OptimizerKind::kSgd) {
-      if (k.apply_weight_decay) g = _mm256_add_ps(g, _mm256_mul_ps(weight_decay, p));
-      if (k.use_momentum) {
+      if (apply_wd) g = _mm256_add_ps(g, _mm256_mul_ps(weight_decay, p));
+      if (use_momentum) {
         const __m256 m = _mm256_add_ps(
-            _mm256_mul_ps(_mm256_loadu_ps(a.m + i), momentum), g);
-        _mm256_storeu_ps(a.m + i, m);
+            _mm256_mul_ps(_mm256_loadu_ps(mp + i), momentum), g);
+        _mm256_storeu_ps(mp + i, m);
         g = m;
       }
       p = _mm256_sub_ps(p, _mm256_mul_ps(lr, g));
     } else if constexpr (K == OptimizerKind::kLion) {
-      if (k.apply_weight_decay) p = _mm256_mul_ps(p, decay_factor);
-      const __m256 m_old = _mm256_loadu_ps(a.m + i);
+      if (apply_wd) p = _mm256_mul_ps(p, decay_factor);
+      const __m256 m_old = _mm256_loadu_ps(mp + i);
       const __m256 c = _mm256_add_ps(_mm256_mul_ps(m_old, beta1),
                                      _mm256_mul_ps(one_minus_beta1, g));
       // sign(c): +1, -1, +0 for zeros, c itself for NaN.
@@ -147,29 +163,48 @@ void StepLoop(const StepArgs& a, size_t begin, size_t end) {
       sign = _mm256_blendv_ps(sign, minus_one, _mm256_cmp_ps(c, zero, _CMP_LT_OQ));
       sign = _mm256_blendv_ps(sign, c, _mm256_cmp_ps(c, c, _CMP_UNORD_Q));
       p = _mm256_sub_ps(p, _mm256_mul_ps(lr, sign));
-      _mm256_storeu_ps(a.m + i, _mm256_add_ps(_mm256_mul_ps(m_old, beta2),
+      _mm256_storeu_ps(mp + i, _mm256_add_ps(_mm256_mul_ps(m_old, beta2),
                                               _mm256_mul_ps(one_minus_beta2, g)));
     } else {
-      if (k.apply_weight_decay) {
+      if (apply_wd) {
         if constexpr (K == OptimizerKind::kAdamW) {
           p = _mm256_mul_ps(p, decay_factor);
         } else {
           g = _mm256_add_ps(g, _mm256_mul_ps(weight_decay, p));
         }
       }
-      const __m256 m = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(a.m + i), beta1),
+      const __m256 m = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(mp + i), beta1),
                                      _mm256_mul_ps(one_minus_beta1, g));
       const __m256 v = _mm256_add_ps(
-          _mm256_mul_ps(_mm256_loadu_ps(a.v + i), beta2),
+          _mm256_mul_ps(_mm256_loadu_ps(vp + i), beta2),
           _mm256_mul_ps(_mm256_mul_ps(one_minus_beta2, g), g));
       const __m256 denom =
           _mm256_add_ps(_mm256_mul_ps(_mm256_sqrt_ps(v), inv_sqrt_bc2), eps);
       p = _mm256_sub_ps(p, _mm256_div_ps(_mm256_mul_ps(step_size, m), denom));
-      _mm256_storeu_ps(a.m + i, m);
-      _mm256_storeu_ps(a.v + i, v);
+      _mm256_storeu_ps(mp + i, m);
+      _mm256_storeu_ps(vp + i, v);
     }
-    _mm256_storeu_ps(a.master + i, p);
-    Store<O, kStream>(p, a.out, i);
+    _mm256_storeu_ps(master + i, p);
+    Store<O, kStream>(p, out, i);
+  };
+
+  // Two vectors per iteration share one pass over the slot pointers. Each
+  // vector still sums the slots in rank order.
+  size_t i = begin;
+  for (; i + 2 * kLanes <= end; i += 2 * kLanes) {
+    __m256 g0 = Load<G>(slots[0], i);
+    __m256 g1 = Load<G>(slots[0], i + kLanes);
+    for (size_t w = 1; w < num_workers; ++w) {
+      g0 = _mm256_add_ps(g0, Load<G>(slots[w], i));
+      g1 = _mm256_add_ps(g1, Load<G>(slots[w], i + kLanes));
+    }
+    update(g0, i);
+    update(g1, i + kLanes);
+  }
+  for (; i + kLanes <= end; i += kLanes) {
+    __m256 g = Load<G>(slots[0], i);
+    for (size_t w = 1; w < num_workers; ++w) g = _mm256_add_ps(g, Load<G>(slots[w], i));
+    update(g, i);
   }
   StepRangeScalar(a, i, end);
 }
