@@ -44,6 +44,9 @@ ABSL_FLAG(int, kill_coordinator_at_step, 0,
           "fault drill: SIGKILL optimus-coord when rank 0 reports this step, restart it from its "
           "state after --coordinator_down_ms (0: never)");
 ABSL_FLAG(int, coordinator_down_ms, 1500, "how long the killed coordinator stays down");
+ABSL_FLAG(int, metrics_port, 0,
+          "serve Prometheus /metrics and /healthz: the coordinator on this port, shard i on "
+          "this port + 1 + i (0: off)");
 
 namespace {
 
@@ -195,10 +198,14 @@ int main(int argc, char** argv) {
   const std::string port_file = dir + "/coord.port";
   unlink(port_file.c_str());
   const std::string state_dir = dir + "/coord-state";
+  const int metrics_port = absl::GetFlag(FLAGS_metrics_port);
+  if (metrics_port < 0 || metrics_port + shards > 65535) return Die("--metrics_port out of range");
   auto coord_args = [&](const std::string& listen) {
-    return std::vector<std::string>{root + "/coordinator/optimus-coord", "--listen=" + listen,
-                                    "--port_file=" + port_file, "--lease_ms=2000",
-                                    "--state_dir=" + state_dir};
+    std::vector<std::string> args{root + "/coordinator/optimus-coord", "--listen=" + listen,
+                                  "--port_file=" + port_file, "--lease_ms=2000",
+                                  "--state_dir=" + state_dir};
+    if (metrics_port > 0) args.push_back(absl::StrCat("--metrics_port=", metrics_port));
+    return args;
   };
   pid_t coord = Spawn(coord_args("127.0.0.1:0"), dir + "/coord.log");
   if (coord < 0) return Die("cannot start optimus-coord");
@@ -214,9 +221,10 @@ int main(int argc, char** argv) {
   // 2. Shard servers; wait until all are registered.
   std::vector<pid_t> shard_pids;
   for (int i = 0; i < shards; ++i) {
-    shard_pids.push_back(Spawn({root + "/server/optimus-shard", "--coordinator=" + coord_addr,
-                                "--kind=host", "--net_devices=lo", "--memory_limit_mb=512"},
-                               absl::StrCat(dir, "/shard-", i, ".log")));
+    std::vector<std::string> args{root + "/server/optimus-shard", "--coordinator=" + coord_addr,
+                                  "--kind=host", "--net_devices=lo", "--memory_limit_mb=512"};
+    if (metrics_port > 0) args.push_back(absl::StrCat("--metrics_port=", metrics_port + 1 + i));
+    shard_pids.push_back(Spawn(args, absl::StrCat(dir, "/shard-", i, ".log")));
   }
   auto stub = optimus::v1::Coordinator::NewStub(
       grpc::CreateChannel(coord_addr, grpc::InsecureChannelCredentials()));

@@ -1,0 +1,101 @@
+#!/usr/bin/env bash
+# On a running local cluster (real optimus-coord, optimus-shard and worker
+# processes), scrapes /metrics of the coordinator and of a shard twice while
+# training runs: every metric an operator watches is there, and the counters
+# that follow training move between the two scrapes. /healthz answers ok.
+set -euo pipefail
+
+root="${TEST_SRCDIR}/optimus"
+work="${TEST_TMPDIR}/cluster"
+# A port range unlikely to be taken; the cluster fails loudly if it is.
+base=$(( 20000 + (RANDOM % 20000) ))
+
+"${root}/deploy/local/local_cluster" --bin_dir="${root}" --work_dir="${work}" \
+  --steps=400 --hidden=128 --metrics_port="${base}" \
+  >"${TEST_TMPDIR}/out.txt" 2>"${TEST_TMPDIR}/err.txt" &
+cluster=$!
+trap 'kill ${cluster} 2>/dev/null || true' EXIT
+
+python3 - "${base}" "${cluster}" <<'PY'
+import os, re, sys, time, urllib.request
+
+base, cluster = int(sys.argv[1]), int(sys.argv[2])
+coord, shard = f"http://127.0.0.1:{base}", f"http://127.0.0.1:{base + 1}"
+
+def get(url):
+    with urllib.request.urlopen(url, timeout=2) as r:
+        return r.status, r.read().decode()
+
+def alive():
+    try:
+        os.kill(cluster, 0)
+        return True
+    except OSError:
+        return False
+
+def scrape(url):
+    _, text = get(url + "/metrics")
+    values = {}
+    for line in text.splitlines():
+        if line.startswith("#") or not line.strip():
+            continue
+        name_labels, value = line.rsplit(" ", 1)
+        values[name_labels] = float(value)
+    return values
+
+def total(values, name):
+    return sum(v for k, v in values.items() if re.match(re.escape(name) + r"(\{|$)", k))
+
+# Wait until training is under way (the shard has applied steps).
+deadline = time.time() + 120
+first = None
+while time.time() < deadline and alive():
+    try:
+        s = scrape(shard)
+        if total(s, "optimus_shard_steps_total") > 0:
+            first = (scrape(coord), s)
+            break
+    except OSError:
+        pass
+    time.sleep(0.2)
+assert first is not None, "no shard steps seen on /metrics before training ended"
+time.sleep(2.0)
+assert alive(), "training ended before the second scrape; make it longer"
+second = (scrape(coord), scrape(shard))
+
+shard_metrics = ["optimus_shard_step_seconds_count", "optimus_shard_steps_total",
+                 "optimus_shard_optimizer_params_total", "optimus_shard_pushed_bytes_total",
+                 "optimus_shard_pulled_bytes_total", "optimus_shard_memory_used_bytes",
+                 "optimus_shard_memory_limit_bytes", "optimus_shard_chunks_owned",
+                 "optimus_shard_lease_age_seconds"]
+coord_metrics = ["optimus_coord_shards", "optimus_coord_shard_up",
+                 "optimus_coord_shard_lease_age_seconds", "optimus_coord_shard_memory_used_bytes",
+                 "optimus_coord_shard_chunks_owned", "optimus_coord_job_step",
+                 "optimus_coord_job_state_bytes"]
+for name in shard_metrics:
+    assert any(re.match(re.escape(name) + r"(\{|$)", k) for k in second[1]), f"shard lacks {name}"
+for name in coord_metrics:
+    assert any(re.match(re.escape(name) + r"(\{|$)", k) for k in second[0]), f"coordinator lacks {name}"
+_, shard_text = get(shard + "/metrics")
+assert "# TYPE optimus_shard_errors_total counter" in shard_text, "shard lacks errors by kind"
+
+for name in ["optimus_shard_steps_total", "optimus_shard_optimizer_params_total",
+             "optimus_shard_pushed_bytes_total", "optimus_shard_pulled_bytes_total",
+             "optimus_shard_step_seconds_count"]:
+    a, b = total(first[1], name), total(second[1], name)
+    assert b > a, f"{name} did not move while training ran: {a} -> {b}"
+    print(f"{name}: {a:.0f} -> {b:.0f}")
+a, b = total(first[0], "optimus_coord_job_step"), total(second[0], "optimus_coord_job_step")
+assert b > a, f"optimus_coord_job_step did not move: {a} -> {b}"
+print(f"optimus_coord_job_step: {a:.0f} -> {b:.0f}")
+assert total(second[1], "optimus_shard_memory_used_bytes") > 0
+assert total(second[1], "optimus_shard_chunks_owned") > 0
+for url in (coord, shard):
+    status, body = get(url + "/healthz")
+    assert status == 200, (url, status, body)
+print("metrics ok")
+PY
+
+wait "${cluster}" || { echo "local_cluster failed:"; cat "${TEST_TMPDIR}/err.txt"; exit 1; }
+trap - EXIT
+tail -n 1 "${TEST_TMPDIR}/out.txt"
