@@ -50,3 +50,13 @@ if [ ! -x /usr/local/cuda/bin/nvcc ] && ! command -v nvcc >/dev/null; then
     exit 1
   }
 fi
+
+# The aarch64 cross build of optimus-shard (deploy/aarch64) links against
+# Debian's arm64 grpc++/protobuf/UCX/abseil/gtest. They are unpacked into a
+# sysroot (/opt/optimus-aarch64-sysroot) with apt's own private arm64 lists,
+# not installed with dpkg --add-architecture: the arm64 -dev packages are
+# Multi-Arch: same and would make apt upgrade installed amd64 packages to
+# match. Removes and changes no installed package; returns at once when the
+# sysroot is there. A failure here only leaves the aarch64 test failing.
+"$(dirname "$0")/../deploy/aarch64/fetch_sysroot.sh" ||
+  echo "install_deps: could not fetch the arm64 sysroot; //deploy/aarch64:aarch64_qemu_test will fail" >&2
