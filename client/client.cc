@@ -107,6 +107,9 @@ class ClientImpl : public Client {
     spec->set_grad_dtype(static_cast<v1::DType>(def.grad_dtype));
     spec->set_param_dtype(static_cast<v1::DType>(def.param_dtype));
     spec->set_max_chunk_bytes(def.max_chunk_bytes);
+    spec->mutable_checkpoint_policy()->set_every_steps(def.checkpoint.every_steps);
+    spec->mutable_checkpoint_policy()->set_every_seconds(def.checkpoint.every_seconds);
+    spec->mutable_checkpoint_policy()->set_keep_last(def.checkpoint.keep_last);
     v1::CreateJobResponse resp;
     grpc::ClientContext ctx;
     SetDeadline(&ctx);
@@ -218,6 +221,7 @@ class ClientImpl : public Client {
     epoch_ = job.map().epoch();
     rank_ = rank;
     world_size_ = spec.world_size();
+    resume_step_ = std::max<uint64_t>(job.resume_step(), 1);
     grad_dtype_ = *gd;
     param_dtype_ = *pd;
     tensors_ = std::move(tensors);
@@ -239,6 +243,7 @@ class ClientImpl : public Client {
   uint32_t world_size() const override { return world_size_; }
   DType grad_dtype() const override { return grad_dtype_; }
   DType param_dtype() const override { return param_dtype_; }
+  uint64_t resume_step() const override { return resume_step_; }
 
   absl::Status CheckTensor(uint32_t tensor, size_t num_elems) const {
     if (!joined_) return absl::FailedPreconditionError("join a job first");
@@ -409,6 +414,7 @@ class ClientImpl : public Client {
   uint64_t epoch_ = 0;
   uint32_t rank_ = 0;
   uint32_t world_size_ = 0;
+  uint64_t resume_step_ = 1;
   DType grad_dtype_ = DType::kBf16;
   DType param_dtype_ = DType::kBf16;
   std::vector<TensorInfo> tensors_;

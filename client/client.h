@@ -57,6 +57,14 @@ struct TensorDef {
   std::vector<int64_t> shape;
 };
 
+// When the coordinator checkpoints the job on its own (it needs
+// --checkpoint_dir). Zero fields are off.
+struct CheckpointPolicy {
+  uint64_t every_steps = 0;    // After this many more steps are applied.
+  uint64_t every_seconds = 0;  // When the last checkpoint is this old.
+  uint32_t keep_last = 0;      // Complete checkpoints kept; 0 means 3.
+};
+
 struct JobDef {
   std::string name;
   uint32_t world_size = 1;
@@ -66,6 +74,7 @@ struct JobDef {
   DType param_dtype = DType::kBf16;
   // Chunk size limit in bytes of fp32 state; 0 means the coordinator's 4 MiB.
   uint64_t max_chunk_bytes = 0;
+  CheckpointPolicy checkpoint;
 };
 
 // Identifies one Push or Pull until Wait consumes it.
@@ -101,6 +110,10 @@ class Client {
   virtual uint32_t world_size() const = 0;
   virtual DType grad_dtype() const = 0;
   virtual DType param_dtype() const = 0;
+  // The first step to run after Join: 1 for a new job (rank 0 calls
+  // InitTensor first), S for a job restored from a checkpoint of step S
+  // (its values are loaded: pull version S, push step S, no InitTensor).
+  virtual uint64_t resume_step() const = 0;
 
   // Sends the initial fp32 values of a tensor (num_elems floats); they become
   // version 1. One rank (by convention 0) does this; the others Pull version

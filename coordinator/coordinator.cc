@@ -148,7 +148,8 @@ absl::StatusOr<std::vector<uint64_t>> ValidateAndFillSpec(v1::JobSpec& spec) {
 
 }  // namespace
 
-Coordinator::Coordinator(const CoordinatorOptions& options) : options_(options) {}
+Coordinator::Coordinator(const CoordinatorOptions& options)
+    : options_(options), checkpoints_(options.checkpoint_dir) {}
 
 namespace {
 // First word of the state file's header: names the format and its version.
@@ -301,6 +302,9 @@ v1::HeartbeatResponse Coordinator::Heartbeat(const v1::HeartbeatRequest& req) {
     a->set_job_id(job_id);
     a->set_map_epoch(job.map.epoch());
   }
+  for (v1::CheckpointOrder& o : checkpoints_.OnHeartbeat(shard.id, req.checkpoints())) {
+    *resp.add_checkpoints() = std::move(o);
+  }
   return resp;
 }
 
@@ -336,6 +340,11 @@ std::map<uint64_t, Coordinator::ShardLoad> Coordinator::PlannedLoadLocked() cons
 }
 
 absl::StatusOr<v1::CreateJobResponse> Coordinator::CreateJob(const v1::CreateJobRequest& req) {
+  return CreateJobInternal(req, nullptr);
+}
+
+absl::StatusOr<v1::CreateJobResponse> Coordinator::CreateJobInternal(
+    const v1::CreateJobRequest& req, const v1::RestoreSource* restore) {
   v1::JobSpec spec = req.spec();
   if (spec.name().empty()) return Invalid("name is empty");
   absl::StatusOr<std::vector<uint64_t>> num_elems = ValidateAndFillSpec(spec);
@@ -349,7 +358,11 @@ absl::StatusOr<v1::CreateJobResponse> Coordinator::CreateJob(const v1::CreateJob
   std::vector<ChunkSpec> chunks = SplitTensors(*num_elems, spec.max_chunk_bytes() / 4);
 
   absl::MutexLock lock(&mu_);
-  if (job_ids_by_name_.count(spec.name()) != 0) {
+  auto taken = job_ids_by_name_.find(spec.name());
+  // A restore may take over the name of a job that FAILED.
+  const bool takes_over = taken != job_ids_by_name_.end() && restore != nullptr &&
+                          jobs_.at(taken->second).state == v1::JOB_STATE_FAILED;
+  if (taken != job_ids_by_name_.end() && !takes_over) {
     return absl::AlreadyExistsError(
         absl::StrCat("a job named \"", spec.name(), "\" already exists (id ",
                      job_ids_by_name_[spec.name()], ")"));
@@ -370,9 +383,23 @@ absl::StatusOr<v1::CreateJobResponse> Coordinator::CreateJob(const v1::CreateJob
                         absl::StrCat("job \"", spec.name(), "\": ", placed.status().message()));
   }
 
+  if (restore != nullptr) {
+    for (const ChunkSpec& c : *placed) {
+      if (!shards_.at(c.shard_id).capabilities.checkpoints()) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "cannot restore job \"", spec.name(), "\": shard ", c.shard_id,
+            " was started without --checkpoint_dir"));
+      }
+    }
+  }
+
   JobRecord job;
   job.id = next_job_id_++;
   job.spec = spec;
+  if (restore != nullptr) {
+    job.restore = *restore;
+    job.resume_step = restore->manifest().step();
+  }
   job.bytes_per_elem = bytes_per_elem;
   for (uint64_t n : *num_elems) job.num_params += n;
   job.map.set_job_id(job.id);
@@ -403,11 +430,13 @@ absl::StatusOr<v1::CreateJobResponse> Coordinator::CreateJob(const v1::CreateJob
   resp.set_job_id(job.id);
   *resp.mutable_map() = job.map;
   const uint64_t job_id = job.id;
+  const uint64_t replaced = takes_over ? taken->second : 0;
   job_ids_by_name_[spec.name()] = job_id;
   jobs_.emplace(job_id, std::move(job));
   if (absl::Status s = PersistLocked(); !s.ok()) {
     jobs_.erase(job_id);
     job_ids_by_name_.erase(spec.name());
+    if (replaced != 0) job_ids_by_name_[spec.name()] = replaced;
     --next_job_id_;
     return s;
   }
@@ -444,6 +473,9 @@ absl::StatusOr<v1::JoinJobResponse> Coordinator::JoinJob(const v1::JoinJobReques
   *resp.mutable_spec() = job.spec;
   *resp.mutable_map() = job.map;
   resp.set_state(job.state);
+  resp.set_resume_step(job.resume_step);
+  resp.set_current_step(ViewLocked(job).min_applied_step);
+  if (job.restore.has_value()) *resp.mutable_restore() = *job.restore;
   return resp;
 }
 
@@ -456,6 +488,9 @@ absl::StatusOr<v1::GetJobResponse> Coordinator::GetJob(uint64_t job_id) {
   *resp.mutable_spec() = it->second.spec;
   *resp.mutable_map() = it->second.map;
   resp.set_state(it->second.state);
+  resp.set_resume_step(it->second.resume_step);
+  resp.set_current_step(ViewLocked(it->second).min_applied_step);
+  if (it->second.restore.has_value()) *resp.mutable_restore() = *it->second.restore;
   return resp;
 }
 
@@ -540,6 +575,7 @@ int Coordinator::SweepExpiredLeases(absl::Time now) {
     for (auto& [job_id, job] : jobs_) {
       if (job.state == v1::JOB_STATE_FAILED || job.load.count(id) == 0) continue;
       job.state = v1::JOB_STATE_FAILED;
+      checkpoints_.OnJobFailed(job_id, absl::StrCat("shard ", id, " went down"));
       // No failover yet: without a replica the chunks on the lost shard are gone.
       OPTIMUS_LOG(Error, kLog, "job failed id=", job_id, " name=", job.spec.name(),
                   ": shard ", id, " holding ", job.load[id].num_chunks,
@@ -553,6 +589,96 @@ int Coordinator::SweepExpiredLeases(absl::Time now) {
     map_changed_.SignalAll();
   }
   return marked_down;
+}
+
+CheckpointJobView Coordinator::ViewLocked(const JobRecord& job) const {
+  CheckpointJobView v;
+  v.job_id = job.id;
+  v.spec = job.spec;
+  v.state = job.state;
+  v.resume_step = job.resume_step;
+  uint64_t min_applied = std::numeric_limits<uint64_t>::max();
+  for (const auto& [shard_id, load] : job.load) {
+    v.owners.insert(shard_id);
+    auto sh = shards_.find(shard_id);
+    if (sh == shards_.end() || !sh->second.capabilities.checkpoints()) {
+      v.owners_without_checkpoint_dir.insert(shard_id);
+    }
+    auto p = job.progress.find(shard_id);
+    const uint64_t applied = p == job.progress.end() ? 0 : p->second.applied_step();
+    min_applied = std::min(min_applied, applied);
+    if (p != job.progress.end()) {
+      v.max_applied_step = std::max(v.max_applied_step, p->second.max_applied_step());
+    }
+  }
+  v.min_applied_step = job.load.empty() ? 0 : min_applied;
+  return v;
+}
+
+absl::StatusOr<v1::CreateCheckpointResponse> Coordinator::CreateCheckpoint(
+    const v1::CreateCheckpointRequest& req) {
+  absl::MutexLock lock(&mu_);
+  auto name_it = job_ids_by_name_.find(req.job_name());
+  if (name_it == job_ids_by_name_.end()) {
+    return absl::NotFoundError(absl::StrCat("no job named \"", req.job_name(), "\""));
+  }
+  absl::StatusOr<v1::CheckpointInfo> info =
+      checkpoints_.Create(ViewLocked(jobs_.at(name_it->second)));
+  if (!info.ok()) return info.status();
+  v1::CreateCheckpointResponse resp;
+  *resp.mutable_checkpoint() = *std::move(info);
+  return resp;
+}
+
+v1::ListCheckpointsResponse Coordinator::ListCheckpoints(const v1::ListCheckpointsRequest& req) {
+  v1::ListCheckpointsResponse resp;
+  if (req.job_name().find('/') != std::string::npos) return resp;
+  for (v1::CheckpointInfo& c : checkpoints_.List(req.job_name())) {
+    *resp.add_checkpoints() = std::move(c);
+  }
+  return resp;
+}
+
+absl::StatusOr<v1::RestoreCheckpointResponse> Coordinator::RestoreCheckpoint(
+    const v1::RestoreCheckpointRequest& req) {
+  // Reading and checking every file takes a while: no lock is held for it.
+  v1::CheckpointInfo info;
+  absl::StatusOr<v1::RestoreSource> src =
+      checkpoints_.PrepareRestore(req.job_name(), req.checkpoint_id(), &info);
+  if (!src.ok()) return src.status();
+  v1::CreateJobRequest create;
+  *create.mutable_spec() = src->manifest().spec();
+  create.mutable_spec()->set_name(req.new_job_name().empty() ? req.job_name()
+                                                             : req.new_job_name());
+  if (req.max_chunk_bytes() != 0) create.mutable_spec()->set_max_chunk_bytes(req.max_chunk_bytes());
+  absl::StatusOr<v1::CreateJobResponse> job = CreateJobInternal(create, &*src);
+  if (!job.ok()) return job.status();
+  OPTIMUS_LOG(Info, kLog, "job ", job->job_id(), " (", create.spec().name(),
+              ") restored from ", info.path(), " at step ", src->manifest().step());
+  v1::RestoreCheckpointResponse resp;
+  resp.set_job_id(job->job_id());
+  resp.set_resume_step(src->manifest().step());
+  *resp.mutable_checkpoint() = info;
+  return resp;
+}
+
+void Coordinator::FillLastCheckpoints(v1::StatusResponse* status) {
+  if (!checkpoints_.enabled()) return;
+  for (v1::JobStatus& j : *status->mutable_jobs()) {
+    std::optional<v1::CheckpointInfo> last = checkpoints_.Last(j.name());
+    if (last.has_value()) *j.mutable_last_checkpoint() = *std::move(last);
+  }
+}
+
+void Coordinator::TickCheckpoints(absl::Time now) {
+  if (!checkpoints_.enabled()) return;
+  absl::MutexLock lock(&mu_);
+  std::vector<CheckpointJobView> views;
+  for (const auto& [id, job] : jobs_) {
+    if (job.state == v1::JOB_STATE_FAILED) continue;
+    views.push_back(ViewLocked(job));
+  }
+  checkpoints_.Tick(views, now);
 }
 
 void Coordinator::BeginShutdown() {
@@ -616,7 +742,21 @@ class CoordinatorServer::Service final : public v1::Coordinator::Service {
   grpc::Status Status(grpc::ServerContext*, const v1::StatusRequest*,
                       v1::StatusResponse* resp) override {
     *resp = core_->Status();
+    core_->FillLastCheckpoints(resp);
     return grpc::Status::OK;
+  }
+  grpc::Status CreateCheckpoint(grpc::ServerContext*, const v1::CreateCheckpointRequest* req,
+                                v1::CreateCheckpointResponse* resp) override {
+    return Reply(core_->CreateCheckpoint(*req), resp);
+  }
+  grpc::Status ListCheckpoints(grpc::ServerContext*, const v1::ListCheckpointsRequest* req,
+                               v1::ListCheckpointsResponse* resp) override {
+    *resp = core_->ListCheckpoints(*req);
+    return grpc::Status::OK;
+  }
+  grpc::Status RestoreCheckpoint(grpc::ServerContext*, const v1::RestoreCheckpointRequest* req,
+                                 v1::RestoreCheckpointResponse* resp) override {
+    return Reply(core_->RestoreCheckpoint(*req), resp);
   }
 
  private:
@@ -669,6 +809,7 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   s->sweeper_ = std::thread([core, stop, interval] {
     while (!stop->WaitForNotificationWithTimeout(interval)) {
       core->SweepExpiredLeases(absl::Now());
+      core->TickCheckpoints(absl::Now());
     }
   });
   if (!options.metrics_address.empty()) {

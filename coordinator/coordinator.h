@@ -21,6 +21,7 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
 #include "common/http_server.h"
+#include "coordinator/checkpoints.h"
 #include "coordinator/shard_map.h"
 #include "proto/optimus.pb.h"
 
@@ -44,6 +45,11 @@ struct CoordinatorOptions {
   // "HOST:PORT" for the HTTP /metrics (Prometheus) and /healthz endpoints;
   // port 0 picks one; empty turns them off. Default off.
   std::string metrics_address;
+  // Folder for checkpoints (dir/<job name>/ckpt-<id>/), on a filesystem the
+  // shards share (their --checkpoint_dir). The coordinator writes each
+  // manifest there, prunes old checkpoints and verifies one before a
+  // restore. Empty: checkpoints are off. Default empty.
+  std::string checkpoint_dir;
   // Folder for the durable state (shards, jobs, maps), rewritten with fsync
   // and an atomic rename on every membership or job change (not on
   // heartbeats), and loaded at start, so a restarted coordinator loses
@@ -108,6 +114,27 @@ class Coordinator {
 
   v1::StatusResponse Status();
 
+  // ---- Checkpoints (see coordinator/checkpoints.h) ----
+  // Orders a checkpoint of a READY job now; returns it IN_PROGRESS.
+  // NOT_FOUND for an unknown job, FAILED_PRECONDITION when checkpoints are
+  // off, one is in progress, or a shard of the job has no checkpoint dir.
+  absl::StatusOr<v1::CreateCheckpointResponse> CreateCheckpoint(
+      const v1::CreateCheckpointRequest& req);
+  v1::ListCheckpointsResponse ListCheckpoints(const v1::ListCheckpointsRequest& req);
+  // Verifies the checkpoint's files (DATA_LOSS naming the corrupted file;
+  // nothing changes) and creates a job from it, placed over the live shards
+  // with the current placement rules (any number of shards, any chunk
+  // size): the shards load their element ranges from the files and the
+  // job's workers resume at the checkpoint's step. The new job takes the
+  // name new_job_name (default: job_name); an existing job of that name is
+  // refused (ALREADY_EXISTS) unless it has FAILED, whose name it takes over.
+  absl::StatusOr<v1::RestoreCheckpointResponse> RestoreCheckpoint(
+      const v1::RestoreCheckpointRequest& req);
+  // Sets each job's last_checkpoint (reads the checkpoint folders).
+  void FillLastCheckpoints(v1::StatusResponse* status);
+  // Runs checkpoint policies and retries; called by the sweeper.
+  void TickCheckpoints(absl::Time now);
+
   // Marks DOWN every UP shard whose last heartbeat is older than the lease
   // at `now`, and fails the PENDING/READY jobs holding chunks on it.
   // Returns the number of shards marked DOWN. Called by the sweeper thread.
@@ -139,6 +166,8 @@ class Coordinator {
     std::map<uint64_t, ShardLoad> load;   // Planned, by shard id.
     std::map<uint64_t, v1::ShardJobProgress> progress;  // Reported, by shard id.
     std::set<uint32_t> joined_ranks;
+    uint64_t resume_step = 1;             // Step workers start at (restored jobs: S).
+    std::optional<v1::RestoreSource> restore;
   };
 
   // Writes the durable state when options_.state_dir is set. On failure (a
@@ -148,10 +177,15 @@ class Coordinator {
 
   // Planned load per shard over jobs that are not FAILED.
   std::map<uint64_t, ShardLoad> PlannedLoadLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::StatusOr<v1::CreateJobResponse> CreateJobInternal(const v1::CreateJobRequest& req,
+                                                          const v1::RestoreSource* restore);
+  CheckpointJobView ViewLocked(const JobRecord& job) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void MaybeMarkReadyLocked(JobRecord& job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const CoordinatorOptions options_;
   absl::Mutex mu_;
+  // Locked after mu_ when both are needed.
+  CheckpointManager checkpoints_;
   // Signalled when a map epoch changes, a job fails, or on shutdown.
   absl::CondVar map_changed_;
   bool shutting_down_ ABSL_GUARDED_BY(mu_) = false;

@@ -22,6 +22,10 @@ ABSL_FLAG(int, kernel_threads, 1, "threads splitting one chunk's optimizer step 
 ABSL_FLAG(std::string, transports, "tcp,sm,self", "UCX transports (UCX_TLS syntax)");
 ABSL_FLAG(std::string, net_devices, "all", "UCX network devices (lo keeps traffic local)");
 ABSL_FLAG(int, metrics_port, 0, "HTTP port for /metrics and /healthz on all interfaces; 0: off");
+ABSL_FLAG(std::string, checkpoint_dir, "",
+          "folder for checkpoints, shared with optimus-coord's --checkpoint_dir; empty: off");
+ABSL_FLAG(int64_t, checkpoint_max_mb_per_s, 0,
+          "most MiB/s the background checkpoint writer puts on disk; 0: no limit");
 ABSL_FLAG(bool, verbose, false, "debug logging");
 ABSL_FLAG(std::string, log_format, "text", "text, or json (one object per line, for log collectors)");
 
@@ -55,6 +59,13 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "optimus-shard: --step_threads and --kernel_threads must be >= 1\n");
     return 2;
   }
+  options.checkpoint_dir = absl::GetFlag(FLAGS_checkpoint_dir);
+  if (absl::GetFlag(FLAGS_checkpoint_max_mb_per_s) < 0) {
+    std::fprintf(stderr, "optimus-shard: --checkpoint_max_mb_per_s must be >= 0\n");
+    return 2;
+  }
+  options.checkpoint_max_bytes_per_second =
+      static_cast<uint64_t>(absl::GetFlag(FLAGS_checkpoint_max_mb_per_s)) << 20;
   options.transport.transports = absl::GetFlag(FLAGS_transports);
   options.transport.net_devices = absl::GetFlag(FLAGS_net_devices);
   options.transport.name = "shard";

@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <map>
+#include <set>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -27,6 +28,8 @@
 #include "kernels/cpu/optimizer.h"
 #include "kernels/cpu/thread_pool.h"
 #include "proto/optimus.grpc.pb.h"
+#include "common/checkpoint_files.h"
+#include "server/checkpoint_writer.h"
 #include "server/step_executor.h"
 
 namespace optimus {
@@ -76,6 +79,7 @@ struct Chunk {
   uint32_t tensor = 0;
   uint32_t chunk = 0;
   uint64_t num_elems = 0;
+  uint64_t offset_elems = 0;      // Of the chunk's first element in its tensor.
   AlignedBytes master, m, v;      // fp32.
   AlignedBytes slots;             // world_size slots of grad dtype, rank order.
   AlignedBytes published[2];      // param dtype.
@@ -93,12 +97,21 @@ struct Chunk {
   int sends_inflight[2] ABSL_GUARDED_BY(mu) = {0, 0};
   bool step_blocked_on_sends ABSL_GUARDED_BY(mu) = false;
   std::vector<ParkedPull> parked ABSL_GUARDED_BY(mu);
+  // Oldest version ever held: 1, or the step a restored chunk starts at.
+  uint64_t first_version ABSL_GUARDED_BY(mu) = 1;
+  // True while a step's kernel may be writing master/m/v.
+  bool in_kernel ABSL_GUARDED_BY(mu) = false;
+  // A checkpoint waiting for this chunk to reach version capture_step
+  // (0: none); the snapshot is taken the moment that version is published.
+  uint64_t capture_step ABSL_GUARDED_BY(mu) = 0;
+  uint64_t capture_checkpoint ABSL_GUARDED_BY(mu) = 0;
 };
 
 // Jobs and their chunks are never removed while the server runs (job deletion
 // comes later), so handlers may keep raw pointers to them.
 struct Job {
   JobConfig config;
+  uint32_t num_arrays = 1;  // Checkpointed per chunk: master and the moments.
   uint64_t memory_bytes = 0;
   // Keyed by (tensor << 32 | chunk). Immutable after load.
   absl::flat_hash_map<uint64_t, std::unique_ptr<Chunk>> chunks;
@@ -123,7 +136,11 @@ class ShardServerImpl : public ShardServer {
   explicit ShardServerImpl(const ShardServerOptions& options)
       : options_(options),
         kernel_pool_(std::make_unique<kernels::ThreadPool>(options.kernel_threads)),
-        executor_(std::make_unique<StepExecutor>(options.step_threads)) {}
+        executor_(std::make_unique<StepExecutor>(options.step_threads)) {
+    if (!options.checkpoint_dir.empty()) {
+      ckpt_writer_ = std::make_unique<CheckpointWriter>(options.checkpoint_max_bytes_per_second);
+    }
+  }
 
   ~ShardServerImpl() override { Shutdown(); }
 
@@ -263,6 +280,7 @@ class ShardServerImpl : public ShardServer {
     char host[256] = {0};
     gethostname(host, sizeof(host) - 1);
     caps->set_hostname(host);
+    caps->set_checkpoints(!options_.checkpoint_dir.empty());
     v1::RegisterShardResponse resp;
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
@@ -313,17 +331,22 @@ class ShardServerImpl : public ShardServer {
         p->set_job_id(id);
         p->set_map_epoch(job->config.map_epoch);
         p->set_chunks_loaded(static_cast<uint32_t>(job->chunks.size()));
-        uint64_t min_applied = UINT64_MAX;
+        uint64_t min_applied = UINT64_MAX, max_applied = 0;
         for (const auto& [key, chunk] : job->chunks) {
           absl::MutexLock clock(&chunk->mu);
           const uint64_t applied =
               chunk->published_version > 0 ? chunk->published_version - 1 : 0;
           min_applied = std::min(min_applied, applied);
+          max_applied = std::max(max_applied, applied);
         }
         p->set_applied_step(min_applied == UINT64_MAX ? 0 : min_applied);
+        p->set_max_applied_step(max_applied);
       }
       req.set_memory_used_bytes(used);
       req.set_chunks_owned(owned);
+    }
+    if (ckpt_writer_ != nullptr) {
+      for (auto& r : ckpt_writer_->Reports()) *req.add_checkpoints() = std::move(r);
     }
     v1::HeartbeatResponse resp;
     grpc::ClientContext ctx;
@@ -348,7 +371,79 @@ class ShardServerImpl : public ShardServer {
         OPTIMUS_LOG(Error, kLog, "loading job ", a.job_id(), ": ", ls.ToString());
       }
     }
+    std::set<std::pair<uint64_t, uint64_t>> ordered;
+    for (const v1::CheckpointOrder& o : resp.checkpoints()) {
+      ordered.insert({o.job_id(), o.checkpoint_id()});
+      StartCheckpoint(o);
+    }
+    if (ckpt_writer_ != nullptr) ckpt_writer_->Retain(ordered);
     return absl::OkStatus();
+  }
+
+  // ---- Checkpoints ---------------------------------------------------------
+
+  // Copies a chunk's master and moments for the writer. The caller holds
+  // chunk->mu with no kernel running on the chunk, so the copy is exactly
+  // version published_version.
+  static ChunkSnapshot Snapshot(const Job& job, const Chunk& chunk, uint64_t checkpoint_id)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(chunk.mu) {
+    ChunkSnapshot snap;
+    snap.job_id = job.config.job_id;
+    snap.checkpoint_id = checkpoint_id;
+    snap.tensor = chunk.tensor;
+    snap.offset_elems = chunk.offset_elems;
+    snap.num_elems = chunk.num_elems;
+    snap.num_arrays = job.num_arrays;
+    snap.data.resize(job.num_arrays * chunk.num_elems);
+    const uint8_t* arrays[] = {chunk.master.get(), chunk.m.get(), chunk.v.get()};
+    for (uint32_t a = 0; a < job.num_arrays; ++a) {
+      std::memcpy(snap.data.data() + a * chunk.num_elems, arrays[a], chunk.num_elems * 4);
+    }
+    return snap;
+  }
+
+  // Begins this shard's part of a checkpoint order (once per order): chunks
+  // already at the step are copied now, the others when they reach it.
+  void StartCheckpoint(const v1::CheckpointOrder& o) {
+    if (ckpt_writer_ == nullptr || ckpt_writer_->Known(o.job_id(), o.checkpoint_id())) return;
+    Job* job = nullptr;
+    {
+      absl::MutexLock lock(&jobs_mu_);
+      auto it = jobs_.find(o.job_id());
+      if (it != jobs_.end()) job = it->second.get();
+    }
+    const std::string dir = absl::StrCat(options_.checkpoint_dir, "/", o.path());
+    ckpt_writer_->Begin(o.job_id(), o.checkpoint_id(), dir,
+                        job == nullptr ? 0 : static_cast<uint32_t>(job->chunks.size()));
+    if (job == nullptr) {
+      return ckpt_writer_->Fail(o.job_id(), o.checkpoint_id(),
+                                absl::StrCat("shard ", shard_id_.load(), " has not loaded job ",
+                                             o.job_id()));
+    }
+    if (absl::Status s = ckpt::MakeDirs(dir); !s.ok()) {
+      return ckpt_writer_->Fail(o.job_id(), o.checkpoint_id(), std::string(s.message()));
+    }
+    for (const auto& [key, chunk] : job->chunks) {
+      absl::MutexLock lock(&chunk->mu);
+      const uint64_t pv = chunk->published_version;
+      if (pv == 0) {
+        return ckpt_writer_->Fail(o.job_id(), o.checkpoint_id(),
+                                  absl::StrCat("tensor ", chunk->tensor, " chunk ", chunk->chunk,
+                                               " has no initial values yet"));
+      }
+      if (pv > o.step() || (pv == o.step() && chunk->in_kernel)) {
+        return ckpt_writer_->Fail(o.job_id(), o.checkpoint_id(),
+                                  absl::StrCat("tensor ", chunk->tensor, " chunk ", chunk->chunk,
+                                               " already applied step ", o.step()),
+                                  /*missed_step=*/true);
+      }
+      if (pv == o.step()) {
+        ckpt_writer_->Add(Snapshot(*job, *chunk, o.checkpoint_id()));
+      } else {
+        chunk->capture_step = o.step();
+        chunk->capture_checkpoint = o.checkpoint_id();
+      }
+    }
   }
 
   // Fetches the job and allocates the chunks the map places on this shard.
@@ -386,6 +481,7 @@ class ShardServerImpl : public ShardServer {
     c.grad_scale = o.grad_scale() > 0 ? o.grad_scale() : 1.0f / static_cast<float>(c.world_size);
     const bool has_v = c.hyper.kind != kernels::OptimizerKind::kSgd &&
                        c.hyper.kind != kernels::OptimizerKind::kLion;
+    job->num_arrays = has_v ? 3 : 2;
 
     const uint64_t me = shard_id_.load();
     for (const auto& p : resp.map().chunks()) {
@@ -394,6 +490,7 @@ class ShardServerImpl : public ShardServer {
       ch->tensor = p.tensor();
       ch->chunk = p.chunk();
       ch->num_elems = p.num_elems();
+      ch->offset_elems = p.offset_elems();
       const uint64_t n = p.num_elems();
       ch->master = AllocZeroed(n * 4);
       ch->m = AllocZeroed(n * 4);
@@ -419,6 +516,9 @@ class ShardServerImpl : public ShardServer {
       }
       for (uint32_t r = 0; r < c.world_size; ++r) {
         ch->grad_ptrs.push_back(ch->slots.get() + r * n * DTypeSize(c.grad_dtype));
+      }
+      if (resp.has_restore()) {
+        if (auto rs = RestoreChunk(resp, job.get(), ch.get()); !rs.ok()) return rs;
       }
       {
         absl::MutexLock lock(&ch->mu);
@@ -455,6 +555,33 @@ class ShardServerImpl : public ShardServer {
     }
     // Tell the coordinator now rather than at the next beat.
     return HeartbeatOnce();
+  }
+
+  // Loads a chunk of a job restored from a checkpoint: its element range is
+  // read from whichever files hold it (the checkpoint may be chunked
+  // differently), checked, and published as version resume_step.
+  absl::Status RestoreChunk(const v1::GetJobResponse& resp, Job* job, Chunk* ch) {
+    if (options_.checkpoint_dir.empty()) {
+      return absl::FailedPreconditionError(
+          "the job is restored from a checkpoint but this shard has no --checkpoint_dir");
+    }
+    const std::string dir = absl::StrCat(options_.checkpoint_dir, "/", resp.restore().path());
+    float* dst[] = {reinterpret_cast<float*>(ch->master.get()),
+                    reinterpret_cast<float*>(ch->m.get()),
+                    reinterpret_cast<float*>(ch->v.get())};
+    if (auto s = ckpt::ReadTensorRange(dir, resp.restore().manifest(), ch->tensor,
+                                       ch->offset_elems, ch->num_elems,
+                                       absl::MakeSpan(dst, job->num_arrays));
+        !s.ok()) {
+      return s;
+    }
+    const uint64_t version = resp.resume_step();
+    kernels::CastFromFp32(reinterpret_cast<const float*>(ch->master.get()), ch->num_elems,
+                          ch->published[version % 2].get(), job->config.param_dtype);
+    absl::MutexLock lock(&ch->mu);
+    ch->published_version = version;
+    ch->first_version = version;
+    return absl::OkStatus();
   }
 
   // ---- Data plane (runs on the progress thread) ---------------------------
@@ -634,6 +761,7 @@ class ShardServerImpl : public ShardServer {
     {
       absl::MutexLock lock(&chunk->mu);
       step = chunk->published_version;
+      chunk->in_kernel = true;
     }
     const size_t n = chunk->num_elems;
     kernels::StepInputs in;
@@ -659,6 +787,12 @@ class ShardServerImpl : public ShardServer {
     {
       absl::MutexLock lock(&chunk->mu);
       chunk->published_version = step + 1;
+      chunk->in_kernel = false;
+      if (chunk->capture_step == step + 1) {
+        // A memcpy at the step boundary; the disk write happens elsewhere.
+        ckpt_writer_->Add(Snapshot(*job, *chunk, chunk->capture_checkpoint));
+        chunk->capture_step = 0;
+      }
       std::fill(chunk->slot_state.begin(), chunk->slot_state.end(), SlotState::kEmpty);
       chunk->full_slots = 0;
       chunk->step_running = false;
@@ -732,7 +866,8 @@ class ShardServerImpl : public ShardServer {
     if (s.ok()) {
       absl::MutexLock lock(&chunk->mu);
       const uint64_t pv = chunk->published_version;
-      if (pv > 0 && (h.step == pv || (h.step + 1 == pv && pv >= 2 && !chunk->step_running))) {
+      if (pv > 0 && (h.step == pv || (h.step + 1 == pv && h.step >= chunk->first_version &&
+                                      !chunk->step_running))) {
         serve = true;
         ++chunk->sends_inflight[h.step % 2];
       } else if (h.step == pv + 1) {
@@ -800,6 +935,8 @@ class ShardServerImpl : public ShardServer {
   absl::Mutex exec_mu_;
   // Null once shutting down.
   std::unique_ptr<StepExecutor> executor_ ABSL_GUARDED_BY(exec_mu_);
+  // Null without options.checkpoint_dir.
+  std::unique_ptr<CheckpointWriter> ckpt_writer_;
   std::unique_ptr<transport::Worker> worker_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::Coordinator::Stub> stub_;

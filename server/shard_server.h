@@ -40,6 +40,16 @@ struct ShardServerOptions {
   // "HOST:PORT" for the HTTP /metrics (Prometheus) and /healthz endpoints;
   // port 0 picks one; empty turns them off. Default off.
   std::string metrics_address;
+  // Folder checkpoints are written to and restored from (the same shared
+  // filesystem as the coordinator's --checkpoint_dir). Empty: the shard
+  // cannot checkpoint or restore, and the coordinator refuses a checkpoint
+  // of a job with chunks on it. Default empty.
+  std::string checkpoint_dir;
+  // Most bytes per second the background checkpoint writer puts on disk
+  // (0: no limit). Limits how much memory and disk bandwidth persisting
+  // takes from the optimizer; a checkpoint of B bytes per shard takes at
+  // least B / this. Default 0.
+  uint64_t checkpoint_max_bytes_per_second = 0;
 };
 
 struct ShardServerStats {

@@ -1,0 +1,123 @@
+#include "server/checkpoint_writer.h"
+
+#include "absl/strings/str_format.h"
+#include "common/checkpoint_files.h"
+#include "common/logging.h"
+
+namespace optimus {
+namespace server {
+
+CheckpointWriter::CheckpointWriter(uint64_t max_bytes_per_second)
+    : max_bytes_per_second_(max_bytes_per_second), thread_([this] { Loop(); }) {}
+
+CheckpointWriter::~CheckpointWriter() {
+  {
+    absl::MutexLock lock(&mu_);
+    stopping_ = true;
+  }
+  thread_.join();
+}
+
+bool CheckpointWriter::Known(uint64_t job_id, uint64_t checkpoint_id) const {
+  absl::MutexLock lock(&mu_);
+  return progress_.count({job_id, checkpoint_id}) != 0;
+}
+
+void CheckpointWriter::Begin(uint64_t job_id, uint64_t checkpoint_id, const std::string& dir,
+                             uint32_t num_chunks) {
+  absl::MutexLock lock(&mu_);
+  Progress& p = progress_[{job_id, checkpoint_id}];
+  p.dir = dir;
+  p.expected = num_chunks;
+}
+
+void CheckpointWriter::Add(ChunkSnapshot snapshot) {
+  absl::MutexLock lock(&mu_);
+  auto it = progress_.find({snapshot.job_id, snapshot.checkpoint_id});
+  if (it == progress_.end() || !it->second.error.empty()) return;
+  queue_.push_back(std::move(snapshot));
+}
+
+void CheckpointWriter::Fail(uint64_t job_id, uint64_t checkpoint_id, const std::string& error,
+                            bool missed_step) {
+  absl::MutexLock lock(&mu_);
+  Progress& p = progress_[{job_id, checkpoint_id}];
+  if (!p.error.empty()) return;  // The first reason stands.
+  p.error = error;
+  p.missed_step = missed_step;
+}
+
+std::vector<v1::ShardCheckpointReport> CheckpointWriter::Reports() const {
+  std::vector<v1::ShardCheckpointReport> out;
+  absl::MutexLock lock(&mu_);
+  for (const auto& [key, p] : progress_) {
+    v1::ShardCheckpointReport r;
+    r.set_job_id(key.first);
+    r.set_checkpoint_id(key.second);
+    r.set_error(p.error);
+    r.set_missed_step(p.missed_step);
+    const bool done = p.error.empty() && p.files.size() == p.expected;
+    r.set_done(done);
+    if (done) {
+      for (const auto& f : p.files) *r.add_files() = f;
+    }
+    out.push_back(std::move(r));
+  }
+  return out;
+}
+
+void CheckpointWriter::Retain(const std::set<std::pair<uint64_t, uint64_t>>& ordered) {
+  absl::MutexLock lock(&mu_);
+  for (auto it = progress_.begin(); it != progress_.end();) {
+    const Progress& p = it->second;
+    const bool finished = !p.error.empty() || p.files.size() == p.expected;
+    if (ordered.count(it->first) == 0 && finished) {
+      it = progress_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
+void CheckpointWriter::Loop() {
+  for (;;) {
+    ChunkSnapshot snap;
+    std::string dir;
+    {
+      absl::MutexLock lock(&mu_);
+      mu_.Await(absl::Condition(
+          +[](CheckpointWriter* w) ABSL_EXCLUSIVE_LOCKS_REQUIRED(w->mu_) {
+            return w->stopping_ || !w->queue_.empty();
+          },
+          this));
+      if (stopping_) return;
+      snap = std::move(queue_.front());
+      queue_.pop_front();
+      auto it = progress_.find({snap.job_id, snap.checkpoint_id});
+      if (it == progress_.end() || !it->second.error.empty()) continue;
+      dir = it->second.dir;
+    }
+    std::vector<const float*> arrays;
+    for (uint32_t a = 0; a < snap.num_arrays; ++a) {
+      arrays.push_back(snap.data.data() + a * snap.num_elems);
+    }
+    // Named by element range, not chunk index: a restore may chunk differently.
+    const std::string name = absl::StrFormat("t%05d-o%012d.bin", snap.tensor, snap.offset_elems);
+    absl::StatusOr<v1::CheckpointFile> file =
+        ckpt::WriteDataFile(dir, name, snap.tensor, snap.offset_elems, snap.num_elems, arrays,
+                            max_bytes_per_second_);
+    absl::MutexLock lock(&mu_);
+    auto it = progress_.find({snap.job_id, snap.checkpoint_id});
+    if (it == progress_.end()) continue;
+    if (!file.ok()) {
+      OPTIMUS_LOG(Error, "shard", "checkpoint ", snap.checkpoint_id, " of job ", snap.job_id,
+                  " failed: ", file.status().ToString());
+      if (it->second.error.empty()) it->second.error = std::string(file.status().message());
+      continue;
+    }
+    it->second.files.push_back(*file);
+  }
+}
+
+}  // namespace server
+}  // namespace optimus
