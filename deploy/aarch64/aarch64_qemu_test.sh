@@ -56,6 +56,9 @@ for flag in --coordinator --kind --memory_limit_mb --transports; do
 done
 echo "aarch64_qemu_test: optimus-shard --helpfull under qemu lists its flags:"
 grep -A1 -- '--coordinator \|--kind ' <<< "$help" | sed 's/^/  /'
+# --version exits 0 (the arm64 image's Dockerfile runs it)...
+ver="$("$RUN" "$SHARD" --version 2>&1)" || fail "optimus-shard --version under qemu failed: $ver"
+echo "aarch64_qemu_test: optimus-shard --version under qemu: $(echo $ver)"
 # ...and main() runs its own checks.
 out="$("$RUN" "$SHARD" --kind=arm 2>&1)"; rc=$?
 [ "$rc" = 2 ] && grep -q -- "--kind must be dpu or host" <<< "$out" ||

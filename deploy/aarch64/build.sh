@@ -7,7 +7,8 @@
 #   OUT        output folder (default: out/aarch64 in this checkout)
 #   --tests    also build the unit tests of the shard's components
 #              (OUT/tests/*; run one with deploy/aarch64/qemu_run.sh)
-#   --opt      optimization flag (default -O2; the qemu test uses -O1)
+#   --opt      optimization flags (default "-O2 -DNDEBUG", as bazel -c opt;
+#              the qemu test uses -O1, asserts on)
 #   --jobs     parallel compiles (default: the core count)
 #   --sources  the source list; default: bazel build //deploy/aarch64:sources
 #
@@ -24,12 +25,12 @@
 # (deploy/aarch64/sources.bzl), so a source added there is built here too.
 set -euo pipefail
 
-usage() { sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+usage() { sed -n '2,/^set /{/^#/p}' "$0" | sed 's/^# \{0,1\}//' >&2; exit "${1:-2}"; }
 fail() { echo "aarch64 build: $*" >&2; exit 1; }
 
 WITH_TESTS=0
 MANIFEST=""
-OPT=-O2
+OPT="-O2 -DNDEBUG"
 JOBS="$(nproc 2>/dev/null || echo 2)"
 OUT=""
 for a in "$@"; do
@@ -38,7 +39,7 @@ for a in "$@"; do
     --opt=*) OPT="${a#--opt=}" ;;
     --jobs=*) JOBS="${a#--jobs=}" ;;
     --sources=*) MANIFEST="${a#--sources=}" ;;
-    -h|--help) usage ;;
+    -h|--help) usage 0 ;;
     -*) echo "aarch64 build: unknown option $a" >&2; usage ;;
     *) OUT="$a" ;;
   esac
@@ -117,7 +118,7 @@ protoc --proto_path="$ROOT/proto" --cpp_out="$OUT/gen/proto" --grpc_out="$OUT/ge
   --plugin=protoc-gen-grpc="$(command -v grpc_cpp_plugin)" "$ROOT/proto/optimus.proto"
 
 # --- compile ----------------------------------------------------------------
-CXXFLAGS=(-std=c++17 "$OPT" -g0 -pthread -Wall -fPIC
+CXXFLAGS=(-std=c++17 $OPT -g0 -pthread -Wall -fPIC
           -I"$ROOT" -I"$OUT/gen"
           $(pkg-config --cflags "${PC_LIB[@]}" "${PC_TEST[@]}" | sed "s|-I$SYSROOT|-isystem $SYSROOT|g"))
 
