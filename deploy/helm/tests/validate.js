@@ -283,6 +283,10 @@ if (values.coordinator.enabled) {
       expect(s.spec.template.spec.containers[0].volumeMounts.some((m) => vct && m.name === vct.metadata.name && m.mountPath === values.coordinator.persistence.mountPath),
         "the coordinator's claim is not mounted at coordinator.persistence.mountPath");
     }
+    const coordFlagsFile = parseFlags(flagFiles["coordinator.flags"] || "");
+    const mount = values.coordinator.persistence.mountPath.replace(/\/$/, "");
+    expect((coordFlagsFile.state_dir || "").startsWith(`${mount}/`),
+      `--state_dir=${coordFlagsFile.state_dir} is not on the coordinator's volume (${mount}): its state would not survive a restart`);
   }
 } else {
   expect(sts.length === 0, "coordinator.enabled is false but a StatefulSet rendered");

@@ -134,6 +134,7 @@ prometheus.io/path: /metrics
 --net_devices={{ .values.netDevices | default $s.netDevices }}
 --metrics_port={{ int $s.metricsPort }}
 --verbose={{ $s.verbose }}
+--log_format={{ $s.logFormat }}
 {{- range $s.extraArgs }}
 {{ . }}
 {{- end }}
@@ -146,7 +147,9 @@ prometheus.io/path: /metrics
 --metrics_port={{ int $c.metricsPort }}
 --lease_ms={{ int $c.leaseMs }}
 --sweep_ms={{ int $c.sweepMs }}
+--state_dir={{ trimSuffix "/" $c.persistence.mountPath }}/state
 --verbose={{ $c.verbose }}
+--log_format={{ $c.logFormat }}
 {{- range $c.extraArgs }}
 {{ . }}
 {{- end }}
