@@ -10,6 +10,7 @@ PACKAGES=(
   libtorch-dev python3
   g++-aarch64-linux-gnu binutils-aarch64-linux-gnu qemu-user
   golang-go golang-github-masterminds-sprig-dev golang-gopkg-yaml.v3-dev nodejs
+  python3-kubernetes
 )
 
 missing=()

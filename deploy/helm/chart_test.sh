@@ -8,14 +8,16 @@
 #      against values.schema.json, and what a user would notice (DaemonSets only
 #      for the enabled kinds, probes on /healthz at the metrics port,
 #      nodeSelector/tolerations from values, selectors that select);
+#      strict_fields.py then rejects fields the Kubernetes API does not define;
 #   4. runs every rendered flag file through the real binary
 #      (optimus-shard / optimus-coord --flagfile=F --version), which rejects
 #      unknown flags and bad values;
 #   5. checks that it fails when it should: a missing required value, a memory
 #      limit below the state budget, values the schema rejects, and broken
-#      manifests (wrong probe path, duplicate key, bad field type, unknown flag).
+#      manifests (wrong probe path, duplicate key, bad field type, misspelt field,
+#      unknown flag).
 # Needs golang-go, golang-github-masterminds-sprig-dev, golang-gopkg-yaml.v3-dev,
-# nodejs and deploy/helm/tests/node_modules (scripts/install_deps.sh installs
+# nodejs, python3-kubernetes and deploy/helm/tests/node_modules (scripts/install_deps.sh installs
 # them all); fails saying what is missing. Downloads nothing.
 set -uo pipefail
 
@@ -48,6 +50,10 @@ for m in kubernetes-models @kubernetes-models/prometheus-operator ajv yaml; do
     die "node module '$m' missing in $NODE_MODULES. Run: (cd $TESTS_SRC && npm ci), or scripts/install_deps.sh."
 done
 export NODE_PATH="$NODE_MODULES"
+# Debian's python3 (not a pyenv or venv one) with python3-kubernetes.
+PY=/usr/bin/python3
+"$PY" -c "import kubernetes.client, yaml" 2>/dev/null ||
+  die "the Kubernetes Python client is missing. Install python3-kubernetes (scripts/install_deps.sh)."
 
 TMP="${TEST_TMPDIR:-$(mktemp -d)}/chart"
 rm -rf "$TMP" && mkdir -p "$TMP/src/render"
@@ -94,6 +100,8 @@ for set in default dpu-only host-only; do
   line=$("${VALIDATE[@]}" --set="$set" --manifests="$out/manifests.yaml" --values="$out/values.json" \
     --flags-out="$out/flags") || die "$set: validation failed (above)"
   echo "$line"
+  line=$("$PY" "$HELM_DIR/tests/strict_fields.py" "$out/manifests.yaml") || die "$set: unknown fields (above)"
+  echo "$set: $line"
   nflags=$(check_flag_files "$out/flags") || die "$set: a rendered flag file is rejected by its binary (above)"
   [ "$nflags" -gt 0 ] || die "$set: no flag files rendered"
   echo "$set: $nflags flag files accepted by optimus-shard/optimus-coord --flagfile"
@@ -145,10 +153,18 @@ expect_validate_failure mutated-duplicate-key 's/^  replicas: 1$/  replicas: 1\n
 expect_validate_failure mutated-port-type '0,/containerPort: 9091/s//containerPort: "9091x"/' "containerPort must be integer"
 expect_validate_failure mutated-node-selector 's/optimus.dev\/dpu: "true"/optimus.dev\/dpu: "yes"/' "differs from values dpu.nodeSelector"
 
+sed '0,/livenessProbe:/s//livenessprobe:/' "$TMP/default/manifests.yaml" >"$TMP/misspelt-field.yaml"
+if "$PY" "$HELM_DIR/tests/strict_fields.py" "$TMP/misspelt-field.yaml" 2>"$TMP/misspelt-field.err" >/dev/null; then
+  die "misspelt-field: strict_fields.py accepted 'livenessprobe'"
+fi
+grep -q "livenessprobe: not a field of V1Container" "$TMP/misspelt-field.err" ||
+  die "misspelt-field: wrong message: $(cat "$TMP/misspelt-field.err")"
+echo "misspelt-field: caught: $(grep -m1 livenessprobe "$TMP/misspelt-field.err" | sed 's/^ *- //')"
+
 printf -- '--coordinator=optimus-coord.optimus.svc:7070\n--no_such_flag=1\n' >"$TMP/unknown-flag.flags"
 if "$SHARD_BIN" --flagfile="$TMP/unknown-flag.flags" --version >/dev/null 2>&1; then
   die "optimus-shard accepted an unknown flag in a flag file; the flag-file check proves nothing"
 fi
 echo "unknown-flag: optimus-shard rejects a flag file with an unknown flag"
 
-echo "chart_test: PASS (${summary[*]} rendered and validated; 2 render failures, 1 schema failure, 4 broken manifests and 1 bad flag file caught)"
+echo "chart_test: PASS (${summary[*]} rendered and validated; 2 render failures, 1 schema failure, 5 broken manifests and 1 bad flag file caught)"
