@@ -1,8 +1,10 @@
 // optimusctl: the operator's command line for an optimus cluster.
 //   optimusctl [--coordinator=HOST:PORT] [--timeout_ms=N] status [--json]
+//   optimusctl checkpoint create|list|restore|export JOB [options]
 // Exit codes: 0 success, 1 the command failed (e.g. coordinator
 // unreachable), 2 usage error. Flags are parsed by hand so that every usage
 // error, including an unknown flag, exits 2 with the usage text.
+#include <algorithm>
 #include <cstdio>
 #include <iostream>
 #include <string>
@@ -10,7 +12,11 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "cli/checkpoint.h"
+#include "cli/export.h"
 #include "cli/status.h"
 
 namespace {
@@ -20,6 +26,18 @@ constexpr char kUsage[] =
     "\n"
     "commands:\n"
     "  status [--json]   shards and jobs known to the coordinator\n"
+    "  checkpoint create JOB [--wait]\n"
+    "                    checkpoint JOB now (with --wait: until complete or failed)\n"
+    "  checkpoint list JOB [--json]\n"
+    "                    JOB's checkpoints: complete, in progress, failed (with why)\n"
+    "  checkpoint restore JOB [--checkpoint=ID] [--as=NAME] [--max_chunk_bytes=N]\n"
+    "                    verify checkpoint ID (default: the newest complete one) and\n"
+    "                    create job NAME (default JOB) from it on the live shards;\n"
+    "                    workers join NAME and resume at the checkpoint's step\n"
+    "  checkpoint export JOB [--checkpoint=ID] --out=FILE\n"
+    "  checkpoint export --path=CHECKPOINT_DIR --out=FILE\n"
+    "                    write a file torch.load reads: fp32 params and optimizer\n"
+    "                    state by tensor name (--path works without a coordinator)\n"
     "\n"
     "flags:\n"
     "  --coordinator=HOST:PORT  coordinator address (default 127.0.0.1:7070)\n"
@@ -32,12 +50,111 @@ int Usage(const std::string& error) {
   return 2;
 }
 
+int Fail(const absl::Status& s) {
+  std::cerr << "optimusctl: " << s.message() << "\n";
+  return 1;
+}
+
+int Checkpoint(const std::string& coordinator, absl::Duration timeout,
+               const std::vector<std::string>& positional, bool json, bool wait,
+               uint64_t checkpoint_id, const std::string& as_name, uint64_t max_chunk_bytes,
+               const std::string& out_path, const std::string& ckpt_path) {
+  if (positional.size() < 2) return Usage("checkpoint needs create, list, restore or export");
+  const std::string& sub = positional[1];
+  const bool export_by_path = sub == "export" && !ckpt_path.empty();
+  if (export_by_path ? positional.size() != 2 : positional.size() != 3) {
+    return Usage(export_by_path ? "checkpoint export --path=DIR takes no job name"
+                                : absl::StrCat("checkpoint ", sub, " needs one job name"));
+  }
+  const std::string job = export_by_path ? "" : positional[2];
+  if (sub == "create") {
+    absl::StatusOr<optimus::v1::CheckpointInfo> info =
+        optimus::CreateCheckpointRpc(coordinator, timeout, job);
+    if (!info.ok()) return Fail(info.status());
+    optimus::v1::CheckpointInfo last = *info;
+    // A retry (a shard had passed the chosen step) gets a larger id.
+    while (wait && last.state() == optimus::v1::CHECKPOINT_STATE_IN_PROGRESS) {
+      absl::SleepFor(absl::Milliseconds(200));
+      auto list = optimus::ListCheckpointsRpc(coordinator, timeout, job);
+      if (!list.ok()) return Fail(list.status());
+      for (const auto& c : *list) {
+        if (c.checkpoint_id() >= info->checkpoint_id()) last = c;
+      }
+    }
+    if (json) {
+      std::cout << optimus::CheckpointJson(last) << "\n";
+    } else {
+      std::cout << "checkpoint " << last.checkpoint_id() << " of job " << job << " at step "
+                << last.step() << ": " << optimus::CheckpointStateName(last.state())
+                << (last.error().empty() ? "" : " (" + last.error() + ")") << "\n";
+    }
+    return last.state() == optimus::v1::CHECKPOINT_STATE_FAILED ? 1 : 0;
+  }
+  if (sub == "list") {
+    auto list = optimus::ListCheckpointsRpc(coordinator, timeout, job);
+    if (!list.ok()) return Fail(list.status());
+    std::cout << (json ? optimus::RenderCheckpointsJson(*list)
+                       : optimus::RenderCheckpointsTable(*list));
+    return 0;
+  }
+  if (sub == "restore") {
+    optimus::v1::RestoreCheckpointRequest req;
+    req.set_job_name(job);
+    req.set_checkpoint_id(checkpoint_id);
+    req.set_new_job_name(as_name);
+    req.set_max_chunk_bytes(max_chunk_bytes);
+    // Verifying every checksum reads the whole checkpoint: allow for it.
+    auto resp = optimus::RestoreCheckpointRpc(coordinator, std::max(timeout, absl::Minutes(10)),
+                                              req);
+    if (!resp.ok()) return Fail(resp.status());
+    const std::string name = as_name.empty() ? job : as_name;
+    if (json) {
+      std::cout << "{\"job_id\":" << resp->job_id() << ",\"resume_step\":"
+                << resp->resume_step()
+                << ",\"checkpoint\":" << optimus::CheckpointJson(resp->checkpoint()) << "}\n";
+    } else {
+      std::cout << "restored checkpoint " << resp->checkpoint().checkpoint_id() << " of job "
+                << job << " as job " << name << " (id " << resp->job_id()
+                << "); workers join " << name << " and resume at step " << resp->resume_step()
+                << "\n";
+    }
+    return 0;
+  }
+  if (sub == "export") {
+    if (out_path.empty()) return Usage("checkpoint export needs --out=FILE");
+    std::string dir = ckpt_path;
+    if (dir.empty()) {
+      auto list = optimus::ListCheckpointsRpc(coordinator, timeout, job);
+      if (!list.ok()) return Fail(list.status());
+      for (const auto& c : *list) {
+        if (checkpoint_id == 0 ? c.state() == optimus::v1::CHECKPOINT_STATE_COMPLETE
+                               : c.checkpoint_id() == checkpoint_id) {
+          dir = c.path();
+        }
+      }
+      if (dir.empty()) {
+        return Fail(absl::NotFoundError(
+            checkpoint_id == 0 ? absl::StrCat("job ", job, " has no complete checkpoint")
+                               : absl::StrCat("job ", job, " has no checkpoint ", checkpoint_id)));
+      }
+    }
+    if (absl::Status s = optimus::ExportCheckpointToTorch(dir, out_path); !s.ok()) return Fail(s);
+    std::cout << "exported " << dir << " to " << out_path << "\n";
+    return 0;
+  }
+  return Usage("unknown checkpoint command \"" + sub + "\"");
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   std::string coordinator = "127.0.0.1:7070";
   int64_t timeout_ms = 3000;
   bool json = false;
+  bool wait = false;
+  uint64_t checkpoint_id = 0;
+  uint64_t max_chunk_bytes = 0;
+  std::string as_name, out_path, ckpt_path;
   std::vector<std::string> positional;
   for (int i = 1; i < argc; ++i) {
     std::string arg = argv[i];
@@ -72,12 +189,35 @@ int main(int argc, char** argv) {
       }
     } else if (name == "-json" && !has_value) {
       json = true;
+    } else if (name == "-wait" && !has_value) {
+      wait = true;
+    } else if (name == "-checkpoint") {
+      if (!take_value() || !absl::SimpleAtoi(value, &checkpoint_id) || checkpoint_id == 0) {
+        return Usage("--checkpoint needs a checkpoint id (a positive number)");
+      }
+    } else if (name == "-max_chunk_bytes") {
+      if (!take_value() || !absl::SimpleAtoi(value, &max_chunk_bytes) || max_chunk_bytes < 4) {
+        return Usage("--max_chunk_bytes needs a number of bytes (at least 4)");
+      }
+    } else if (name == "-as") {
+      if (!take_value() || value.empty()) return Usage("--as needs a job name");
+      as_name = value;
+    } else if (name == "-out") {
+      if (!take_value() || value.empty()) return Usage("--out needs a file name");
+      out_path = value;
+    } else if (name == "-path") {
+      if (!take_value() || value.empty()) return Usage("--path needs a checkpoint folder");
+      ckpt_path = value;
     } else {
       return Usage("unknown flag " + arg);
     }
   }
   if (positional.empty()) return Usage("no command given");
   const std::string& command = positional[0];
+  if (command == "checkpoint") {
+    return Checkpoint(coordinator, absl::Milliseconds(timeout_ms), positional, json, wait,
+                      checkpoint_id, as_name, max_chunk_bytes, out_path, ckpt_path);
+  }
   if (command != "status") return Usage("unknown command \"" + command + "\"");
   if (positional.size() > 1) return Usage("status takes no arguments");
 

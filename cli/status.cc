@@ -40,6 +40,15 @@ const char* JobStateName(v1::JobState s) {
   }
 }
 
+const char* CkptStateName(v1::CheckpointState s) {
+  switch (s) {
+    case v1::CHECKPOINT_STATE_IN_PROGRESS: return "in_progress";
+    case v1::CHECKPOINT_STATE_COMPLETE: return "complete";
+    case v1::CHECKPOINT_STATE_FAILED: return "failed";
+    default: return "unspecified";
+  }
+}
+
 std::string Upper(const char* s) {
   std::string out(s);
   for (char& c : out) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
@@ -157,14 +166,19 @@ std::string RenderStatusTable(const v1::StatusResponse& status) {
                 HumanAge(s.lease_age_ms())});
   }
   Table jobs({"ID", "NAME", "STATE", "WORKERS", "STEP", "TENSORS", "PARAMS", "STATE BYTES",
-              "EPOCH"});
+              "EPOCH", "LAST CHECKPOINT"});
   for (size_t c : {0, 4, 5, 6, 8}) jobs.RightAlign(c);
   for (const v1::JobStatus& j : status.jobs()) {
     jobs.Add({absl::StrCat(j.job_id()), j.name(), Upper(JobStateName(j.state())),
               absl::StrCat(j.workers_joined(), "/", j.world_size()),
               absl::StrCat(j.current_step()), absl::StrCat(j.num_tensors()),
               absl::StrCat(j.num_params()), HumanBytes(j.state_bytes()),
-              absl::StrCat(j.map_epoch())});
+              absl::StrCat(j.map_epoch()),
+              j.has_last_checkpoint()
+                  ? absl::StrCat("#", j.last_checkpoint().checkpoint_id(), " step ",
+                                 j.last_checkpoint().step(), " ",
+                                 Upper(CkptStateName(j.last_checkpoint().state())))
+                  : "-"});
   }
   std::string out = absl::StrCat("SHARDS (", status.shards_size(), ")\n");
   absl::StrAppend(&out, shards.Render(), "\nJOBS (", status.jobs_size(), ")\n", jobs.Render());
@@ -192,7 +206,15 @@ std::string RenderStatusJson(const v1::StatusResponse& status) {
         ",\"state\":", JsonString(JobStateName(j.state())), ",\"world_size\":", j.world_size(),
         ",\"workers_joined\":", j.workers_joined(), ",\"current_step\":", j.current_step(),
         ",\"num_tensors\":", j.num_tensors(), ",\"num_params\":", j.num_params(),
-        ",\"state_bytes\":", j.state_bytes(), ",\"map_epoch\":", j.map_epoch(), "}"));
+        ",\"state_bytes\":", j.state_bytes(), ",\"map_epoch\":", j.map_epoch(),
+        ",\"last_checkpoint\":",
+        j.has_last_checkpoint()
+            ? absl::StrCat("{\"checkpoint_id\":", j.last_checkpoint().checkpoint_id(),
+                           ",\"step\":", j.last_checkpoint().step(),
+                           ",\"state\":", JsonString(CkptStateName(j.last_checkpoint().state())),
+                           ",\"error\":", JsonString(j.last_checkpoint().error()), "}")
+            : "null",
+        "}"));
   }
   return absl::StrCat("{\"shards\":[", absl::StrJoin(shards, ","), "],\"jobs\":[",
                       absl::StrJoin(jobs, ","), "]}\n");

@@ -30,7 +30,8 @@ std::string RenderStatusTable(const v1::StatusResponse& status);
 // hostname, state, memory_used_bytes, memory_planned_bytes,
 // memory_limit_bytes, chunks_owned, lease_age_ms. Job fields: job_id, name,
 // state, world_size, workers_joined, current_step, num_tensors, num_params,
-// state_bytes, map_epoch.
+// state_bytes, map_epoch, last_checkpoint ({checkpoint_id, step, state,
+// error} or null).
 std::string RenderStatusJson(const v1::StatusResponse& status);
 
 // "0 B", "512 B", "1.5 KiB", "16.0 GiB".

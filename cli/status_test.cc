@@ -120,3 +120,35 @@ TEST(ParseJsonTest, RejectsMalformedDocuments) {
 
 }  // namespace
 }  // namespace optimus
+
+namespace optimus {
+namespace {
+
+TEST(RenderStatusTest, ShowsEachJobsLastCheckpoint) {
+  v1::StatusResponse st;
+  v1::JobStatus* a = st.add_jobs();
+  a->set_job_id(1);
+  a->set_name("with");
+  v1::CheckpointInfo* c = a->mutable_last_checkpoint();
+  c->set_checkpoint_id(3);
+  c->set_step(1200);
+  c->set_state(v1::CHECKPOINT_STATE_FAILED);
+  c->set_error("cannot write /ckpt/x: No space left on device");
+  v1::JobStatus* b = st.add_jobs();
+  b->set_job_id(2);
+  b->set_name("without");
+  const std::string table = RenderStatusTable(st);
+  EXPECT_THAT(table, ::testing::HasSubstr("LAST CHECKPOINT"));
+  EXPECT_THAT(table, ::testing::HasSubstr("#3 step 1200 FAILED"));
+  absl::StatusOr<JsonValue> doc = ParseJson(RenderStatusJson(st));
+  ASSERT_TRUE(doc.ok()) << doc.status();
+  const JsonValue& jobs = (*doc)["jobs"];
+  EXPECT_EQ(jobs.array[0]["last_checkpoint"]["step"].AsUint(), 1200u);
+  EXPECT_EQ(jobs.array[0]["last_checkpoint"]["state"].string, "failed");
+  EXPECT_EQ(jobs.array[0]["last_checkpoint"]["error"].string,
+            "cannot write /ckpt/x: No space left on device");
+  EXPECT_EQ(jobs.array[1]["last_checkpoint"].type, JsonValue::Type::kNull);
+}
+
+}  // namespace
+}  // namespace optimus
