@@ -164,7 +164,7 @@ link() {  # link OUTPUT [-lextra...] pkg-config-modules... -- sources...
     fail "link of $(basename "$out") failed"
 }
 link "$OUT/optimus-shard" "${PC_LIB[@]}" -- ${TARGET_SRCS[optimus-shard]}
-echo "aarch64 build: $OUT/optimus-shard: $(file -b "$OUT/optimus-shard" | cut -d, -f1-2)" >&2
+echo "aarch64 build: $OUT/optimus-shard: $(file -b "$OUT/optimus-shard" 2>/dev/null | cut -d, -f1-2)" >&2
 if [ "$WITH_TESTS" = 1 ]; then
   rm -rf "$OUT/tests"
   mkdir -p "$OUT/tests"
