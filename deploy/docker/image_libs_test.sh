@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Checks that each image installs the runtime libraries its binaries need:
 # every shared library the Bazel-built binary resolves (ldd) must come from a
-# Debian package that the Dockerfile installs, or that debian:bookworm-slim
-# already has. The package names are the same on amd64 and arm64, so this also
+# Debian package that the Dockerfile installs (or one apt pulls in as its
+# dependency), or that debian:bookworm-slim already has. The package names are the same on amd64 and arm64, so this also
 # covers the arm64 shard image. Also checks that the Dockerfiles put the
 # binaries where the Helm chart runs them (/usr/local/bin), and that the check
 # itself fails on a Dockerfile with a library package removed.
@@ -23,10 +23,37 @@ installed_packages() {
     tr ' \\' '\n\n' | grep -E '^[a-z0-9][a-z0-9.+-]+$' | grep -vE '^(apt-get|install|rm|DEBIAN_FRONTEND.*)$'
 }
 
+# Depends and Pre-Depends of every installed package, read once.
+declare -A DEPENDS=()
+while read -r pkg deps; do
+  DEPENDS[$pkg]=$deps
+done < <(dpkg-query -W -f='${Package} ${Depends}, ${Pre-Depends}\n' |
+  sed -E 's/\([^)]*\)//g; s/[,|]/ /g; s/:any//g')
+
+# The packages apt installs for the names given: the names and, recursively,
+# their Depends and Pre-Depends (every alternative of an "a | b" counts), as
+# this machine's dpkg database records them.
+dependency_closure() {
+  local -A seen=()
+  local -a queue=("$@")
+  local p d
+  while [ "${#queue[@]}" -gt 0 ]; do
+    p=${queue[0]}
+    queue=("${queue[@]:1}")
+    [ -z "${seen[$p]:-}" ] || continue
+    seen[$p]=1
+    for d in ${DEPENDS[$p]:-}; do
+      [ -n "${seen[$d]:-}" ] || queue+=("$d")
+    done
+  done
+  echo "${!seen[@]}"
+}
+
 # Prints the libraries of binary $1 whose package Dockerfile $2 does not install.
 missing_for() {
   local bin=$1 dockerfile=$2 have lib path real pkg c i line out=""
-  have=" $BASE_PACKAGES $(installed_packages "$dockerfile" | tr '\n' ' ') "
+  # shellcheck disable=SC2046
+  have=" $(dependency_closure $BASE_PACKAGES $(installed_packages "$dockerfile")) "
   if ldd "$bin" | grep -q "not found"; then
     echo "unresolved: $(ldd "$bin" | grep "not found" | tr -s ' \t' ' ')"
     return
