@@ -1,0 +1,131 @@
+// optimusctl's checkpoint commands, run as an operator would (the real
+// binary) against a real coordinator and shards: create --wait, list,
+// status, export (loaded back with torch::pickle_load and compared with the
+// parameters the shards serve), restore --as (workers resume at the
+// checkpoint's step), and bad input exits non-zero with a clear message.
+#include <sys/wait.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <iterator>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "common/checkpoint_files.h"
+#include "gtest/gtest.h"
+#include "kernels/cpu/optimizer.h"
+#include "tests/integration/ckpt_cluster.h"
+#include "torch/torch.h"
+
+namespace optimus {
+namespace testing_ckpt {
+namespace {
+
+struct CliRun {
+  int exit_code = -1;
+  std::string out, err;
+};
+
+CliRun Optimusctl(const std::string& coordinator, const std::string& args) {
+  const std::string binary = absl::StrCat(std::getenv("TEST_SRCDIR"), "/optimus/cli/optimusctl");
+  const std::string err_path = absl::StrCat(std::getenv("TEST_TMPDIR"), "/stderr.txt");
+  const std::string cmd =
+      absl::StrCat(binary, " --coordinator=", coordinator, " ", args, " 2>", err_path);
+  CliRun r;
+  FILE* pipe = popen(cmd.c_str(), "r");
+  if (pipe == nullptr) return r;
+  char buf[4096];
+  size_t n;
+  while ((n = fread(buf, 1, sizeof(buf), pipe)) > 0) r.out.append(buf, n);
+  const int status = pclose(pipe);
+  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  std::ifstream err(err_path);
+  std::stringstream ss;
+  ss << err.rdbuf();
+  r.err = ss.str();
+  return r;
+}
+
+TEST(CheckpointCliTest, CreateListStatusExportRestore) {
+  const std::string dir = NewTempDir();
+  CkptCluster c(dir, 2);
+  client::JobDef def = MakeJob("cli");
+  def.param_dtype = DType::kFp32;  // Pulled values are the fp32 master itself.
+  c.CreateAndJoin(def);
+  c.Train(1, 4);
+  c.WaitApplied("cli", 4);
+  const std::string addr = c.coord()->address();
+
+  CliRun r = Optimusctl(addr, "checkpoint create cli --wait");
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  EXPECT_TRUE(absl::StrContains(r.out, "at step 5: complete")) << r.out;
+
+  r = Optimusctl(addr, "checkpoint list cli");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_TRUE(absl::StrContains(r.out, "COMPLETE")) << r.out;
+  EXPECT_TRUE(absl::StrContains(r.out, dir + "/cli/ckpt-000001")) << r.out;
+  r = Optimusctl(addr, "checkpoint list cli --json");
+  EXPECT_TRUE(absl::StrContains(r.out, "\"state\":\"complete\"")) << r.out;
+  r = Optimusctl(addr, "status");
+  EXPECT_TRUE(absl::StrContains(r.out, "#1 step 5 COMPLETE")) << r.out;
+
+  // Export and load it back as torch.load would.
+  const std::string out = dir + "/cli.pt";
+  r = Optimusctl(addr, "checkpoint export cli --out=" + out);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  std::ifstream in(out, std::ios::binary);
+  std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  auto root = torch::pickle_load(bytes).toGenericDict();
+  EXPECT_EQ(root.at("step").toInt(), 4);
+  auto params = root.at("params").toGenericDict();
+  for (uint32_t t = 0; t < 2; ++t) {
+    const std::string name = c.client(0)->tensors()[t].name;
+    torch::Tensor got = params.at(name).toTensor();
+    EXPECT_EQ(got.sizes().vec(), c.client(0)->tensors()[t].shape);
+    std::vector<uint8_t> served = c.Pull(t, 5);
+    ASSERT_EQ(served.size(), static_cast<size_t>(got.numel()) * 4);
+    EXPECT_EQ(std::memcmp(served.data(), got.data_ptr<float>(), served.size()), 0) << name;
+    auto st = root.at("state").toGenericDict().at(name).toGenericDict();
+    EXPECT_EQ(st.at("exp_avg_sq").toTensor().sizes(), got.sizes());
+    EXPECT_GT(st.at("exp_avg_sq").toTensor().sum().item<float>(), 0.0f);
+  }
+  // --path works without asking the coordinator.
+  r = Optimusctl("127.0.0.1:1", "checkpoint export --path=" + dir + "/cli/ckpt-000001 --out=" +
+                                    dir + "/again.pt");
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+
+  // Restore under a new name; its workers resume at step 5.
+  r = Optimusctl(addr, "checkpoint restore cli --as=cli2 --max_chunk_bytes=32768");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_TRUE(absl::StrContains(r.out, "resume at step 5")) << r.out;
+  c.ConnectClients();
+  c.JoinAll("cli2");
+  EXPECT_EQ(c.client(0)->resume_step(), 5u);
+  c.Train(5, 6);
+
+  // Bad input: a clear message, a non-zero exit, nothing changes.
+  r = Optimusctl(addr, "checkpoint restore nosuchjob");
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_TRUE(absl::StrContains(r.err, "nosuchjob")) << r.err;
+  r = Optimusctl(addr, "checkpoint restore cli --as=cli2");
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_TRUE(absl::StrContains(r.err, "already exists")) << r.err;
+  r = Optimusctl(addr, "checkpoint create nosuchjob");
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_TRUE(absl::StrContains(r.err, "no job named")) << r.err;
+  r = Optimusctl(addr, "checkpoint export cli");
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_TRUE(absl::StrContains(r.err, "--out")) << r.err;
+  r = Optimusctl(addr, "checkpoint frobnicate cli");
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_EQ(c.Status().jobs_size(), 2);
+  EXPECT_TRUE(ckpt::RemoveTree(dir).ok());
+}
+
+}  // namespace
+}  // namespace testing_ckpt
+}  // namespace optimus
