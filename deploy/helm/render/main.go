@@ -8,7 +8,8 @@
 // AppVersion, ...), values.yaml deep-merged with each --values file in order
 // (later wins, a null deletes a key), numbers as float64 as Helm decodes them,
 // .Release, .Capabilities (KubeVersion, APIVersions.Has), .Template (Name,
-// BasePath), .Files (Get, Glob-free), every template file as a named template
+// BasePath), .Files (Get, GetBytes: the chart's files outside templates/;
+// .helmignore is not applied), every template file as a named template
 // "CHART/templates/FILE", partials (files starting with "_") not rendered,
 // NOTES.txt rendered separately, sprig's functions without env/expandenv,
 // and Helm's include, tpl, required, toYaml, fromYaml, toJson, fromJson,
@@ -162,7 +163,7 @@ func fromJSON(s string) map[string]interface{} {
 
 type files map[string][]byte
 
-func (f files) Get(name string) string { return string(f[name]) }
+func (f files) Get(name string) string      { return string(f[name]) }
 func (f files) GetBytes(name string) []byte { return f[name] }
 
 type apiVersions []string
@@ -179,7 +180,6 @@ func (a apiVersions) Has(v string) bool {
 // renderer holds one chart's parsed templates.
 type renderer struct {
 	tmpl     *template.Template
-	strict   bool
 	includes int
 }
 
@@ -316,7 +316,7 @@ func main() {
 	if err != nil {
 		fatalf("reading templates: %v", err)
 	}
-	r := &renderer{strict: *strict}
+	r := &renderer{}
 	r.tmpl = template.New(chartName).Funcs(r.funcs())
 	if *strict {
 		r.tmpl.Option("missingkey=error")
@@ -325,6 +325,27 @@ func main() {
 	}
 	var names []string
 	chartFiles := files{}
+	err = filepath.WalkDir(*chartDir, func(p string, d os.DirEntry, err error) error {
+		if err != nil {
+			return err
+		}
+		rel, _ := filepath.Rel(*chartDir, p)
+		if d.IsDir() {
+			if rel == "templates" {
+				return filepath.SkipDir
+			}
+			return nil
+		}
+		data, err := os.ReadFile(p)
+		if err != nil {
+			return err
+		}
+		chartFiles[filepath.ToSlash(rel)] = data
+		return nil
+	})
+	if err != nil {
+		fatalf("reading chart files: %v", err)
+	}
 	for _, e := range entries {
 		if e.IsDir() {
 			continue

@@ -209,6 +209,18 @@ for (const w of workloads) {
     if (known) {
       for (const f of Object.keys(flags)) expect(known.has(f), `${id}: flag --${f} in ${fileName} is not defined by ${c.name}`);
     }
+    const ck = values.checkpoints;
+    if (ck && ck.enabled) {
+      expect(flags.checkpoint_dir === ck.mountPath, `${id}: --checkpoint_dir=${flags.checkpoint_dir}, want the shared volume at ${ck.mountPath}`);
+      const mount = (c.volumeMounts || []).find((m) => m.mountPath === ck.mountPath);
+      const vol = mount && tmpl.spec.volumes.find((v) => v.name === mount.name);
+      const claim = vol && vol.persistentVolumeClaim && vol.persistentVolumeClaim.claimName;
+      const pvc = byKind("PersistentVolumeClaim").find((x) => x.metadata.name === claim);
+      expect(claim && (ck.existingClaim ? claim === ck.existingClaim : pvc && pvc.spec.accessModes.includes("ReadWriteMany")),
+        `${id}: ${ck.mountPath} is not the shared ReadWriteMany checkpoint claim (got ${claim})`);
+    } else {
+      expect(flags.checkpoint_dir === undefined, `${id}: --checkpoint_dir set although checkpoints.enabled is false`);
+    }
     const metricsPort = Number(flags.metrics_port);
     expect(metricsPort > 0, `${id}: ${fileName} does not turn on --metrics_port, so /healthz does not exist`);
     const portByName = {};

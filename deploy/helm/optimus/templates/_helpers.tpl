@@ -133,11 +133,20 @@ prometheus.io/path: /metrics
 --transports={{ .values.transports | default $s.transports }}
 --net_devices={{ .values.netDevices | default $s.netDevices }}
 --metrics_port={{ int $s.metricsPort }}
+{{- if .root.Values.checkpoints.enabled }}
+--checkpoint_dir={{ .root.Values.checkpoints.mountPath }}
+--checkpoint_max_mb_per_s={{ int64 .root.Values.checkpoints.maxMbPerSec }}
+{{- end }}
 --verbose={{ $s.verbose }}
 --log_format={{ $s.logFormat }}
 {{- range $s.extraArgs }}
 {{ . }}
 {{- end }}
+{{- end -}}
+
+{{/* The checkpoint claim's name. */}}
+{{- define "optimus.checkpointClaim" -}}
+{{- .Values.checkpoints.existingClaim | default (printf "%s-checkpoints" (include "optimus.fullname" .)) -}}
 {{- end -}}
 
 {{/* The coordinator's flag file. */}}
@@ -148,6 +157,9 @@ prometheus.io/path: /metrics
 --lease_ms={{ int $c.leaseMs }}
 --sweep_ms={{ int $c.sweepMs }}
 --state_dir={{ trimSuffix "/" $c.persistence.mountPath }}/state
+{{- if .Values.checkpoints.enabled }}
+--checkpoint_dir={{ .Values.checkpoints.mountPath }}
+{{- end }}
 --verbose={{ $c.verbose }}
 --log_format={{ $c.logFormat }}
 {{- range $c.extraArgs }}

@@ -69,6 +69,9 @@ spec:
         runAsNonRoot: true
         runAsUser: 65532
         runAsGroup: 65532
+        {{- if $root.Values.checkpoints.enabled }}
+        fsGroup: 65532
+        {{- end }}
       {{- end }}
       containers:
         - name: optimus-shard
@@ -112,6 +115,10 @@ spec:
               mountPath: /dev/shm
             - name: tmp
               mountPath: /tmp
+            {{- if $root.Values.checkpoints.enabled }}
+            - name: checkpoints
+              mountPath: {{ $root.Values.checkpoints.mountPath }}
+            {{- end }}
       volumes:
         - name: flags
           configMap:
@@ -125,6 +132,11 @@ spec:
             sizeLimit: {{ $s.shmSizeLimit }}
         - name: tmp
           emptyDir: {}
+        {{- if $root.Values.checkpoints.enabled }}
+        - name: checkpoints
+          persistentVolumeClaim:
+            claimName: {{ include "optimus.checkpointClaim" $root }}
+        {{- end }}
       {{- with $v.nodeSelector }}
       nodeSelector:
         {{- toYaml . | nindent 8 }}
