@@ -27,6 +27,9 @@ for a in "$@"; do
   esac
 done
 
+# The ELF machine of a binary: "X86-64" or "AArch64" (readelf; file(1) may be absent).
+machine() { LC_ALL=C readelf -h "$1" 2>/dev/null | sed -n 's/^ *Machine: *//p'; }
+
 cd "$ROOT"
 if [ "$BUILD" = 1 ]; then
   bazel build -c opt //server:optimus-shard //coordinator:optimus-coord //cli:optimusctl
@@ -37,11 +40,11 @@ for b in server/optimus-shard coordinator/optimus-coord cli/optimusctl; do
   [ -x "$BIN/$b" ] || { echo "stage.sh: $BIN/$b missing; run without --no-build" >&2; exit 1; }
   install -m 0755 "$BIN/$b" "$CONTEXT/amd64/"
 done
-file -b "$CONTEXT/amd64/optimus-shard" | grep -q "x86-64" ||
+machine "$CONTEXT/amd64/optimus-shard" | grep -q "X86-64" ||
   { echo "stage.sh: $CONTEXT/amd64/optimus-shard is not an x86-64 binary" >&2; exit 1; }
 
 if [ -x "$ARM64_FROM/optimus-shard" ]; then
-  file -b "$ARM64_FROM/optimus-shard" | grep -q "aarch64" ||
+  machine "$ARM64_FROM/optimus-shard" | grep -q "AArch64" ||
     { echo "stage.sh: $ARM64_FROM/optimus-shard is not an aarch64 binary" >&2; exit 1; }
   install -m 0755 "$ARM64_FROM/optimus-shard" "$CONTEXT/arm64/"
 else
