@@ -85,6 +85,18 @@ TEST(ExportTest, TorchLoadsParamsAndMomentsByName) {
   EXPECT_TRUE(torch::equal(ws.at("exp_avg_sq").toTensor(), want + 2000));
   EXPECT_EQ(ws.at("step").toTensor().item<float>(), 10.0f);
   EXPECT_TRUE(torch::equal(params.at("b").toTensor(), torch::arange(5, torch::kFloat32) + 100));
+
+  // And Python's torch.load (Debian's python3-torch, from install_deps.sh).
+  if (std::system("/usr/bin/python3 -c 'import torch' 2>/dev/null") != 0) {
+    GTEST_SKIP() << "python3-torch is not installed: torch.load not checked from Python";
+  }
+  const std::string check = absl::StrCat(
+      "/usr/bin/python3 -c \"import torch; d = torch.load('", out, "'); ",
+      "assert d['step'] == 10 and d['optimizer']['kind'] == 'adamw'; ",
+      "w = d['params']['w']; assert w.dtype == torch.float32 and tuple(w.shape) == (3, 4); ",
+      "assert torch.equal(w, torch.arange(12.).reshape(3, 4)); ",
+      "assert torch.equal(d['state']['w']['exp_avg_sq'], w + 2000)\"");
+  EXPECT_EQ(std::system(check.c_str()), 0) << check;
 }
 
 TEST(ExportTest, CorruptedCheckpointIsRefusedAndNothingIsWritten) {

@@ -11,6 +11,7 @@ PACKAGES=(
   g++-aarch64-linux-gnu binutils-aarch64-linux-gnu qemu-user
   golang-go golang-github-masterminds-sprig-dev golang-gopkg-yaml.v3-dev nodejs
   python3-kubernetes
+  python3-torch
 )
 
 missing=()
