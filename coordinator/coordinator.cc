@@ -180,6 +180,8 @@ absl::Status Coordinator::PersistLocked() {
     j->set_num_params(job.num_params);
     j->set_bytes_per_elem(job.bytes_per_elem);
     for (uint32_t r : job.joined_ranks) j->add_joined_ranks(r);
+    j->set_resume_step(job.resume_step);
+    if (job.restore.has_value()) *j->mutable_restore() = *job.restore;
   }
   std::string bytes;
   if (!state.SerializeToString(&bytes)) return absl::InternalError("serializing coordinator state");
@@ -230,6 +232,8 @@ absl::Status Coordinator::Recover() {
     r.num_params = j.num_params();
     r.bytes_per_elem = j.bytes_per_elem();
     r.joined_ranks.insert(j.joined_ranks().begin(), j.joined_ranks().end());
+    r.resume_step = std::max<uint64_t>(j.resume_step(), 1);
+    if (j.has_restore()) r.restore = j.restore();
     for (const v1::ChunkPlacement& p : r.map.chunks()) {
       ShardLoad& load = r.load[p.shard_id()];
       load.num_chunks += 1;
@@ -662,6 +666,38 @@ absl::StatusOr<v1::RestoreCheckpointResponse> Coordinator::RestoreCheckpoint(
   return resp;
 }
 
+int Coordinator::RollbackFailedJobs() {
+  if (!options_.rollback_on_shard_loss || !checkpoints_.enabled()) return 0;
+  std::vector<std::string> names;
+  {
+    absl::MutexLock lock(&mu_);
+    for (auto& [id, job] : jobs_) {
+      if (job.state != v1::JOB_STATE_FAILED || job.rollback_tried) continue;
+      job.rollback_tried = true;
+      auto holder = job_ids_by_name_.find(job.spec.name());
+      if (holder != job_ids_by_name_.end() && holder->second == id) {
+        names.push_back(job.spec.name());
+      }
+    }
+  }
+  int restored = 0;
+  for (const std::string& name : names) {
+    v1::RestoreCheckpointRequest req;
+    req.set_job_name(name);
+    absl::StatusOr<v1::RestoreCheckpointResponse> r = RestoreCheckpoint(req);
+    if (!r.ok()) {
+      OPTIMUS_LOG(Error, kLog, "job ", name, " failed and cannot roll back: ",
+                  r.status().ToString());
+      continue;
+    }
+    ++restored;
+    OPTIMUS_LOG(Warning, kLog, "job ", name, " rolled back to checkpoint ",
+                r->checkpoint().checkpoint_id(), ": new job id ", r->job_id(),
+                "; workers re-join and resume at step ", r->resume_step());
+  }
+  return restored;
+}
+
 void Coordinator::FillLastCheckpoints(v1::StatusResponse* status) {
   if (!checkpoints_.enabled()) return;
   for (v1::JobStatus& j : *status->mutable_jobs()) {
@@ -810,6 +846,7 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
     while (!stop->WaitForNotificationWithTimeout(interval)) {
       core->SweepExpiredLeases(absl::Now());
       core->TickCheckpoints(absl::Now());
+      core->RollbackFailedJobs();
     }
   });
   if (!options.metrics_address.empty()) {

@@ -50,6 +50,11 @@ struct CoordinatorOptions {
   // manifest there, prunes old checkpoints and verifies one before a
   // restore. Empty: checkpoints are off. Default empty.
   std::string checkpoint_dir;
+  // When a shard holding chunks of a job is lost (no replica), restore the
+  // job from its newest complete checkpoint onto the live shards, under the
+  // same name: its workers re-join and resume at the checkpoint's step (the
+  // steps since are redone). Needs checkpoint_dir. Default on.
+  bool rollback_on_shard_loss = true;
   // Folder for the durable state (shards, jobs, maps), rewritten with fsync
   // and an atomic rename on every membership or job change (not on
   // heartbeats), and loaded at start, so a restarted coordinator loses
@@ -134,6 +139,11 @@ class Coordinator {
   void FillLastCheckpoints(v1::StatusResponse* status);
   // Runs checkpoint policies and retries; called by the sweeper.
   void TickCheckpoints(absl::Time now);
+  // With options.rollback_on_shard_loss: restores each job that FAILED (a
+  // shard holding its chunks was lost, no replica) from its newest complete
+  // checkpoint, under the same name, onto the live shards. Tried once per
+  // failed job; returns how many were restored. Called by the sweeper.
+  int RollbackFailedJobs();
 
   // Marks DOWN every UP shard whose last heartbeat is older than the lease
   // at `now`, and fails the PENDING/READY jobs holding chunks on it.
@@ -168,6 +178,7 @@ class Coordinator {
     std::set<uint32_t> joined_ranks;
     uint64_t resume_step = 1;             // Step workers start at (restored jobs: S).
     std::optional<v1::RestoreSource> restore;
+    bool rollback_tried = false;
   };
 
   // Writes the durable state when options_.state_dir is set. On failure (a

@@ -27,6 +27,8 @@ ABSL_FLAG(std::string, state_dir, "",
           "Folder for durable state (shards, jobs, maps), loaded at start; empty: memory only");
 ABSL_FLAG(std::string, checkpoint_dir, "",
           "Folder for checkpoints, shared with the shards' --checkpoint_dir; empty: off");
+ABSL_FLAG(bool, rollback_on_shard_loss, true,
+          "Restore a job whose shard is lost (no replica) from its newest checkpoint");
 ABSL_FLAG(bool, verbose, false, "Log debug lines too");
 ABSL_FLAG(std::string, log_format, "text", "text, or json (one object per line, for log collectors)");
 
@@ -75,6 +77,7 @@ int main(int argc, char** argv) {
   options.lease = absl::Milliseconds(absl::GetFlag(FLAGS_lease_ms));
   options.sweep_interval = absl::Milliseconds(absl::GetFlag(FLAGS_sweep_ms));
   options.checkpoint_dir = absl::GetFlag(FLAGS_checkpoint_dir);
+  options.rollback_on_shard_loss = absl::GetFlag(FLAGS_rollback_on_shard_loss);
   options.state_dir = absl::GetFlag(FLAGS_state_dir);
   if (absl::GetFlag(FLAGS_metrics_port) > 0) {
     options.metrics_address = absl::StrCat("0.0.0.0:", absl::GetFlag(FLAGS_metrics_port));

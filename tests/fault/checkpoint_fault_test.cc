@@ -121,3 +121,55 @@ TEST(CheckpointFaultTest, FullDiskFailsTheNewCheckpointAndKeepsThePreviousOne) {
 }  // namespace
 }  // namespace testing_ckpt
 }  // namespace optimus
+
+namespace optimus {
+namespace testing_ckpt {
+namespace {
+
+// A shard dies without a replica: the coordinator rolls the job back to its
+// last checkpoint on the two shards left, under the same name; re-joined
+// workers are told the step to resume from, and the result equals a run
+// that never failed.
+TEST(CheckpointFaultTest, LostShardRollsTheJobBackToItsLastCheckpoint) {
+  constexpr uint64_t kLast = 9;
+  std::vector<std::vector<uint8_t>> reference;
+  {
+    const std::string dir = NewTempDir();
+    CkptCluster ref(dir, 2);
+    ref.CreateAndJoin(MakeJob("lost"));
+    ref.Train(1, kLast);
+    reference = {ref.Pull(0, kLast + 1), ref.Pull(1, kLast + 1)};
+    EXPECT_TRUE(ckpt::RemoveTree(dir).ok());
+  }
+  const std::string dir = NewTempDir();
+  CkptCluster c(dir, 3);
+  c.CreateAndJoin(MakeJob("lost"));
+  c.Train(1, 3);
+  const v1::CheckpointInfo ck = CheckpointAt(c, "lost", 4);
+  ASSERT_EQ(ck.state(), v1::CHECKPOINT_STATE_COMPLETE) << ck.error();
+  c.Train(4, 6);  // Steps 4-6 are lost with the shard and redone.
+  c.StopShard(0);
+  // After the lease (2 s) the job fails and is restored under its name.
+  const absl::Time give_up = absl::Now() + kWait;
+  bool rolled_back = false;
+  while (!rolled_back && absl::Now() < give_up) {
+    const v1::StatusResponse st = c.Status();
+    for (const auto& j : st.jobs()) {
+      rolled_back |= j.name() == "lost" && j.job_id() != 1 && j.state() == v1::JOB_STATE_READY;
+    }
+    if (!rolled_back) absl::SleepFor(absl::Milliseconds(50));
+  }
+  ASSERT_TRUE(rolled_back);
+  c.ConnectClients();
+  c.JoinAll("lost");
+  EXPECT_EQ(c.client(0)->resume_step(), 4u);
+  EXPECT_EQ(c.client(1)->resume_step(), 4u);
+  c.Train(4, kLast);
+  EXPECT_EQ(c.Pull(0, kLast + 1), reference[0]);
+  EXPECT_EQ(c.Pull(1, kLast + 1), reference[1]);
+  EXPECT_TRUE(ckpt::RemoveTree(dir).ok());
+}
+
+}  // namespace
+}  // namespace testing_ckpt
+}  // namespace optimus

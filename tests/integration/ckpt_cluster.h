@@ -89,6 +89,8 @@ class CkptCluster {
   }
 
   CoordinatorServer* coord() { return coord_.get(); }
+  // Stops shard i as if its machine died: no more heartbeats or replies.
+  void StopShard(size_t i) { shards_[i]->Shutdown(); }
   client::Client* client(uint32_t r) { return clients_[r].get(); }
 
   // Connects W new clients; rank 0 creates the job and sends initial values.
