@@ -1,0 +1,175 @@
+// CheckpointManager on its own: orders, reports, manifest, retries,
+// failures and pruning, with a real folder and no servers.
+#include "coordinator/checkpoints.h"
+
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "common/checkpoint_files.h"
+#include "gtest/gtest.h"
+
+namespace optimus {
+namespace {
+
+std::string TempDir() {
+  std::string tmpl = absl::StrCat(std::getenv("TEST_TMPDIR"), "/mgrXXXXXX");
+  EXPECT_NE(mkdtemp(tmpl.data()), nullptr);
+  return tmpl;
+}
+
+CheckpointJobView View(uint64_t max_applied) {
+  CheckpointJobView v;
+  v.job_id = 7;
+  v.spec.set_name("j");
+  v.spec.add_tensors()->set_name("w");
+  v.spec.mutable_tensors(0)->add_shape(4);
+  v.spec.mutable_optimizer()->set_kind(v1::OPTIMIZER_SGD);
+  v.state = v1::JOB_STATE_READY;
+  v.owners = {1, 2};
+  v.min_applied_step = max_applied;
+  v.max_applied_step = max_applied;
+  return v;
+}
+
+google::protobuf::RepeatedPtrField<v1::ShardCheckpointReport> Reports(
+    std::vector<v1::ShardCheckpointReport> rs) {
+  google::protobuf::RepeatedPtrField<v1::ShardCheckpointReport> out;
+  for (auto& r : rs) *out.Add() = r;
+  return out;
+}
+
+// Shard `shard` writes its half of tensor "w" and reports it done.
+v1::ShardCheckpointReport Done(const v1::CheckpointOrder& o, const std::string& root,
+                               uint64_t offset) {
+  const float master[2] = {1.f + offset, 2.f + offset}, mom[2] = {0.5f, 0.25f};
+  const float* arrays[] = {master, mom};
+  auto f = ckpt::WriteDataFile(absl::StrCat(root, "/", o.path()), absl::StrCat("o", offset), 0,
+                               offset, 2, arrays);
+  EXPECT_TRUE(f.ok()) << f.status();
+  v1::ShardCheckpointReport r;
+  r.set_job_id(o.job_id());
+  r.set_checkpoint_id(o.checkpoint_id());
+  r.set_done(true);
+  *r.add_files() = *f;
+  return r;
+}
+
+TEST(CheckpointManagerTest, OffWithoutAFolderAndRefusesWhatItCannotDo) {
+  CheckpointManager off("");
+  EXPECT_EQ(off.Create(View(3)).status().code(), absl::StatusCode::kFailedPrecondition);
+  CheckpointManager m(TempDir());
+  CheckpointJobView pending = View(3);
+  pending.state = v1::JOB_STATE_PENDING;
+  EXPECT_EQ(m.Create(pending).status().code(), absl::StatusCode::kFailedPrecondition);
+  CheckpointJobView no_dir = View(3);
+  no_dir.owners_without_checkpoint_dir = {2};
+  auto s = m.Create(no_dir).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(s.message().find("shard 2"), absl::string_view::npos) << s;
+  ASSERT_TRUE(m.Create(View(3)).ok());
+  EXPECT_EQ(m.Create(View(3)).status().code(), absl::StatusCode::kFailedPrecondition);
+}
+
+TEST(CheckpointManagerTest, ManifestOnlyWhenEveryShardIsDoneThenKeepsTheLastK) {
+  const std::string root = TempDir();
+  CheckpointManager m(root);
+  v1::JobSpec spec = View(0).spec;
+  for (uint64_t round = 1; round <= 4; ++round) {
+    CheckpointJobView view = View(round * 10);
+    view.spec.mutable_checkpoint_policy()->set_keep_last(2);
+    auto info = m.Create(view);
+    ASSERT_TRUE(info.ok()) << info.status();
+    EXPECT_EQ(info->step(), round * 10 + 1);
+    auto orders = m.OnHeartbeat(1, Reports({}));
+    ASSERT_EQ(orders.size(), 1u);
+    EXPECT_EQ(orders[0].step(), round * 10 + 1);
+    // Shard 1 done: no manifest yet.
+    EXPECT_TRUE(m.OnHeartbeat(1, Reports({Done(orders[0], root, 0)})).empty());
+    EXPECT_EQ(ckpt::ReadManifest(info->path()).status().code(), absl::StatusCode::kNotFound);
+    EXPECT_EQ(m.Last("j")->state(), v1::CHECKPOINT_STATE_IN_PROGRESS);
+    // Shard 2 done: the manifest is written and the checkpoint is complete.
+    m.OnHeartbeat(2, Reports({Done(orders[0], root, 2)}));
+    auto manifest = ckpt::ReadManifest(info->path());
+    ASSERT_TRUE(manifest.ok()) << manifest.status();
+    EXPECT_EQ(manifest->files_size(), 2);
+    EXPECT_EQ(manifest->arrays_size(), 2);  // SGD: master, momentum_buffer.
+    EXPECT_TRUE(ckpt::VerifyCheckpoint(info->path(), *manifest).ok());
+    EXPECT_EQ(m.Last("j")->state(), v1::CHECKPOINT_STATE_COMPLETE);
+  }
+  std::vector<uint64_t> steps;
+  for (const auto& c : m.List("j")) steps.push_back(c.step());
+  EXPECT_EQ(steps, (std::vector<uint64_t>{31, 41}));
+  EXPECT_EQ(ckpt::ListDir(root + "/j").size(), 2u);
+  v1::CheckpointInfo info;
+  auto src = m.PrepareRestore("j", 0, &info);
+  ASSERT_TRUE(src.ok()) << src.status();
+  EXPECT_EQ(src->manifest().step(), 41u);
+  EXPECT_EQ(m.PrepareRestore("j", 1, &info).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(m.PrepareRestore("../etc", 0, &info).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+TEST(CheckpointManagerTest, MissedStepRetriesLaterAndErrorsFailAndCleanUp) {
+  const std::string root = TempDir();
+  CheckpointManager m(root);
+  auto first = m.Create(View(5));
+  ASSERT_TRUE(first.ok());
+  auto orders = m.OnHeartbeat(1, Reports({}));
+  ASSERT_EQ(orders.size(), 1u);
+  v1::ShardCheckpointReport missed;
+  missed.set_job_id(7);
+  missed.set_checkpoint_id(orders[0].checkpoint_id());
+  missed.set_error("already applied");
+  missed.set_missed_step(true);
+  EXPECT_TRUE(m.OnHeartbeat(1, Reports({missed})).empty());  // No orders while waiting.
+  // The next tick orders the step training is at now, under a new id.
+  m.Tick({View(9)}, absl::Now());
+  auto retry = m.OnHeartbeat(2, Reports({}));
+  ASSERT_EQ(retry.size(), 1u);
+  EXPECT_EQ(retry[0].step(), 10u);
+  EXPECT_GT(retry[0].checkpoint_id(), orders[0].checkpoint_id());
+  // A real error fails it: the reason is kept, its folder removed.
+  Done(retry[0], root, 0);
+  v1::ShardCheckpointReport bad;
+  bad.set_job_id(7);
+  bad.set_checkpoint_id(retry[0].checkpoint_id());
+  bad.set_error("cannot write x: No space left on device");
+  m.OnHeartbeat(1, Reports({bad}));
+  const auto last = m.Last("j");
+  ASSERT_TRUE(last.has_value());
+  EXPECT_EQ(last->state(), v1::CHECKPOINT_STATE_FAILED);
+  EXPECT_NE(last->error().find("shard 1: cannot write x"), std::string::npos) << last->error();
+  EXPECT_TRUE(ckpt::ListDir(root + "/j").empty());
+  // A new one may start.
+  EXPECT_TRUE(m.Create(View(12)).ok());
+}
+
+TEST(CheckpointManagerTest, PolicyEveryStepsAndEverySeconds) {
+  CheckpointManager m(TempDir());
+  CheckpointJobView v = View(0);
+  v.spec.mutable_checkpoint_policy()->set_every_steps(5);
+  const absl::Time t0 = absl::Now();
+  m.Tick({v}, t0);
+  EXPECT_FALSE(m.Last("j").has_value());
+  v.min_applied_step = v.max_applied_step = 4;
+  m.Tick({v}, t0);
+  EXPECT_FALSE(m.Last("j").has_value());
+  v.min_applied_step = v.max_applied_step = 5;
+  m.Tick({v}, t0);
+  ASSERT_TRUE(m.Last("j").has_value());
+  EXPECT_EQ(m.Last("j")->step(), 6u);
+
+  CheckpointManager timed(TempDir());
+  CheckpointJobView w = View(3);
+  w.spec.mutable_checkpoint_policy()->set_every_seconds(60);
+  timed.Tick({w}, t0);
+  timed.Tick({w}, t0 + absl::Seconds(59));
+  EXPECT_FALSE(timed.Last("j").has_value());
+  timed.Tick({w}, t0 + absl::Seconds(61));
+  EXPECT_TRUE(timed.Last("j").has_value());
+}
+
+}  // namespace
+}  // namespace optimus
