@@ -21,6 +21,13 @@ constexpr int kMaxAttempts = 8;
 
 int64_t UnixMs(absl::Time t) { return absl::ToUnixMillis(t); }
 
+// A job's checkpoints live in a folder named after it: a name that is not a
+// plain folder name would write elsewhere.
+bool UsableAsFolder(const std::string& name) {
+  return !name.empty() && name != "." && name != ".." && name.find('/') == std::string::npos &&
+         name.find('\0') == std::string::npos;
+}
+
 }  // namespace
 
 CheckpointManager::CheckpointManager(std::string dir) : dir_(std::move(dir)) {}
@@ -42,6 +49,10 @@ absl::StatusOr<v1::CheckpointInfo> CheckpointManager::Create(const CheckpointJob
   if (!enabled()) {
     return absl::FailedPreconditionError(
         "checkpoints are off: start optimus-coord with --checkpoint_dir");
+  }
+  if (!UsableAsFolder(job.spec.name())) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "job name \"", job.spec.name(), "\" cannot name a checkpoint folder (no '/', '.', '..')"));
   }
   if (job.state != v1::JOB_STATE_READY) {
     return absl::FailedPreconditionError(
@@ -117,7 +128,10 @@ void CheckpointManager::Tick(const std::vector<CheckpointJobView>& jobs, absl::T
       if (!StartLocked(job, step).ok()) in_progress_.erase(job.job_id);
       continue;
     }
-    if (job.state != v1::JOB_STATE_READY || !job.owners_without_checkpoint_dir.empty()) continue;
+    if (job.state != v1::JOB_STATE_READY || !job.owners_without_checkpoint_dir.empty() ||
+        !UsableAsFolder(job.spec.name())) {
+      continue;
+    }
     const v1::CheckpointPolicy& policy = job.spec.checkpoint_policy();
     if (policy.every_steps() == 0 && policy.every_seconds() == 0) continue;
     auto [ps, first] = policy_.try_emplace(job.job_id);
@@ -265,7 +279,7 @@ void CheckpointManager::PruneLocked(const std::string& job_name, uint32_t keep_l
 
 std::vector<v1::CheckpointInfo> CheckpointManager::List(const std::string& job_name) {
   std::vector<v1::CheckpointInfo> out;
-  if (!enabled()) return out;
+  if (!enabled() || !UsableAsFolder(job_name)) return out;
   absl::MutexLock lock(&mu_);
   std::set<std::string> busy;
   for (const auto& [id, ip] : in_progress_) {
@@ -317,8 +331,7 @@ absl::StatusOr<v1::RestoreSource> CheckpointManager::PrepareRestore(const std::s
     return absl::FailedPreconditionError(
         "checkpoints are off: start optimus-coord with --checkpoint_dir");
   }
-  if (job_name.empty() || job_name.find('/') != std::string::npos || job_name == "." ||
-      job_name == "..") {
+  if (!UsableAsFolder(job_name)) {
     return absl::InvalidArgumentError(absl::StrCat("bad job name \"", job_name, "\""));
   }
   const std::vector<v1::CheckpointInfo> all = List(job_name);

@@ -68,6 +68,10 @@ TEST(CheckpointManagerTest, OffWithoutAFolderAndRefusesWhatItCannotDo) {
   auto s = m.Create(no_dir).status();
   EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_NE(s.message().find("shard 2"), absl::string_view::npos) << s;
+  CheckpointJobView escape = View(3);
+  escape.spec.set_name("../../etc");
+  EXPECT_EQ(m.Create(escape).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(m.List("../../etc").empty());
   ASSERT_TRUE(m.Create(View(3)).ok());
   EXPECT_EQ(m.Create(View(3)).status().code(), absl::StatusCode::kFailedPrecondition);
 }
