@@ -867,7 +867,8 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
 int CoordinatorServer::metrics_port() const { return http_ != nullptr ? http_->port() : 0; }
 
 std::string CoordinatorServer::RenderMetrics() const {
-  const v1::StatusResponse st = core_->Status();
+  v1::StatusResponse st = core_->Status();
+  core_->FillLastCheckpoints(&st);
   MetricsText m;
   int up = 0, down = 0;
   for (const auto& sh : st.shards()) {
@@ -898,6 +899,14 @@ std::string CoordinatorServer::RenderMetrics() const {
             j.workers_joined(), id);
     m.Gauge("optimus_coord_job_state_bytes", "fp32 master + moment bytes of the job.",
             j.state_bytes(), id);
+    if (j.has_last_checkpoint()) {
+      const v1::CheckpointInfo& c = j.last_checkpoint();
+      m.Gauge("optimus_coord_job_last_checkpoint_step",
+              "Step of the job's newest checkpoint (any state).", c.step(), id);
+      m.Gauge("optimus_coord_job_last_checkpoint_failed",
+              "1 when the job's newest checkpoint FAILED (see optimusctl checkpoint list).",
+              c.state() == v1::CHECKPOINT_STATE_FAILED ? 1 : 0, id);
+    }
   }
   for (int c = 1; c < Service::kNumCodes; ++c) {
     m.Counter("optimus_coord_errors_total", "RPCs answered with an error, by kind.",

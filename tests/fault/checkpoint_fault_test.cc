@@ -101,6 +101,10 @@ TEST(CheckpointFaultTest, FullDiskFailsTheNewCheckpointAndKeepsThePreviousOne) {
     ASSERT_EQ(status.jobs_size(), 1);
     EXPECT_EQ(status.jobs(0).last_checkpoint().state(), v1::CHECKPOINT_STATE_FAILED);
     EXPECT_TRUE(absl::StrContains(status.jobs(0).last_checkpoint().error(), "No space"));
+    // And in the coordinator's metrics, for alerting.
+    EXPECT_TRUE(absl::StrContains(c.coord()->RenderMetrics(),
+                                  "optimus_coord_job_last_checkpoint_failed{job=\"full\"} 1"))
+        << c.coord()->RenderMetrics();
     // The failed checkpoint's partial files are gone; the first is intact.
     EXPECT_EQ(ckpt::ListDir(dir + "/full"),
               std::vector<std::string>{ckpt::FolderName(first.checkpoint_id())});
