@@ -17,6 +17,7 @@
 #include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "common/durable_file.h"
 #include "google/protobuf/text_format.h"
 
 namespace optimus {
@@ -25,124 +26,9 @@ namespace {
 
 constexpr char kMagic[8] = {'O', 'P', 'T', 'C', 'K', 'P', 'T', '1'};
 constexpr char kCrcLinePrefix[] = "# crc32c=";
-// Writes go out in pieces this large so a rate limit can pace them.
-constexpr size_t kWritePieceBytes = 256 << 10;
-
-// Slicing-by-8 tables for the reflected Castagnoli polynomial 0x82F63B78.
-struct Crc32cTables {
-  uint32_t t[8][256];
-  Crc32cTables() {
-    for (uint32_t i = 0; i < 256; ++i) {
-      uint32_t c = i;
-      for (int k = 0; k < 8; ++k) c = (c >> 1) ^ (0x82F63B78u & (0u - (c & 1u)));
-      t[0][i] = c;
-    }
-    for (uint32_t i = 0; i < 256; ++i) {
-      for (int s = 1; s < 8; ++s) t[s][i] = (t[s - 1][i] >> 8) ^ t[0][t[s - 1][i] & 0xff];
-    }
-  }
-};
-
-const Crc32cTables& Tables() {
-  static const Crc32cTables* tables = new Crc32cTables();
-  return *tables;
-}
 
 std::string Errno(const std::string& what, const std::string& path, int err) {
   return absl::StrCat(what, " ", path, ": ", std::strerror(err));
-}
-
-std::string DirOf(const std::string& path) {
-  const size_t slash = path.rfind('/');
-  if (slash == std::string::npos) return ".";
-  return slash == 0 ? "/" : path.substr(0, slash);
-}
-
-absl::Status FsyncDir(const std::string& dir) {
-  const int fd = open(dir.c_str(), O_RDONLY | O_DIRECTORY);
-  if (fd < 0) return absl::InternalError(Errno("cannot open folder", dir, errno));
-  const int rc = fsync(fd);
-  const int err = errno;
-  close(fd);
-  if (rc != 0) return absl::InternalError(Errno("cannot fsync folder", dir, err));
-  return absl::OkStatus();
-}
-
-// Writes pieces in order to a new temporary file and publishes it at `path`.
-absl::Status WritePiecesAtomically(const std::string& path,
-                                   absl::Span<const absl::string_view> pieces,
-                                   uint64_t max_bytes_per_second) {
-  const std::string tmp = absl::StrCat(path, ".tmp.", getpid());
-  const int fd = open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) return absl::InternalError(Errno("cannot create", tmp, errno));
-  auto fail = [&](const std::string& what, int err) {
-    close(fd);
-    unlink(tmp.c_str());
-    // ENOSPC and EDQUOT are the operator's to fix, not a bug: say so by code.
-    const std::string msg = Errno(what, path, err);
-    return err == ENOSPC || err == EDQUOT ? absl::ResourceExhaustedError(msg)
-                                          : absl::InternalError(msg);
-  };
-  const absl::Time start = absl::Now();
-  uint64_t written = 0;
-  for (absl::string_view piece : pieces) {
-    size_t done = 0;
-    while (done < piece.size()) {
-      const size_t want = std::min(kWritePieceBytes, piece.size() - done);
-      const ssize_t n = write(fd, piece.data() + done, want);
-      if (n < 0) {
-        if (errno == EINTR) continue;
-        return fail("cannot write", errno);
-      }
-      done += static_cast<size_t>(n);
-      written += static_cast<uint64_t>(n);
-      if (max_bytes_per_second > 0) {
-        const absl::Time due =
-            start + absl::Seconds(static_cast<double>(written) / max_bytes_per_second);
-        const absl::Duration wait = due - absl::Now();
-        if (wait > absl::ZeroDuration()) absl::SleepFor(wait);
-      }
-    }
-  }
-  // Delayed allocation can report a full disk only here.
-  if (fsync(fd) != 0) return fail("cannot fsync", errno);
-  if (close(fd) != 0) {
-    const int err = errno;
-    unlink(tmp.c_str());
-    return absl::InternalError(Errno("cannot close", path, err));
-  }
-  if (rename(tmp.c_str(), path.c_str()) != 0) {
-    const int err = errno;
-    unlink(tmp.c_str());
-    return absl::InternalError(Errno("cannot rename into", path, err));
-  }
-  return FsyncDir(DirOf(path));
-}
-
-absl::StatusOr<std::string> ReadWholeFile(const std::string& path) {
-  const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) {
-    const int err = errno;
-    if (err == ENOENT) return absl::NotFoundError(absl::StrCat("checkpoint file ", path, " is missing"));
-    return absl::InternalError(Errno("cannot open", path, err));
-  }
-  std::string out;
-  struct stat st;
-  if (fstat(fd, &st) == 0 && st.st_size > 0) out.reserve(static_cast<size_t>(st.st_size));
-  char buf[1 << 16];
-  for (;;) {
-    const ssize_t n = read(fd, buf, sizeof(buf));
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      const int err = errno;
-      close(fd);
-      return absl::InternalError(Errno("cannot read", path, err));
-    }
-    if (n == 0) break;
-    out.append(buf, static_cast<size_t>(n));
-  }
-  close(fd);
-  return out;
 }
 
 template <typename T>
@@ -162,25 +48,6 @@ absl::Status Corrupt(const std::string& path, absl::string_view why) {
 }
 
 }  // namespace
-
-uint32_t Crc32c(uint32_t crc, const void* data, size_t size_bytes) {
-  const Crc32cTables& tb = Tables();
-  const auto* p = static_cast<const uint8_t*>(data);
-  uint32_t c = ~crc;
-  while (size_bytes >= 8) {
-    uint32_t lo, hi;
-    std::memcpy(&lo, p, 4);
-    std::memcpy(&hi, p + 4, 4);
-    lo ^= c;
-    c = tb.t[7][lo & 0xff] ^ tb.t[6][(lo >> 8) & 0xff] ^ tb.t[5][(lo >> 16) & 0xff] ^
-        tb.t[4][lo >> 24] ^ tb.t[3][hi & 0xff] ^ tb.t[2][(hi >> 8) & 0xff] ^
-        tb.t[1][(hi >> 16) & 0xff] ^ tb.t[0][hi >> 24];
-    p += 8;
-    size_bytes -= 8;
-  }
-  while (size_bytes-- > 0) c = (c >> 8) ^ tb.t[0][(c ^ *p++) & 0xff];
-  return ~c;
-}
 
 std::string FolderName(uint64_t checkpoint_id) {
   return absl::StrFormat("ckpt-%06d", checkpoint_id);
@@ -342,12 +209,6 @@ absl::StatusOr<v1::CheckpointManifest> ReadManifest(const std::string& dir) {
     return Corrupt(path, "not a valid manifest");
   }
   return m;
-}
-
-absl::Status WriteFileAtomically(const std::string& path, absl::string_view contents,
-                                 uint64_t max_bytes_per_second) {
-  const absl::string_view pieces[] = {contents};
-  return WritePiecesAtomically(path, pieces, max_bytes_per_second);
 }
 
 absl::Status MakeDirs(const std::string& path) {

@@ -30,6 +30,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
+#include "common/durable_file.h"
 #include "proto/optimus.pb.h"
 
 namespace optimus {
@@ -39,9 +40,11 @@ inline constexpr uint32_t kFormatVersion = 1;
 inline constexpr size_t kHeaderBytes = 40;
 inline constexpr char kManifestName[] = "MANIFEST";
 
-// Extends `crc` (0 to start) over `size_bytes` bytes: CRC-32C, the same
-// value as iSCSI/ext4/leveldb's crc32c before masking.
-uint32_t Crc32c(uint32_t crc, const void* data, size_t size_bytes);
+// CRC-32C, atomic file writes and whole-file reads come from
+// common/durable_file.h; these names keep callers in ckpt:: short.
+using ::optimus::Crc32c;
+using ::optimus::ReadWholeFile;
+using ::optimus::WriteFileAtomically;
 
 // "ckpt-000042": the folder of checkpoint 42 of a job. Zero-padded so that
 // names sort by id.
@@ -91,11 +94,6 @@ absl::Status WriteManifest(const std::string& dir, const v1::CheckpointManifest&
 // NOT_FOUND when there is none (an incomplete checkpoint); DATA_LOSS naming
 // the file when its checksum or syntax is wrong.
 absl::StatusOr<v1::CheckpointManifest> ReadManifest(const std::string& dir);
-
-// Writes `contents` to `path` atomically (temp name, fsync, rename, fsync
-// of the folder).
-absl::Status WriteFileAtomically(const std::string& path, absl::string_view contents,
-                                 uint64_t max_bytes_per_second = 0);
 
 // mkdir -p. INTERNAL with the path and reason on failure.
 absl::Status MakeDirs(const std::string& path);

@@ -126,7 +126,7 @@ TEST(CheckpointFilesTest, ManifestRoundTripAndChecksum) {
 
 TEST(CheckpointFilesTest, MissingFolderIsAnErrorNamingThePath) {
   auto f = WriteDataFile("/nonexistent/optimus", "x", 0, 0, 0, {});
-  EXPECT_EQ(f.status().code(), absl::StatusCode::kInternal);
+  EXPECT_EQ(f.status().code(), absl::StatusCode::kNotFound);
   EXPECT_NE(f.status().message().find("/nonexistent/optimus/x"), absl::string_view::npos)
       << f.status();
 }

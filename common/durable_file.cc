@@ -6,13 +6,16 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include <array>
+#include <algorithm>
 #include <cstdio>
+#include <cstring>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 
 namespace optimus {
 namespace {
@@ -45,15 +48,27 @@ std::string DirOf(const std::string& path) {
   return path.substr(0, slash);
 }
 
-std::array<uint32_t, 256> MakeCrcTable() {
-  std::array<uint32_t, 256> table{};
-  constexpr uint32_t kPoly = 0x82F63B78u;  // CRC-32C, reflected
-  for (uint32_t i = 0; i < 256; ++i) {
-    uint32_t c = i;
-    for (int k = 0; k < 8; ++k) c = (c & 1) ? (c >> 1) ^ kPoly : c >> 1;
-    table[i] = c;
+// Writes go out in pieces this large so a rate limit can pace them.
+constexpr size_t kWritePieceBytes = 256 << 10;
+
+// Slicing-by-8 tables for the reflected Castagnoli polynomial 0x82F63B78.
+struct Crc32cTables {
+  uint32_t t[8][256];
+  Crc32cTables() {
+    for (uint32_t i = 0; i < 256; ++i) {
+      uint32_t c = i;
+      for (int k = 0; k < 8; ++k) c = (c >> 1) ^ (0x82F63B78u & (0u - (c & 1u)));
+      t[0][i] = c;
+    }
+    for (uint32_t i = 0; i < 256; ++i) {
+      for (int s = 1; s < 8; ++s) t[s][i] = (t[s - 1][i] >> 8) ^ t[0][t[s - 1][i] & 0xff];
+    }
   }
-  return table;
+};
+
+const Crc32cTables& Tables() {
+  static const Crc32cTables* tables = new Crc32cTables();
+  return *tables;
 }
 
 }  // namespace
@@ -79,7 +94,9 @@ absl::Status ErrnoToStatus(int err, absl::string_view what, absl::string_view pa
   }
 }
 
-absl::Status WriteFileAtomically(const std::string& path, absl::string_view contents) {
+absl::Status WritePiecesAtomically(const std::string& path,
+                                   absl::Span<const absl::string_view> pieces,
+                                   uint64_t max_bytes_per_second) {
   const std::string tmp = path + ".tmp";
   Fd fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
   if (fd.get() < 0) return ErrnoToStatus(errno, "creating", tmp);
@@ -87,17 +104,28 @@ absl::Status WriteFileAtomically(const std::string& path, absl::string_view cont
     ::unlink(tmp.c_str());
     return ErrnoToStatus(err, what, tmp);
   };
-  const char* p = contents.data();
-  size_t left = contents.size();
-  while (left > 0) {
-    const ssize_t n = ::write(fd.get(), p, left);
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      return fail(errno, "writing");
+  const absl::Time start = absl::Now();
+  uint64_t written = 0;
+  for (absl::string_view piece : pieces) {
+    size_t done = 0;
+    while (done < piece.size()) {
+      const size_t want = std::min(kWritePieceBytes, piece.size() - done);
+      const ssize_t n = ::write(fd.get(), piece.data() + done, want);
+      if (n < 0) {
+        if (errno == EINTR) continue;
+        return fail(errno, "writing");
+      }
+      done += static_cast<size_t>(n);
+      written += static_cast<uint64_t>(n);
+      if (max_bytes_per_second > 0) {
+        const absl::Time due =
+            start + absl::Seconds(static_cast<double>(written) / max_bytes_per_second);
+        const absl::Duration wait = due - absl::Now();
+        if (wait > absl::ZeroDuration()) absl::SleepFor(wait);
+      }
     }
-    p += n;
-    left -= static_cast<size_t>(n);
   }
+  // Delayed allocation can report a full disk only here.
   if (::fsync(fd.get()) != 0) return fail(errno, "syncing");
   if (fd.Close() != 0) return fail(errno, "closing");
   if (::rename(tmp.c_str(), path.c_str()) != 0) return fail(errno, "renaming");
@@ -107,6 +135,12 @@ absl::Status WriteFileAtomically(const std::string& path, absl::string_view cont
   if (dfd.get() < 0) return ErrnoToStatus(errno, "opening folder", dir);
   if (::fsync(dfd.get()) != 0) return ErrnoToStatus(errno, "syncing folder", dir);
   return absl::OkStatus();
+}
+
+absl::Status WriteFileAtomically(const std::string& path, absl::string_view contents,
+                                 uint64_t max_bytes_per_second) {
+  const absl::string_view pieces[] = {contents};
+  return WritePiecesAtomically(path, pieces, max_bytes_per_second);
 }
 
 absl::StatusOr<std::string> ReadWholeFile(const std::string& path) {
@@ -126,11 +160,23 @@ absl::StatusOr<std::string> ReadWholeFile(const std::string& path) {
   return out;
 }
 
-uint32_t Crc32c(absl::string_view data, uint32_t crc) {
-  static const std::array<uint32_t, 256> kTable = MakeCrcTable();
-  crc = ~crc;
-  for (unsigned char c : data) crc = kTable[(crc ^ c) & 0xff] ^ (crc >> 8);
-  return ~crc;
+uint32_t Crc32c(uint32_t crc, const void* data, size_t size_bytes) {
+  const Crc32cTables& tb = Tables();
+  const auto* p = static_cast<const uint8_t*>(data);
+  uint32_t c = ~crc;
+  while (size_bytes >= 8) {
+    uint32_t lo, hi;
+    std::memcpy(&lo, p, 4);
+    std::memcpy(&hi, p + 4, 4);
+    lo ^= c;
+    c = tb.t[7][lo & 0xff] ^ tb.t[6][(lo >> 8) & 0xff] ^ tb.t[5][(lo >> 16) & 0xff] ^
+        tb.t[4][lo >> 24] ^ tb.t[3][hi & 0xff] ^ tb.t[2][(hi >> 8) & 0xff] ^
+        tb.t[1][(hi >> 16) & 0xff] ^ tb.t[0][hi >> 24];
+    p += 8;
+    size_bytes -= 8;
+  }
+  while (size_bytes-- > 0) c = (c >> 8) ^ tb.t[0][(c ^ *p++) & 0xff];
+  return ~c;
 }
 
 absl::Status WriteChecksummedFile(const std::string& path, absl::string_view magic,
