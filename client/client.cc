@@ -41,6 +41,7 @@ struct Pending {
   void* dst = nullptr;          // Pull: where the chunk's bytes go.
   uint64_t expected_bytes = 0;  // Pull: payload size.
   uint64_t version = 0;         // Pull: wanted version.
+  void* ep = nullptr;           // The shard's endpoint, to fail it if the shard dies.
 };
 
 v1::OptimizerKind ToProto(Optimizer k) {
@@ -63,7 +64,13 @@ class ClientImpl : public Client {
   }
 
   absl::Status Init() {
-    auto worker = transport::Worker::Create(options_.transport);
+    transport::WorkerOptions wopts = options_.transport;
+    // A shard that dies fails the requests waiting for its replies at once,
+    // instead of leaving their tickets to time out.
+    wopts.on_peer_failure = [this](transport::EndpointRef ep, const absl::Status& why) {
+      FailRequestsTo(ep, why);
+    };
+    auto worker = transport::Worker::Create(wopts);
     if (!worker.ok()) return worker.status();
     worker_ = std::move(*worker);
     worker_->SetHandler(wire::kAmReply, [this](transport::IncomingMessage& m) { OnReply(m); });
@@ -284,6 +291,7 @@ class ClientImpl : public Client {
           p.dst = static_cast<uint8_t*>(dst) + routes[i].offset_elems * elem_bytes;
           p.expected_bytes = routes[i].num_elems * elem_bytes;
         }
+        p.ep = routes[i].ep.ep;
         pending_[ids[i]] = p;
       }
     }
@@ -361,6 +369,20 @@ class ClientImpl : public Client {
     absl::Status s = tickets_[ticket].status;
     tickets_.erase(ticket);
     return s;
+  }
+
+  // Fails every request still waiting for a reply over `ep`.
+  void FailRequestsTo(transport::EndpointRef ep, const absl::Status& why) {
+    std::vector<uint64_t> ids;
+    {
+      absl::MutexLock lock(&mu_);
+      for (const auto& [id, p] : pending_) {
+        if (p.ep == ep.ep) ids.push_back(id);
+      }
+    }
+    const absl::Status s = absl::UnavailableError(
+        absl::StrCat("shard failed with the request in flight: ", why.message()));
+    for (uint64_t id : ids) Complete(id, s);
   }
 
   // Resolves one chunk request; the first error wins for its ticket.

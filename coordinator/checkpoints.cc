@@ -1,5 +1,7 @@
 #include "coordinator/checkpoints.h"
 
+#include <cmath>
+
 #include <algorithm>
 #include <utility>
 
@@ -18,6 +20,9 @@ constexpr size_t kMaxFailedRemembered = 16;
 // Retries of a checkpoint whose step a shard had passed before its order
 // arrived (heartbeats lag training); each retry aims further ahead.
 constexpr int kMaxAttempts = 8;
+// How far ahead, in time at the job's pace, an order aims: two heartbeat
+// intervals (a third of the default 2 s lease each) plus margin.
+constexpr absl::Duration kOrderLead = absl::Milliseconds(1600);
 
 int64_t UnixMs(absl::Time t) { return absl::ToUnixMillis(t); }
 
@@ -105,16 +110,40 @@ absl::StatusOr<v1::CheckpointInfo> CheckpointManager::StartLocked(const Checkpoi
   return out;
 }
 
+uint64_t CheckpointManager::StepAheadLocked(const CheckpointJobView& job, absl::Time now) const {
+  auto p = pace_.find(job.job_id);
+  const bool moving = p != pace_.end() && now - p->second.time <= kOrderLead;
+  const double rate = moving ? p->second.steps_per_second : 0.0;
+  const double lead = rate * absl::ToDoubleSeconds(kOrderLead);
+  return job.max_applied_step + 1 + static_cast<uint64_t>(std::ceil(lead));
+}
+
 void CheckpointManager::Tick(const std::vector<CheckpointJobView>& jobs, absl::Time now) {
   if (!enabled()) return;
   absl::MutexLock lock(&mu_);
   for (const CheckpointJobView& job : jobs) {
+    // Track the pace (steps/s) from the progress that heartbeats report.
+    Pace& pace = pace_[job.job_id];
+    if (job.max_applied_step > pace.step) {
+      if (pace.time != absl::Time() && now > pace.time) {
+        const double rate = static_cast<double>(job.max_applied_step - pace.step) /
+                            absl::ToDoubleSeconds(now - pace.time);
+        pace.steps_per_second =
+            pace.steps_per_second == 0 ? rate : 0.5 * pace.steps_per_second + 0.5 * rate;
+      }
+      pace.step = job.max_applied_step;
+      pace.time = now;
+    } else if (job.max_applied_step < pace.step) {
+      pace = Pace();  // A restored job starts over.
+    }
     auto ip = in_progress_.find(job.job_id);
     if (ip != in_progress_.end()) {
       if (!ip->second.retry) continue;
-      // The first retry aims at the most advanced chunk's current version
-      // as of the heartbeat that reported the miss (right when training is
-      // paused); later ones aim ahead of it by a gap that doubles.
+      // A retry aims ahead of the most advanced chunk by the steps training
+      // makes while an order travels (at the job's measured pace; none when
+      // it is paused), and later ones by a further gap that doubles. The
+      // first order of a checkpoint aims at the next step: right when
+      // training is paused, one wasted round trip when it is not.
       const int attempt = ip->second.attempt + 1;
       const std::string old_path = ip->second.info.path();
       if (attempt >= kMaxAttempts) {
@@ -124,7 +153,7 @@ void CheckpointManager::Tick(const std::vector<CheckpointJobView>& jobs, absl::T
       (void)ckpt::RemoveTree(old_path);
       ip->second.attempt = attempt;
       const uint64_t step =
-          job.max_applied_step + 1 + (attempt >= 2 ? uint64_t{1} << (attempt - 1) : 0);
+          StepAheadLocked(job, now) + (attempt >= 2 ? uint64_t{1} << (attempt - 1) : 0);
       if (!StartLocked(job, step).ok()) in_progress_.erase(job.job_id);
       continue;
     }

@@ -89,6 +89,20 @@ class CheckpointManager {
     uint64_t last_step = 0;   // Steps applied when the last checkpoint was ordered.
     absl::Time last_time;
   };
+  // How fast a job's steps advance, from the progress heartbeats report.
+  struct Pace {
+    uint64_t step = 0;
+    absl::Time time;
+    double steps_per_second = 0;  // Smoothed.
+  };
+
+  // The step to order so that, at the job's pace, the order reaches every
+  // shard before training gets there (orders travel on heartbeat replies,
+  // and progress comes back on heartbeats: up to two intervals late).
+  // A job with no progress for a lead time counts as paused: the order then
+  // aims at the next step.
+  uint64_t StepAheadLocked(const CheckpointJobView& job, absl::Time now) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   std::string JobDir(const std::string& job_name) const;
   uint64_t NextIdLocked(const std::string& job_name) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -105,6 +119,7 @@ class CheckpointManager {
   // Failed checkpoints by job name (their files are removed), newest last.
   std::map<std::string, std::vector<v1::CheckpointInfo>> failed_ ABSL_GUARDED_BY(mu_);
   std::map<uint64_t, PolicyState> policy_ ABSL_GUARDED_BY(mu_);  // By job id.
+  std::map<uint64_t, Pace> pace_ ABSL_GUARDED_BY(mu_);            // By job id.
   std::map<std::string, uint64_t> last_id_ ABSL_GUARDED_BY(mu_);  // By job name.
 };
 

@@ -591,8 +591,10 @@ class UcxWorker : public Worker {
 
   // Marks the peer failed and closes its endpoint; later Sends fail at once.
   void FailPeer(Peer* peer, const absl::Status& s) {
-    if (peer->failure.ok()) peer->failure = s;
+    const bool first = peer->failure.ok();
+    if (first) peer->failure = s;
     CloseEndpoint(peer);
+    if (first && options_.on_peer_failure) options_.on_peer_failure(EndpointRef{peer}, s);
   }
 
   void CloseEndpoint(Peer* peer) {

@@ -23,6 +23,14 @@
 namespace optimus {
 namespace transport {
 
+// A connected peer. Copyable and cheap; valid until the Worker that made it
+// (by Connect, or as a message's reply endpoint) is destroyed, even after the
+// peer has failed (Sends on it then fail). Use it only with that Worker.
+struct EndpointRef {
+  void* ep = nullptr;
+  bool valid() const { return ep != nullptr; }
+};
+
 struct WorkerOptions {
   // UCX transports, in UCX_TLS syntax. Default: TCP, shared memory and self,
   // which is what a single machine's loopback offers.
@@ -39,15 +47,14 @@ struct WorkerOptions {
   bool detect_peer_failure = true;
   // Name used in log lines.
   std::string name = "worker";
+  // Called on the progress thread when UCX reports a peer failed (needs
+  // detect_peer_failure), once per endpoint, after later Sends on it have
+  // started to fail. Lets a caller fail requests still waiting for that
+  // peer's reply instead of waiting for a timeout. Must not block or call
+  // into the Worker. Default: none.
+  std::function<void(EndpointRef ep, const absl::Status& why)> on_peer_failure;
 };
 
-// A connected peer. Copyable and cheap; valid until the Worker that made it
-// (by Connect, or as a message's reply endpoint) is destroyed, even after the
-// peer has failed (Sends on it then fail). Use it only with that Worker.
-struct EndpointRef {
-  void* ep = nullptr;
-  bool valid() const { return ep != nullptr; }
-};
 
 // Called once when an operation finishes, on the progress thread.
 using DoneCallback = std::function<void(absl::Status)>;

@@ -44,6 +44,12 @@ ABSL_FLAG(int, kill_coordinator_at_step, 0,
           "fault drill: SIGKILL optimus-coord when rank 0 reports this step, restart it from its "
           "state after --coordinator_down_ms (0: never)");
 ABSL_FLAG(int, coordinator_down_ms, 1500, "how long the killed coordinator stays down");
+ABSL_FLAG(int, checkpoint_every_steps, 0,
+          "checkpoint the job every N steps into the work dir's ckpt/ folder (0: never)");
+ABSL_FLAG(int, kill_shard_at_step, 0,
+          "fault drill: SIGKILL shard 0 when rank 0 reports this step; the coordinator rolls "
+          "the job back to its last checkpoint and the workers re-join (needs "
+          "--checkpoint_every_steps; 0: never)");
 ABSL_FLAG(int, metrics_port, 0,
           "serve Prometheus /metrics and /healthz: the coordinator on this port, shard i on "
           "this port + 1 + i (0: off)");
@@ -199,12 +205,24 @@ int main(int argc, char** argv) {
   unlink(port_file.c_str());
   const std::string state_dir = dir + "/coord-state";
   const int metrics_port = absl::GetFlag(FLAGS_metrics_port);
+  const int ckpt_every = absl::GetFlag(FLAGS_checkpoint_every_steps);
+  const int kill_shard_at = absl::GetFlag(FLAGS_kill_shard_at_step);
+  if (ckpt_every < 0 || kill_shard_at < 0) return Die("negative step flags");
+  if (kill_shard_at > 0 && ckpt_every == 0) {
+    return Die("--kill_shard_at_step needs --checkpoint_every_steps (rollback needs a checkpoint)");
+  }
+  if (kill_shard_at > 0 && kill_shard_at <= ckpt_every) {
+    return Die("--kill_shard_at_step must come after the first checkpoint (> --checkpoint_every_steps)");
+  }
+  const std::string ckpt_dir = dir + "/ckpt";
+  if (ckpt_every > 0) mkdir(ckpt_dir.c_str(), 0755);
   if (metrics_port < 0 || metrics_port + shards > 65535) return Die("--metrics_port out of range");
   auto coord_args = [&](const std::string& listen) {
     std::vector<std::string> args{root + "/coordinator/optimus-coord", "--listen=" + listen,
                                   "--port_file=" + port_file, "--lease_ms=2000",
                                   "--state_dir=" + state_dir};
     if (metrics_port > 0) args.push_back(absl::StrCat("--metrics_port=", metrics_port));
+    if (ckpt_every > 0) args.push_back("--checkpoint_dir=" + ckpt_dir);
     return args;
   };
   pid_t coord = Spawn(coord_args("127.0.0.1:0"), dir + "/coord.log");
@@ -224,6 +242,7 @@ int main(int argc, char** argv) {
     std::vector<std::string> args{root + "/server/optimus-shard", "--coordinator=" + coord_addr,
                                   "--kind=host", "--net_devices=lo", "--memory_limit_mb=512"};
     if (metrics_port > 0) args.push_back(absl::StrCat("--metrics_port=", metrics_port + 1 + i));
+    if (ckpt_every > 0) args.push_back("--checkpoint_dir=" + ckpt_dir);
     shard_pids.push_back(Spawn(args, absl::StrCat(dir, "/shard-", i, ".log")));
   }
   auto stub = optimus::v1::Coordinator::NewStub(
@@ -258,6 +277,8 @@ int main(int argc, char** argv) {
                                      absl::StrCat("--hidden=", absl::GetFlag(FLAGS_hidden)),
                                      absl::StrCat("--seed=", absl::GetFlag(FLAGS_seed))};
     if (r == 0) args.push_back("--params_out=" + params_file);
+    if (ckpt_every > 0) args.push_back(absl::StrCat("--checkpoint_every_steps=", ckpt_every));
+    if (kill_shard_at > 0) args.push_back("--follow_rollback");
     worker_pids.push_back(Spawn(args, absl::StrCat(dir, "/worker-", r, ".log"),
                                 r == 0 ? &progress_fd : nullptr));
   }
@@ -268,7 +289,13 @@ int main(int argc, char** argv) {
   int killed_at_step = 0, restarted_at_step = 0, last_step = 0;
   // The fault drill: SIGKILL the coordinator, then restart it on the same
   // port from its state folder while the workers keep training.
+  int shard_killed_at_step = 0;
   auto drill = [&]() -> bool {
+    if (kill_shard_at > 0 && shard_killed_at_step == 0 && last_step >= kill_shard_at) {
+      kill(shard_pids[0], SIGKILL);
+      shard_killed_at_step = last_step;
+      std::fprintf(stderr, "fault drill: killed optimus-shard 0 (SIGKILL) at step %d\n", last_step);
+    }
     if (kill_at > 0 && killed_at_step == 0 && last_step >= kill_at) {
       kill(coord, SIGKILL);
       int st = 0;
@@ -386,10 +413,15 @@ int main(int argc, char** argv) {
               "\"initial_loss\": %.6f, \"final_loss\": %.6f, "
               "\"max_abs_diff_vs_local_adamw\": %.3g, \"step_ms_median\": %.3f%s}\n",
               workers, shards, steps, initial_loss, final_loss, max_diff, step_ms_median,
-              kill_at > 0 ? absl::StrCat(", \"coordinator_killed_at_step\": ", killed_at_step,
-                                         ", \"coordinator_restarted_at_step\": ",
-                                         restarted_at_step).c_str()
-                          : "");
+              absl::StrCat(kill_at > 0 ? absl::StrCat(", \"coordinator_killed_at_step\": ",
+                                                       killed_at_step,
+                                                       ", \"coordinator_restarted_at_step\": ",
+                                                       restarted_at_step)
+                                       : "",
+                           kill_shard_at > 0
+                               ? absl::StrCat(", \"shard_killed_at_step\": ", shard_killed_at_step)
+                               : "")
+                  .c_str());
   std::fflush(stdout);
   const bool ok = final_loss < initial_loss && max_diff <= absl::GetFlag(FLAGS_max_abs_diff);
   return ok ? 0 : 1;

@@ -3,6 +3,7 @@
 // step, pulls the parameters, runs forward/backward on its own batch, and
 // pushes the gradients. Progress goes to stdout as one JSON object per line.
 #include <algorithm>
+#include <memory>
 #include <chrono>
 #include <cstdio>
 #include <string>
@@ -27,6 +28,12 @@ ABSL_FLAG(uint64_t, seed, 1, "seed of the model and the synthetic data");
 ABSL_FLAG(std::string, params_out, "", "rank 0 writes the final parameters here (raw fp32)");
 ABSL_FLAG(std::string, net_devices, "lo", "UCX network devices");
 ABSL_FLAG(int, timeout_s, 60, "per-step wait limit, seconds");
+ABSL_FLAG(uint64_t, checkpoint_every_steps, 0,
+          "rank 0 creates the job with this checkpoint policy (needs --checkpoint_dir on the "
+          "coordinator and shards); 0: none");
+ABSL_FLAG(bool, follow_rollback, false,
+          "when a push or pull fails because the job lost a shard, re-join the job the "
+          "coordinator restores from its last checkpoint and continue from its resume step");
 
 namespace {
 
@@ -57,8 +64,9 @@ int main(int argc, char** argv) {
   options.coordinator_address = absl::GetFlag(FLAGS_coordinator);
   options.transport.net_devices = absl::GetFlag(FLAGS_net_devices);
   options.transport.name = absl::StrCat("worker", rank);
-  auto client = Client::Connect(options);
-  if (!client.ok()) return Fail("connect", client.status());
+  auto first = Client::Connect(options);
+  if (!first.ok()) return Fail("connect", first.status());
+  std::unique_ptr<Client> client = std::move(*first);
 
   optimus::local::Mlp model = optimus::local::MakeModel(task);
   if (rank == 0) {
@@ -71,38 +79,78 @@ int main(int argc, char** argv) {
     def.optimizer.weight_decay = task.weight_decay;
     def.grad_dtype = task.grad_dtype;
     def.param_dtype = task.param_dtype;
-    if (auto s = (*client)->CreateJob(def); !s.ok()) return Fail("create job", s);
+    def.checkpoint.every_steps = absl::GetFlag(FLAGS_checkpoint_every_steps);
+    if (auto s = client->CreateJob(def); !s.ok()) return Fail("create job", s);
   }
   // Other ranks may get here before rank 0 created the job.
   absl::Status joined;
   const absl::Time give_up = absl::Now() + absl::Seconds(30);
   do {
-    joined = (*client)->Join(job, rank, world);
+    joined = client->Join(job, rank, world);
     if (joined.code() != absl::StatusCode::kNotFound) break;
     absl::SleepFor(absl::Milliseconds(100));
   } while (absl::Now() < give_up);
   if (!joined.ok()) return Fail("join", joined);
 
-  auto sync = optimus::client::ModuleSync::Create(client->get(), model.get());
-  if (!sync.ok()) return Fail("map module", sync.status());
+  auto made = optimus::client::ModuleSync::Create(client.get(), model.get());
+  if (!made.ok()) return Fail("map module", made.status());
+  std::unique_ptr<optimus::client::ModuleSync> sync = std::move(*made);
   if (rank == 0) {
-    if (auto s = (*sync)->InitFromModule(); !s.ok()) return Fail("send initial values", s);
+    if (auto s = sync->InitFromModule(); !s.ok()) return Fail("send initial values", s);
   }
+
+  // After a lost shard the coordinator restores the job from its last
+  // checkpoint under the same name; a new client joins it (the old job's
+  // FAILED state, or the old job before its failure is noticed, is refused
+  // here by its resume step) and training goes on from the resume step.
+  uint64_t last_resume = 0;
+  auto rejoin = [&](const absl::Status& why, uint64_t* step) -> absl::Status {
+    std::fprintf(stderr, "optimus-train-worker rank %u: step %llu failed (%s); re-joining\n",
+                 rank, static_cast<unsigned long long>(*step), why.ToString().c_str());
+    sync.reset();
+    client.reset();
+    const absl::Time deadline = absl::Now() + absl::Seconds(60);
+    while (absl::Now() < deadline) {
+      auto c = Client::Connect(options);
+      if (!c.ok()) return c.status();
+      absl::Status j = (*c)->Join(job, rank, world);
+      if (j.ok() && (*c)->resume_step() > 0 && (*c)->resume_step() != last_resume) {
+        client = std::move(*c);
+        break;
+      }
+      absl::SleepFor(absl::Milliseconds(200));
+    }
+    if (client == nullptr) return absl::DeadlineExceededError("no restored job to re-join");
+    auto m = optimus::client::ModuleSync::Create(client.get(), model.get());
+    if (!m.ok()) return m.status();
+    sync = std::move(*m);
+    last_resume = client->resume_step();
+    *step = last_resume;
+    std::fprintf(stderr, "optimus-train-worker rank %u: resuming at step %llu\n", rank,
+                 static_cast<unsigned long long>(*step));
+    return absl::OkStatus();
+  };
+  const bool follow = absl::GetFlag(FLAGS_follow_rollback);
+
   const optimus::local::Batch eval = optimus::local::EvalBatch(task);
   float initial_loss = 0;
   std::vector<double> step_ms;
-  for (uint64_t step = 1; step <= steps; ++step) {
+  for (uint64_t step = 1; step <= steps;) {
     const auto t0 = std::chrono::steady_clock::now();
-    if (auto s = (*sync)->PullParams(step, timeout); !s.ok()) {
-      return Fail(absl::StrCat("pull version ", step), s);
+    if (auto s = sync->PullParams(step, timeout); !s.ok()) {
+      if (!follow) return Fail(absl::StrCat("pull version ", step), s);
+      if (auto r = rejoin(s, &step); !r.ok()) return Fail("re-join", r);
+      continue;
     }
     if (step == 1) initial_loss = optimus::local::Loss(model, eval);
     model->zero_grad();
     optimus::local::Batch b = optimus::local::MakeBatch(task, step, rank);
     torch::Tensor loss = torch::mse_loss(model->forward(b.x), b.y);
     loss.backward();
-    if (auto s = (*sync)->PushGrads(step, timeout); !s.ok()) {
-      return Fail(absl::StrCat("push step ", step), s);
+    if (auto s = sync->PushGrads(step, timeout); !s.ok()) {
+      if (!follow) return Fail(absl::StrCat("push step ", step), s);
+      if (auto r = rejoin(s, &step); !r.ok()) return Fail("re-join", r);
+      continue;
     }
     const double ms =
         std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
@@ -114,8 +162,9 @@ int main(int argc, char** argv) {
                   loss.item<float>(), ms);
       std::fflush(stdout);
     }
+    ++step;
   }
-  if (auto s = (*sync)->PullParams(steps + 1, timeout); !s.ok()) {
+  if (auto s = sync->PullParams(steps + 1, timeout); !s.ok()) {
     return Fail("pull final parameters", s);
   }
   const float final_loss = optimus::local::Loss(model, eval);
