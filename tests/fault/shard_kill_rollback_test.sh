@@ -38,6 +38,12 @@ resumed=$(grep -ho "resuming at step [0-9]*" "${TEST_TMPDIR}"/drill/worker-*.log
 echo "workers: ${resumed}"
 [ "$(echo "${resumed}" | wc -l)" = 1 ] || { echo "workers resumed at different steps"; exit 1; }
 
+# The workers learned of the dead shard from the transport, not by waiting
+# out a timeout.
+if grep -h "failed (DEADLINE_EXCEEDED" "${TEST_TMPDIR}"/drill/worker-*.log; then
+  echo "a worker waited for a timeout instead of seeing the shard fail"; exit 1
+fi
+
 cmp "${TEST_TMPDIR}/drill/params-rank0.bin" "${TEST_TMPDIR}/clean/params-rank0.bin" || {
   echo "final parameters differ from the failure-free run"; exit 1; }
 
