@@ -7,6 +7,7 @@
 #include "absl/strings/str_join.h"
 #include "cli/status.h"
 #include "common/grpc_status.h"
+#include "common/json.h"
 #include "grpcpp/grpcpp.h"
 #include "proto/optimus.grpc.pb.h"
 
@@ -32,20 +33,6 @@ absl::Status Convert(const grpc::Status& s, const std::string& address) {
   return FromGrpc(s);
 }
 
-std::string Json(absl::string_view s) {
-  std::string out = "\"";
-  for (unsigned char c : s) {
-    if (c == '"' || c == '\\') {
-      out += '\\';
-      out += static_cast<char>(c);
-    } else if (c < 0x20) {
-      out += absl::StrFormat("\\u%04x", c);
-    } else {
-      out += static_cast<char>(c);
-    }
-  }
-  return out + "\"";
-}
 
 }  // namespace
 
@@ -136,11 +123,11 @@ std::string RenderCheckpointsTable(const std::vector<v1::CheckpointInfo>& checkp
 
 std::string CheckpointJson(const v1::CheckpointInfo& c) {
   return absl::StrCat("{\"checkpoint_id\":", c.checkpoint_id(),
-                      ",\"job_name\":", Json(c.job_name()), ",\"step\":", c.step(),
-                      ",\"state\":", Json(CheckpointStateName(c.state())),
+                      ",\"job_name\":", JsonQuote(c.job_name()), ",\"step\":", c.step(),
+                      ",\"state\":", JsonQuote(CheckpointStateName(c.state())),
                       ",\"created_unix_ms\":", c.created_unix_ms(),
-                      ",\"size_bytes\":", c.size_bytes(), ",\"path\":", Json(c.path()),
-                      ",\"error\":", Json(c.error()), "}");
+                      ",\"size_bytes\":", c.size_bytes(), ",\"path\":", JsonQuote(c.path()),
+                      ",\"error\":", JsonQuote(c.error()), "}");
 }
 
 std::string RenderCheckpointsJson(const std::vector<v1::CheckpointInfo>& checkpoints) {

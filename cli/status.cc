@@ -9,6 +9,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "common/grpc_status.h"
+#include "common/json.h"
 #include "grpcpp/grpcpp.h"
 #include "proto/optimus.grpc.pb.h"
 
@@ -95,25 +96,6 @@ class Table {
   std::vector<size_t> right_;
 };
 
-std::string JsonString(absl::string_view s) {
-  std::string out = "\"";
-  for (unsigned char c : s) {
-    switch (c) {
-      case '"': out += "\\\""; break;
-      case '\\': out += "\\\\"; break;
-      case '\n': out += "\\n"; break;
-      case '\r': out += "\\r"; break;
-      case '\t': out += "\\t"; break;
-      default:
-        if (c < 0x20) {
-          out += absl::StrFormat("\\u%04x", c);
-        } else {
-          out += static_cast<char>(c);
-        }
-    }
-  }
-  return out + "\"";
-}
 
 }  // namespace
 
@@ -190,10 +172,10 @@ std::string RenderStatusJson(const v1::StatusResponse& status) {
   for (const v1::ShardStatus& s : status.shards()) {
     const v1::ShardCapabilities& caps = s.capabilities();
     shards.push_back(absl::StrCat(
-        "{\"shard_id\":", s.shard_id(), ",\"kind\":", JsonString(KindName(caps.kind())),
-        ",\"arch\":", JsonString(caps.arch()), ",\"cores\":", caps.cores(),
-        ",\"hostname\":", JsonString(caps.hostname()),
-        ",\"state\":", JsonString(ShardStateName(s.state())),
+        "{\"shard_id\":", s.shard_id(), ",\"kind\":", JsonQuote(KindName(caps.kind())),
+        ",\"arch\":", JsonQuote(caps.arch()), ",\"cores\":", caps.cores(),
+        ",\"hostname\":", JsonQuote(caps.hostname()),
+        ",\"state\":", JsonQuote(ShardStateName(s.state())),
         ",\"memory_used_bytes\":", s.memory_used_bytes(),
         ",\"memory_planned_bytes\":", s.memory_planned_bytes(),
         ",\"memory_limit_bytes\":", caps.memory_limit_bytes(),
@@ -202,8 +184,8 @@ std::string RenderStatusJson(const v1::StatusResponse& status) {
   std::vector<std::string> jobs;
   for (const v1::JobStatus& j : status.jobs()) {
     jobs.push_back(absl::StrCat(
-        "{\"job_id\":", j.job_id(), ",\"name\":", JsonString(j.name()),
-        ",\"state\":", JsonString(JobStateName(j.state())), ",\"world_size\":", j.world_size(),
+        "{\"job_id\":", j.job_id(), ",\"name\":", JsonQuote(j.name()),
+        ",\"state\":", JsonQuote(JobStateName(j.state())), ",\"world_size\":", j.world_size(),
         ",\"workers_joined\":", j.workers_joined(), ",\"current_step\":", j.current_step(),
         ",\"num_tensors\":", j.num_tensors(), ",\"num_params\":", j.num_params(),
         ",\"state_bytes\":", j.state_bytes(), ",\"map_epoch\":", j.map_epoch(),
@@ -211,8 +193,8 @@ std::string RenderStatusJson(const v1::StatusResponse& status) {
         j.has_last_checkpoint()
             ? absl::StrCat("{\"checkpoint_id\":", j.last_checkpoint().checkpoint_id(),
                            ",\"step\":", j.last_checkpoint().step(),
-                           ",\"state\":", JsonString(CkptStateName(j.last_checkpoint().state())),
-                           ",\"error\":", JsonString(j.last_checkpoint().error()), "}")
+                           ",\"state\":", JsonQuote(CkptStateName(j.last_checkpoint().state())),
+                           ",\"error\":", JsonQuote(j.last_checkpoint().error()), "}")
             : "null",
         "}"));
   }

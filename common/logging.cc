@@ -8,36 +8,14 @@
 #include <sys/time.h>
 #include <unistd.h>
 
+#include "common/json.h"
+
 namespace optimus {
 namespace {
 std::atomic<int> g_min_level{static_cast<int>(LogLevel::kInfo)};
 std::atomic<int> g_format{static_cast<int>(LogFormat::kText)};
 std::mutex g_write_mu;
 std::FILE* g_out = nullptr;  // Guarded by g_write_mu; null means stderr.
-
-// JSON string contents: quotes, backslashes and control characters escaped.
-std::string JsonEscape(absl::string_view s) {
-  std::string out;
-  out.reserve(s.size() + 8);
-  for (unsigned char c : s) {
-    switch (c) {
-      case '"': out += "\\\""; break;
-      case '\\': out += "\\\\"; break;
-      case '\n': out += "\\n"; break;
-      case '\r': out += "\\r"; break;
-      case '\t': out += "\\t"; break;
-      default:
-        if (c < 0x20) {
-          char buf[8];
-          std::snprintf(buf, sizeof(buf), "\\u%04x", c);
-          out += buf;
-        } else {
-          out += static_cast<char>(c);
-        }
-    }
-  }
-  return out;
-}
 
 const char* LevelName(LogLevel level) {
   switch (level) {
@@ -83,8 +61,8 @@ void LogLine(LogLevel level, absl::string_view component, absl::string_view mess
   if (static_cast<LogFormat>(g_format.load()) == LogFormat::kJson) {
     const std::string line = absl::StrCat(
         "{\"ts\": \"", when, ".", absl::Dec(tv.tv_usec, absl::kZeroPad6), "Z\", \"level\": \"",
-        LevelName(level), "\", \"pid\": ", getpid(), ", \"component\": \"",
-        JsonEscape(component), "\", \"msg\": \"", JsonEscape(message), "\"}\n");
+        LevelName(level), "\", \"pid\": ", getpid(), ", \"component\": ",
+        JsonQuote(component), ", \"msg\": ", JsonQuote(message), "}\n");
     std::fwrite(line.data(), 1, line.size(), out);
     std::fflush(out);
     return;
