@@ -3,6 +3,7 @@
 #include <chrono>
 #include <cstring>
 #include <map>
+#include <thread>
 #include <utility>
 
 #include "absl/base/thread_annotations.h"
@@ -32,16 +33,37 @@ struct ChunkRoute {
 struct TicketState {
   uint32_t remaining = 0;
   absl::Status status;  // First error seen.
+  wire::Op op = wire::Op::kPush;
+  uint32_t tensor = 0;
+  uint64_t step = 0;
 };
 
-// One chunk request in flight.
+// One chunk request in flight (or waiting to be sent again).
 struct Pending {
-  Ticket ticket = 0;
+  Ticket ticket = 0;            // 0: a background resend nobody waits for.
   wire::Op op = wire::Op::kPush;
-  void* dst = nullptr;          // Pull: where the chunk's bytes go.
+  uint32_t tensor = 0;
+  uint32_t route = 0;           // Index into the tensor's routes.
+  uint64_t step = 0;            // Push: step; pull: wanted version.
+  const void* src = nullptr;    // Push/init: the whole tensor's buffer.
+  void* dst = nullptr;          // Pull: the whole tensor's buffer.
+  DType dtype = DType::kFp32;
+  uint8_t flags = 0;            // wire::RequestFlags.
   uint64_t expected_bytes = 0;  // Pull: payload size.
-  uint64_t version = 0;         // Pull: wanted version.
   void* ep = nullptr;           // The shard's endpoint, to fail it if the shard dies.
+  uint64_t epoch = 0;           // Map epoch it was sent under.
+  // Waiting to be sent again: the map epoch needed first, since when, why.
+  uint64_t min_epoch = 0;
+  absl::Time stalled_since;
+  absl::Status why;
+};
+
+// A push kept until the pull of the next version of its tensor completes,
+// to send again if its chunk's shard changes.
+struct Retained {
+  bool valid = false;
+  uint64_t step = 0;
+  const void* src = nullptr;
 };
 
 v1::OptimizerKind ToProto(Optimizer k) {
@@ -59,16 +81,21 @@ class ClientImpl : public Client {
   explicit ClientImpl(const ClientOptions& options) : options_(options) {}
 
   ~ClientImpl() override {
+    {
+      absl::MutexLock lock(&mu_);
+      stopping_ = true;
+    }
+    if (recovery_.joinable()) recovery_.join();
     // Joins the progress thread: no reply handler runs after this.
     worker_.reset();
   }
 
   absl::Status Init() {
     transport::WorkerOptions wopts = options_.transport;
-    // A shard that dies fails the requests waiting for its replies at once,
-    // instead of leaving their tickets to time out.
+    // A shard that dies fails (or, with a replica, re-routes) the requests
+    // waiting for its replies at once, instead of leaving them to time out.
     wopts.on_peer_failure = [this](transport::EndpointRef ep, const absl::Status& why) {
-      FailRequestsTo(ep, why);
+      OnPeerFailure(ep, why);
     };
     auto worker = transport::Worker::Create(wopts);
     if (!worker.ok()) return worker.status();
@@ -78,6 +105,7 @@ class ClientImpl : public Client {
     channel_ = grpc::CreateChannel(options_.coordinator_address,
                                    grpc::InsecureChannelCredentials());
     stub_ = v1::Coordinator::NewStub(channel_);
+    recovery_ = std::thread([this] { RecoveryLoop(); });
     return absl::OkStatus();
   }
 
@@ -117,6 +145,7 @@ class ClientImpl : public Client {
     spec->mutable_checkpoint_policy()->set_every_steps(def.checkpoint.every_steps);
     spec->mutable_checkpoint_policy()->set_every_seconds(def.checkpoint.every_seconds);
     spec->mutable_checkpoint_policy()->set_keep_last(def.checkpoint.keep_last);
+    spec->set_replication(def.replication);
     v1::CreateJobResponse resp;
     grpc::ClientContext ctx;
     SetDeadline(&ctx);
@@ -144,11 +173,7 @@ class ClientImpl : public Client {
     v1::GetJobResponse job;
     const absl::Time give_up = absl::Now() + options_.ready_timeout;
     for (;;) {
-      v1::GetJobRequest greq;
-      greq.set_job_id(join.job_id());
-      grpc::ClientContext ctx;
-      SetDeadline(&ctx);
-      auto s = FromGrpc(stub_->GetJob(&ctx, greq, &job));
+      auto s = FetchJob(join.job_id(), &job);
       if (!s.ok()) return Annotate(s, "waiting for the job to be ready");
       if (job.state() == v1::JOB_STATE_READY) break;
       if (job.state() == v1::JOB_STATE_FAILED) {
@@ -164,41 +189,35 @@ class ClientImpl : public Client {
     return Adopt(job, rank);
   }
 
-  absl::Status Adopt(const v1::GetJobResponse& job, uint32_t rank) {
-    const v1::JobSpec& spec = job.spec();
-    auto gd = DTypeFromInt(spec.grad_dtype());
-    auto pd = DTypeFromInt(spec.param_dtype());
-    if (!gd.ok()) return gd.status();
-    if (!pd.ok()) return pd.status();
-    std::map<uint64_t, transport::EndpointRef> eps;
-    for (const auto& se : job.map().shards()) {
+  absl::Status FetchJob(uint64_t job_id, v1::GetJobResponse* job) {
+    v1::GetJobRequest greq;
+    greq.set_job_id(job_id);
+    grpc::ClientContext ctx;
+    SetDeadline(&ctx);
+    return FromGrpc(stub_->GetJob(&ctx, greq, job));
+  }
+
+  // Routes for every tensor under `map`, connecting to shards not seen yet.
+  absl::StatusOr<std::vector<std::vector<ChunkRoute>>> BuildRoutes(
+      const v1::ShardMap& map, const std::vector<TensorInfo>& tensors) {
+    for (const auto& se : map.shards()) {
+      if (eps_.count(se.shard_id()) != 0) continue;
       auto ep = worker_->Connect(se.data_address());
       if (!ep.ok()) {
         return absl::Status(ep.status().code(), absl::StrCat("connecting to shard ",
                                                              se.shard_id(), ": ",
                                                              ep.status().message()));
       }
-      eps[se.shard_id()] = *ep;
+      eps_[se.shard_id()] = *ep;
     }
-    std::vector<TensorInfo> tensors;
-    std::vector<std::vector<ChunkRoute>> routes(spec.tensors_size());
-    for (const auto& t : spec.tensors()) {
-      TensorInfo info;
-      info.name = t.name();
-      info.num_elems = 1;
-      for (int64_t d : t.shape()) {
-        info.shape.push_back(d);
-        info.num_elems *= static_cast<uint64_t>(d);
-      }
-      tensors.push_back(std::move(info));
-    }
-    for (const auto& c : job.map().chunks()) {
+    std::vector<std::vector<ChunkRoute>> routes(tensors.size());
+    for (const auto& c : map.chunks()) {
       if (c.tensor() >= routes.size()) {
         return absl::InternalError(absl::StrCat("shard map names tensor ", c.tensor(),
                                                 " but the job has ", routes.size()));
       }
-      auto it = eps.find(c.shard_id());
-      if (it == eps.end()) {
+      auto it = eps_.find(c.shard_id());
+      if (it == eps_.end()) {
         return absl::InternalError(absl::StrCat("shard map places chunk on unknown shard ",
                                                 c.shard_id()));
       }
@@ -208,7 +227,6 @@ class ClientImpl : public Client {
     for (size_t t = 0; t < routes.size(); ++t) {
       std::sort(routes[t].begin(), routes[t].end(),
                 [](const ChunkRoute& a, const ChunkRoute& b) { return a.chunk < b.chunk; });
-      tensors[t].num_chunks = static_cast<uint32_t>(routes[t].size());
       uint64_t covered = 0;
       for (const auto& r : routes[t]) {
         if (r.offset_elems != covered) {
@@ -223,8 +241,35 @@ class ClientImpl : public Client {
                                                 tensors[t].name));
       }
     }
+    return routes;
+  }
+
+  absl::Status Adopt(const v1::GetJobResponse& job, uint32_t rank) {
+    const v1::JobSpec& spec = job.spec();
+    auto gd = DTypeFromInt(spec.grad_dtype());
+    auto pd = DTypeFromInt(spec.param_dtype());
+    if (!gd.ok()) return gd.status();
+    if (!pd.ok()) return pd.status();
+    std::vector<TensorInfo> tensors;
+    for (const auto& t : spec.tensors()) {
+      TensorInfo info;
+      info.name = t.name();
+      info.num_elems = 1;
+      for (int64_t d : t.shape()) {
+        info.shape.push_back(d);
+        info.num_elems *= static_cast<uint64_t>(d);
+      }
+      tensors.push_back(std::move(info));
+    }
+    auto routes = BuildRoutes(job.map(), tensors);
+    if (!routes.ok()) return routes.status();
+    for (size_t t = 0; t < tensors.size(); ++t) {
+      tensors[t].num_chunks = static_cast<uint32_t>((*routes)[t].size());
+    }
     absl::MutexLock lock(&mu_);
     job_id_ = job.job_id();
+    job_name_ = spec.name();
+    replication_ = spec.replication();
     epoch_ = job.map().epoch();
     rank_ = rank;
     world_size_ = spec.world_size();
@@ -232,7 +277,8 @@ class ClientImpl : public Client {
     grad_dtype_ = *gd;
     param_dtype_ = *pd;
     tensors_ = std::move(tensors);
-    routes_ = std::move(routes);
+    routes_ = *std::move(routes);
+    retained_.assign(tensors_.size(), Retained{});
     joined_ = true;
     OPTIMUS_LOG(Debug, kLog, "joined job ", job_id_, " as rank ", rank_, " of ", world_size_);
     return absl::OkStatus();
@@ -251,8 +297,18 @@ class ClientImpl : public Client {
   DType grad_dtype() const override { return grad_dtype_; }
   DType param_dtype() const override { return param_dtype_; }
   uint64_t resume_step() const override { return resume_step_; }
+  uint64_t job_id() const override { return job_id_; }
+  uint64_t map_epoch() const override {
+    absl::MutexLock lock(&mu_);
+    return epoch_;
+  }
+  uint64_t requests_resent() const override {
+    absl::MutexLock lock(&mu_);
+    return resent_;
+  }
 
-  absl::Status CheckTensor(uint32_t tensor, size_t num_elems) const {
+  absl::Status CheckTensor(uint32_t tensor, size_t num_elems) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     if (!joined_) return absl::FailedPreconditionError("join a job first");
     if (tensor >= tensors_.size()) {
       return absl::InvalidArgumentError(
@@ -266,60 +322,84 @@ class ClientImpl : public Client {
     return absl::OkStatus();
   }
 
+  // Registers one chunk request under the current map; the caller sends it
+  // with SendPending after dropping the lock.
+  uint64_t AddPendingLocked(Pending p) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    const ChunkRoute& r = routes_[p.tensor][p.route];
+    p.ep = r.ep.ep;
+    p.epoch = epoch_;
+    p.expected_bytes = p.op == wire::Op::kPull ? r.num_elems * DTypeSize(p.dtype) : 0;
+    const uint64_t id = next_request_++;
+    pending_[id] = p;
+    return id;
+  }
+
+  // Sends pending request `id` (registered by AddPendingLocked).
+  void SendPending(uint64_t id) {
+    wire::RequestHeader h;
+    const void* payload = nullptr;
+    size_t payload_bytes = 0;
+    transport::EndpointRef ep;
+    {
+      absl::MutexLock lock(&mu_);
+      auto it = pending_.find(id);
+      if (it == pending_.end()) return;
+      const Pending& p = it->second;
+      const ChunkRoute& r = routes_[p.tensor][p.route];
+      const size_t elem_bytes = DTypeSize(p.dtype);
+      h.op = static_cast<uint16_t>(p.op);
+      h.job_id = job_id_;
+      h.map_epoch = p.epoch;
+      h.tensor = p.tensor;
+      h.chunk = r.chunk;
+      h.step = p.step;
+      h.rank = rank_;
+      h.dtype = static_cast<uint8_t>(p.dtype);
+      h.flags = p.flags;
+      h.num_bytes = r.num_elems * elem_bytes;
+      h.request_id = id;
+      if (p.op != wire::Op::kPull) {
+        payload = static_cast<const uint8_t*>(p.src) + r.offset_elems * elem_bytes;
+        payload_bytes = r.num_elems * elem_bytes;
+      }
+      ep.ep = p.ep;
+    }
+    worker_->Send(ep, wire::kAmRequest, wire::AsBytes(h), payload, payload_bytes,
+                  [this, id](absl::Status s) {
+                    if (!s.ok()) Failed(id, s, /*peer_failed=*/true, 0);
+                  });
+  }
+
   // Sends one request per chunk of `tensor` and returns the ticket.
   absl::StatusOr<Ticket> Issue(wire::Op op, uint32_t tensor, uint64_t step, const void* src,
                                void* dst, size_t num_elems, DType dtype) {
+    Ticket ticket;
+    std::vector<uint64_t> ids;
     {
       absl::MutexLock lock(&mu_);
       if (auto s = CheckTensor(tensor, num_elems); !s.ok()) return s;
-    }
-    const auto& routes = routes_[tensor];
-    const size_t elem_bytes = DTypeSize(dtype);
-    Ticket ticket;
-    std::vector<uint64_t> ids(routes.size());
-    {
-      absl::MutexLock lock(&mu_);
       ticket = next_ticket_++;
-      tickets_[ticket].remaining = static_cast<uint32_t>(routes.size());
-      for (size_t i = 0; i < routes.size(); ++i) {
-        ids[i] = next_request_++;
+      const uint32_t n = static_cast<uint32_t>(routes_[tensor].size());
+      TicketState& ts = tickets_[ticket];
+      ts.remaining = n;
+      ts.op = op;
+      ts.tensor = tensor;
+      ts.step = step;
+      for (uint32_t i = 0; i < n; ++i) {
         Pending p;
         p.ticket = ticket;
         p.op = op;
-        p.version = step;
-        if (op == wire::Op::kPull) {
-          p.dst = static_cast<uint8_t*>(dst) + routes[i].offset_elems * elem_bytes;
-          p.expected_bytes = routes[i].num_elems * elem_bytes;
-        }
-        p.ep = routes[i].ep.ep;
-        pending_[ids[i]] = p;
+        p.tensor = tensor;
+        p.route = i;
+        p.step = step;
+        p.src = src;
+        p.dst = dst;
+        p.dtype = dtype;
+        ids.push_back(AddPendingLocked(p));
       }
+      if (op == wire::Op::kPush) retained_[tensor] = Retained{true, step, src};
     }
-    for (size_t i = 0; i < routes.size(); ++i) {
-      const ChunkRoute& r = routes[i];
-      wire::RequestHeader h;
-      h.op = static_cast<uint16_t>(op);
-      h.job_id = job_id_;
-      h.map_epoch = epoch_;
-      h.tensor = tensor;
-      h.chunk = r.chunk;
-      h.step = step;
-      h.rank = rank_;
-      h.dtype = static_cast<uint8_t>(dtype);
-      h.num_bytes = r.num_elems * elem_bytes;
-      h.request_id = ids[i];
-      const void* payload = nullptr;
-      size_t payload_bytes = 0;
-      if (op != wire::Op::kPull) {
-        payload = static_cast<const uint8_t*>(src) + r.offset_elems * elem_bytes;
-        payload_bytes = r.num_elems * elem_bytes;
-      }
-      const uint64_t id = ids[i];
-      worker_->Send(r.ep, wire::kAmRequest, wire::AsBytes(h), payload, payload_bytes,
-                    [this, id](absl::Status s) {
-                      if (!s.ok()) Complete(id, s);
-                    });
-    }
+    for (uint64_t id : ids) SendPending(id);
     return ticket;
   }
 
@@ -371,8 +451,7 @@ class ClientImpl : public Client {
     return s;
   }
 
-  // Fails every request still waiting for a reply over `ep`.
-  void FailRequestsTo(transport::EndpointRef ep, const absl::Status& why) {
+  void OnPeerFailure(transport::EndpointRef ep, const absl::Status& why) {
     std::vector<uint64_t> ids;
     {
       absl::MutexLock lock(&mu_);
@@ -380,20 +459,61 @@ class ClientImpl : public Client {
         if (p.ep == ep.ep) ids.push_back(id);
       }
     }
-    const absl::Status s = absl::UnavailableError(
-        absl::StrCat("shard failed with the request in flight: ", why.message()));
-    for (uint64_t id : ids) Complete(id, s);
+    for (uint64_t id : ids) Failed(id, why, /*peer_failed=*/true, 0);
+  }
+
+  // A chunk request failed. Under replication, or when the shard said the
+  // map moved on, it waits for a newer map and is sent again; otherwise its
+  // ticket fails.
+  void Failed(uint64_t id, const absl::Status& why, bool peer_failed, uint32_t reply_flags) {
+    absl::MutexLock lock(&mu_);
+    auto it = pending_.find(id);
+    if (it == pending_.end()) return;
+    Pending& p = it->second;
+    const bool refresh = (reply_flags & wire::kReplyRefreshMap) != 0;
+    if (!refresh && !(peer_failed && replication_ > 0)) {
+      if (peer_failed) {
+        return CompleteLocked(id, absl::UnavailableError(absl::StrCat(
+                                      "shard failed with the request in flight: ",
+                                      why.message())));
+      }
+      return CompleteLocked(id, why);
+    }
+    // A shard that has not loaded our (newer) map yet: send again under the
+    // same map. Otherwise wait for a map newer than the one it was sent under.
+    const bool shard_behind = refresh && why.code() == absl::StatusCode::kUnavailable;
+    p.min_epoch = shard_behind ? p.epoch : p.epoch + 1;
+    p.stalled_since = absl::Now();
+    p.why = why;
+    stalled_[id] = p;
+    pending_.erase(it);
+    OPTIMUS_LOG(Debug, kLog, "request ", id, " waits for map epoch ", p.min_epoch, ": ",
+                why.ToString());
   }
 
   // Resolves one chunk request; the first error wins for its ticket.
-  void Complete(uint64_t request_id, const absl::Status& s) {
-    absl::MutexLock lock(&mu_);
+  void CompleteLocked(uint64_t request_id, const absl::Status& s)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     auto it = pending_.find(request_id);
     if (it == pending_.end()) return;  // Already completed (send error + reply).
-    auto& t = tickets_[it->second.ticket];
-    if (!s.ok() && t.status.ok()) t.status = s;
-    --t.remaining;
+    const Ticket ticket = it->second.ticket;
     pending_.erase(it);
+    if (ticket == 0) {
+      if (!s.ok()) OPTIMUS_LOG(Warning, kLog, "resent push failed: ", s.ToString());
+      return;
+    }
+    auto& t = tickets_[ticket];
+    if (!s.ok() && t.status.ok()) t.status = s;
+    if (--t.remaining == 0 && t.status.ok() && t.op == wire::Op::kPull) {
+      // The next version of this tensor is in hand: its push is applied.
+      Retained& r = retained_[t.tensor];
+      if (r.valid && r.step + 1 <= t.step) r.valid = false;
+    }
+  }
+
+  void Complete(uint64_t request_id, const absl::Status& s) {
+    absl::MutexLock lock(&mu_);
+    CompleteLocked(request_id, s);
   }
 
   void OnReply(transport::IncomingMessage& msg) {
@@ -408,20 +528,158 @@ class ClientImpl : public Client {
       absl::MutexLock lock(&mu_);
       auto it = pending_.find(id);
       if (it == pending_.end()) {
-        OPTIMUS_LOG(Warning, kLog, "reply for unknown request ", id, ": ",
+        OPTIMUS_LOG(Debug, kLog, "reply for unknown request ", id, ": ",
                     reply->status.ToString());
         return;
       }
       p = it->second;
     }
-    if (!reply->status.ok() || p.op != wire::Op::kPull) return Complete(id, reply->status);
-    if (msg.payload_size() != p.expected_bytes || reply->header.param_version != p.version) {
+    if (!reply->status.ok()) {
+      return Failed(id, reply->status, /*peer_failed=*/false, reply->header.flags);
+    }
+    if (p.op != wire::Op::kPull) return Complete(id, reply->status);
+    if (msg.payload_size() != p.expected_bytes || reply->header.param_version != p.step) {
       return Complete(id, absl::InternalError(absl::StrCat(
                               "pull reply carries ", msg.payload_size(), " bytes of version ",
                               reply->header.param_version, ", expected ", p.expected_bytes,
-                              " bytes of version ", p.version)));
+                              " bytes of version ", p.step)));
     }
-    msg.ReceiveInto(p.dst, [this, id](absl::Status s) { Complete(id, s); });
+    uint8_t* dst;
+    {
+      absl::MutexLock lock(&mu_);
+      const ChunkRoute& r = routes_[p.tensor][p.route];
+      dst = static_cast<uint8_t*>(p.dst) + r.offset_elems * DTypeSize(p.dtype);
+    }
+    msg.ReceiveInto(dst, [this, id](absl::Status s) { Complete(id, s); });
+  }
+
+  // ---- Failover ------------------------------------------------------------
+  // A thread that, while requests are stalled, polls the coordinator for the
+  // job's map, adopts a newer one (connecting to new shards), sends again the
+  // pushes whose chunk changed shard, and re-sends the stalled requests.
+
+  bool HasStalledOrStopping() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return stopping_ || !stalled_.empty();
+  }
+
+  void RecoveryLoop() {
+    for (;;) {
+      uint64_t job_id;
+      {
+        absl::MutexLock lock(&mu_);
+        mu_.Await(absl::Condition(this, &ClientImpl::HasStalledOrStopping));
+        if (stopping_) return;
+        job_id = job_id_;
+      }
+      v1::GetJobResponse job;
+      absl::Status fetched = FetchJob(job_id, &job);
+      if (fetched.ok() && job.state() == v1::JOB_STATE_FAILED) {
+        FailAllStalled(absl::UnavailableError(absl::StrCat(
+            "job '", job_name_, "' failed: a shard holding its chunks was lost without a "
+            "usable replica; re-join the job the coordinator restores from its checkpoint")));
+        continue;
+      }
+      if (fetched.ok()) {
+        uint64_t epoch;
+        {
+          absl::MutexLock lock(&mu_);
+          epoch = epoch_;
+        }
+        if (job.map().epoch() > epoch) {
+          if (absl::Status s = AdoptMap(job.map()); !s.ok()) {
+            OPTIMUS_LOG(Warning, kLog, "cannot use map epoch ", job.map().epoch(), ": ",
+                        s.ToString());
+          }
+        }
+      } else {
+        OPTIMUS_LOG(Debug, kLog, "failover: coordinator: ", fetched.ToString());
+      }
+      std::vector<uint64_t> resend;
+      std::vector<std::pair<uint64_t, absl::Status>> expired;
+      {
+        absl::MutexLock lock(&mu_);
+        const absl::Time now = absl::Now();
+        for (auto it = stalled_.begin(); it != stalled_.end();) {
+          Pending p = it->second;
+          if (p.min_epoch <= epoch_) {
+            p.min_epoch = 0;
+            if (p.op == wire::Op::kPush) p.flags |= wire::kRequestResend;
+            resend.push_back(AddPendingLocked(p));
+            ++resent_;
+            it = stalled_.erase(it);
+          } else if (now - p.stalled_since > options_.ready_timeout) {
+            // Park it as pending again so CompleteLocked resolves its ticket.
+            const uint64_t id = next_request_++;
+            pending_[id] = p;
+            expired.emplace_back(
+                id, absl::UnavailableError(absl::StrCat(
+                        "no new shard map for job '", job_name_, "' within ",
+                        absl::FormatDuration(options_.ready_timeout), " after: ",
+                        p.why.message())));
+            it = stalled_.erase(it);
+          } else {
+            ++it;
+          }
+        }
+        for (const auto& [id, s] : expired) CompleteLocked(id, s);
+      }
+      for (uint64_t id : resend) SendPending(id);
+      if (resend.empty()) absl::SleepFor(absl::Milliseconds(20));
+    }
+  }
+
+  void FailAllStalled(const absl::Status& why) {
+    absl::MutexLock lock(&mu_);
+    std::vector<uint64_t> ids;
+    for (auto& [id, p] : stalled_) {
+      const uint64_t nid = next_request_++;
+      pending_[nid] = p;
+      ids.push_back(nid);
+    }
+    stalled_.clear();
+    for (uint64_t id : ids) CompleteLocked(id, why);
+  }
+
+  // Switches to a newer map and sends again the retained pushes whose chunk
+  // is now on another shard (the old one may have taken them and died).
+  absl::Status AdoptMap(const v1::ShardMap& map) {
+    auto routes = BuildRoutes(map, tensors_);
+    if (!routes.ok()) return routes.status();
+    std::vector<uint64_t> resend;
+    {
+      absl::MutexLock lock(&mu_);
+      if (map.epoch() <= epoch_) return absl::OkStatus();
+      for (size_t t = 0; t < routes->size(); ++t) {
+        if ((*routes)[t].size() != routes_[t].size()) {
+          return absl::InternalError(absl::StrCat("map epoch ", map.epoch(), " cuts tensor ",
+                                                  tensors_[t].name, " differently"));
+        }
+      }
+      std::vector<std::vector<ChunkRoute>> old = std::move(routes_);
+      routes_ = *std::move(routes);
+      OPTIMUS_LOG(Info, kLog, "job ", job_id_, " rank ", rank_, ": map epoch ", epoch_, " -> ",
+                  map.epoch());
+      epoch_ = map.epoch();
+      for (uint32_t t = 0; t < routes_.size(); ++t) {
+        const Retained& r = retained_[t];
+        if (!r.valid) continue;
+        for (uint32_t i = 0; i < routes_[t].size(); ++i) {
+          if (routes_[t][i].shard_id == old[t][i].shard_id) continue;
+          Pending p;
+          p.op = wire::Op::kPush;
+          p.tensor = t;
+          p.route = i;
+          p.step = r.step;
+          p.src = r.src;
+          p.dtype = grad_dtype_;
+          p.flags = wire::kRequestResend;
+          resend.push_back(AddPendingLocked(p));
+          ++resent_;
+        }
+      }
+    }
+    for (uint64_t id : resend) SendPending(id);
+    return absl::OkStatus();
   }
 
  private:
@@ -429,25 +687,34 @@ class ClientImpl : public Client {
   std::unique_ptr<transport::Worker> worker_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::Coordinator::Stub> stub_;
+  std::thread recovery_;
+  // Endpoints by shard id; used by Join and the recovery thread only.
+  std::map<uint64_t, transport::EndpointRef> eps_;
 
   // Fixed by Join; read without the lock afterwards (joined_ is set last
   // under mu_ and never cleared).
   uint64_t job_id_ = 0;
-  uint64_t epoch_ = 0;
+  std::string job_name_;
+  uint32_t replication_ = 0;
   uint32_t rank_ = 0;
   uint32_t world_size_ = 0;
   uint64_t resume_step_ = 1;
   DType grad_dtype_ = DType::kBf16;
   DType param_dtype_ = DType::kBf16;
   std::vector<TensorInfo> tensors_;
-  std::vector<std::vector<ChunkRoute>> routes_;
 
   mutable absl::Mutex mu_;
   bool joined_ ABSL_GUARDED_BY(mu_) = false;
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  uint64_t epoch_ ABSL_GUARDED_BY(mu_) = 0;
+  std::vector<std::vector<ChunkRoute>> routes_ ABSL_GUARDED_BY(mu_);
+  std::vector<Retained> retained_ ABSL_GUARDED_BY(mu_);
+  uint64_t resent_ ABSL_GUARDED_BY(mu_) = 0;
   Ticket next_ticket_ ABSL_GUARDED_BY(mu_) = 1;
   uint64_t next_request_ ABSL_GUARDED_BY(mu_) = 1;
   absl::flat_hash_map<Ticket, TicketState> tickets_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<uint64_t, Pending> pending_ ABSL_GUARDED_BY(mu_);
+  std::map<uint64_t, Pending> stalled_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace

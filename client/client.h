@@ -6,7 +6,16 @@
 // Push and Pull return at once with a Ticket; Wait(ticket, timeout) blocks
 // until every chunk of that operation is answered. The buffers handed to Push
 // and Pull belong to the caller and must not change (Push) or be read (Pull)
-// until Wait returns OK or an error other than DEADLINE_EXCEEDED.
+// until Wait returns OK or an error other than DEADLINE_EXCEEDED. A push's
+// buffer must moreover stay unchanged until the Pull of the next version of
+// that tensor has completed: if a shard fails over in between, the client
+// sends the push again to the promoted backup.
+//
+// Failover is transparent: when a shard fails, or the coordinator moves
+// chunks (a drain), requests in flight are resent under the job's new shard
+// map and Wait just takes longer (about the lease). Only when the job cannot
+// go on (a shard was lost without a replica: the job FAILED) do the waiting
+// tickets fail, with UNAVAILABLE.
 // All methods are thread-safe.
 #ifndef OPTIMUS_CLIENT_CLIENT_H_
 #define OPTIMUS_CLIENT_CLIENT_H_
@@ -30,7 +39,8 @@ struct ClientOptions {
   std::string coordinator_address;
   // Deadline for each control-plane RPC. Default 10 s.
   absl::Duration rpc_timeout = absl::Seconds(10);
-  // How long Join waits for the shards to load the job. Default 60 s.
+  // How long Join waits for the shards to load the job, and how long a
+  // failed-over request waits for a new shard map. Default 60 s.
   absl::Duration ready_timeout = absl::Seconds(60);
   // UCX settings for the data plane.
   transport::WorkerOptions transport;
@@ -75,6 +85,9 @@ struct JobDef {
   // Chunk size limit in bytes of fp32 state; 0 means the coordinator's 4 MiB.
   uint64_t max_chunk_bytes = 0;
   CheckpointPolicy checkpoint;
+  // Backups per chunk: 0, or 1 (each chunk also lives on a second shard,
+  // which takes over without losing a step when the first fails).
+  uint32_t replication = 0;
 };
 
 // Identifies one Push or Pull until Wait consumes it.
@@ -114,6 +127,12 @@ class Client {
   // InitTensor first), S for a job restored from a checkpoint of step S
   // (its values are loaded: pull version S, push step S, no InitTensor).
   virtual uint64_t resume_step() const = 0;
+  // The joined job's id and the shard map epoch in use (it grows when the
+  // coordinator fails a shard over or moves chunks).
+  virtual uint64_t job_id() const = 0;
+  virtual uint64_t map_epoch() const = 0;
+  // Requests sent again after a failover or map change, so far.
+  virtual uint64_t requests_resent() const = 0;
 
   // Sends the initial fp32 values of a tensor (num_elems floats); they become
   // version 1. One rank (by convention 0) does this; the others Pull version

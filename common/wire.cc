@@ -25,7 +25,7 @@ absl::StatusOr<RequestHeader> ParseRequestHeader(absl::Span<const uint8_t> bytes
     return absl::InvalidArgumentError(
         absl::StrCat("unsupported wire version ", h.version, " (this shard speaks ", kVersion, ")"));
   }
-  if (h.op < static_cast<uint16_t>(Op::kPush) || h.op > static_cast<uint16_t>(Op::kInit)) {
+  if (h.op < static_cast<uint16_t>(Op::kPush) || h.op > static_cast<uint16_t>(Op::kReplicate)) {
     return absl::InvalidArgumentError(absl::StrCat("unknown request op ", h.op));
   }
   if (auto d = DTypeFromInt(h.dtype); !d.ok()) return d.status();

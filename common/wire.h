@@ -27,6 +27,21 @@ enum class Op : uint16_t {
   kPush = 1,  // Gradient for (chunk, step); payload: num_elems of dtype.
   kPull = 2,  // Parameters at version `step`; reply payload: num_elems of param dtype.
   kInit = 3,  // Initial fp32 master values (version 1); payload: num_elems fp32.
+  // Primary -> backup (replication): `step` is the chunk version the message
+  // starts from; payload (fp32): the chunk's state arrays at that version
+  // (master, then the moments) when flags has kReplicateState, then the
+  // step's summed, scaled gradient when flags has kReplicateSum. `rank`
+  // carries the sender's shard id. Answered once applied.
+  kReplicate = 4,
+};
+
+// RequestHeader.flags bits.
+enum RequestFlags : uint8_t {
+  // A push the client sends again after a failover. A step that is already
+  // applied is answered OK + kReplyDuplicate instead of "stale push".
+  kRequestResend = 1u << 0,
+  kReplicateState = 1u << 1,  // kReplicate: seeds the backup with the state.
+  kReplicateSum = 1u << 2,    // kReplicate: applies one step with the sum.
 };
 
 // 64 bytes. `step` is the gradient's step for kPush and the wanted version
@@ -42,7 +57,8 @@ struct RequestHeader {
   uint64_t step = 0;
   uint32_t rank = 0;
   uint8_t dtype = 0;
-  uint8_t reserved[3] = {0, 0, 0};
+  uint8_t flags = 0;         // RequestFlags.
+  uint8_t reserved[2] = {0, 0};
   uint64_t num_bytes = 0;    // Payload bytes sent (push/init) or expected (pull).
   uint64_t request_id = 0;   // Echoed in the reply.
 };
@@ -50,6 +66,18 @@ static_assert(sizeof(RequestHeader) == 64, "wire layout");
 
 enum ReplyFlags : uint32_t {
   kReplyDuplicate = 1u << 0,  // A push already received; this copy was dropped.
+  // The request's map epoch is not the shard's, or the chunk is no longer on
+  // this shard: fetch the job's current map and send it again.
+  kReplyRefreshMap = 1u << 1,
+  // kReplicate: the receiver is no longer this chunk's backup under a map
+  // at least as new as the sender's (it was promoted, or the chunk moved):
+  // the sender is not the primary any more and must stop serving the chunk.
+  kReplyFenced = 1u << 2,
+  // kReplicate: the receiver has not loaded the sender's map yet; retry soon.
+  kReplyRetry = 1u << 3,
+  // kReplicate: the backup does not hold the state this step starts from;
+  // send the state (a seed) instead.
+  kReplyNeedSeed = 1u << 4,
 };
 
 // Followed in the AM header by `message_len` bytes of error text.

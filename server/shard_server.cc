@@ -26,6 +26,7 @@
 #include "common/wire.h"
 #include "grpcpp/grpcpp.h"
 #include "kernels/cpu/optimizer.h"
+#include "kernels/cpu/passes.h"
 #include "kernels/cpu/thread_pool.h"
 #include "proto/optimus.grpc.pb.h"
 #include "common/checkpoint_files.h"
@@ -56,7 +57,8 @@ AlignedBytes AllocZeroed(size_t size_bytes) {
 // What the job needs to know, taken from the coordinator's JobSpec once.
 struct JobConfig {
   uint64_t job_id = 0;
-  uint64_t map_epoch = 0;
+  uint64_t map_epoch = 0;  // Guarded by jobs_mu_ once the job is loaded.
+  uint32_t replication = 0;
   uint32_t world_size = 0;
   DType grad_dtype = DType::kFp32;
   DType param_dtype = DType::kBf16;
@@ -65,6 +67,22 @@ struct JobConfig {
 };
 
 enum class SlotState : uint8_t { kEmpty = 0, kReceiving = 1, kFull = 2 };
+
+// What this shard is for a chunk under the loaded map.
+enum class Role : uint8_t {
+  kPrimary = 0,  // Takes pushes and pulls; forwards each step to the backup.
+  kBackup = 1,   // Applies the primary's forwarded steps; promoted on failover.
+  kRetired = 2,  // No longer on this shard (moved, or fenced): refuses everything.
+};
+
+// A primary's forward of the step being published to the chunk's backup.
+enum class Forward : uint8_t {
+  kNone = 0,        // No backup, or the forward was acknowledged.
+  kInFlight = 1,    // Sent; waiting for the backup's answer.
+  kNeedsSeed = 2,   // Send the state (after the kernel) instead of the sum.
+  kRetryLater = 3,  // The backup has not loaded our map yet; a timer resends.
+  kWaitMap = 4,     // The backup is unreachable: wait for a map that replaces it.
+};
 
 // A pull waiting for a version that is not published yet.
 struct ParkedPull {
@@ -105,6 +123,28 @@ struct Chunk {
   // (0: none); the snapshot is taken the moment that version is published.
   uint64_t capture_step ABSL_GUARDED_BY(mu) = 0;
   uint64_t capture_checkpoint ABSL_GUARDED_BY(mu) = 0;
+
+  // ---- Replication (jobs with replication 1) ----
+  Role role ABSL_GUARDED_BY(mu) = Role::kPrimary;
+  uint64_t primary_shard ABSL_GUARDED_BY(mu) = 0;
+  uint64_t backup_shard ABSL_GUARDED_BY(mu) = 0;  // 0: none.
+  transport::EndpointRef backup_ep ABSL_GUARDED_BY(mu);
+  // Bumped whenever the backup changes; a forward's answer for an older
+  // generation is ignored.
+  uint64_t backup_gen ABSL_GUARDED_BY(mu) = 0;
+  // Primary: the backup holds our state (acknowledged a seed, or both loaded
+  // the same checkpoint), so forwarding the sum is enough.
+  bool backup_seeded ABSL_GUARDED_BY(mu) = false;
+  // Backup: holds the primary's state at published_version.
+  bool seeded ABSL_GUARDED_BY(mu) = false;
+  // The fp32 summed, scaled gradient of the step being applied: what the
+  // primary forwards and both sides step with (replicated jobs only).
+  AlignedBytes sum;
+  // Primary: step whose publication waits for the kernel and the forward
+  // (0: none), and where those stand.
+  uint64_t pub_step ABSL_GUARDED_BY(mu) = 0;
+  bool pub_kernel_done ABSL_GUARDED_BY(mu) = false;
+  Forward forward ABSL_GUARDED_BY(mu) = Forward::kNone;
 };
 
 // Jobs and their chunks are never removed while the server runs (job deletion
@@ -112,9 +152,22 @@ struct Chunk {
 struct Job {
   JobConfig config;
   uint32_t num_arrays = 1;  // Checkpointed per chunk: master and the moments.
-  uint64_t memory_bytes = 0;
-  // Keyed by (tensor << 32 | chunk). Immutable after load.
+  uint64_t memory_bytes = 0;    // Guarded by jobs_mu_ once loaded.
+  bool has_v = false;
+  // Keyed by (tensor << 32 | chunk). Guarded by jobs_mu_ once loaded; entries
+  // are added when a new map places a chunk here and never removed (a chunk
+  // that leaves is retired), so Chunk pointers stay valid.
   absl::flat_hash_map<uint64_t, std::unique_ptr<Chunk>> chunks;
+};
+
+// A forward waiting for the backup's answer.
+struct PendingForward {
+  Job* job = nullptr;
+  Chunk* chunk = nullptr;
+  uint64_t gen = 0;
+  bool seed = false;
+  transport::EndpointRef ep;
+  std::shared_ptr<std::vector<float>> staging;  // A seed's payload.
 };
 
 uint64_t ChunkKey(uint32_t tensor, uint32_t chunk) {
@@ -145,11 +198,18 @@ class ShardServerImpl : public ShardServer {
   ~ShardServerImpl() override { Shutdown(); }
 
   absl::Status Init() {
-    auto worker = transport::Worker::Create(options_.transport);
+    transport::WorkerOptions wopts = options_.transport;
+    // A backup that dies fails the forwards waiting for its answer at once.
+    wopts.on_peer_failure = [this](transport::EndpointRef ep, const absl::Status& why) {
+      FailForwardsTo(ep, why);
+    };
+    auto worker = transport::Worker::Create(wopts);
     if (!worker.ok()) return worker.status();
     worker_ = std::move(*worker);
     worker_->SetHandler(wire::kAmRequest,
                         [this](transport::IncomingMessage& msg) { OnRequest(msg); });
+    worker_->SetHandler(wire::kAmReply,
+                        [this](transport::IncomingMessage& msg) { OnForwardReply(msg); });
     if (auto s = worker_->Start(); !s.ok()) return s;
 
     // Reconnect quickly after a coordinator restart: gRPC's default backoff
@@ -204,6 +264,13 @@ class ShardServerImpl : public ShardServer {
               pulled_bytes_.load(), id);
     m.Counter("optimus_shard_duplicate_pushes_total", "Repeated pushes acknowledged and dropped.",
               st.pushes_duplicate, id);
+    m.Counter("optimus_shard_forwards_total",
+              "Steps and seeds sent to backups (replication).", forwards_sent_.load(), id);
+    m.Counter("optimus_shard_backup_steps_total",
+              "Forwarded steps this shard applied as a backup.",
+              forwarded_steps_applied_.load(), id);
+    m.Counter("optimus_shard_backup_seeds_total",
+              "Chunk states this shard received as a new backup.", seeds_received_.load(), id);
     m.Gauge("optimus_shard_memory_used_bytes", "Bytes of job state allocated.",
             st.memory_used_bytes, id);
     m.Gauge("optimus_shard_memory_limit_bytes", "State budget of this shard.",
@@ -308,13 +375,25 @@ class ShardServerImpl : public ShardServer {
     for (;;) {
       {
         absl::MutexLock lock(&stop_mu_);
-        if (stop_mu_.AwaitWithTimeout(absl::Condition(&stopped_), HeartbeatInterval())) return;
+        stop_mu_.AwaitWithTimeout(absl::Condition(this, &ShardServerImpl::StopOrBeat),
+                                  HeartbeatInterval());
+        if (stopped_) return;
+        beat_now_ = false;
       }
       absl::Status s = HeartbeatOnce();
       if (!s.ok()) {
         OPTIMUS_LOG(Warning, kLog, "heartbeat failed: ", s.ToString());
       }
     }
+  }
+
+  bool StopOrBeat() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(stop_mu_) { return stopped_ || beat_now_; }
+
+  // Asks the heartbeat thread to beat (and so load a newer map) now. Safe
+  // from the progress thread.
+  void BeatNow() {
+    absl::MutexLock lock(&stop_mu_);
+    beat_now_ = true;
   }
 
   absl::Status HeartbeatOnce() {
@@ -330,15 +409,28 @@ class ShardServerImpl : public ShardServer {
         auto* p = req.add_jobs();
         p->set_job_id(id);
         p->set_map_epoch(job->config.map_epoch);
-        p->set_chunks_loaded(static_cast<uint32_t>(job->chunks.size()));
         uint64_t min_applied = UINT64_MAX, max_applied = 0;
+        uint32_t primaries = 0, backups = 0, seeded = 0, replicated = 0;
         for (const auto& [key, chunk] : job->chunks) {
           absl::MutexLock clock(&chunk->mu);
+          if (chunk->role == Role::kBackup) {
+            ++backups;
+            if (chunk->seeded) ++seeded;
+            continue;
+          }
+          if (chunk->role != Role::kPrimary) continue;
+          ++primaries;
+          if (chunk->backup_shard != 0 && chunk->backup_seeded) ++replicated;
           const uint64_t applied =
               chunk->published_version > 0 ? chunk->published_version - 1 : 0;
           min_applied = std::min(min_applied, applied);
           max_applied = std::max(max_applied, applied);
         }
+        p->set_chunks_loaded(primaries + backups);
+        p->set_primary_chunks(primaries);
+        p->set_backup_chunks(backups);
+        p->set_backups_seeded(seeded);
+        p->set_primaries_replicated(replicated);
         p->set_applied_step(min_applied == UINT64_MAX ? 0 : min_applied);
         p->set_max_applied_step(max_applied);
       }
@@ -355,8 +447,12 @@ class ShardServerImpl : public ShardServer {
     if (!s.ok()) return s;
     last_beat_unix_ns_.store(absl::ToUnixNanos(absl::Now()));
     if (!resp.known()) {
+      // Declared dead (the lease expired, e.g. a partition): the jobs moved
+      // on without this shard, so its state is stale. Retire every chunk so
+      // no worker or former primary keeps using it, then join afresh.
       OPTIMUS_LOG(Warning, kLog, "coordinator no longer knows shard_id=", shard_id_.load(),
-                  "; registering again");
+                  "; retiring its chunks and registering again");
+      RetireAll(absl::StrCat("shard ", shard_id_.load(), " was declared down"));
       return Register();
     }
     for (const auto& a : resp.assignments()) {
@@ -364,7 +460,7 @@ class ShardServerImpl : public ShardServer {
       {
         absl::MutexLock lock(&jobs_mu_);
         auto it = jobs_.find(a.job_id());
-        loaded = it != jobs_.end() && it->second->config.map_epoch == a.map_epoch();
+        loaded = it != jobs_.end() && it->second->config.map_epoch >= a.map_epoch();
       }
       if (loaded) continue;
       if (auto ls = LoadJob(a.job_id()); !ls.ok()) {
@@ -407,14 +503,22 @@ class ShardServerImpl : public ShardServer {
   void StartCheckpoint(const v1::CheckpointOrder& o) {
     if (ckpt_writer_ == nullptr || ckpt_writer_->Known(o.job_id(), o.checkpoint_id())) return;
     Job* job = nullptr;
+    // Only primaries write: a backup holds the same bytes.
+    std::vector<Chunk*> primaries;
     {
       absl::MutexLock lock(&jobs_mu_);
       auto it = jobs_.find(o.job_id());
-      if (it != jobs_.end()) job = it->second.get();
+      if (it != jobs_.end()) {
+        job = it->second.get();
+        for (const auto& [key, chunk] : job->chunks) {
+          absl::MutexLock clock(&chunk->mu);
+          if (chunk->role == Role::kPrimary) primaries.push_back(chunk.get());
+        }
+      }
     }
     const std::string dir = absl::StrCat(options_.checkpoint_dir, "/", o.path());
     ckpt_writer_->Begin(o.job_id(), o.checkpoint_id(), dir,
-                        job == nullptr ? 0 : static_cast<uint32_t>(job->chunks.size()));
+                        static_cast<uint32_t>(primaries.size()));
     if (job == nullptr) {
       return ckpt_writer_->Fail(o.job_id(), o.checkpoint_id(),
                                 absl::StrCat("shard ", shard_id_.load(), " has not loaded job ",
@@ -423,7 +527,7 @@ class ShardServerImpl : public ShardServer {
     if (absl::Status s = ckpt::MakeDirs(dir); !s.ok()) {
       return ckpt_writer_->Fail(o.job_id(), o.checkpoint_id(), std::string(s.message()));
     }
-    for (const auto& [key, chunk] : job->chunks) {
+    for (Chunk* chunk : primaries) {
       absl::MutexLock lock(&chunk->mu);
       const uint64_t pv = chunk->published_version;
       if (pv == 0) {
@@ -446,7 +550,8 @@ class ShardServerImpl : public ShardServer {
     }
   }
 
-  // Fetches the job and allocates the chunks the map places on this shard.
+  // Fetches the job and allocates the chunks the map places on this shard
+  // (as primary or backup); for a job already loaded, applies its newer map.
   absl::Status LoadJob(uint64_t job_id) {
     v1::GetJobRequest req;
     req.set_job_id(job_id);
@@ -454,6 +559,18 @@ class ShardServerImpl : public ShardServer {
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
     if (auto s = FromGrpc(stub_->GetJob(&ctx, req, &resp)); !s.ok()) return s;
+    {
+      Job* existing = nullptr;
+      {
+        absl::MutexLock lock(&jobs_mu_);
+        auto it = jobs_.find(job_id);
+        if (it != jobs_.end()) existing = it->second.get();
+      }
+      if (existing != nullptr) {
+        if (auto s = ApplyMap(existing, resp); !s.ok()) return s;
+        return HeartbeatOnce();
+      }
+    }
     const v1::JobSpec& spec = resp.spec();
 
     auto job = std::make_unique<Job>();
@@ -461,6 +578,7 @@ class ShardServerImpl : public ShardServer {
     c.job_id = job_id;
     c.map_epoch = resp.map().epoch();
     c.world_size = spec.world_size();
+    c.replication = spec.replication();
     auto gd = DTypeFromInt(spec.grad_dtype());
     auto pd = DTypeFromInt(spec.param_dtype());
     auto kind = KindFromProto(spec.optimizer().kind());
@@ -468,6 +586,10 @@ class ShardServerImpl : public ShardServer {
     if (!pd.ok()) return pd.status();
     if (!kind.ok()) return kind.status();
     if (c.world_size == 0) return absl::InvalidArgumentError("job has world_size 0");
+    if (c.replication > 1) {
+      return absl::InvalidArgumentError(absl::StrCat("job has replication ", c.replication,
+                                                     "; this shard supports 0 or 1"));
+    }
     c.grad_dtype = *gd;
     c.param_dtype = *pd;
     const auto& o = spec.optimizer();
@@ -479,54 +601,30 @@ class ShardServerImpl : public ShardServer {
     c.hyper.weight_decay = o.weight_decay();
     c.hyper.momentum = o.momentum();
     c.grad_scale = o.grad_scale() > 0 ? o.grad_scale() : 1.0f / static_cast<float>(c.world_size);
-    const bool has_v = c.hyper.kind != kernels::OptimizerKind::kSgd &&
-                       c.hyper.kind != kernels::OptimizerKind::kLion;
-    job->num_arrays = has_v ? 3 : 2;
+    job->has_v = c.hyper.kind != kernels::OptimizerKind::kSgd &&
+                 c.hyper.kind != kernels::OptimizerKind::kLion;
+    job->num_arrays = job->has_v ? 3 : 2;
 
     const uint64_t me = shard_id_.load();
+    const std::map<uint64_t, transport::EndpointRef> backups = ConnectBackups(resp.map(), me);
     for (const auto& p : resp.map().chunks()) {
-      if (p.shard_id() != me) continue;
-      auto ch = std::make_unique<Chunk>();
-      ch->tensor = p.tensor();
-      ch->chunk = p.chunk();
-      ch->num_elems = p.num_elems();
-      ch->offset_elems = p.offset_elems();
-      const uint64_t n = p.num_elems();
-      ch->master = AllocZeroed(n * 4);
-      ch->m = AllocZeroed(n * 4);
-      if (has_v) ch->v = AllocZeroed(n * 4);
-      ch->slots = AllocZeroed(n * DTypeSize(c.grad_dtype) * c.world_size);
-      ch->published[0] = AllocZeroed(n * DTypeSize(c.param_dtype));
-      ch->published[1] = AllocZeroed(n * DTypeSize(c.param_dtype));
-      if (!ch->master || !ch->m || (has_v && !ch->v) || !ch->slots || !ch->published[0] ||
-          !ch->published[1]) {
-        return absl::ResourceExhaustedError(
-            absl::StrCat("out of memory allocating chunk of ", n, " elements for job ", job_id));
-      }
-      // Register the buffers rendezvous lands in or is read from.
-      for (auto [ptr, size] : {std::pair<uint8_t*, size_t>{ch->slots.get(),
-                                                             n * DTypeSize(c.grad_dtype) *
-                                                                 c.world_size},
-                               {ch->published[0].get(), n * DTypeSize(c.param_dtype)},
-                               {ch->published[1].get(), n * DTypeSize(c.param_dtype)},
-                               {ch->master.get(), n * 4}}) {
-        auto region = worker_->RegisterMemory(ptr, size);
-        if (!region.ok()) return region.status();
-        ch->regions.push_back(std::move(*region));
-      }
-      for (uint32_t r = 0; r < c.world_size; ++r) {
-        ch->grad_ptrs.push_back(ch->slots.get() + r * n * DTypeSize(c.grad_dtype));
-      }
-      if (resp.has_restore()) {
-        if (auto rs = RestoreChunk(resp, job.get(), ch.get()); !rs.ok()) return rs;
+      if (p.shard_id() != me && p.backup_shard_id() != me) continue;
+      auto ch = AllocateChunk(*job, p);
+      if (!ch.ok()) return ch.status();
+      job->memory_bytes += ChunkBytes(*job, **ch);
+      const bool restored = resp.has_restore();
+      if (restored) {
+        if (auto rs = RestoreChunk(resp, job.get(), ch->get()); !rs.ok()) return rs;
       }
       {
-        absl::MutexLock lock(&ch->mu);
-        ch->slot_state.assign(c.world_size, SlotState::kEmpty);
+        Chunk* chunk = ch->get();
+        absl::MutexLock lock(&chunk->mu);
+        SetPlacement(chunk, p, me, backups);
+        // Primary and backup loaded the same checkpoint: already in sync.
+        chunk->seeded = restored;
+        chunk->backup_seeded = restored && chunk->backup_shard != 0;
       }
-      job->memory_bytes += n * (4 + 4 + (has_v ? 4 : 0) + DTypeSize(c.grad_dtype) * c.world_size +
-                                2 * DTypeSize(c.param_dtype));
-      job->chunks[ChunkKey(p.tensor(), p.chunk())] = std::move(ch);
+      job->chunks[ChunkKey(p.tensor(), p.chunk())] = std::move(*ch);
     }
     {
       absl::MutexLock lock(&jobs_mu_);
@@ -540,21 +638,236 @@ class ShardServerImpl : public ShardServer {
             options_.memory_limit_bytes - std::min(used, options_.memory_limit_bytes),
             " of ", options_.memory_limit_bytes, " free"));
       }
-      if (jobs_.count(job_id) != 0) {
-        // A new epoch of a loaded job: failover and resharding come with the
-        // reliability work; until then keep serving the loaded state.
-        OPTIMUS_LOG(Warning, kLog, "job ", job_id, " map epoch changed to ",
-                    job->config.map_epoch, "; keeping the loaded state");
-        jobs_[job_id]->config.map_epoch = job->config.map_epoch;
-        return absl::OkStatus();
-      }
+      if (jobs_.count(job_id) != 0) return absl::OkStatus();  // Loaded meanwhile.
       OPTIMUS_LOG(Info, kLog, "loaded job ", job_id, " (", spec.name(), ") epoch ",
                   job->config.map_epoch, ": ", job->chunks.size(), " chunks, ",
-                  job->memory_bytes, " bytes");
+                  job->memory_bytes, " bytes, replication ", c.replication);
       jobs_[job_id] = std::move(job);
     }
     // Tell the coordinator now rather than at the next beat.
     return HeartbeatOnce();
+  }
+
+  // Allocates and registers one chunk's buffers (zeroed, no version yet).
+  absl::StatusOr<std::unique_ptr<Chunk>> AllocateChunk(const Job& job,
+                                                       const v1::ChunkPlacement& p) {
+    const JobConfig& c = job.config;
+    auto ch = std::make_unique<Chunk>();
+    ch->tensor = p.tensor();
+    ch->chunk = p.chunk();
+    ch->num_elems = p.num_elems();
+    ch->offset_elems = p.offset_elems();
+    const uint64_t n = p.num_elems();
+    const bool replicated = c.replication > 0;
+    ch->master = AllocZeroed(n * 4);
+    ch->m = AllocZeroed(n * 4);
+    if (job.has_v) ch->v = AllocZeroed(n * 4);
+    if (replicated) ch->sum = AllocZeroed(n * 4);
+    ch->slots = AllocZeroed(n * DTypeSize(c.grad_dtype) * c.world_size);
+    ch->published[0] = AllocZeroed(n * DTypeSize(c.param_dtype));
+    ch->published[1] = AllocZeroed(n * DTypeSize(c.param_dtype));
+    if (!ch->master || !ch->m || (job.has_v && !ch->v) || (replicated && !ch->sum) ||
+        !ch->slots || !ch->published[0] || !ch->published[1]) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "out of memory allocating chunk of ", n, " elements for job ", c.job_id));
+    }
+    // Register the buffers rendezvous lands in or is read from.
+    std::vector<std::pair<uint8_t*, size_t>> buffers = {
+        {ch->slots.get(), n * DTypeSize(c.grad_dtype) * c.world_size},
+        {ch->published[0].get(), n * DTypeSize(c.param_dtype)},
+        {ch->published[1].get(), n * DTypeSize(c.param_dtype)},
+        {ch->master.get(), n * 4}};
+    if (replicated) buffers.push_back({ch->sum.get(), n * 4});
+    for (auto [ptr, size] : buffers) {
+      auto region = worker_->RegisterMemory(ptr, size);
+      if (!region.ok()) return region.status();
+      ch->regions.push_back(std::move(*region));
+    }
+    for (uint32_t r = 0; r < c.world_size; ++r) {
+      ch->grad_ptrs.push_back(ch->slots.get() + r * n * DTypeSize(c.grad_dtype));
+    }
+    {
+      absl::MutexLock lock(&ch->mu);
+      ch->slot_state.assign(c.world_size, SlotState::kEmpty);
+    }
+    return ch;
+  }
+
+  static uint64_t ChunkBytes(const Job& job, const Chunk& ch) {
+    const JobConfig& c = job.config;
+    return ch.num_elems * (4 + 4 + (job.has_v ? 4 : 0) + (c.replication > 0 ? 4 : 0) +
+                           DTypeSize(c.grad_dtype) * c.world_size +
+                           2 * DTypeSize(c.param_dtype));
+  }
+
+  // Opens (once) an endpoint to every shard that backs up one of our chunks.
+  std::map<uint64_t, transport::EndpointRef> ConnectBackups(const v1::ShardMap& map,
+                                                            uint64_t me) {
+    std::set<uint64_t> wanted;
+    for (const auto& p : map.chunks()) {
+      if (p.shard_id() == me && p.backup_shard_id() != 0) wanted.insert(p.backup_shard_id());
+    }
+    std::map<uint64_t, transport::EndpointRef> out;
+    for (const auto& se : map.shards()) {
+      if (wanted.count(se.shard_id()) == 0) continue;
+      {
+        absl::MutexLock lock(&peers_mu_);
+        auto it = peers_.find(se.shard_id());
+        if (it != peers_.end()) {
+          out[se.shard_id()] = it->second;
+          continue;
+        }
+      }
+      auto ep = worker_->Connect(se.data_address());
+      if (!ep.ok()) {
+        // Forwards to it fail and wait for a map that replaces it.
+        OPTIMUS_LOG(Warning, kLog, "cannot reach backup shard ", se.shard_id(), ": ",
+                    ep.status().ToString());
+        continue;
+      }
+      absl::MutexLock lock(&peers_mu_);
+      peers_[se.shard_id()] = *ep;
+      out[se.shard_id()] = *ep;
+    }
+    return out;
+  }
+
+  // Sets a chunk's role and backup from its placement in a (new) map.
+  void SetPlacement(Chunk* ch, const v1::ChunkPlacement& p, uint64_t me,
+                    const std::map<uint64_t, transport::EndpointRef>& backups)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(ch->mu) {
+    const Role role = p.shard_id() == me ? Role::kPrimary : Role::kBackup;
+    if (ch->role == Role::kRetired) {
+      // Back on this shard after leaving it: whatever it holds is stale.
+      ch->published_version = 0;
+      ch->first_version = 1;
+      ch->seeded = false;
+      ch->step_running = false;
+      ch->in_kernel = false;
+      std::fill(ch->slot_state.begin(), ch->slot_state.end(), SlotState::kEmpty);
+      ch->full_slots = 0;
+    }
+    if (ch->role == Role::kBackup && role == Role::kPrimary) {
+      OPTIMUS_LOG(Info, kLog, "promoted to primary of tensor ", ch->tensor, " chunk ", ch->chunk,
+                  " at version ", ch->published_version);
+    }
+    ch->role = role;
+    ch->primary_shard = p.shard_id();
+    const uint64_t backup = role == Role::kPrimary ? p.backup_shard_id() : 0;
+    if (backup != ch->backup_shard) {
+      ch->backup_shard = backup;
+      auto it = backups.find(backup);
+      ch->backup_ep = it == backups.end() ? transport::EndpointRef{} : it->second;
+      ++ch->backup_gen;
+      ch->backup_seeded = false;
+      // A publication held up by the old backup now seeds the new one (or
+      // goes ahead without one).
+      if (ch->pub_step != 0 && ch->forward != Forward::kNone) {
+        ch->forward = backup != 0 ? Forward::kNeedsSeed : Forward::kNone;
+      }
+    }
+  }
+
+  // The chunk left this shard (or the shard was fenced): refuse everything,
+  // and send the pulls waiting on it back to the map.
+  void RetireLocked(Chunk* ch, const std::string& why, std::vector<ParkedPull>* failed)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(ch->mu) {
+    if (ch->role == Role::kRetired) return;
+    ch->role = Role::kRetired;
+    ch->pub_step = 0;
+    ch->forward = Forward::kNone;
+    ++ch->backup_gen;
+    ch->capture_step = 0;
+    failed->insert(failed->end(), ch->parked.begin(), ch->parked.end());
+    ch->parked.clear();
+    OPTIMUS_LOG(Info, kLog, "tensor ", ch->tensor, " chunk ", ch->chunk, " retired: ", why);
+  }
+
+  void FailParked(const std::vector<ParkedPull>& failed, const std::string& why) {
+    for (const ParkedPull& p : failed) {
+      requests_rejected_.fetch_add(1);
+      Reply(p.reply_ep, p.request_id, absl::FailedPreconditionError(why),
+            wire::kReplyRefreshMap);
+    }
+  }
+
+  void RetireAll(const std::string& why) {
+    std::vector<ParkedPull> failed;
+    {
+      absl::MutexLock lock(&jobs_mu_);
+      for (auto& [id, job] : jobs_) {
+        for (auto& [key, chunk] : job->chunks) {
+          absl::MutexLock clock(&chunk->mu);
+          RetireLocked(chunk.get(), why, &failed);
+        }
+      }
+    }
+    FailParked(failed, absl::StrCat("stale shard map: ", why));
+  }
+
+  // A newer map of a loaded job: new chunks (this shard became a backup, or
+  // a drain moves a chunk here) are allocated, roles and backups follow the
+  // map, chunks no longer here are retired.
+  absl::Status ApplyMap(Job* job, const v1::GetJobResponse& resp) {
+    const uint64_t epoch = resp.map().epoch();
+    const uint64_t me = shard_id_.load();
+    const std::map<uint64_t, transport::EndpointRef> backups = ConnectBackups(resp.map(), me);
+    std::map<uint64_t, const v1::ChunkPlacement*> mine;
+    for (const auto& p : resp.map().chunks()) {
+      if (p.shard_id() == me || p.backup_shard_id() == me) {
+        mine[ChunkKey(p.tensor(), p.chunk())] = &p;
+      }
+    }
+    std::vector<std::pair<uint64_t, std::unique_ptr<Chunk>>> fresh;
+    uint64_t fresh_bytes = 0;
+    for (const auto& [key, p] : mine) {
+      {
+        absl::MutexLock lock(&jobs_mu_);
+        if (job->chunks.count(key) != 0) continue;
+      }
+      auto ch = AllocateChunk(*job, *p);
+      if (!ch.ok()) return ch.status();
+      fresh_bytes += ChunkBytes(*job, **ch);
+      fresh.emplace_back(key, std::move(*ch));
+    }
+    std::vector<ParkedPull> failed;
+    std::vector<Chunk*> to_publish;
+    {
+      absl::MutexLock lock(&jobs_mu_);
+      if (job->config.map_epoch >= epoch) return absl::OkStatus();
+      uint64_t used = 0;
+      for (const auto& [id, j] : jobs_) used += j->memory_bytes;
+      if (used + fresh_bytes > options_.memory_limit_bytes) {
+        return absl::ResourceExhaustedError(absl::StrCat(
+            "map epoch ", epoch, " of job ", job->config.job_id, " adds ", fresh_bytes,
+            " bytes to this shard; ",
+            options_.memory_limit_bytes - std::min(used, options_.memory_limit_bytes),
+            " of ", options_.memory_limit_bytes, " free"));
+      }
+      for (auto& [key, ch] : fresh) {
+        job->memory_bytes += ChunkBytes(*job, *ch);
+        job->chunks[key] = std::move(ch);
+      }
+      for (auto& [key, chunk] : job->chunks) {
+        absl::MutexLock clock(&chunk->mu);
+        auto it = mine.find(key);
+        if (it == mine.end()) {
+          RetireLocked(chunk.get(),
+                       absl::StrCat("map epoch ", epoch, " places it on another shard"), &failed);
+          continue;
+        }
+        SetPlacement(chunk.get(), *it->second, me, backups);
+        if (chunk->pub_step != 0) to_publish.push_back(chunk.get());
+      }
+      OPTIMUS_LOG(Info, kLog, "job ", job->config.job_id, ": map epoch ", job->config.map_epoch,
+                  " -> ", epoch, " (", fresh.size(), " new chunks, ", failed.size(),
+                  " pulls sent back)");
+      job->config.map_epoch = epoch;
+    }
+    FailParked(failed, absl::StrCat("stale shard map: job ", job->config.job_id,
+                                    " moved the chunk at map epoch ", epoch));
+    for (Chunk* chunk : to_publish) TryPublish(job, chunk);
+    return absl::OkStatus();
   }
 
   // Loads a chunk of a job restored from a checkpoint: its element range is
@@ -597,35 +910,62 @@ class ShardServerImpl : public ShardServer {
                   nullptr, 0, [](absl::Status) {});
   }
 
-  // Finds the job and chunk a request names and checks the fields every op
-  // shares. Returns null (and has replied with the error) on failure.
-  Chunk* Resolve(const wire::RequestHeader& h, Job** job_out, absl::Status* error) {
+  // Finds the job and chunk a worker's request names under the request's
+  // map epoch. Returns null with *error (and *flags) set on failure.
+  Chunk* Resolve(const wire::RequestHeader& h, Job** job_out, absl::Status* error,
+                 uint32_t* flags) {
     Job* job = nullptr;
+    Chunk* chunk = nullptr;
+    uint64_t epoch = 0;
     {
       absl::MutexLock lock(&jobs_mu_);
       auto it = jobs_.find(h.job_id);
-      if (it != jobs_.end()) job = it->second.get();
+      if (it != jobs_.end()) {
+        job = it->second.get();
+        epoch = job->config.map_epoch;
+        auto c = job->chunks.find(ChunkKey(h.tensor, h.chunk));
+        if (c != job->chunks.end()) chunk = c->second.get();
+      }
     }
     if (job == nullptr) {
       *error = absl::NotFoundError(absl::StrCat("unknown job ", h.job_id, " on shard ",
                                                 shard_id_.load()));
       return nullptr;
     }
-    if (h.map_epoch != job->config.map_epoch) {
+    if (h.map_epoch < epoch) {
+      *flags = wire::kReplyRefreshMap;
       *error = absl::FailedPreconditionError(
           absl::StrCat("stale shard map: request has epoch ", h.map_epoch, ", job ", h.job_id,
-                       " is at epoch ", job->config.map_epoch));
+                       " is at epoch ", epoch));
       return nullptr;
     }
-    auto it = job->chunks.find(ChunkKey(h.tensor, h.chunk));
-    if (it == job->chunks.end()) {
+    if (h.map_epoch > epoch) {
+      // The coordinator published a map this shard has not loaded yet.
+      BeatNow();
+      *flags = wire::kReplyRefreshMap;
+      *error = absl::UnavailableError(
+          absl::StrCat("shard ", shard_id_.load(), " has not loaded map epoch ", h.map_epoch,
+                       " of job ", h.job_id, " yet (it has ", epoch, "); retry"));
+      return nullptr;
+    }
+    if (chunk == nullptr) {
       *error = absl::NotFoundError(absl::StrCat("unknown chunk ", h.chunk, " of tensor ",
                                                 h.tensor, " in job ", h.job_id, " on shard ",
                                                 shard_id_.load()));
       return nullptr;
     }
+    {
+      absl::MutexLock lock(&chunk->mu);
+      if (chunk->role != Role::kPrimary) {
+        *flags = wire::kReplyRefreshMap;
+        *error = absl::FailedPreconditionError(absl::StrCat(
+            "stale shard map: shard ", shard_id_.load(), " is not the primary of tensor ",
+            h.tensor, " chunk ", h.chunk, " of job ", h.job_id, " at epoch ", epoch));
+        return nullptr;
+      }
+    }
     *job_out = job;
-    return it->second.get();
+    return chunk;
   }
 
   void OnRequest(transport::IncomingMessage& msg) {
@@ -638,18 +978,21 @@ class ShardServerImpl : public ShardServer {
       return;
     }
     const wire::RequestHeader& h = *parsed;
+    if (static_cast<wire::Op>(h.op) == wire::Op::kReplicate) return OnReplicate(msg, h);
     absl::Status error;
+    uint32_t flags = 0;
     Job* job = nullptr;
-    Chunk* chunk = Resolve(h, &job, &error);
+    Chunk* chunk = Resolve(h, &job, &error, &flags);
     if (chunk == nullptr) {
       requests_rejected_.fetch_add(1);
-      Reply(msg.reply_endpoint(), h.request_id, error);
+      Reply(msg.reply_endpoint(), h.request_id, error, flags);
       return;
     }
     switch (static_cast<wire::Op>(h.op)) {
       case wire::Op::kPush: return OnPush(msg, h, *job, chunk);
       case wire::Op::kPull: return OnPull(msg, h, *job, chunk);
       case wire::Op::kInit: return OnInit(msg, h, *job, chunk);
+      case wire::Op::kReplicate: return;  // Handled above.
     }
   }
 
@@ -687,6 +1030,9 @@ class ShardServerImpl : public ShardServer {
       if (expected == 0) {
         s = absl::FailedPreconditionError(absl::StrCat(
             "tensor ", h.tensor, " chunk ", h.chunk, " has no initial values yet"));
+      } else if (h.step < expected && (h.flags & wire::kRequestResend) != 0) {
+        // A push sent again after a failover whose step is already applied.
+        duplicate = true;
       } else if (h.step < expected) {
         s = absl::FailedPreconditionError(
             absl::StrCat("stale push: step ", h.step, " of tensor ", h.tensor, " chunk ",
@@ -695,8 +1041,10 @@ class ShardServerImpl : public ShardServer {
         s = absl::OutOfRangeError(
             absl::StrCat("push for step ", h.step, " of tensor ", h.tensor, " chunk ", h.chunk,
                          " is ahead: the chunk is waiting for step ", expected));
-      } else if (chunk->slot_state[h.rank] != SlotState::kEmpty) {
-        // The same (job, epoch, step, rank, chunk) again: pushes are idempotent.
+      } else if (chunk->slot_state[h.rank] != SlotState::kEmpty || chunk->step_running) {
+        // The same (job, epoch, step, rank, chunk) again, or a step already
+        // being applied (a promoted backup applying the forwarded sum):
+        // pushes are idempotent.
         duplicate = true;
       } else {
         chunk->slot_state[h.rank] = SlotState::kReceiving;
@@ -758,10 +1106,27 @@ class ShardServerImpl : public ShardServer {
   void RunStep(Job* job, Chunk* chunk) {
     const JobConfig& c = job->config;
     uint64_t step;
+    bool forward_sum = false;
+    transport::EndpointRef backup_ep;
+    uint64_t gen = 0;
     {
       absl::MutexLock lock(&chunk->mu);
       step = chunk->published_version;
       chunk->in_kernel = true;
+      chunk->pub_step = step;
+      chunk->pub_kernel_done = false;
+      chunk->forward = Forward::kNone;
+      if (chunk->backup_shard != 0) {
+        if (chunk->backup_seeded && chunk->backup_ep.valid()) {
+          forward_sum = true;
+          chunk->forward = Forward::kInFlight;
+          backup_ep = chunk->backup_ep;
+          gen = chunk->backup_gen;
+        } else {
+          // A new backup: once the kernel is done, send it the whole state.
+          chunk->forward = chunk->backup_ep.valid() ? Forward::kNeedsSeed : Forward::kWaitMap;
+        }
+      }
     }
     const size_t n = chunk->num_elems;
     kernels::StepInputs in;
@@ -769,13 +1134,23 @@ class ShardServerImpl : public ShardServer {
     in.grad_dtype = c.grad_dtype;
     in.grad_scale = c.grad_scale;
     in.step = static_cast<int64_t>(step);
-    kernels::ChunkState state{reinterpret_cast<float*>(chunk->master.get()),
-                              reinterpret_cast<float*>(chunk->m.get()),
-                              reinterpret_cast<float*>(chunk->v.get())};
+    const void* sum_ptr[1] = {chunk->sum.get()};
     const absl::Time start = absl::Now();
-    absl::Status s = kernels::FusedStep(c.hyper, in, n, state,
-                                        chunk->published[(step + 1) % 2].get(), c.param_dtype,
-                                        kernel_pool_.get());
+    absl::Status s;
+    if (c.replication > 0) {
+      // Replicated: sum once (in rank order, scaled, exactly as FusedStep
+      // sums), forward the sum, and step from it on both sides, so primary
+      // and backup stay bitwise equal (and equal to an unreplicated job).
+      s = kernels::SumGradsToFp32(in, n, reinterpret_cast<float*>(chunk->sum.get()),
+                                  kernel_pool_.get());
+      in.grads = absl::MakeConstSpan(sum_ptr, 1);
+      in.grad_dtype = DType::kFp32;
+      in.grad_scale = 1.0f;
+      if (forward_sum) {
+        SendForward(job, chunk, backup_ep, gen, step, /*seed=*/nullptr);
+      }
+    }
+    if (s.ok()) s = StepKernel(*job, chunk, in);
     step_latency_.Observe(absl::ToDoubleSeconds(absl::Now() - start));
     params_stepped_.fetch_add(n);
     if (!s.ok()) {
@@ -783,12 +1158,77 @@ class ShardServerImpl : public ShardServer {
       OPTIMUS_LOG(Error, kLog, "optimizer step failed for job ", c.job_id, " tensor ",
                   chunk->tensor, " chunk ", chunk->chunk, ": ", s.ToString());
     }
-    std::vector<ParkedPull> ready;
     {
       absl::MutexLock lock(&chunk->mu);
-      chunk->published_version = step + 1;
+      if (chunk->pub_step == step) chunk->pub_kernel_done = true;
+    }
+    TryPublish(job, chunk);
+  }
+
+  absl::Status StepKernel(const Job& job, Chunk* chunk, const kernels::StepInputs& in) {
+    const uint64_t step = static_cast<uint64_t>(in.step);
+    kernels::ChunkState state{reinterpret_cast<float*>(chunk->master.get()),
+                              reinterpret_cast<float*>(chunk->m.get()),
+                              reinterpret_cast<float*>(chunk->v.get())};
+    return kernels::FusedStep(job.config.hyper, in, chunk->num_elems, state,
+                              chunk->published[(step + 1) % 2].get(), job.config.param_dtype,
+                              kernel_pool_.get());
+  }
+
+  // Publishes the pending step once its kernel is done and the backup (if
+  // any) has it; seeds a backup that needs the state first.
+  void TryPublish(Job* job, Chunk* chunk) {
+    uint64_t step = 0;
+    std::shared_ptr<std::vector<float>> seed;
+    transport::EndpointRef ep;
+    uint64_t gen = 0;
+    {
+      absl::MutexLock lock(&chunk->mu);
+      if (chunk->pub_step == 0 || !chunk->pub_kernel_done) return;
+      switch (chunk->forward) {
+        case Forward::kInFlight:
+        case Forward::kRetryLater:
+        case Forward::kWaitMap:
+          return;
+        case Forward::kNeedsSeed: {
+          if (!chunk->backup_ep.valid()) {
+            chunk->forward = Forward::kWaitMap;
+            return;
+          }
+          // The state after the kernel is version pub_step + 1: the backup
+          // takes it whole, whatever it held.
+          const size_t n = chunk->num_elems;
+          seed = std::make_shared<std::vector<float>>(job->num_arrays * n);
+          const uint8_t* arrays[] = {chunk->master.get(), chunk->m.get(), chunk->v.get()};
+          for (uint32_t a = 0; a < job->num_arrays; ++a) {
+            std::memcpy(seed->data() + a * n, arrays[a], n * 4);
+          }
+          chunk->forward = Forward::kInFlight;
+          step = chunk->pub_step + 1;
+          ep = chunk->backup_ep;
+          gen = chunk->backup_gen;
+          break;
+        }
+        case Forward::kNone:
+          break;
+      }
+    }
+    if (seed != nullptr) return SendForward(job, chunk, ep, gen, step, std::move(seed));
+    Publish(job, chunk);
+  }
+
+  void Publish(Job* job, Chunk* chunk) {
+    std::vector<ParkedPull> ready;
+    uint64_t version;
+    {
+      absl::MutexLock lock(&chunk->mu);
+      if (chunk->pub_step == 0) return;
+      const uint64_t step = chunk->pub_step;
+      chunk->pub_step = 0;
+      version = step + 1;
+      chunk->published_version = version;
       chunk->in_kernel = false;
-      if (chunk->capture_step == step + 1) {
+      if (chunk->capture_step == version) {
         // A memcpy at the step boundary; the disk write happens elsewhere.
         ckpt_writer_->Add(Snapshot(*job, *chunk, chunk->capture_checkpoint));
         chunk->capture_step = 0;
@@ -796,9 +1236,257 @@ class ShardServerImpl : public ShardServer {
       std::fill(chunk->slot_state.begin(), chunk->slot_state.end(), SlotState::kEmpty);
       chunk->full_slots = 0;
       chunk->step_running = false;
-      TakeParked(chunk, step + 1, &ready);
+      TakeParked(chunk, version, &ready);
     }
     steps_applied_.fetch_add(1);
+    for (const ParkedPull& p : ready) SendParams(job, chunk, p.reply_ep, p.request_id, p.version);
+  }
+
+  // Sends the backup the step's sum (seed null; `step` is the version the
+  // step starts from) or the whole state at version `step` (a seed).
+  void SendForward(Job* job, Chunk* chunk, transport::EndpointRef ep, uint64_t gen,
+                   uint64_t step, std::shared_ptr<std::vector<float>> seed) {
+    wire::RequestHeader h;
+    h.op = static_cast<uint16_t>(wire::Op::kReplicate);
+    {
+      absl::MutexLock lock(&jobs_mu_);
+      h.map_epoch = job->config.map_epoch;
+    }
+    h.job_id = job->config.job_id;
+    h.tensor = chunk->tensor;
+    h.chunk = chunk->chunk;
+    h.step = step;
+    h.rank = static_cast<uint32_t>(shard_id_.load());
+    h.dtype = static_cast<uint8_t>(DType::kFp32);
+    h.flags = seed != nullptr ? wire::kReplicateState : wire::kReplicateSum;
+    const void* payload = seed != nullptr ? static_cast<const void*>(seed->data())
+                                          : static_cast<const void*>(chunk->sum.get());
+    const size_t bytes = seed != nullptr ? seed->size() * 4 : chunk->num_elems * 4;
+    h.num_bytes = bytes;
+    const uint64_t id = next_forward_id_.fetch_add(1);
+    h.request_id = id;
+    {
+      absl::MutexLock lock(&fwd_mu_);
+      forwards_[id] = PendingForward{job, chunk, gen, seed != nullptr, ep, seed};
+    }
+    forwards_sent_.fetch_add(1);
+    worker_->Send(ep, wire::kAmRequest, wire::AsBytes(h), payload, bytes,
+                  [this, id](absl::Status st) {
+                    if (!st.ok()) ForwardDone(id, st, 0);
+                  });
+  }
+
+  void OnForwardReply(transport::IncomingMessage& msg) {
+    auto reply = wire::ParseReply(msg.header());
+    if (!reply.ok()) {
+      OPTIMUS_LOG(Warning, kLog, "dropping malformed reply: ", reply.status().ToString());
+      return;
+    }
+    ForwardDone(reply->header.request_id, reply->status, reply->header.flags);
+  }
+
+  void FailForwardsTo(transport::EndpointRef ep, const absl::Status& why) {
+    std::vector<uint64_t> ids;
+    {
+      absl::MutexLock lock(&fwd_mu_);
+      for (const auto& [id, f] : forwards_) {
+        if (f.ep.ep == ep.ep) ids.push_back(id);
+      }
+    }
+    {
+      absl::MutexLock lock(&peers_mu_);
+      for (auto it = peers_.begin(); it != peers_.end();) {
+        it = it->second.ep == ep.ep ? peers_.erase(it) : std::next(it);
+      }
+    }
+    for (uint64_t id : ids) ForwardDone(id, absl::UnavailableError(why.message()), 0);
+  }
+
+  // The backup's answer to a forward (or its failure).
+  void ForwardDone(uint64_t id, const absl::Status& st, uint32_t flags) {
+    PendingForward f;
+    {
+      absl::MutexLock lock(&fwd_mu_);
+      auto it = forwards_.find(id);
+      if (it == forwards_.end()) return;  // Already answered (send error + reply).
+      f = std::move(it->second);
+      forwards_.erase(it);
+    }
+    Chunk* chunk = f.chunk;
+    std::vector<ParkedPull> fenced;
+    bool retry_later = false;
+    {
+      absl::MutexLock lock(&chunk->mu);
+      if (f.gen != chunk->backup_gen || chunk->forward != Forward::kInFlight) return;
+      if (st.ok()) {
+        chunk->forward = Forward::kNone;
+        if (f.seed) chunk->backup_seeded = true;
+      } else if ((flags & wire::kReplyFenced) != 0) {
+        // Our backup serves a newer map in which we are not the primary:
+        // stop at once so no worker builds on a step it will never see.
+        RetireLocked(chunk, absl::StrCat("fenced by shard ", chunk->backup_shard, ": ",
+                                         st.message()),
+                     &fenced);
+      } else if ((flags & wire::kReplyNeedSeed) != 0) {
+        chunk->backup_seeded = false;
+        chunk->forward = Forward::kNeedsSeed;
+      } else if ((flags & wire::kReplyRetry) != 0) {
+        chunk->forward = Forward::kRetryLater;
+        retry_later = true;
+      } else {
+        // Unreachable or failed backup. Publishing without it would let
+        // workers run ahead of the only other copy; hold the step until the
+        // coordinator names a new backup (or none).
+        chunk->forward = Forward::kWaitMap;
+        OPTIMUS_LOG(Warning, kLog, "forward of tensor ", chunk->tensor, " chunk ",
+                    chunk->chunk, " to backup shard ", chunk->backup_shard, " failed (",
+                    st.ToString(), "); the step waits for a new map");
+      }
+    }
+    if (!fenced.empty()) FailParked(fenced, "stale shard map: this shard was fenced");
+    if (retry_later) {
+      // The backup loads our map within a heartbeat; ask again shortly, as a
+      // seed (the kernel may be done, so the sum alone may be too late).
+      Job* job = f.job;
+      absl::MutexLock lock(&exec_mu_);
+      if (executor_ != nullptr) {
+        executor_->Schedule([this, job, chunk, gen = f.gen] {
+          absl::SleepFor(absl::Milliseconds(10));
+          {
+            absl::MutexLock clock(&chunk->mu);
+            if (chunk->backup_gen != gen || chunk->forward != Forward::kRetryLater) return;
+            chunk->forward = Forward::kNeedsSeed;
+          }
+          TryPublish(job, chunk);
+        });
+      }
+      return;
+    }
+    TryPublish(f.job, chunk);
+  }
+
+  // ---- Backup side ----------------------------------------------------------
+
+  void OnReplicate(transport::IncomingMessage& msg, const wire::RequestHeader& h) {
+    const transport::EndpointRef ep = msg.reply_endpoint();
+    Job* job = nullptr;
+    Chunk* chunk = nullptr;
+    uint64_t epoch = 0;
+    {
+      absl::MutexLock lock(&jobs_mu_);
+      auto it = jobs_.find(h.job_id);
+      if (it != jobs_.end()) {
+        job = it->second.get();
+        epoch = job->config.map_epoch;
+        auto c = job->chunks.find(ChunkKey(h.tensor, h.chunk));
+        if (c != job->chunks.end()) chunk = c->second.get();
+      }
+    }
+    auto refuse = [&](const absl::Status& s, uint32_t flags) {
+      requests_rejected_.fetch_add(1);
+      Reply(ep, h.request_id, s, flags);
+    };
+    const std::string what = absl::StrCat("forward of tensor ", h.tensor, " chunk ", h.chunk,
+                                          " of job ", h.job_id, " from shard ", h.rank);
+    bool is_backup = false;
+    if (chunk != nullptr) {
+      absl::MutexLock lock(&chunk->mu);
+      is_backup = chunk->role == Role::kBackup && chunk->primary_shard == h.rank;
+    }
+    if (!is_backup) {
+      if (job == nullptr || h.map_epoch > epoch) {
+        BeatNow();
+        return refuse(absl::UnavailableError(absl::StrCat(what, ": map epoch ", h.map_epoch,
+                                                          " not loaded here yet")),
+                      wire::kReplyRetry);
+      }
+      return refuse(absl::FailedPreconditionError(absl::StrCat(
+                        what, ": shard ", shard_id_.load(), " is not its backup under map epoch ",
+                        epoch, " (the sender's is ", h.map_epoch, ")")),
+                    wire::kReplyFenced);
+    }
+    const bool state = (h.flags & wire::kReplicateState) != 0;
+    const size_t n = chunk->num_elems;
+    const uint64_t want = state ? job->num_arrays * n * 4 : n * 4;
+    if (h.dtype != static_cast<uint8_t>(DType::kFp32) || h.num_bytes != want ||
+        msg.payload_size() != want || state == ((h.flags & wire::kReplicateSum) != 0)) {
+      return refuse(absl::InvalidArgumentError(absl::StrCat(
+                        what, ": carries ", msg.payload_size(), " bytes (flags ",
+                        static_cast<int>(h.flags), "), expected ", want)),
+                    0);
+    }
+    if (state) {
+      auto staging = std::make_shared<std::vector<float>>(job->num_arrays * n);
+      msg.ReceiveInto(staging->data(), [this, ep, h, job, chunk, staging](absl::Status rs) {
+        if (rs.ok()) InstallSeed(*job, chunk, h.step, *staging);
+        Reply(ep, h.request_id, rs);
+      });
+      return;
+    }
+    {
+      absl::MutexLock lock(&chunk->mu);
+      if (!chunk->seeded || chunk->published_version != h.step || chunk->step_running) {
+        const std::string why = absl::StrCat(what, ": backup is at version ",
+                                             chunk->published_version, " (seeded ",
+                                             chunk->seeded, "), the step starts from ", h.step);
+        return refuse(absl::FailedPreconditionError(why), wire::kReplyNeedSeed);
+      }
+      chunk->step_running = true;
+      chunk->in_kernel = true;
+    }
+    msg.ReceiveInto(chunk->sum.get(), [this, ep, h, job, chunk](absl::Status rs) {
+      if (!rs.ok()) {
+        {
+          absl::MutexLock lock(&chunk->mu);
+          chunk->step_running = false;
+          chunk->in_kernel = false;
+        }
+        return Reply(ep, h.request_id, rs);
+      }
+      absl::MutexLock lock(&exec_mu_);
+      if (executor_ == nullptr) return;
+      executor_->Schedule([this, ep, h, job, chunk] { ApplyForwardedStep(job, chunk, ep, h); });
+    });
+  }
+
+  void InstallSeed(const Job& job, Chunk* chunk, uint64_t version,
+                   const std::vector<float>& staging) {
+    const size_t n = chunk->num_elems;
+    absl::MutexLock lock(&chunk->mu);
+    uint8_t* arrays[] = {chunk->master.get(), chunk->m.get(), chunk->v.get()};
+    for (uint32_t a = 0; a < job.num_arrays; ++a) {
+      std::memcpy(arrays[a], staging.data() + a * n, n * 4);
+    }
+    kernels::CastFromFp32(reinterpret_cast<const float*>(chunk->master.get()), n,
+                          chunk->published[version % 2].get(), job.config.param_dtype);
+    chunk->published_version = version;
+    chunk->first_version = version;
+    chunk->seeded = true;
+    seeds_received_.fetch_add(1);
+  }
+
+  void ApplyForwardedStep(Job* job, Chunk* chunk, transport::EndpointRef ep,
+                          wire::RequestHeader h) {
+    const void* sum_ptr[1] = {chunk->sum.get()};
+    kernels::StepInputs in;
+    in.grads = absl::MakeConstSpan(sum_ptr, 1);
+    in.grad_dtype = DType::kFp32;
+    in.grad_scale = 1.0f;
+    in.step = static_cast<int64_t>(h.step);
+    const absl::Status s = StepKernel(*job, chunk, in);
+    std::vector<ParkedPull> ready;
+    {
+      absl::MutexLock lock(&chunk->mu);
+      if (s.ok()) chunk->published_version = h.step + 1;
+      chunk->in_kernel = false;
+      chunk->step_running = false;
+      std::fill(chunk->slot_state.begin(), chunk->slot_state.end(), SlotState::kEmpty);
+      chunk->full_slots = 0;
+      // Promoted meanwhile: workers may already wait for this version.
+      if (s.ok()) TakeParked(chunk, h.step + 1, &ready);
+    }
+    if (s.ok()) forwarded_steps_applied_.fetch_add(1);
+    Reply(ep, h.request_id, s);
     for (const ParkedPull& p : ready) SendParams(job, chunk, p.reply_ep, p.request_id, p.version);
   }
 
@@ -960,8 +1648,19 @@ class ShardServerImpl : public ShardServer {
   mutable absl::Mutex jobs_mu_;
   std::map<uint64_t, std::unique_ptr<Job>> jobs_ ABSL_GUARDED_BY(jobs_mu_);
 
+  // Replication: endpoints to backup shards, and forwards in flight.
+  absl::Mutex peers_mu_;
+  std::map<uint64_t, transport::EndpointRef> peers_ ABSL_GUARDED_BY(peers_mu_);
+  absl::Mutex fwd_mu_;
+  absl::flat_hash_map<uint64_t, PendingForward> forwards_ ABSL_GUARDED_BY(fwd_mu_);
+  std::atomic<uint64_t> next_forward_id_{1};
+  std::atomic<uint64_t> forwards_sent_{0};
+  std::atomic<uint64_t> forwarded_steps_applied_{0};
+  std::atomic<uint64_t> seeds_received_{0};
+
   absl::Mutex stop_mu_;
   bool stopped_ ABSL_GUARDED_BY(stop_mu_) = false;
+  bool beat_now_ ABSL_GUARDED_BY(stop_mu_) = false;
   std::thread heartbeat_thread_;
 };
 

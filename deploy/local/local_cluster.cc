@@ -47,9 +47,14 @@ ABSL_FLAG(int, coordinator_down_ms, 1500, "how long the killed coordinator stays
 ABSL_FLAG(int, checkpoint_every_steps, 0,
           "checkpoint the job every N steps into the work dir's ckpt/ folder (0: never)");
 ABSL_FLAG(int, kill_shard_at_step, 0,
-          "fault drill: SIGKILL shard 0 when rank 0 reports this step; the coordinator rolls "
+          "fault drill: SIGKILL shard 0 when rank 0 reports this step. With --replication=1 "
+          "the coordinator promotes its chunks' backups and training goes on; with 0 it rolls "
           "the job back to its last checkpoint and the workers re-join (needs "
-          "--checkpoint_every_steps; 0: never)");
+          "--checkpoint_every_steps). 0: never");
+ABSL_FLAG(int, replication, 0, "backups per chunk of the job (0 or 1)");
+ABSL_FLAG(int, drain_shard_at_step, 0,
+          "drill: drain shard 0 (optimusctl drain) when rank 0 reports this step, stop it once "
+          "it holds no chunk; training goes on (0: never)");
 ABSL_FLAG(int, metrics_port, 0,
           "serve Prometheus /metrics and /healthz: the coordinator on this port, shard i on "
           "this port + 1 + i (0: off)");
@@ -207,11 +212,16 @@ int main(int argc, char** argv) {
   const int metrics_port = absl::GetFlag(FLAGS_metrics_port);
   const int ckpt_every = absl::GetFlag(FLAGS_checkpoint_every_steps);
   const int kill_shard_at = absl::GetFlag(FLAGS_kill_shard_at_step);
-  if (ckpt_every < 0 || kill_shard_at < 0) return Die("negative step flags");
-  if (kill_shard_at > 0 && ckpt_every == 0) {
-    return Die("--kill_shard_at_step needs --checkpoint_every_steps (rollback needs a checkpoint)");
+  const int replication = absl::GetFlag(FLAGS_replication);
+  const int drain_at = absl::GetFlag(FLAGS_drain_shard_at_step);
+  if (ckpt_every < 0 || kill_shard_at < 0 || drain_at < 0) return Die("negative step flags");
+  if (replication != 0 && replication != 1) return Die("--replication must be 0 or 1");
+  if (kill_shard_at > 0 && drain_at > 0) return Die("drain and kill drills are exclusive");
+  if (kill_shard_at > 0 && ckpt_every == 0 && replication == 0) {
+    return Die("--kill_shard_at_step needs --checkpoint_every_steps (rollback needs a "
+               "checkpoint) or --replication=1");
   }
-  if (kill_shard_at > 0 && kill_shard_at <= ckpt_every) {
+  if (kill_shard_at > 0 && replication == 0 && kill_shard_at <= ckpt_every) {
     return Die("--kill_shard_at_step must come after the first checkpoint (> --checkpoint_every_steps)");
   }
   const std::string ckpt_dir = dir + "/ckpt";
@@ -278,7 +288,8 @@ int main(int argc, char** argv) {
                                      absl::StrCat("--seed=", absl::GetFlag(FLAGS_seed))};
     if (r == 0) args.push_back("--params_out=" + params_file);
     if (ckpt_every > 0) args.push_back(absl::StrCat("--checkpoint_every_steps=", ckpt_every));
-    if (kill_shard_at > 0) args.push_back("--follow_rollback");
+    if (kill_shard_at > 0 && replication == 0) args.push_back("--follow_rollback");
+    if (replication > 0) args.push_back(absl::StrCat("--replication=", replication));
     worker_pids.push_back(Spawn(args, absl::StrCat(dir, "/worker-", r, ".log"),
                                 r == 0 ? &progress_fd : nullptr));
   }
@@ -290,11 +301,56 @@ int main(int argc, char** argv) {
   // The fault drill: SIGKILL the coordinator, then restart it on the same
   // port from its state folder while the workers keep training.
   int shard_killed_at_step = 0;
+  int drained_at_step = 0, drain_done_at_step = 0;
+  uint64_t drain_id = 0;
+  auto shard0_id = [&]() -> uint64_t {
+    // Shard 0 logs its id when it registers.
+    std::ifstream in(dir + "/shard-0.log");
+    std::string line;
+    while (std::getline(in, line)) {
+      const size_t at = line.find("registered shard_id=");
+      if (at != std::string::npos) return std::strtoull(line.c_str() + at + 20, nullptr, 10);
+    }
+    return 0;
+  };
   auto drill = [&]() -> bool {
     if (kill_shard_at > 0 && shard_killed_at_step == 0 && last_step >= kill_shard_at) {
       kill(shard_pids[0], SIGKILL);
       shard_killed_at_step = last_step;
       std::fprintf(stderr, "fault drill: killed optimus-shard 0 (SIGKILL) at step %d\n", last_step);
+    }
+    if (drain_at > 0 && drained_at_step == 0 && last_step >= drain_at) {
+      drain_id = shard0_id();
+      optimus::v1::DrainShardRequest req;
+      req.set_shard_id(drain_id);
+      optimus::v1::DrainShardResponse resp;
+      grpc::ClientContext ctx;
+      ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+      const grpc::Status st = stub->DrainShard(&ctx, req, &resp);
+      if (!st.ok()) {
+        std::fprintf(stderr, "drill: drain of shard %llu refused: %s\n",
+                     static_cast<unsigned long long>(drain_id), st.error_message().c_str());
+        return false;
+      }
+      drained_at_step = last_step;
+      std::fprintf(stderr, "drill: draining optimus-shard 0 (id %llu, %u chunks) at step %d\n",
+                   static_cast<unsigned long long>(drain_id), resp.chunks_to_move(), last_step);
+    }
+    if (drained_at_step > 0 && drain_done_at_step == 0) {
+      optimus::v1::StatusRequest req;
+      optimus::v1::StatusResponse resp;
+      grpc::ClientContext ctx;
+      ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(1));
+      if (stub->Status(&ctx, req, &resp).ok()) {
+        for (const auto& sh : resp.shards()) {
+          if (sh.shard_id() == drain_id && sh.chunks_owned() == 0) {
+            drain_done_at_step = last_step;
+            StopChild(shard_pids[0]);
+            shard_pids[0] = -1;
+            std::fprintf(stderr, "drill: shard 0 drained at step %d and stopped\n", last_step);
+          }
+        }
+      }
     }
     if (kill_at > 0 && killed_at_step == 0 && last_step >= kill_at) {
       kill(coord, SIGKILL);
@@ -385,7 +441,9 @@ int main(int argc, char** argv) {
   }
 
   // 5. Stop the servers (SIGTERM: clean shutdown), coordinator last.
-  for (pid_t p : shard_pids) StopChild(p);
+  for (pid_t p : shard_pids) {
+    if (p > 0) StopChild(p);
+  }
   StopChild(coord);
   g_children.clear();
   if (!workers_ok) return Die("training failed");
@@ -420,6 +478,12 @@ int main(int argc, char** argv) {
                                        : "",
                            kill_shard_at > 0
                                ? absl::StrCat(", \"shard_killed_at_step\": ", shard_killed_at_step)
+                               : "",
+                           replication > 0 ? absl::StrCat(", \"replication\": ", replication)
+                                           : "",
+                           drain_at > 0
+                               ? absl::StrCat(", \"drain_started_at_step\": ", drained_at_step,
+                                              ", \"drained_at_step\": ", drain_done_at_step)
                                : "")
                   .c_str());
   std::fflush(stdout);

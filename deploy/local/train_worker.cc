@@ -31,6 +31,8 @@ ABSL_FLAG(int, timeout_s, 60, "per-step wait limit, seconds");
 ABSL_FLAG(uint64_t, checkpoint_every_steps, 0,
           "rank 0 creates the job with this checkpoint policy (needs --checkpoint_dir on the "
           "coordinator and shards); 0: none");
+ABSL_FLAG(int, replication, 0,
+          "rank 0 creates the job with this many backups per chunk (0 or 1)");
 ABSL_FLAG(bool, follow_rollback, false,
           "when a push or pull fails because the job lost a shard, re-join the job the "
           "coordinator restores from its last checkpoint and continue from its resume step");
@@ -80,6 +82,7 @@ int main(int argc, char** argv) {
     def.grad_dtype = task.grad_dtype;
     def.param_dtype = task.param_dtype;
     def.checkpoint.every_steps = absl::GetFlag(FLAGS_checkpoint_every_steps);
+    def.replication = static_cast<uint32_t>(absl::GetFlag(FLAGS_replication));
     if (auto s = client->CreateJob(def); !s.ok()) return Fail("create job", s);
   }
   // Other ranks may get here before rank 0 created the job.

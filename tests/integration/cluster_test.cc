@@ -394,10 +394,22 @@ TEST_F(ClusterTest, BadRequestsAreRefusedAndChangeNothing) {
     r = peer.Send(wire::AsBytes(bad), grad);
     EXPECT_EQ(r.status.code(), absl::StatusCode::kNotFound) << r.status;
 
+    // An older map: refused as stale, and the sender is told to refresh.
+    bad = h;
+    bad.map_epoch = h.map_epoch - 1;
+    r = peer.Send(wire::AsBytes(bad), grad);
+    EXPECT_EQ(r.status.code(), absl::StatusCode::kFailedPrecondition) << r.status;
+    EXPECT_NE(r.status.message().find("stale shard map"), absl::string_view::npos) << r.status;
+    EXPECT_EQ(r.header.flags & wire::kReplyRefreshMap, wire::kReplyRefreshMap);
+
+    // A map newer than the shard's (which the coordinator never published):
+    // retryable, the shard refreshes its map.
     bad = h;
     bad.map_epoch = h.map_epoch + 5;
     r = peer.Send(wire::AsBytes(bad), grad);
-    EXPECT_EQ(r.status.code(), absl::StatusCode::kFailedPrecondition) << r.status;
+    EXPECT_EQ(r.status.code(), absl::StatusCode::kUnavailable) << r.status;
+    EXPECT_NE(r.status.message().find("has not loaded map epoch"), absl::string_view::npos)
+        << r.status;
 
     // Only the shard holding the bias chunk can judge the payload itself.
     r = peer.Send(wire::AsBytes(h), std::vector<uint8_t>(nb * 4 - 4));
