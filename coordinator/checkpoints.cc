@@ -281,6 +281,16 @@ void CheckpointManager::OnJobFailed(uint64_t job_id, const std::string& why) {
   FailLocked(job_id, why);
 }
 
+void CheckpointManager::OnOwnersChanged(uint64_t job_id, const std::set<uint64_t>& owners) {
+  absl::MutexLock lock(&mu_);
+  auto it = in_progress_.find(job_id);
+  if (it == in_progress_.end() || it->second.retry || it->second.owners == owners) return;
+  it->second.retry = true;
+  OPTIMUS_LOG(Info, kLog, "checkpoint ", it->second.info.checkpoint_id(), " of job ",
+              it->second.info.job_name(), ": the job's chunks moved to other shards; retrying "
+              "later over the new ones");
+}
+
 void CheckpointManager::PruneLocked(const std::string& job_name, uint32_t keep_last) {
   std::set<std::string> busy;
   for (const auto& [id, ip] : in_progress_) busy.insert(ip.info.path());

@@ -29,7 +29,8 @@ struct CheckpointJobView {
   uint64_t job_id = 0;
   v1::JobSpec spec;
   v1::JobState state = v1::JOB_STATE_UNSPECIFIED;
-  std::set<uint64_t> owners;        // Shards holding its chunks.
+  // Shards holding its chunks as primary (backups write no checkpoint part).
+  std::set<uint64_t> owners;
   std::set<uint64_t> owners_without_checkpoint_dir;
   uint64_t min_applied_step = 0;    // As last reported.
   uint64_t max_applied_step = 0;
@@ -61,6 +62,12 @@ class CheckpointManager {
 
   // Fails the job's checkpoint in progress (a shard went down).
   void OnJobFailed(uint64_t job_id, const std::string& why);
+
+  // The job's primaries changed (a failover or a drain moved chunks): a
+  // checkpoint in progress ordered from other owners is retried at a later
+  // step over the job's new owners by the next Tick (a lost owner never
+  // reports, and a chunk's new primary was never ordered).
+  void OnOwnersChanged(uint64_t job_id, const std::set<uint64_t>& owners);
 
   // Checkpoints of job `job_name`, oldest first: complete ones found on disk
   // plus those in progress or failed since this coordinator started.

@@ -150,6 +150,35 @@ TEST(CheckpointManagerTest, MissedStepRetriesLaterAndErrorsFailAndCleanUp) {
   EXPECT_TRUE(m.Create(View(12)).ok());
 }
 
+TEST(CheckpointManagerTest, ChunksMovingToOtherShardsRetryTheCheckpointOverTheNewOwners) {
+  const std::string root = TempDir();
+  CheckpointManager m(root);
+  auto first = m.Create(View(5));
+  ASSERT_TRUE(first.ok());
+  auto orders = m.OnHeartbeat(1, Reports({}));
+  ASSERT_EQ(orders.size(), 1u);
+  m.OnHeartbeat(1, Reports({Done(orders[0], root, 0)}));
+  // Same owners (only backups moved): nothing changes.
+  m.OnOwnersChanged(7, {1, 2});
+  EXPECT_EQ(m.OnHeartbeat(2, Reports({})).size(), 1u);
+  // Shard 2 is lost and its chunks fail over to shard 3: shard 2 will never
+  // report, so the checkpoint is ordered again, from shards 1 and 3.
+  m.OnOwnersChanged(7, {1, 3});
+  EXPECT_TRUE(m.OnHeartbeat(3, Reports({})).empty());  // Nothing until the tick.
+  CheckpointJobView moved = View(8);
+  moved.owners = {1, 3};
+  m.Tick({moved}, absl::Now());
+  auto again = m.OnHeartbeat(3, Reports({}));
+  ASSERT_EQ(again.size(), 1u);
+  EXPECT_GT(again[0].checkpoint_id(), orders[0].checkpoint_id());
+  EXPECT_TRUE(m.OnHeartbeat(2, Reports({})).empty());
+  ASSERT_EQ(m.OnHeartbeat(1, Reports({})).size(), 1u);
+  m.OnHeartbeat(1, Reports({Done(again[0], root, 0)}));
+  m.OnHeartbeat(3, Reports({Done(again[0], root, 2)}));
+  EXPECT_EQ(m.Last("j")->state(), v1::CHECKPOINT_STATE_COMPLETE);
+  EXPECT_EQ(m.Last("j")->checkpoint_id(), again[0].checkpoint_id());
+}
+
 TEST(CheckpointManagerTest, PolicyEveryStepsAndEverySeconds) {
   CheckpointManager m(TempDir());
   CheckpointJobView v = View(0);

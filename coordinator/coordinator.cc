@@ -14,6 +14,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "common/dtype.h"
 #include "common/durable_file.h"
 #include "common/grpc_status.h"
@@ -64,6 +65,10 @@ absl::Status Invalid(absl::string_view what) {
 // element count.
 absl::StatusOr<std::vector<uint64_t>> ValidateAndFillSpec(v1::JobSpec& spec) {
   if (spec.world_size() < 1) return Invalid("world_size must be >= 1");
+  if (spec.replication() > 1) {
+    return Invalid(absl::StrCat("replication must be 0 or 1 (backups per chunk), got ",
+                                spec.replication()));
+  }
   if (spec.world_size() > kMaxWorldSize) {
     return Invalid(absl::StrCat("world_size must be <= ", kMaxWorldSize));
   }
@@ -156,6 +161,41 @@ namespace {
 constexpr absl::string_view kStateMagic = "OPTIMUS-COORD-STATE-1";
 }  // namespace
 
+absl::Time Coordinator::Now() const {
+  return options_.clock ? options_.clock() : absl::Now();
+}
+
+std::map<uint64_t, Coordinator::ShardLoad> Coordinator::ComputeLoad(const v1::ShardMap& map,
+                                                                    uint64_t bytes_per_elem) {
+  std::map<uint64_t, ShardLoad> load;
+  for (const v1::ChunkPlacement& p : map.chunks()) {
+    const uint64_t bytes = p.num_elems() * bytes_per_elem;
+    ShardLoad& primary = load[p.shard_id()];
+    primary.num_chunks += 1;
+    primary.size_bytes += bytes;
+    if (p.backup_shard_id() != 0) {
+      // A backup is a complete copy that can be promoted: it costs the same.
+      ShardLoad& backup = load[p.backup_shard_id()];
+      backup.num_chunks += 1;
+      backup.backup_chunks += 1;
+      backup.size_bytes += bytes;
+    }
+  }
+  return load;
+}
+
+void Coordinator::SetEndpointsLocked(JobRecord& job) const {
+  job.map.clear_shards();
+  for (const auto& [shard_id, load] : job.load) {
+    auto it = shards_.find(shard_id);
+    if (it == shards_.end()) continue;
+    v1::ShardEndpoint* e = job.map.add_shards();
+    e->set_shard_id(shard_id);
+    e->set_data_address(it->second.capabilities.data_address());
+    e->set_kind(it->second.capabilities.kind());
+  }
+}
+
 std::string Coordinator::StatePath() const {
   return absl::StrCat(options_.state_dir, "/coordinator.state");
 }
@@ -208,7 +248,7 @@ absl::Status Coordinator::Recover() {
     return absl::DataLossError(absl::StrCat(StatePath(), " does not parse as CoordinatorState"));
   }
   absl::MutexLock lock(&mu_);
-  const absl::Time now = absl::Now();
+  const absl::Time now = Now();
   next_shard_id_ = state.next_shard_id();
   next_job_id_ = state.next_job_id();
   shards_.clear();
@@ -234,11 +274,10 @@ absl::Status Coordinator::Recover() {
     r.joined_ranks.insert(j.joined_ranks().begin(), j.joined_ranks().end());
     r.resume_step = std::max<uint64_t>(j.resume_step(), 1);
     if (j.has_restore()) r.restore = j.restore();
-    for (const v1::ChunkPlacement& p : r.map.chunks()) {
-      ShardLoad& load = r.load[p.shard_id()];
-      load.num_chunks += 1;
-      load.size_bytes += p.num_elems() * r.bytes_per_elem;
-    }
+    // Backups count as much as primaries; whether they are in sync is
+    // volatile and comes back with the next heartbeats.
+    r.load = ComputeLoad(r.map, r.bytes_per_elem);
+    r.backup_seeded.assign(r.map.chunks_size(), false);
     job_ids_by_name_[r.spec.name()] = r.id;
   }
   OPTIMUS_LOG(Info, kLog, "recovered state from ", StatePath(), ": ", shards_.size(),
@@ -263,7 +302,7 @@ absl::StatusOr<v1::RegisterShardResponse> Coordinator::RegisterShard(
   ShardRecord shard;
   shard.id = next_shard_id_++;
   shard.capabilities = caps;
-  shard.last_heartbeat = absl::Now();
+  shard.last_heartbeat = Now();
   shards_[shard.id] = shard;
   if (absl::Status s = PersistLocked(); !s.ok()) {
     shards_.erase(shard.id);
@@ -283,12 +322,13 @@ v1::HeartbeatResponse Coordinator::Heartbeat(const v1::HeartbeatRequest& req) {
   v1::HeartbeatResponse resp;
   absl::MutexLock lock(&mu_);
   auto it = shards_.find(req.shard_id());
-  if (it == shards_.end() || it->second.state != v1::SHARD_STATE_UP) {
+  // A DRAINING shard still holds chunks and keeps its lease.
+  if (it == shards_.end() || it->second.state == v1::SHARD_STATE_DOWN) {
     resp.set_known(false);
     return resp;
   }
   ShardRecord& shard = it->second;
-  shard.last_heartbeat = absl::Now();
+  shard.last_heartbeat = Now();
   shard.memory_used_bytes = req.memory_used_bytes();
   shard.chunks_reported = req.chunks_owned();
   for (const v1::ShardJobProgress& p : req.jobs()) {
@@ -297,6 +337,7 @@ v1::HeartbeatResponse Coordinator::Heartbeat(const v1::HeartbeatRequest& req) {
     JobRecord& job = job_it->second;
     if (job.load.count(shard.id) == 0) continue;  // Not a job of this shard.
     job.progress[shard.id] = p;
+    MarkSeededLocked(job, shard.id, p);
     MaybeMarkReadyLocked(job);
   }
   resp.set_known(true);
@@ -310,6 +351,25 @@ v1::HeartbeatResponse Coordinator::Heartbeat(const v1::HeartbeatRequest& req) {
     *resp.add_checkpoints() = std::move(o);
   }
   return resp;
+}
+
+void Coordinator::MarkSeededLocked(JobRecord& job, uint64_t shard_id,
+                                   const v1::ShardJobProgress& p) {
+  // Counts are over the map of p.map_epoch(): only a report on the current
+  // map says something about the current backups. The report is per shard,
+  // not per chunk, so the flags are set only once all of them are seeded
+  // (a backup seeded once stays in step: the primary publishes a step only
+  // after the backup acknowledged it). They are cleared when a chunk's
+  // backup changes (CommitMapChangeLocked's callers).
+  if (p.map_epoch() != job.map.epoch() || p.backup_chunks() == 0 ||
+      p.backups_seeded() != p.backup_chunks()) {
+    return;
+  }
+  auto load = job.load.find(shard_id);
+  if (load == job.load.end() || load->second.backup_chunks != p.backup_chunks()) return;
+  for (int i = 0; i < job.map.chunks_size(); ++i) {
+    if (job.map.chunks(i).backup_shard_id() == shard_id) job.backup_seeded[i] = true;
+  }
 }
 
 void Coordinator::MaybeMarkReadyLocked(JobRecord& job) {
@@ -337,10 +397,47 @@ std::map<uint64_t, Coordinator::ShardLoad> Coordinator::PlannedLoadLocked() cons
     if (job.state == v1::JOB_STATE_FAILED) continue;  // Its shards drop it.
     for (const auto& [shard_id, load] : job.load) {
       total[shard_id].num_chunks += load.num_chunks;
+      total[shard_id].backup_chunks += load.backup_chunks;
       total[shard_id].size_bytes += load.size_bytes;
     }
   }
   return total;
+}
+
+std::vector<ShardInfo> Coordinator::PlacementCandidatesLocked() const {
+  const std::map<uint64_t, ShardLoad> planned = PlannedLoadLocked();
+  std::vector<ShardInfo> live;
+  for (const auto& [id, shard] : shards_) {
+    // DRAINING shards are being emptied and DOWN ones are gone.
+    if (shard.state != v1::SHARD_STATE_UP) continue;
+    auto p = planned.find(id);
+    live.push_back({id, shard.capabilities.kind() == v1::SHARD_KIND_DPU,
+                    shard.capabilities.memory_limit_bytes(),
+                    p == planned.end() ? 0 : p->second.size_bytes});
+  }
+  return live;
+}
+
+uint64_t Coordinator::TakeSlot(const JobRecord& job, int index, uint64_t exclude_id,
+                               std::vector<ShardInfo>& candidates) {
+  const uint64_t bytes = job.map.chunks(index).num_elems() * job.bytes_per_elem;
+  const int pick = PickShard(candidates, bytes, exclude_id);
+  if (pick < 0) return 0;
+  candidates[pick].memory_planned_bytes += bytes;
+  return candidates[pick].id;
+}
+
+void Coordinator::CommitMapChangeLocked(JobRecord& job) {
+  job.map.set_epoch(job.map.epoch() + 1);
+  job.load = ComputeLoad(job.map, job.bytes_per_elem);
+  SetEndpointsLocked(job);
+  job.backup_seeded.resize(job.map.chunks_size(), false);
+  // Reports of shards that no longer hold chunks of the job would keep
+  // counting in its step and readiness.
+  for (auto it = job.progress.begin(); it != job.progress.end();) {
+    it = job.load.count(it->first) == 0 ? job.progress.erase(it) : std::next(it);
+  }
+  checkpoints_.OnOwnersChanged(job.id, ViewLocked(job).owners);
 }
 
 absl::StatusOr<v1::CreateJobResponse> Coordinator::CreateJob(const v1::CreateJobRequest& req) {
@@ -371,16 +468,13 @@ absl::StatusOr<v1::CreateJobResponse> Coordinator::CreateJobInternal(
         absl::StrCat("a job named \"", spec.name(), "\" already exists (id ",
                      job_ids_by_name_[spec.name()], ")"));
   }
-  const std::map<uint64_t, ShardLoad> planned = PlannedLoadLocked();
-  std::vector<ShardInfo> live;
-  for (const auto& [id, shard] : shards_) {
-    if (shard.state != v1::SHARD_STATE_UP) continue;
-    auto p = planned.find(id);
-    live.push_back({id, shard.capabilities.kind() == v1::SHARD_KIND_DPU,
-                    shard.capabilities.memory_limit_bytes(),
-                    p == planned.end() ? 0 : p->second.size_bytes});
-  }
+  const std::vector<ShardInfo> live = PlacementCandidatesLocked();
   absl::StatusOr<std::vector<ChunkSpec>> placed = PlaceChunks(std::move(chunks), live, bytes_per_elem);
+  // A job asking for a backup per chunk gets one from the start, or is
+  // refused: it must not silently run without.
+  if (placed.ok() && spec.replication() == 1) {
+    placed = PlaceBackups(*std::move(placed), live, bytes_per_elem);
+  }
   if (!placed.ok()) {
     OPTIMUS_LOG(Warning, kLog, "job refused name=", spec.name(), ": ", placed.status().message());
     return absl::Status(placed.status().code(),
@@ -388,11 +482,14 @@ absl::StatusOr<v1::CreateJobResponse> Coordinator::CreateJobInternal(
   }
 
   if (restore != nullptr) {
+    // Backups load their chunks from the checkpoint too.
     for (const ChunkSpec& c : *placed) {
-      if (!shards_.at(c.shard_id).capabilities.checkpoints()) {
-        return absl::FailedPreconditionError(absl::StrCat(
-            "cannot restore job \"", spec.name(), "\": shard ", c.shard_id,
-            " was started without --checkpoint_dir"));
+      for (uint64_t id : {c.shard_id, c.backup_shard_id}) {
+        if (id != 0 && !shards_.at(id).capabilities.checkpoints()) {
+          return absl::FailedPreconditionError(absl::StrCat(
+              "cannot restore job \"", spec.name(), "\": shard ", id,
+              " was started without --checkpoint_dir"));
+        }
       }
     }
   }
@@ -415,21 +512,16 @@ absl::StatusOr<v1::CreateJobResponse> Coordinator::CreateJobInternal(
     p->set_offset_elems(c.offset_elems);
     p->set_num_elems(c.num_elems);
     p->set_shard_id(c.shard_id);
-    ShardLoad& load = job.load[c.shard_id];
-    load.num_chunks += 1;
-    load.size_bytes += c.num_elems * bytes_per_elem;
+    p->set_backup_shard_id(c.backup_shard_id);
   }
-  for (const auto& [shard_id, load] : job.load) {
-    const ShardRecord& shard = shards_.at(shard_id);
-    v1::ShardEndpoint* e = job.map.add_shards();
-    e->set_shard_id(shard_id);
-    e->set_data_address(shard.capabilities.data_address());
-    e->set_kind(shard.capabilities.kind());
-  }
+  job.load = ComputeLoad(job.map, bytes_per_elem);
+  SetEndpointsLocked(job);
+  job.backup_seeded.assign(job.map.chunks_size(), false);
   OPTIMUS_LOG(Info, kLog, "job created id=", job.id, " name=", spec.name(),
               " world_size=", spec.world_size(), " tensors=", spec.tensors_size(),
               " params=", job.num_params, " chunks=", job.map.chunks_size(),
-              " shards=", job.load.size(), " bytes_per_elem=", bytes_per_elem);
+              " replication=", spec.replication(), " shards=", job.load.size(),
+              " bytes_per_elem=", bytes_per_elem);
   v1::CreateJobResponse resp;
   resp.set_job_id(job.id);
   *resp.mutable_map() = job.map;
@@ -525,25 +617,31 @@ absl::StatusOr<std::optional<v1::ShardMap>> Coordinator::WaitForShardMap(uint64_
   }
 }
 
+v1::ShardStatus Coordinator::ShardStatusLocked(const ShardRecord& shard,
+                                               const std::map<uint64_t, ShardLoad>& planned,
+                                               absl::Time now) const {
+  v1::ShardStatus s;
+  s.set_shard_id(shard.id);
+  *s.mutable_capabilities() = shard.capabilities;
+  s.set_state(shard.state);
+  s.set_memory_used_bytes(shard.memory_used_bytes);
+  auto p = planned.find(shard.id);
+  if (p != planned.end()) {
+    s.set_memory_planned_bytes(p->second.size_bytes);
+    s.set_chunks_owned(p->second.num_chunks);
+    s.set_backup_chunks(p->second.backup_chunks);
+  }
+  s.set_lease_age_ms(static_cast<uint64_t>(
+      std::max<int64_t>(0, absl::ToInt64Milliseconds(now - shard.last_heartbeat))));
+  return s;
+}
+
 v1::StatusResponse Coordinator::Status() {
   v1::StatusResponse resp;
-  const absl::Time now = absl::Now();
   absl::MutexLock lock(&mu_);
+  const absl::Time now = Now();
   const std::map<uint64_t, ShardLoad> planned = PlannedLoadLocked();
-  for (const auto& [id, shard] : shards_) {
-    v1::ShardStatus* s = resp.add_shards();
-    s->set_shard_id(id);
-    *s->mutable_capabilities() = shard.capabilities;
-    s->set_state(shard.state);
-    s->set_memory_used_bytes(shard.memory_used_bytes);
-    auto p = planned.find(id);
-    if (p != planned.end()) {
-      s->set_memory_planned_bytes(p->second.size_bytes);
-      s->set_chunks_owned(p->second.num_chunks);
-    }
-    s->set_lease_age_ms(
-        static_cast<uint64_t>(std::max<int64_t>(0, absl::ToInt64Milliseconds(now - shard.last_heartbeat))));
-  }
+  for (const auto& [id, shard] : shards_) *resp.add_shards() = ShardStatusLocked(shard, planned, now);
   for (const auto& [id, job] : jobs_) {
     v1::JobStatus* j = resp.add_jobs();
     j->set_job_id(id);
@@ -551,17 +649,22 @@ v1::StatusResponse Coordinator::Status() {
     j->set_state(job.state);
     j->set_world_size(job.spec.world_size());
     j->set_workers_joined(static_cast<uint32_t>(job.joined_ranks.size()));
-    // Lowest step over the owning shards; one that has not reported counts as 0.
-    uint64_t step = std::numeric_limits<uint64_t>::max();
-    for (const auto& [shard_id, load] : job.load) {
-      auto p = job.progress.find(shard_id);
-      step = std::min<uint64_t>(step, p == job.progress.end() ? 0 : p->second.applied_step());
-    }
-    j->set_current_step(job.load.empty() ? 0 : step);
+    // Lowest step over the primaries; one that has not reported counts as 0.
+    j->set_current_step(ViewLocked(job).min_applied_step);
     j->set_num_tensors(static_cast<uint32_t>(job.spec.tensors_size()));
     j->set_num_params(job.num_params);
     j->set_state_bytes(job.num_params * (IsAdamLike(job.spec.optimizer().kind()) ? 12 : 8));
     j->set_map_epoch(job.map.epoch());
+    j->set_replication(job.spec.replication());
+    j->set_num_chunks(static_cast<uint32_t>(job.map.chunks_size()));
+    uint32_t with_backup = 0, in_sync = 0;
+    for (int i = 0; i < job.map.chunks_size(); ++i) {
+      if (job.map.chunks(i).backup_shard_id() == 0) continue;
+      ++with_backup;
+      if (job.backup_seeded[i]) ++in_sync;
+    }
+    j->set_chunks_with_backup(with_backup);
+    j->set_backups_in_sync(in_sync);
   }
   return resp;
 }
@@ -570,29 +673,271 @@ int Coordinator::SweepExpiredLeases(absl::Time now) {
   absl::MutexLock lock(&mu_);
   int marked_down = 0;
   for (auto& [id, shard] : shards_) {
-    if (shard.state != v1::SHARD_STATE_UP || now - shard.last_heartbeat <= options_.lease) continue;
+    if (shard.state == v1::SHARD_STATE_DOWN || now - shard.last_heartbeat <= options_.lease) {
+      continue;
+    }
+    const bool was_draining = shard.state == v1::SHARD_STATE_DRAINING;
     shard.state = v1::SHARD_STATE_DOWN;
     ++marked_down;
     OPTIMUS_LOG(Warning, kLog, "shard down id=", id, " host=", shard.capabilities.hostname(),
-                ": no heartbeat for ", absl::FormatDuration(now - shard.last_heartbeat),
-                " (lease ", absl::FormatDuration(options_.lease), ")");
-    for (auto& [job_id, job] : jobs_) {
-      if (job.state == v1::JOB_STATE_FAILED || job.load.count(id) == 0) continue;
-      job.state = v1::JOB_STATE_FAILED;
-      checkpoints_.OnJobFailed(job_id, absl::StrCat("shard ", id, " went down"));
-      // No failover yet: without a replica the chunks on the lost shard are gone.
-      OPTIMUS_LOG(Error, kLog, "job failed id=", job_id, " name=", job.spec.name(),
-                  ": shard ", id, " holding ", job.load[id].num_chunks,
-                  " of its chunks went down (no failover)");
-    }
+                was_draining ? " (was draining)" : "", ": no heartbeat for ",
+                absl::FormatDuration(now - shard.last_heartbeat), " (lease ",
+                absl::FormatDuration(options_.lease), ")");
   }
-  if (marked_down > 0) {
-    // Not saved: the restarted coordinator gives every shard a fresh lease
-    // and marks the dead ones down again.
+  // Every shard lost in this sweep is DOWN before any job is looked at: a
+  // backup on a shard lost at the same time cannot be promoted. Jobs are
+  // checked on every sweep, not only when a shard was just lost: a state
+  // saved before a failover could be applied names DOWN shards too.
+  std::vector<ShardInfo> candidates = PlacementCandidatesLocked();
+  bool jobs_changed = false;
+  for (auto& [job_id, job] : jobs_) jobs_changed |= FailoverLocked(job, candidates);
+  if (marked_down > 0 || jobs_changed) {
+    // A restarted coordinator gives every shard a fresh lease and marks the
+    // dead ones down again, so a failed save here costs only a log line.
     if (absl::Status s = PersistLocked(); !s.ok()) OPTIMUS_LOG(Warning, kLog, s.ToString());
     map_changed_.SignalAll();
   }
   return marked_down;
+}
+
+bool Coordinator::FailoverLocked(JobRecord& job, std::vector<ShardInfo>& candidates) {
+  if (job.state == v1::JOB_STATE_FAILED) return false;
+  auto down = [&](uint64_t id) {
+    auto it = shards_.find(id);
+    return it == shards_.end() || it->second.state == v1::SHARD_STATE_DOWN;
+  };
+  std::set<uint64_t> lost;
+  for (const auto& [shard_id, load] : job.load) {
+    if (down(shard_id)) lost.insert(shard_id);
+  }
+  if (lost.empty()) return false;
+  const std::string lost_names =
+      absl::StrCat(lost.size() == 1 ? "shard " : "shards ", absl::StrJoin(lost, ","));
+
+  // Can every chunk whose primary is lost be served by its backup?
+  uint32_t lost_primaries = 0, unprotected = 0;
+  for (int i = 0; i < job.map.chunks_size(); ++i) {
+    const v1::ChunkPlacement& c = job.map.chunks(i);
+    if (!down(c.shard_id())) continue;
+    ++lost_primaries;
+    if (c.backup_shard_id() == 0 || down(c.backup_shard_id()) || !job.backup_seeded[i]) {
+      ++unprotected;
+    }
+  }
+  if (unprotected > 0) {
+    job.state = v1::JOB_STATE_FAILED;
+    // Its shards drop it: its bytes are free for the jobs that follow.
+    for (ShardInfo& s : candidates) {
+      auto l = job.load.find(s.id);
+      if (l != job.load.end()) s.memory_planned_bytes -= l->second.size_bytes;
+    }
+    checkpoints_.OnJobFailed(job.id, absl::StrCat(lost_names, " went down"));
+    OPTIMUS_LOG(Error, kLog, "job failed id=", job.id, " name=", job.spec.name(), ": ",
+                lost_names, " holding ", lost_primaries, " of its ", job.map.chunks_size(),
+                " chunks as primary went down; ", unprotected,
+                " of them had no in-sync backup on a live shard (replication ",
+                job.spec.replication(), ")");
+    return true;
+  }
+
+  uint32_t promoted = 0, backups_lost = 0;
+  for (int i = 0; i < job.map.chunks_size(); ++i) {
+    v1::ChunkPlacement* c = job.map.mutable_chunks(i);
+    if (down(c->shard_id())) {
+      c->set_shard_id(c->backup_shard_id());
+      c->set_backup_shard_id(0);
+      job.backup_seeded[i] = false;
+      ++promoted;
+    } else if (c->backup_shard_id() != 0 && down(c->backup_shard_id())) {
+      c->set_backup_shard_id(0);
+      job.backup_seeded[i] = false;
+      ++backups_lost;
+    }
+  }
+  uint32_t new_backups = 0, without = 0;
+  if (job.spec.replication() == 1) {
+    for (int i = 0; i < job.map.chunks_size(); ++i) {
+      v1::ChunkPlacement* c = job.map.mutable_chunks(i);
+      if (c->backup_shard_id() != 0) continue;
+      const uint64_t b = TakeSlot(job, i, c->shard_id(), candidates);
+      c->set_backup_shard_id(b);
+      (b != 0 ? new_backups : without) += 1;
+    }
+  }
+  CommitMapChangeLocked(job);
+  OPTIMUS_LOG(Warning, kLog, "job ", job.spec.name(), ": ", lost_names,
+              " lost; promoted backups for ", promoted, " chunks; new epoch ", job.map.epoch(),
+              " (backups lost ", backups_lost, ", new backups ", new_backups,
+              without > 0 ? absl::StrCat(", ", without, " chunks without a backup until a "
+                                         "shard has room")
+                          : std::string(),
+              ")");
+  return true;
+}
+
+int Coordinator::TickReplication(absl::Time now) {
+  (void)now;  // Decisions depend on reports and states, not on time.
+  absl::MutexLock lock(&mu_);
+  std::vector<ShardInfo> candidates = PlacementCandidatesLocked();
+  auto draining = [&](uint64_t id) {
+    auto it = shards_.find(id);
+    return it != shards_.end() && it->second.state == v1::SHARD_STATE_DRAINING;
+  };
+  int changed_jobs = 0;
+  for (auto& [job_id, job] : jobs_) {
+    if (job.state == v1::JOB_STATE_FAILED) continue;
+    const bool rep1 = job.spec.replication() == 1;
+    uint32_t promoted = 0, moved_backups = 0, temporary = 0, new_backups = 0;
+    for (int i = 0; i < job.map.chunks_size(); ++i) {
+      v1::ChunkPlacement* c = job.map.mutable_chunks(i);
+      const uint64_t primary = c->shard_id(), backup = c->backup_shard_id();
+      if (backup != 0 && draining(backup)) {
+        // The backup leaves first; with the primary draining too, the new
+        // backup is the one that will be promoted once in sync.
+        if (rep1 || draining(primary)) {
+          const uint64_t b = TakeSlot(job, i, primary, candidates);
+          if (b == 0 && draining(primary)) continue;  // Keep it until a shard has room.
+          c->set_backup_shard_id(b);
+        } else {
+          c->set_backup_shard_id(0);
+        }
+        job.backup_seeded[i] = false;
+        ++moved_backups;
+      } else if (draining(primary)) {
+        if (backup == 0) {
+          // No copy to promote: a temporary backup, which the primary
+          // seeds at its next step.
+          const uint64_t b = TakeSlot(job, i, primary, candidates);
+          if (b == 0) continue;
+          c->set_backup_shard_id(b);
+          job.backup_seeded[i] = false;
+          ++temporary;
+        } else if (job.backup_seeded[i]) {
+          c->set_shard_id(backup);
+          c->set_backup_shard_id(rep1 ? TakeSlot(job, i, backup, candidates) : 0);
+          job.backup_seeded[i] = false;
+          ++promoted;
+        }
+        // Otherwise wait for the backup to report in sync.
+      } else if (rep1 && backup == 0) {
+        const uint64_t b = TakeSlot(job, i, primary, candidates);
+        if (b == 0) continue;
+        c->set_backup_shard_id(b);
+        job.backup_seeded[i] = false;
+        ++new_backups;
+      }
+    }
+    if (promoted + moved_backups + temporary + new_backups == 0) continue;
+    CommitMapChangeLocked(job);
+    ++changed_jobs;
+    OPTIMUS_LOG(Info, kLog, "job ", job.spec.name(), ": promoted ", promoted,
+                " backups off draining shards, moved ", moved_backups,
+                " backups, added ", temporary, " temporary and ", new_backups,
+                " new backups; new epoch ", job.map.epoch());
+  }
+  if (changed_jobs > 0) {
+    if (absl::Status s = PersistLocked(); !s.ok()) OPTIMUS_LOG(Warning, kLog, s.ToString());
+    map_changed_.SignalAll();
+  }
+  const std::map<uint64_t, ShardLoad> planned = PlannedLoadLocked();
+  for (auto& [id, shard] : shards_) {
+    if (shard.state != v1::SHARD_STATE_DRAINING || shard.drained_logged) continue;
+    auto p = planned.find(id);
+    if (p != planned.end() && p->second.num_chunks > 0) continue;
+    shard.drained_logged = true;
+    OPTIMUS_LOG(Info, kLog, "shard ", id, " drained: it holds no chunk and can be stopped");
+  }
+  return changed_jobs;
+}
+
+absl::StatusOr<v1::DrainShardResponse> Coordinator::DrainShard(
+    const v1::DrainShardRequest& req) {
+  absl::MutexLock lock(&mu_);
+  auto it = shards_.find(req.shard_id());
+  if (it == shards_.end()) {
+    return absl::NotFoundError(absl::StrCat("no shard with id ", req.shard_id()));
+  }
+  ShardRecord& shard = it->second;
+  if (shard.state == v1::SHARD_STATE_DOWN) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("shard ", shard.id, " is DOWN: it holds nothing to drain"));
+  }
+  const std::map<uint64_t, ShardLoad> planned = PlannedLoadLocked();
+  auto held = planned.find(shard.id);
+  const uint32_t chunks_held = held == planned.end() ? 0 : held->second.num_chunks;
+  v1::DrainShardResponse resp;
+  if (shard.state == v1::SHARD_STATE_DRAINING) {
+    *resp.mutable_shard() = ShardStatusLocked(shard, planned, Now());
+    // After a coordinator restart the count at the start is not known.
+    resp.set_chunks_to_move(shard.drain_chunks_at_start != 0 ? shard.drain_chunks_at_start
+                                                              : chunks_held);
+    return resp;
+  }
+
+  // Each chunk it holds needs one new copy on another UP shard (not the
+  // holder of its other copy), except a replication-0 chunk whose primary
+  // it is and that already has a backup elsewhere (promoted as it is).
+  // Checked with the placement rule over what is planned now, so that the
+  // drain does not start what it cannot finish.
+  std::vector<ShardInfo> candidates = PlacementCandidatesLocked();
+  candidates.erase(std::remove_if(candidates.begin(), candidates.end(),
+                                  [&](const ShardInfo& s) { return s.id == shard.id; }),
+                   candidates.end());
+  const std::vector<ShardInfo> others = candidates;  // Before this check's picks.
+  uint64_t bytes_to_move = 0;
+  for (const auto& [job_id, job] : jobs_) {
+    if (job.state == v1::JOB_STATE_FAILED || job.load.count(shard.id) == 0) continue;
+    for (int i = 0; i < job.map.chunks_size(); ++i) {
+      const v1::ChunkPlacement& c = job.map.chunks(i);
+      uint64_t other;
+      if (c.shard_id() == shard.id) {
+        other = c.backup_shard_id();
+        auto o = shards_.find(other);
+        const bool backup_usable = o != shards_.end() && o->second.state == v1::SHARD_STATE_UP;
+        if (backup_usable && job.spec.replication() == 0) continue;
+      } else if (c.backup_shard_id() == shard.id) {
+        other = c.shard_id();
+      } else {
+        continue;
+      }
+      const uint64_t bytes = c.num_elems() * job.bytes_per_elem;
+      bytes_to_move += bytes;
+      if (TakeSlot(job, i, other, candidates) != 0) continue;
+      uint64_t free_total = 0, free_largest = 0;
+      for (const ShardInfo& s : others) {
+        const uint64_t f =
+            s.memory_planned_bytes >= s.memory_limit_bytes ? 0
+                                                           : s.memory_limit_bytes - s.memory_planned_bytes;
+        free_total += f;
+        free_largest = std::max(free_largest, f);
+      }
+      return absl::FailedPreconditionError(absl::StrCat(
+          "cannot drain shard ", shard.id, ": its ", chunks_held,
+          " chunks need room on other live shards, and chunk (tensor ", c.tensor(), ", chunk ",
+          c.chunk(), ") of job \"", job.spec.name(), "\" (", bytes,
+          " bytes) fits on no live shard that is not draining",
+          other != 0 ? absl::StrCat(" other than shard ", other, ", which holds its other copy")
+                     : "",
+          ", after ", bytes_to_move - bytes, " bytes of its other chunks; ",
+          free_total, " bytes free over ", candidates.size(),
+          " live shards that are not draining, largest free ", free_largest,
+          " bytes; add a shard or free memory first"));
+    }
+  }
+
+  shard.state = v1::SHARD_STATE_DRAINING;
+  if (absl::Status s = PersistLocked(); !s.ok()) {
+    shard.state = v1::SHARD_STATE_UP;
+    return s;
+  }
+  shard.drain_chunks_at_start = chunks_held;
+  shard.drained_logged = false;
+  OPTIMUS_LOG(Info, kLog, "shard ", shard.id, " draining: ", chunks_held,
+              " chunks (", held == planned.end() ? 0 : held->second.backup_chunks,
+              " of them backups) move to other shards");
+  *resp.mutable_shard() = ShardStatusLocked(shard, planned, Now());
+  resp.set_chunks_to_move(chunks_held);
+  return resp;
 }
 
 CheckpointJobView Coordinator::ViewLocked(const JobRecord& job) const {
@@ -603,6 +948,9 @@ CheckpointJobView Coordinator::ViewLocked(const JobRecord& job) const {
   v.resume_step = job.resume_step;
   uint64_t min_applied = std::numeric_limits<uint64_t>::max();
   for (const auto& [shard_id, load] : job.load) {
+    // Checkpoint parts and the job's step come from the primaries: a
+    // backup writes no part, and a new one reports no step until seeded.
+    if (load.num_chunks == load.backup_chunks) continue;
     v.owners.insert(shard_id);
     auto sh = shards_.find(shard_id);
     if (sh == shards_.end() || !sh->second.capabilities.checkpoints()) {
@@ -615,7 +963,7 @@ CheckpointJobView Coordinator::ViewLocked(const JobRecord& job) const {
       v.max_applied_step = std::max(v.max_applied_step, p->second.max_applied_step());
     }
   }
-  v.min_applied_step = job.load.empty() ? 0 : min_applied;
+  v.min_applied_step = v.owners.empty() ? 0 : min_applied;
   return v;
 }
 
@@ -794,6 +1142,10 @@ class CoordinatorServer::Service final : public v1::Coordinator::Service {
                                  v1::RestoreCheckpointResponse* resp) override {
     return Reply(core_->RestoreCheckpoint(*req), resp);
   }
+  grpc::Status DrainShard(grpc::ServerContext*, const v1::DrainShardRequest* req,
+                          v1::DrainShardResponse* resp) override {
+    return Reply(core_->DrainShard(*req), resp);
+  }
 
  private:
   template <typename T>
@@ -844,7 +1196,8 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   const absl::Duration interval = options.sweep_interval;
   s->sweeper_ = std::thread([core, stop, interval] {
     while (!stop->WaitForNotificationWithTimeout(interval)) {
-      core->SweepExpiredLeases(absl::Now());
+      core->SweepExpiredLeases(core->Now());
+      core->TickReplication(core->Now());
       core->TickCheckpoints(absl::Now());
       core->RollbackFailedJobs();
     }
@@ -870,14 +1223,18 @@ std::string CoordinatorServer::RenderMetrics() const {
   v1::StatusResponse st = core_->Status();
   core_->FillLastCheckpoints(&st);
   MetricsText m;
-  int up = 0, down = 0;
+  int up = 0, down = 0, draining = 0;
   for (const auto& sh : st.shards()) {
-    (sh.state() == v1::SHARD_STATE_UP ? up : down)++;
+    (sh.state() == v1::SHARD_STATE_UP ? up
+     : sh.state() == v1::SHARD_STATE_DRAINING ? draining
+                                              : down)++;
     const MetricLabels id = {{"shard_id", absl::StrCat(sh.shard_id())},
                              {"kind", sh.capabilities().kind() == v1::SHARD_KIND_DPU ? "dpu"
                                                                                      : "host"}};
-    m.Gauge("optimus_coord_shard_up", "1 while the shard holds its lease.",
-            sh.state() == v1::SHARD_STATE_UP ? 1 : 0, id);
+    m.Gauge("optimus_coord_shard_up", "1 while the shard holds its lease (draining too).",
+            sh.state() != v1::SHARD_STATE_DOWN ? 1 : 0, id);
+    m.Gauge("optimus_coord_shard_draining", "1 while the shard is being drained.",
+            sh.state() == v1::SHARD_STATE_DRAINING ? 1 : 0, id);
     m.Gauge("optimus_coord_shard_lease_age_seconds", "Time since the shard's last heartbeat.",
             sh.lease_age_ms() / 1000.0, id);
     m.Gauge("optimus_coord_shard_memory_used_bytes", "State bytes the shard reports allocated.",
@@ -886,9 +1243,14 @@ std::string CoordinatorServer::RenderMetrics() const {
             sh.capabilities().memory_limit_bytes(), id);
     m.Gauge("optimus_coord_shard_chunks_owned", "Chunks placed on the shard.", sh.chunks_owned(),
             id);
+    m.Gauge("optimus_coord_shard_backup_chunks",
+            "Of the chunks placed on the shard, those it holds as a backup.", sh.backup_chunks(),
+            id);
   }
   m.Gauge("optimus_coord_shards", "Registered shards by state.", up, {{"state", "up"}});
   m.Gauge("optimus_coord_shards", "Registered shards by state.", down, {{"state", "down"}});
+  m.Gauge("optimus_coord_shards", "Registered shards by state.", draining,
+          {{"state", "draining"}});
   for (const auto& j : st.jobs()) {
     const MetricLabels id = {{"job", j.name()}};
     m.Gauge("optimus_coord_job_step", "Lowest step applied over the job's shards.",
@@ -899,6 +1261,15 @@ std::string CoordinatorServer::RenderMetrics() const {
             j.workers_joined(), id);
     m.Gauge("optimus_coord_job_state_bytes", "fp32 master + moment bytes of the job.",
             j.state_bytes(), id);
+    m.Gauge("optimus_coord_job_chunks", "Chunks of the job.", j.num_chunks(), id);
+    m.Gauge("optimus_coord_job_chunks_with_backup",
+            "Chunks of the job whose map names a backup (replication 1; below "
+            "optimus_coord_job_chunks: degraded).",
+            j.chunks_with_backup(), id);
+    m.Gauge("optimus_coord_job_backups_in_sync",
+            "Backups of the job reported seeded: chunks whose lost primary is replaced "
+            "without losing a step.",
+            j.backups_in_sync(), id);
     if (j.has_last_checkpoint()) {
       const v1::CheckpointInfo& c = j.last_checkpoint();
       m.Gauge("optimus_coord_job_last_checkpoint_step",

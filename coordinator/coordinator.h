@@ -7,6 +7,7 @@
 #define OPTIMUS_COORDINATOR_COORDINATOR_H_
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -35,8 +36,9 @@ struct CoordinatorOptions {
   // gRPC listen address, "HOST:PORT". Port 0 picks a free port (read it back
   // with CoordinatorServer::port()). Default: loopback only.
   std::string listen_address = "127.0.0.1:0";
-  // A shard with no heartbeat for this long is marked DOWN and the jobs that
-  // hold chunks on it fail. Shorter detects failures sooner but costs more
+  // A shard with no heartbeat for this long is marked DOWN; the jobs that
+  // hold chunks on it fail over to their backups (replication 1) or fail.
+  // Shorter detects failures sooner but costs more
   // heartbeats (shards are told to beat every lease/3). Default 2 s.
   absl::Duration lease = absl::Seconds(2);
   // How often the sweeper checks leases; a dead shard is noticed within
@@ -60,6 +62,9 @@ struct CoordinatorOptions {
   // heartbeats), and loaded at start, so a restarted coordinator loses
   // nothing. Empty: state lives in memory only. Default empty.
   std::string state_dir;
+  // The clock for leases and lease ages; empty means absl::Now. Tests set a
+  // fake one to expire one shard's lease and not another's.
+  std::function<absl::Time()> clock;
 };
 
 // Most chunks one job may have: its whole map travels in one gRPC message
@@ -90,15 +95,23 @@ class Coordinator {
   absl::StatusOr<v1::RegisterShardResponse> RegisterShard(const v1::RegisterShardRequest& req);
 
   // Renews the lease and records the shard's reported usage and per-job
-  // progress; a PENDING job turns READY once every shard owning its chunks
-  // reports the current epoch with all its chunks loaded. An unknown or DOWN
-  // shard gets known=false and must register again (under a new id).
+  // progress; a PENDING job turns READY once every shard holding its chunks
+  // (as primary or backup) reports the current epoch with all its chunks
+  // loaded. A shard that reports, at the current epoch, every one of its
+  // backup chunks of a job seeded (backups_seeded == backup_chunks, both
+  // equal to its backup count in the map) has those chunks' backups marked
+  // in sync: they may be promoted. UP and DRAINING shards are served; an
+  // unknown or DOWN shard gets known=false and must register again (under a
+  // new id).
   v1::HeartbeatResponse Heartbeat(const v1::HeartbeatRequest& req);
 
-  // Validates the spec (INVALID_ARGUMENT, or ALREADY_EXISTS for a taken name),
-  // fills defaults, places the chunks over UP shards (FAILED_PRECONDITION
-  // without shards, RESOURCE_EXHAUSTED when it does not fit) and returns the
-  // new job's id and map (epoch 1). The job starts PENDING.
+  // Validates the spec (INVALID_ARGUMENT, or ALREADY_EXISTS for a taken name;
+  // replication must be 0 or 1), fills defaults, places the chunks over UP
+  // shards (not DRAINING ones) and, with replication 1, a backup of each on
+  // another shard (FAILED_PRECONDITION without shards or, for replication 1,
+  // with fewer than 2; RESOURCE_EXHAUSTED when it does not fit, backups
+  // included) and returns the new job's id and map (epoch 1). The job starts
+  // PENDING.
   absl::StatusOr<v1::CreateJobResponse> CreateJob(const v1::CreateJobRequest& req);
 
   // Records `rank` as joined (idempotent). NOT_FOUND for an unknown job;
@@ -145,10 +158,45 @@ class Coordinator {
   // failed job; returns how many were restored. Called by the sweeper.
   int RollbackFailedJobs();
 
-  // Marks DOWN every UP shard whose last heartbeat is older than the lease
-  // at `now`, and fails the PENDING/READY jobs holding chunks on it.
-  // Returns the number of shards marked DOWN. Called by the sweeper thread.
+  // Marks DOWN every UP or DRAINING shard whose last heartbeat is older
+  // than the lease at `now`, then, for each PENDING/READY job holding chunks
+  // on a DOWN shard:
+  //  - if every chunk whose primary is DOWN has a backup on an UP or
+  //    DRAINING shard that is in sync (see Heartbeat), fails over: those
+  //    backups become the primaries, chunks whose backup was lost drop it,
+  //    and (replication 1) each chunk left without a backup gets one on a
+  //    live, not DRAINING shard other than its primary where it fits (none:
+  //    the chunk stays without one until TickReplication finds room). The
+  //    epoch goes up by exactly one and the job keeps its state.
+  //  - otherwise the job FAILS (RollbackFailedJobs may then restore it).
+  // A lost backup alone never fails a job. Returns the number of shards
+  // marked DOWN. Called by the sweeper thread.
   int SweepExpiredLeases(absl::Time now);
+
+  // Moves chunks of PENDING/READY jobs, at most one epoch bump per job per
+  // call (all of its changes at once):
+  //  - a chunk whose primary is DRAINING: its in-sync backup is promoted
+  //    (replication 1: and a new backup picked); without a backup it gets a
+  //    temporary one, which the primary seeds at its next step and a later
+  //    call promotes once the backup shard reports it in sync;
+  //  - a chunk whose backup is on a DRAINING shard gets a new backup
+  //    elsewhere (replication 0: just drops it unless its primary drains too);
+  //  - replication 1: a chunk without a backup gets one where it fits (a
+  //    replacement shard registered, memory freed).
+  // New copies go only to UP shards with room (PickShard's rule). Logs
+  // "shard N drained" once a DRAINING shard holds no chunk. Returns the
+  // number of jobs whose map changed. Called by the sweeper thread.
+  int TickReplication(absl::Time now);
+
+  // Marks the shard DRAINING (durable) so that TickReplication moves its
+  // chunks away while training runs; returns it with the number of chunks
+  // it held. Refuses, changing nothing: NOT_FOUND for an unknown shard,
+  // FAILED_PRECONDITION for a DOWN one or when some chunk it holds fits on
+  // no other UP shard (with the numbers). Idempotent for a DRAINING shard.
+  absl::StatusOr<v1::DrainShardResponse> DrainShard(const v1::DrainShardRequest& req);
+
+  // The clock of options.clock (absl::Now by default).
+  absl::Time Now() const;
 
   // Wakes every WaitForShardMap, which then returns UNAVAILABLE.
   void BeginShutdown();
@@ -161,10 +209,15 @@ class Coordinator {
     absl::Time last_heartbeat;
     uint64_t memory_used_bytes = 0;  // As reported.
     uint32_t chunks_reported = 0;    // As reported.
+    // DRAINING: chunks it held when the drain began (volatile), and whether
+    // "drained" was logged.
+    uint32_t drain_chunks_at_start = 0;
+    bool drained_logged = false;
   };
   struct ShardLoad {
-    uint32_t num_chunks = 0;
-    uint64_t size_bytes = 0;
+    uint32_t num_chunks = 0;     // As primary or backup.
+    uint32_t backup_chunks = 0;  // Of num_chunks, as backup.
+    uint64_t size_bytes = 0;     // A backup costs as much as a primary.
   };
   struct JobRecord {
     uint64_t id = 0;
@@ -173,7 +226,14 @@ class Coordinator {
     uint64_t num_params = 0;
     uint64_t bytes_per_elem = 0;
     v1::ShardMap map;                     // Current map, map.epoch() is the epoch.
-    std::map<uint64_t, ShardLoad> load;   // Planned, by shard id.
+    // Planned, by shard id, over primaries and backups (from map; see
+    // ComputeLoad).
+    std::map<uint64_t, ShardLoad> load;
+    // By index into map.chunks: the chunk's backup is known to be in sync
+    // (its shard reported all its backups of the job seeded at the current
+    // epoch). Volatile: a restarted coordinator learns it from the next
+    // heartbeats. Cleared when a chunk's backup changes.
+    std::vector<bool> backup_seeded;
     std::map<uint64_t, v1::ShardJobProgress> progress;  // Reported, by shard id.
     std::set<uint32_t> joined_ranks;
     uint64_t resume_step = 1;             // Step workers start at (restored jobs: S).
@@ -192,6 +252,32 @@ class Coordinator {
                                                           const v1::RestoreSource* restore);
   CheckpointJobView ViewLocked(const JobRecord& job) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void MaybeMarkReadyLocked(JobRecord& job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Records a shard's backups of `job` as in sync when its report says so.
+  void MarkSeededLocked(JobRecord& job, uint64_t shard_id, const v1::ShardJobProgress& p)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // UP shards (not DRAINING or DOWN) as the placer sees them, with the
+  // bytes planned on them by every job that has not failed.
+  std::vector<ShardInfo> PlacementCandidatesLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Picks a shard for one more copy of chunk `index` of `job` (other than
+  // exclude_id) among `candidates` and counts its bytes there; 0 if none fits.
+  static uint64_t TakeSlot(const JobRecord& job, int index, uint64_t exclude_id,
+                           std::vector<ShardInfo>& candidates);
+  // After job.map.chunks changed: epoch + 1, load, endpoints, seeded flags'
+  // size, stale progress dropped; tells the checkpoint manager about the
+  // new primaries. The caller persists and signals map_changed_.
+  void CommitMapChangeLocked(JobRecord& job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Fails over or fails `job` when it holds chunks on DOWN shards; returns
+  // true when it changed.
+  bool FailoverLocked(JobRecord& job, std::vector<ShardInfo>& candidates)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // map.shards from job.load (every shard holding a primary or a backup).
+  void SetEndpointsLocked(JobRecord& job) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  v1::ShardStatus ShardStatusLocked(const ShardRecord& shard,
+                                    const std::map<uint64_t, ShardLoad>& planned,
+                                    absl::Time now) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Load by shard over a map's primaries and backups.
+  static std::map<uint64_t, ShardLoad> ComputeLoad(const v1::ShardMap& map,
+                                                   uint64_t bytes_per_elem);
 
   const CoordinatorOptions options_;
   absl::Mutex mu_;

@@ -5,6 +5,7 @@
 #include <string>
 #include <thread>
 
+#include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "gmock/gmock.h"
@@ -439,6 +440,59 @@ TEST_F(CoordinatorTest, WatchOfAFailedJobEnds) {
   grpc::Status s = reader->Finish();
   EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
   EXPECT_THAT(s.error_message(), HasSubstr("failed"));
+}
+
+TEST_F(CoordinatorTest, DrainOverGrpcMovesChunksWhileTheShardsBeatAndShowsInMetrics) {
+  const uint64_t a = RegisterOk(Caps(v1::SHARD_KIND_DPU, 1 << 20, "a"));
+  const uint64_t b = RegisterOk(Caps(v1::SHARD_KIND_DPU, 1 << 20, "b"));
+  v1::CreateJobResponse created;
+  ASSERT_TRUE(Create(Spec("llm", 1), &created).ok());
+  const uint32_t on_a = ChunksOn(created.map(), a);
+  ASSERT_GT(on_a, 0u);
+
+  auto drain = [&](uint64_t id, v1::DrainShardResponse* resp) {
+    v1::DrainShardRequest req;
+    req.set_shard_id(id);
+    return stub_->DrainShard(Ctx().get(), req, resp);
+  };
+  v1::DrainShardResponse resp;
+  grpc::Status s = drain(77, &resp);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_THAT(s.error_message(), HasSubstr("77"));
+  ASSERT_TRUE(drain(a, &resp).ok());
+  EXPECT_EQ(resp.shard().shard_id(), a);
+  EXPECT_EQ(resp.shard().state(), v1::SHARD_STATE_DRAINING);
+  EXPECT_EQ(resp.chunks_to_move(), on_a);
+
+  // The sweeper gives a's chunks a temporary backup on b (replication 0:
+  // a stays primary until b reports them seeded).
+  v1::ShardMap map;
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  while (absl::Now() < deadline) {
+    Beat(a);
+    Beat(b);
+    v1::GetShardMapRequest req;
+    req.set_job_id(created.job_id());
+    ASSERT_TRUE(stub_->GetShardMap(Ctx().get(), req, &map).ok());
+    if (map.epoch() > 1) break;
+    absl::SleepFor(kSweep);
+  }
+  ASSERT_EQ(map.epoch(), 2u);
+  for (const auto& c : map.chunks()) {
+    EXPECT_EQ(c.backup_shard_id(), c.shard_id() == a ? b : 0u);
+  }
+
+  const std::string metrics = server_->RenderMetrics();
+  EXPECT_THAT(metrics, HasSubstr("optimus_coord_shards{state=\"draining\"} 1"));
+  EXPECT_THAT(metrics, HasSubstr("optimus_coord_shards{state=\"up\"} 1"));
+  EXPECT_THAT(metrics, HasSubstr("optimus_coord_shard_draining{shard_id=\"1\",kind=\"dpu\"} 1"));
+  EXPECT_THAT(metrics, HasSubstr("optimus_coord_shard_up{shard_id=\"1\",kind=\"dpu\"} 1"));
+  EXPECT_THAT(metrics, HasSubstr(absl::StrCat(
+                           "optimus_coord_shard_backup_chunks{shard_id=\"2\",kind=\"dpu\"} ", on_a)));
+  EXPECT_THAT(metrics,
+              HasSubstr(absl::StrCat("optimus_coord_job_chunks_with_backup{job=\"llm\"} ", on_a)));
+  EXPECT_THAT(metrics, HasSubstr("optimus_coord_job_backups_in_sync{job=\"llm\"} 0"));
+  EXPECT_THAT(metrics, HasSubstr("optimus_coord_job_chunks{job=\"llm\"} 5"));
 }
 
 TEST(CoordinatorServerTest, UnusableAddressIsAnError) {

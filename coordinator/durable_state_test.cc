@@ -116,6 +116,74 @@ TEST(DurableStateTest, RestartKnowsShardsJobsMapsAndWorkers) {
   EXPECT_TRUE(c.JoinJob(Join("llm", 1)).ok());
 }
 
+TEST(DurableStateTest, RestartKeepsBackupsAndDrainingShards) {
+  const std::string dir = FreshDir("replication");
+  v1::ShardMap map_before;
+  v1::StatusResponse st_before;
+  {
+    Coordinator c(Options(dir));
+    ASSERT_TRUE(c.Recover().ok());
+    for (const char* host : {"a", "b", "c"}) ASSERT_TRUE(c.RegisterShard(Shard(host)).ok());
+    v1::CreateJobRequest job = Job("llm");
+    job.mutable_spec()->set_replication(1);
+    auto created = c.CreateJob(job);
+    ASSERT_TRUE(created.ok()) << created.status();
+    map_before = created->map();
+    v1::DrainShardRequest drain;
+    drain.set_shard_id(3);
+    ASSERT_TRUE(c.DrainShard(drain).ok());
+    // Every shard reports its backups seeded.
+    for (uint64_t id = 1; id <= 3; ++id) {
+      v1::HeartbeatRequest beat;
+      beat.set_shard_id(id);
+      v1::ShardJobProgress* p = beat.add_jobs();
+      p->set_job_id(created->job_id());
+      p->set_map_epoch(1);
+      uint32_t backups = 0, total = 0;
+      for (const auto& ch : map_before.chunks()) {
+        backups += ch.backup_shard_id() == id;
+        total += (ch.backup_shard_id() == id) + (ch.shard_id() == id);
+      }
+      p->set_chunks_loaded(total);
+      p->set_backup_chunks(backups);
+      p->set_backups_seeded(backups);
+      c.Heartbeat(beat);
+    }
+    st_before = c.Status();
+    ASSERT_EQ(st_before.jobs(0).backups_in_sync(), st_before.jobs(0).num_chunks());
+  }
+
+  Coordinator c(Options(dir));
+  ASSERT_TRUE(c.Recover().ok());
+  const v1::StatusResponse st = c.Status();
+  ASSERT_EQ(st.shards_size(), 3);
+  EXPECT_EQ(st.shards(2).state(), v1::SHARD_STATE_DRAINING);
+  for (int i = 0; i < 3; ++i) {
+    // Backups still count in chunks and memory.
+    EXPECT_EQ(st.shards(i).chunks_owned(), st_before.shards(i).chunks_owned()) << i;
+    EXPECT_EQ(st.shards(i).backup_chunks(), st_before.shards(i).backup_chunks()) << i;
+    EXPECT_GT(st.shards(i).backup_chunks(), 0u) << i;
+    EXPECT_EQ(st.shards(i).memory_planned_bytes(), st_before.shards(i).memory_planned_bytes());
+  }
+  auto map = c.GetShardMap(st.jobs(0).job_id());
+  ASSERT_TRUE(map.ok());
+  EXPECT_EQ(map->SerializeAsString(), map_before.SerializeAsString());
+  EXPECT_EQ(st.jobs(0).replication(), 1u);
+  EXPECT_EQ(st.jobs(0).chunks_with_backup(), st.jobs(0).num_chunks());
+  // Whether backups are in sync is not saved: the next heartbeats say.
+  EXPECT_EQ(st.jobs(0).backups_in_sync(), 0u);
+  // The draining shard heartbeats under its id and still gets its job.
+  v1::HeartbeatRequest beat;
+  beat.set_shard_id(3);
+  v1::HeartbeatResponse resp = c.Heartbeat(beat);
+  EXPECT_TRUE(resp.known());
+  EXPECT_EQ(resp.assignments_size(), 1);
+  // New jobs avoid it.
+  auto other = c.CreateJob(Job("other"));
+  ASSERT_TRUE(other.ok()) << other.status();
+  for (const auto& ch : other->map().chunks()) EXPECT_NE(ch.shard_id(), 3u);
+}
+
 TEST(DurableStateTest, CorruptedStateIsRefusedNamingTheFile) {
   const std::string dir = FreshDir("corrupt");
   {

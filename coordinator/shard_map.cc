@@ -56,21 +56,29 @@ std::vector<ChunkSpec> SplitTensors(absl::Span<const uint64_t> tensor_num_elems,
   return chunks;
 }
 
-absl::StatusOr<std::vector<ChunkSpec>> PlaceChunks(
-    std::vector<ChunkSpec> chunks, absl::Span<const ShardInfo> live_shards,
-    uint64_t bytes_per_elem) {
-  if (live_shards.empty()) {
-    return absl::FailedPreconditionError(
-        "no live shards: register optimizer shard servers before creating a job");
+int PickShard(absl::Span<const ShardInfo> shards, uint64_t need_bytes, uint64_t exclude_id) {
+  for (bool want_dpu : {true, false}) {
+    int best = -1;
+    for (size_t i = 0; i < shards.size(); ++i) {
+      const ShardInfo& s = shards[i];
+      if (s.is_dpu != want_dpu || (exclude_id != 0 && s.id == exclude_id)) continue;
+      if (need_bytes > FreeBytes(s, s.memory_planned_bytes)) continue;
+      if (best < 0 || s.memory_planned_bytes < shards[best].memory_planned_bytes ||
+          (s.memory_planned_bytes == shards[best].memory_planned_bytes &&
+           s.id < shards[best].id)) {
+        best = static_cast<int>(i);
+      }
+    }
+    if (best >= 0) return best;
   }
-  // Shards in id order so that "first minimum" is "lowest id among ties".
-  std::vector<ShardInfo> shards(live_shards.begin(), live_shards.end());
-  std::sort(shards.begin(), shards.end(),
-            [](const ShardInfo& a, const ShardInfo& b) { return a.id < b.id; });
-  std::vector<uint64_t> planned_bytes(shards.size());
-  for (size_t i = 0; i < shards.size(); ++i) planned_bytes[i] = shards[i].memory_planned_bytes;
+  return -1;
+}
 
-  // Largest first; equal sizes in (tensor, chunk) order for determinism.
+namespace {
+
+// Chunk indices, largest first; equal sizes in (tensor, chunk) order for
+// determinism.
+std::vector<size_t> LargestFirst(const std::vector<ChunkSpec>& chunks) {
   std::vector<size_t> order(chunks.size());
   std::iota(order.begin(), order.end(), 0);
   std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
@@ -80,38 +88,93 @@ absl::StatusOr<std::vector<ChunkSpec>> PlaceChunks(
     if (chunks[a].tensor != chunks[b].tensor) return chunks[a].tensor < chunks[b].tensor;
     return chunks[a].chunk < chunks[b].chunk;
   });
+  return order;
+}
 
-  for (size_t idx : order) {
+struct FreeSpace {
+  uint64_t total = 0;
+  uint64_t largest = 0;
+};
+
+FreeSpace FreeOver(absl::Span<const ShardInfo> shards) {
+  FreeSpace f;
+  for (const ShardInfo& s : shards) {
+    const uint64_t b = FreeBytes(s, s.memory_planned_bytes);
+    f.total = SatAdd(f.total, b);
+    f.largest = std::max(f.largest, b);
+  }
+  return f;
+}
+
+}  // namespace
+
+absl::StatusOr<std::vector<ChunkSpec>> PlaceChunks(
+    std::vector<ChunkSpec> chunks, absl::Span<const ShardInfo> live_shards,
+    uint64_t bytes_per_elem) {
+  if (live_shards.empty()) {
+    return absl::FailedPreconditionError(
+        "no live shards: register optimizer shard servers before creating a job");
+  }
+  // memory_planned_bytes grows as chunks are placed.
+  std::vector<ShardInfo> shards(live_shards.begin(), live_shards.end());
+  for (size_t idx : LargestFirst(chunks)) {
     ChunkSpec& c = chunks[idx];
     const uint64_t need_bytes = SatMul(c.num_elems, bytes_per_elem);
-    int best = -1;
-    for (bool want_dpu : {true, false}) {
-      for (size_t i = 0; i < shards.size(); ++i) {
-        if (shards[i].is_dpu != want_dpu) continue;
-        if (need_bytes > FreeBytes(shards[i], planned_bytes[i])) continue;
-        if (best < 0 || planned_bytes[i] < planned_bytes[best]) best = static_cast<int>(i);
-      }
-      if (best >= 0) break;
-    }
+    const int best = PickShard(shards, need_bytes, /*exclude_id=*/0);
     if (best < 0) {
       uint64_t job_bytes = 0;
       for (const ChunkSpec& x : chunks) job_bytes = SatAdd(job_bytes, SatMul(x.num_elems, bytes_per_elem));
-      uint64_t free_total = 0, free_largest = 0;
-      for (size_t i = 0; i < shards.size(); ++i) {
-        // Free space before this job, as the operator would see it.
-        const uint64_t f = FreeBytes(shards[i], shards[i].memory_planned_bytes);
-        free_total = SatAdd(free_total, f);
-        free_largest = std::max(free_largest, f);
-      }
+      // Free space before this job, as the operator would see it.
+      const FreeSpace free = FreeOver(live_shards);
       return absl::ResourceExhaustedError(absl::StrFormat(
           "job state does not fit: needs %d bytes (%d bytes per element); "
           "%d bytes free over %d live shards, largest free %d bytes; "
           "chunk (tensor %d, chunk %d) of %d bytes fits on no shard",
-          job_bytes, bytes_per_elem, free_total, shards.size(), free_largest, c.tensor,
+          job_bytes, bytes_per_elem, free.total, shards.size(), free.largest, c.tensor,
           c.chunk, need_bytes));
     }
     c.shard_id = shards[best].id;
-    planned_bytes[best] += need_bytes;
+    shards[best].memory_planned_bytes = SatAdd(shards[best].memory_planned_bytes, need_bytes);
+  }
+  return chunks;
+}
+
+absl::StatusOr<std::vector<ChunkSpec>> PlaceBackups(
+    std::vector<ChunkSpec> chunks, absl::Span<const ShardInfo> live_shards,
+    uint64_t bytes_per_elem) {
+  if (live_shards.size() < 2) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "replication 1 needs at least 2 live shards (a chunk's backup lives on another "
+        "shard than its primary); %d live",
+        live_shards.size()));
+  }
+  // The job's primaries count on top of what other jobs planned.
+  std::vector<ShardInfo> shards(live_shards.begin(), live_shards.end());
+  uint64_t job_bytes = 0;
+  for (const ChunkSpec& c : chunks) {
+    const uint64_t need_bytes = SatMul(c.num_elems, bytes_per_elem);
+    job_bytes = SatAdd(job_bytes, need_bytes);
+    for (ShardInfo& s : shards) {
+      if (s.id == c.shard_id) s.memory_planned_bytes = SatAdd(s.memory_planned_bytes, need_bytes);
+    }
+  }
+  const FreeSpace after_primaries = FreeOver(shards);
+  for (size_t idx : LargestFirst(chunks)) {
+    ChunkSpec& c = chunks[idx];
+    const uint64_t need_bytes = SatMul(c.num_elems, bytes_per_elem);
+    const int best = PickShard(shards, need_bytes, /*exclude_id=*/c.shard_id);
+    if (best < 0) {
+      return absl::ResourceExhaustedError(absl::StrFormat(
+          "job state with replication 1 does not fit: needs %d bytes for the primaries "
+          "and %d bytes for their backups (%d bytes per element); after the primaries "
+          "%d bytes are free over %d live shards, largest free %d bytes; the backup of "
+          "chunk (tensor %d, chunk %d) of %d bytes fits on no shard other than its "
+          "primary (shard %d)",
+          job_bytes, job_bytes, bytes_per_elem, after_primaries.total, shards.size(),
+          after_primaries.largest, c.tensor, c.chunk, need_bytes, c.shard_id));
+    }
+    c.backup_shard_id = shards[best].id;
+    shards[best].memory_planned_bytes = SatAdd(shards[best].memory_planned_bytes, need_bytes);
   }
   return chunks;
 }

@@ -29,7 +29,9 @@ struct ChunkSpec {
   uint32_t chunk = 0;   // Index of the chunk within its tensor.
   uint64_t offset_elems = 0;
   uint64_t num_elems = 0;
-  uint64_t shard_id = 0;  // 0 until placed.
+  uint64_t shard_id = 0;  // Primary; 0 until placed.
+  // Backup (replication 1): another shard holding a full copy; 0 for none.
+  uint64_t backup_shard_id = 0;
 };
 
 // Default chunk size: 4 MiB of fp32 state, i.e. 1 Mi elements. Large enough
@@ -62,6 +64,30 @@ std::vector<ChunkSpec> SplitTensors(absl::Span<const uint64_t> tensor_num_elems,
 // RESOURCE_EXHAUSTED when some chunk fits nowhere, with the bytes the job
 // needs, the free bytes over the live shards and the largest free space.
 absl::StatusOr<std::vector<ChunkSpec>> PlaceChunks(
+    std::vector<ChunkSpec> chunks, absl::Span<const ShardInfo> live_shards,
+    uint64_t bytes_per_elem);
+
+// The placement rule for one more copy of need_bytes: among the DPU shards
+// where it still fits (memory_planned_bytes + need_bytes <= limit), the one
+// with the fewest planned bytes, ties by the lower id; only if no DPU fits,
+// the host shard chosen the same way. The shard with id exclude_id (the
+// chunk's other copy; 0: none) is never chosen. Returns the index into
+// `shards`, or -1 when none fits. PlaceChunks, PlaceBackups and the
+// coordinator's failover and drain all choose with it.
+int PickShard(absl::Span<const ShardInfo> shards, uint64_t need_bytes, uint64_t exclude_id);
+
+// Replication 1: assigns backup_shard_id to every chunk of an already
+// placed job (shard_id set by PlaceChunks), on a shard other than its
+// primary, with PickShard's rule, largest chunk first; each backup costs
+// num_elems * bytes_per_elem like its primary. `live_shards` carry the
+// bytes planned before this job; the job's primaries count on top of them.
+// Returns the chunks in their input order.
+// Errors: FAILED_PRECONDITION with fewer than 2 live shards (a backup must
+// live on another shard than its primary); RESOURCE_EXHAUSTED when some
+// backup fits nowhere, with the bytes of the primaries and of the backups,
+// the free bytes left over the live shards after the primaries and the
+// largest free space.
+absl::StatusOr<std::vector<ChunkSpec>> PlaceBackups(
     std::vector<ChunkSpec> chunks, absl::Span<const ShardInfo> live_shards,
     uint64_t bytes_per_elem);
 

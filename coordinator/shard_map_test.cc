@@ -180,3 +180,109 @@ TEST(PlaceChunksTest, NoLiveShardsIsAnError) {
 
 }  // namespace
 }  // namespace optimus
+
+namespace optimus {
+namespace {
+
+TEST(PickShardTest, PrefersDpusThenFewestBytesThenLowerIdAndSkipsTheExcludedShard) {
+  // Input order is not id order: ties still go to the lower id.
+  std::vector<ShardInfo> shards = {{7, true, 1000, 100}, {3, true, 1000, 100},
+                                   {5, false, 1000, 0}};
+  EXPECT_EQ(shards[PickShard(shards, 10, 0)].id, 3u);
+  EXPECT_EQ(shards[PickShard(shards, 10, 3)].id, 7u);   // The other copy's shard is skipped.
+  EXPECT_EQ(shards[PickShard(shards, 950, 0)].id, 5u);  // No DPU has room: the host.
+  EXPECT_EQ(PickShard(shards, 950, 5), -1);
+  EXPECT_EQ(PickShard(shards, 1001, 0), -1);
+  shards[0].memory_planned_bytes = 50;
+  EXPECT_EQ(shards[PickShard(shards, 10, 0)].id, 7u);  // Fewer planned bytes wins.
+}
+
+TEST(PlaceBackupsTest, EveryBackupIsOnAnotherShardAndLimitsHoldWithBackupsCounted) {
+  std::mt19937_64 rng(99);
+  int placed_jobs = 0, refused = 0;
+  for (int trial = 0; trial < 60; ++trial) {
+    std::vector<uint64_t> sizes;
+    for (int t = 0; t < 1 + static_cast<int>(rng() % 10); ++t) sizes.push_back(1 + rng() % 3000);
+    const uint64_t max_chunk = 1 + rng() % 500, bpe = 1 + rng() % 4;
+    std::vector<ShardInfo> shards;
+    const int num_shards = 2 + static_cast<int>(rng() % 4);
+    for (int i = 0; i < num_shards; ++i) {
+      shards.push_back({static_cast<uint64_t>(1 + i), (rng() % 2) == 0,
+                        /*memory_limit_bytes=*/3000 + rng() % 20000, /*planned=*/rng() % 500});
+    }
+    auto primaries = PlaceChunks(SplitTensors(sizes, max_chunk), shards, bpe);
+    if (!primaries.ok()) continue;
+    auto placed = PlaceBackups(*primaries, shards, bpe);
+    if (!placed.ok()) {
+      EXPECT_EQ(placed.status().code(), absl::StatusCode::kResourceExhausted);
+      ++refused;
+      continue;
+    }
+    ++placed_jobs;
+    std::map<uint64_t, uint64_t> planned;
+    for (const ShardInfo& s : shards) planned[s.id] = s.memory_planned_bytes;
+    ASSERT_EQ(placed->size(), primaries->size());
+    for (size_t i = 0; i < placed->size(); ++i) {
+      const ChunkSpec& c = (*placed)[i];
+      EXPECT_EQ(c.shard_id, (*primaries)[i].shard_id);  // Primaries stay where they were.
+      EXPECT_NE(c.backup_shard_id, 0u);
+      EXPECT_NE(c.backup_shard_id, c.shard_id);
+      planned[c.shard_id] += c.num_elems * bpe;
+      planned[c.backup_shard_id] += c.num_elems * bpe;
+    }
+    for (const ShardInfo& s : shards) EXPECT_LE(planned.at(s.id), s.memory_limit_bytes);
+  }
+  EXPECT_GT(placed_jobs, 10);
+  EXPECT_GT(refused, 0);
+}
+
+TEST(PlaceBackupsTest, BackupsFollowThePlacementRuleAfterThePrimaries) {
+  // Two DPUs with room for the primaries only, one host: the backups spill
+  // to the host; with a third DPU they go there instead.
+  const uint64_t bpe = 10;
+  std::vector<ShardInfo> shards = {{1, true, 2000, 0}, {2, true, 2000, 0},
+                                   {3, false, 1000000, 0}};
+  auto primaries = PlaceChunks(SplitTensors({400}, 100), shards, bpe);
+  ASSERT_TRUE(primaries.ok());
+  auto placed = PlaceBackups(*primaries, shards, bpe);
+  ASSERT_TRUE(placed.ok()) << placed.status();
+  for (const ChunkSpec& c : *placed) EXPECT_EQ(c.backup_shard_id, 3u);
+
+  // DPUs with room: backups stay off the host, each on the other DPU.
+  shards[0].memory_limit_bytes = shards[1].memory_limit_bytes = 1000000;
+  primaries = PlaceChunks(SplitTensors({400}, 100), shards, bpe);
+  ASSERT_TRUE(primaries.ok());
+  placed = PlaceBackups(*primaries, shards, bpe);
+  ASSERT_TRUE(placed.ok()) << placed.status();
+  for (const ChunkSpec& c : *placed) {
+    EXPECT_NE(c.backup_shard_id, 3u) << "host used while a DPU had room";
+    EXPECT_EQ(c.backup_shard_id, c.shard_id == 1 ? 2u : 1u);
+  }
+}
+
+TEST(PlaceBackupsTest, OneShardIsRefusedAndTooLittleRoomNamesTheNumbers) {
+  std::vector<ShardInfo> one = {{1, true, 1 << 20, 0}};
+  auto primaries = PlaceChunks(SplitTensors({300}, 100), one, 4);
+  ASSERT_TRUE(primaries.ok());
+  auto r = PlaceBackups(*primaries, one, 4);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(r.status().message(), HasSubstr("at least 2 live shards"));
+  EXPECT_THAT(r.status().message(), HasSubstr("1 live"));
+
+  // 3 chunks of 400 bytes: two primaries on shard 1, one on shard 2, which
+  // leaves 700 + 100 bytes free; the backup of a chunk on shard 1 must go to
+  // shard 2 and does not fit.
+  std::vector<ShardInfo> two = {{1, true, 1500, 0}, {2, true, 500, 0}};
+  primaries = PlaceChunks(SplitTensors({300}, 100), two, 4);
+  ASSERT_TRUE(primaries.ok());
+  r = PlaceBackups(*primaries, two, 4);
+  ASSERT_EQ(r.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(r.status().message(), HasSubstr("1200 bytes for the primaries"));
+  EXPECT_THAT(r.status().message(), HasSubstr("1200 bytes for their backups"));
+  EXPECT_THAT(r.status().message(), HasSubstr("800 bytes are free over 2 live shards"));
+  EXPECT_THAT(r.status().message(), HasSubstr("largest free 700 bytes"));
+  EXPECT_THAT(r.status().message(), HasSubstr("other than its primary (shard 1)"));
+}
+
+}  // namespace
+}  // namespace optimus
