@@ -2,21 +2,30 @@
 // real coordinator, 3 shard servers and 2 worker clients in this process
 // (gRPC and UCX on loopback). Prints one JSON object per line:
 //
-//   checkpoint_stall   median-free mean step time of a job checkpointed
-//                      every --ckpt_every steps against the same job with no
-//                      checkpoints, run in the same process one after the
-//                      other: the stall workers see, as a fraction of a step.
+//   checkpoint_stall   mean step time of one job in phases where a
+//                      checkpoint is taken every --ckpt_every steps against
+//                      phases without, alternating (--rounds of each): the
+//                      slowdown workers see, as a fraction of step time
+//                      (stall_fraction), and per checkpoint in steps.
 //   recovery_rollback  a shard holding chunks is stopped (no replica): time
 //                      until the coordinator has detected it (lease) and
 //                      restored the job from its last checkpoint, and until
 //                      the workers have re-joined and finished their first
 //                      step again; with the lease and the step time for scale.
+//   recovery_failover  a replicated job (replication 1) trains on while the
+//                      shard holding primaries is stopped: the time from the
+//                      stop until the coordinator has detected it (lease),
+//                      and until the first step completes after the backups
+//                      took over; against detection + one step.
 //
-// Usage: bazel run -c opt //bench:fault -- [--params_mi=4] [--steps=40]
-//        [--ckpt_every=2]
+// Usage: bazel run -c opt //bench:fault -- [--params_mi=4] [--steps=20]
+//        [--ckpt_every=10] [--rounds=4]
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
@@ -26,8 +35,9 @@
 #include "tests/integration/ckpt_cluster.h"
 
 ABSL_FLAG(int64_t, params_mi, 4, "model size, Mi parameters (one weight tensor)");
-ABSL_FLAG(int, steps, 40, "timed steps per phase");
-ABSL_FLAG(int, ckpt_every, 2, "checkpoint policy of the checkpointed phase, in steps");
+ABSL_FLAG(int, steps, 20, "timed steps per phase");
+ABSL_FLAG(int, ckpt_every, 10, "in the checkpointed phases, a checkpoint every N steps");
+ABSL_FLAG(int, rounds, 4, "phases with and without checkpoints, each");
 
 namespace optimus {
 namespace bench {
@@ -62,37 +72,75 @@ int Main() {
   const std::string dir = testing_ckpt::NewTempDir();
   CkptCluster c(dir, 3);
 
-  // Phase A: no checkpoints.
-  c.CreateAndJoin(Job("plain", params_mi));
+  // One job; phases with and without checkpoints alternate (ABAB...) so
+  // that warm-up and the VM's drift hit both alike. In a "with" phase a
+  // checkpoint is ordered every `every` steps (what a policy does); the
+  // snapshot is taken at a step boundary and written in the background
+  // while the phase goes on; its completion is awaited (untimed, reported)
+  // before the next phase.
+  c.CreateAndJoin(Job("ckpt", params_mi));
   c.Train(1, kWarmup);
-  const double plain_ms = TimeSteps(c, kWarmup + 1, kWarmup + steps);
-
-  // Phase B: the same job checkpointed every `every` steps by policy.
-  client::JobDef def = Job("ckpt", params_mi);
-  def.checkpoint.every_steps = static_cast<uint64_t>(every);
-  def.checkpoint.keep_last = 2;
-  c.CreateAndJoin(def);
-  c.Train(1, kWarmup);
-  const uint64_t last = kWarmup + static_cast<uint64_t>(steps);
-  const double ckpt_ms = TimeSteps(c, kWarmup + 1, last);
+  uint64_t step = kWarmup + 1;
+  double without_ms = 0, with_ms = 0, tail_wait_ms = 0;
+  int ordered = 0, untimed_steps = 0;
+  const int rounds = absl::GetFlag(FLAGS_rounds);
+  for (int round = 0; round < rounds; ++round) {
+    without_ms += TimeSteps(c, step, step + steps - 1);
+    step += steps;
+    uint64_t last_id = 0;
+    for (int done = 0; done < steps; done += every) {
+      const int n = std::min(every, steps - done);
+      auto info = c.CreateCheckpoint("ckpt");
+      if (info.ok()) {
+        ++ordered;
+        last_id = info->checkpoint_id();
+      }
+      with_ms += TimeSteps(c, step, step + n - 1) * n;
+      step += n;
+    }
+    // Untimed steps until the phase's last checkpoint is complete, so its
+    // write does not spill into the next phase (its snapshot step may lie
+    // ahead, at the job's pace).
+    const absl::Time w0 = absl::Now();
+    while (last_id != 0 && untimed_steps < 1000) {
+      bool busy = false;
+      for (const auto& info : c.List("ckpt")) {
+        busy |= info.checkpoint_id() >= last_id &&
+                info.state() == v1::CHECKPOINT_STATE_IN_PROGRESS;
+      }
+      if (!busy) break;
+      c.Train(step, step);
+      ++step;
+      ++untimed_steps;
+    }
+    tail_wait_ms += absl::ToDoubleMilliseconds(absl::Now() - w0);
+  }
+  const uint64_t last = step - 1;
+  const double plain_ms = without_ms / rounds;
+  const double ckpt_ms = with_ms / (static_cast<double>(rounds) * steps);
   int complete = 0, total = 0;
   for (const auto& info : c.List("ckpt")) {
     ++total;
     complete += info.state() == v1::CHECKPOINT_STATE_COMPLETE;
   }
   const double state_mb = static_cast<double>(params_mi) * 12.0;  // fp32 master, m, v
+  const double slowdown = (ckpt_ms - plain_ms) / plain_ms;
   std::printf(
       "{\"bench\": \"checkpoint_stall\", \"params\": %lld, \"workers\": 2, \"shards\": 3, "
-      "\"steps\": %d, \"ckpt_every_steps\": %d, \"state_mib_per_checkpoint\": %.1f, "
-      "\"checkpoints_listed\": %d, \"checkpoints_complete_kept\": %d, "
-      "\"step_ms_without\": %.3f, \"step_ms_with\": %.3f, \"stall_fraction\": %.4f}\n",
-      static_cast<long long>(params_mi) << 20, steps, every, state_mb, total, complete,
-      plain_ms, ckpt_ms, (ckpt_ms - plain_ms) / plain_ms);
+      "\"rounds\": %d, \"steps_per_phase\": %d, \"ckpt_every_steps\": %d, "
+      "\"state_mib_per_checkpoint\": %.1f, \"checkpoints_ordered\": %d, "
+      "\"checkpoints_complete_kept\": %d, \"step_ms_without\": %.3f, \"step_ms_with\": %.3f, "
+      "\"stall_fraction\": %.4f, \"stall_per_checkpoint_in_steps\": %.4f, "
+      "\"untimed_tail_steps\": %d, \"untimed_tail_ms\": %.1f}\n",
+      static_cast<long long>(params_mi) << 20, rounds, steps, every, state_mb, ordered, complete,
+      plain_ms, ckpt_ms, slowdown, slowdown * every, untimed_steps, tail_wait_ms);
+  (void)total;
   std::fflush(stdout);
 
   // Recovery without a replica: stop a shard, wait for rollback, re-join,
   // run one step.
   c.WaitApplied("ckpt", last);
+  const uint64_t ckpt_job_id = c.client(0)->job_id();
   const absl::Time t0 = absl::Now();
   c.StopShard(0);
   bool rolled_back = false;
@@ -101,7 +149,7 @@ int Main() {
     const v1::StatusResponse status = c.Status();  // outlives the loop
     for (const auto& j : status.jobs()) {
       rolled_back |= j.name() == "ckpt" && j.state() == v1::JOB_STATE_READY &&
-                     j.job_id() > 2;
+                     j.job_id() > ckpt_job_id;
     }
     if (!rolled_back) absl::SleepFor(absl::Milliseconds(10));
   }
@@ -125,6 +173,55 @@ int Main() {
       absl::ToDoubleMilliseconds(t2 - t0), static_cast<unsigned long long>(resume),
       static_cast<unsigned long long>(last + 1 - resume),
       absl::ToDoubleMilliseconds(t2 - t0) / (lease_ms + ckpt_ms));
+  std::fflush(stdout);
+
+  // Failover with a replica: a job with replication 1 on the two shards left;
+  // workers keep training while shard 1 is stopped.
+  client::JobDef rdef = Job("repl", params_mi);
+  rdef.replication = 1;
+  c.CreateAndJoin(rdef);
+  c.Train(1, kWarmup);
+  const double repl_ms = TimeSteps(c, kWarmup + 1, kWarmup + 10);
+  const uint64_t first = kWarmup + 11, final_step = kWarmup + 40;
+  std::vector<absl::Time> done;
+  std::thread trainer([&] { c.Train(first, final_step, &done); });
+  absl::SleepFor(absl::Milliseconds(5 * repl_ms));
+  const absl::Time k0 = absl::Now();
+  c.StopShard(1);
+  absl::Time detected = absl::InfiniteFuture();
+  while (absl::Now() < k0 + absl::Seconds(30)) {
+    int down = 0;
+    const v1::StatusResponse status = c.Status();
+    for (const auto& sh : status.shards()) down += sh.state() == v1::SHARD_STATE_DOWN;
+    if (down >= 2) {
+      detected = absl::Now();
+      break;
+    }
+    absl::SleepFor(absl::Milliseconds(2));
+  }
+  trainer.join();
+  absl::Time resumed = absl::InfiniteFuture();
+  for (absl::Time t : done) {
+    if (t > detected) {
+      resumed = t;
+      break;
+    }
+  }
+  if (detected == absl::InfiniteFuture() || resumed == absl::InfiniteFuture() ||
+      done.size() != final_step - first + 1) {
+    std::fprintf(stderr, "bench/fault: failover did not complete (%zu steps done)\n",
+                 done.size());
+    return 1;
+  }
+  const double detect_ms = absl::ToDoubleMilliseconds(detected - k0);
+  const double recovery_ms = absl::ToDoubleMilliseconds(resumed - k0);
+  std::printf(
+      "{\"bench\": \"recovery_failover\", \"replication\": 1, \"lease_ms\": %.0f, "
+      "\"step_ms\": %.3f, \"step_ms_unreplicated\": %.3f, \"detect_ms\": %.1f, "
+      "\"first_step_done_ms\": %.1f, \"steps_redone\": 0, "
+      "\"ratio_to_detect_plus_one_step\": %.3f}\n",
+      lease_ms, repl_ms, plain_ms, detect_ms, recovery_ms,
+      recovery_ms / (detect_ms + repl_ms));
   std::fflush(stdout);
   (void)ckpt::RemoveTree(dir);
   return 0;

@@ -1,5 +1,9 @@
 #include "server/checkpoint_writer.h"
 
+#include <sys/resource.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include "absl/strings/str_format.h"
 #include "common/checkpoint_files.h"
 #include "common/logging.h"
@@ -80,6 +84,12 @@ void CheckpointWriter::Retain(const std::set<std::pair<uint64_t, uint64_t>>& ord
 }
 
 void CheckpointWriter::Loop() {
+  // Persisting is background work: at the lowest CPU priority it takes the
+  // cores only when the optimizer steps leave them idle, so workers do not
+  // wait for it (on Linux, nice applies to one thread).
+  if (setpriority(PRIO_PROCESS, static_cast<id_t>(syscall(SYS_gettid)), 19) != 0) {
+    OPTIMUS_LOG(Warning, "ckpt", "cannot lower the checkpoint writer's priority");
+  }
   for (;;) {
     ChunkSnapshot snap;
     std::string dir;

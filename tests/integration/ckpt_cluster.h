@@ -138,8 +138,13 @@ class CkptCluster {
     return raw;
   }
 
-  void RunWorker(uint32_t rank, uint64_t first_step, uint64_t last_step) {
+  // `step_done`, if set, gets the time each step finished (all tensors pushed).
+  void RunWorker(uint32_t rank, uint64_t first_step, uint64_t last_step,
+                 std::vector<absl::Time>* step_done = nullptr) {
     client::Client* c = clients_[rank].get();
+    // A push's buffer must stay as it is until the next version of its
+    // tensor is pulled (the client resends it after a failover).
+    std::vector<std::vector<uint8_t>> grads(c->tensors().size());
     for (uint64_t step = first_step; step <= last_step; ++step) {
       for (uint32_t t = 0; t < c->tensors().size(); ++t) {
         const size_t n = c->tensors()[t].num_elems;
@@ -147,21 +152,26 @@ class CkptCluster {
         std::vector<float> p(n), g(n);
         kernels::CastToFp32(raw.data(), c->param_dtype(), n, p.data());
         for (size_t i = 0; i < n; ++i) g[i] = Grad(p[i], step, rank, i + t * 100000);
-        std::vector<uint8_t> gb(n * DTypeSize(c->grad_dtype()));
+        std::vector<uint8_t>& gb = grads[t];
+        gb.resize(n * DTypeSize(c->grad_dtype()));
         kernels::CastFromFp32(g.data(), n, gb.data(), c->grad_dtype());
         auto ticket = c->Push(t, step, gb.data(), n);
         ASSERT_TRUE(ticket.ok()) << ticket.status();
         absl::Status s = c->Wait(*ticket, kWait);
         ASSERT_TRUE(s.ok()) << "rank " << rank << " step " << step << ": " << s;
       }
+      if (step_done != nullptr) step_done->push_back(absl::Now());
     }
   }
 
   // Every worker runs steps first..last (inclusive).
-  void Train(uint64_t first_step, uint64_t last_step) {
+  void Train(uint64_t first_step, uint64_t last_step,
+             std::vector<absl::Time>* rank0_step_done = nullptr) {
     std::vector<std::thread> threads;
     for (uint32_t r = 0; r < kWorkers; ++r) {
-      threads.emplace_back([this, r, first_step, last_step] { RunWorker(r, first_step, last_step); });
+      threads.emplace_back([this, r, first_step, last_step, rank0_step_done] {
+        RunWorker(r, first_step, last_step, r == 0 ? rank0_step_done : nullptr);
+      });
     }
     for (auto& t : threads) t.join();
   }
