@@ -1,6 +1,7 @@
 // optimusctl: the operator's command line for an optimus cluster.
 //   optimusctl [--coordinator=HOST:PORT] [--timeout_ms=N] status [--json]
 //   optimusctl checkpoint create|list|restore|export JOB [options]
+//   optimusctl drain SHARD_ID [--wait [--wait_s=N]]
 // Exit codes: 0 success, 1 the command failed (e.g. coordinator
 // unreachable), 2 usage error. Flags are parsed by hand so that every usage
 // error, including an unknown flag, exits 2 with the usage text.
@@ -16,6 +17,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "cli/checkpoint.h"
+#include "cli/drain.h"
 #include "cli/export.h"
 #include "cli/status.h"
 
@@ -25,7 +27,12 @@ constexpr char kUsage[] =
     "usage: optimusctl [--coordinator=HOST:PORT] [--timeout_ms=N] <command> [options]\n"
     "\n"
     "commands:\n"
-    "  status [--json]   shards and jobs known to the coordinator\n"
+    "  status [--json]   shards (state, chunks, backups) and jobs (replicas in sync)\n"
+    "  drain SHARD_ID [--wait] [--wait_s=N]\n"
+    "                    move every chunk off the shard while training runs\n"
+    "                    (promote its backups, seed new ones); with --wait: until it\n"
+    "                    holds none (exit 0) or N seconds pass (default 300, exit 1);\n"
+    "                    then stop the shard\n"
     "  checkpoint create JOB [--wait]\n"
     "                    checkpoint JOB now (with --wait: until complete or failed)\n"
     "  checkpoint list JOB [--json]\n"
@@ -42,7 +49,8 @@ constexpr char kUsage[] =
     "flags:\n"
     "  --coordinator=HOST:PORT  coordinator address (default 127.0.0.1:7070)\n"
     "  --timeout_ms=N           give up on the coordinator after N ms (default 3000)\n"
-    "  --json                   print one JSON object instead of tables\n";
+    "  --json                   print one JSON object instead of tables\n"
+    "  --wait_s=N               drain --wait gives up after N seconds (default 300)\n";
 
 int Usage(const std::string& error) {
   if (!error.empty()) std::cerr << "optimusctl: " << error << "\n\n";
@@ -145,11 +153,60 @@ int Checkpoint(const std::string& coordinator, absl::Duration timeout,
   return Usage("unknown checkpoint command \"" + sub + "\"");
 }
 
+// `drain SHARD_ID`: marks the shard DRAINING; with --wait, polls status
+// until it holds no chunk, printing each change of what is left.
+int Drain(const std::string& coordinator, absl::Duration timeout,
+          const std::vector<std::string>& positional, bool wait, int64_t wait_s) {
+  uint64_t shard_id = 0;
+  if (positional.size() != 2 || !absl::SimpleAtoi(positional[1], &shard_id) || shard_id == 0) {
+    return Usage("drain needs one shard id (a positive number; see optimusctl status)");
+  }
+  absl::StatusOr<optimus::v1::DrainShardResponse> resp =
+      optimus::DrainShardRpc(coordinator, timeout, shard_id);
+  if (!resp.ok()) return Fail(resp.status());
+  std::cout << "shard " << shard_id << " draining: " << resp->chunks_to_move()
+            << " chunks to move\n";
+  std::cout.flush();
+  if (!wait) return 0;
+  const absl::Time deadline = absl::Now() + absl::Seconds(wait_s);
+  std::string last_line;
+  while (true) {
+    absl::StatusOr<optimus::v1::StatusResponse> status =
+        optimus::FetchStatus(coordinator, timeout);
+    if (!status.ok()) return Fail(status.status());
+    const optimus::DrainProgress p = optimus::FindDrainProgress(*status, shard_id);
+    if (!p.found) return Fail(absl::NotFoundError(absl::StrCat("shard ", shard_id, " is gone")));
+    if (p.drained()) {
+      std::cout << "shard " << shard_id << " drained: it holds no chunk and can be stopped\n";
+      return 0;
+    }
+    if (p.lost()) {
+      return Fail(absl::UnavailableError(absl::StrCat(
+          "shard ", shard_id, " went DOWN before it was drained (see optimusctl status: "
+          "its chunks failed over to their backups or their jobs failed)")));
+    }
+    const std::string line = optimus::RenderDrainProgress(shard_id, p);
+    if (line != last_line) {
+      std::cout << line << "\n";
+      std::cout.flush();
+      last_line = line;
+    }
+    if (absl::Now() >= deadline) {
+      return Fail(absl::DeadlineExceededError(absl::StrCat(
+          "shard ", shard_id, " still holds ", p.chunks_left, " chunks after ", wait_s,
+          " s (a chunk without a backup moves only once its job steps again); it keeps "
+          "draining: wait again or check optimusctl status")));
+    }
+    absl::SleepFor(absl::Milliseconds(500));
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   std::string coordinator = "127.0.0.1:7070";
   int64_t timeout_ms = 3000;
+  int64_t wait_s = 300;
   bool json = false;
   bool wait = false;
   uint64_t checkpoint_id = 0;
@@ -191,6 +248,10 @@ int main(int argc, char** argv) {
       json = true;
     } else if (name == "-wait" && !has_value) {
       wait = true;
+    } else if (name == "-wait_s") {
+      if (!take_value() || !absl::SimpleAtoi(value, &wait_s) || wait_s <= 0) {
+        return Usage("--wait_s needs a positive number of seconds");
+      }
     } else if (name == "-checkpoint") {
       if (!take_value() || !absl::SimpleAtoi(value, &checkpoint_id) || checkpoint_id == 0) {
         return Usage("--checkpoint needs a checkpoint id (a positive number)");
@@ -217,6 +278,10 @@ int main(int argc, char** argv) {
   if (command == "checkpoint") {
     return Checkpoint(coordinator, absl::Milliseconds(timeout_ms), positional, json, wait,
                       checkpoint_id, as_name, max_chunk_bytes, out_path, ckpt_path);
+  }
+  if (command == "drain") {
+    if (json) return Usage("drain has no --json output");
+    return Drain(coordinator, absl::Milliseconds(timeout_ms), positional, wait, wait_s);
   }
   if (command != "status") return Usage("unknown command \"" + command + "\"");
   if (positional.size() > 1) return Usage("status takes no arguments");

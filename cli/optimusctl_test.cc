@@ -12,8 +12,12 @@
 #include <memory>
 #include <sstream>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
 #include "cli/test_json.h"
 #include "coordinator/coordinator.h"
 #include "gmock/gmock.h"
@@ -82,7 +86,7 @@ class OptimusctlTest : public ::testing::Test {
         grpc::CreateChannel(server_->address(), grpc::InsecureChannelCredentials()));
   }
 
-  void RegisterShard(v1::ShardKind kind, const std::string& host) {
+  uint64_t RegisterShard(v1::ShardKind kind, const std::string& host) {
     v1::RegisterShardRequest req;
     v1::ShardCapabilities* caps = req.mutable_capabilities();
     caps->set_kind(kind);
@@ -92,10 +96,11 @@ class OptimusctlTest : public ::testing::Test {
     caps->set_hostname(host);
     grpc::ClientContext ctx;
     v1::RegisterShardResponse resp;
-    ASSERT_TRUE(stub_->RegisterShard(&ctx, req, &resp).ok());
+    EXPECT_TRUE(stub_->RegisterShard(&ctx, req, &resp).ok());
+    return resp.shard_id();
   }
 
-  void CreateJob() {
+  void CreateJob(uint32_t replication = 0) {
     v1::CreateJobRequest req;
     v1::JobSpec* spec = req.mutable_spec();
     spec->set_name("gpt-small");
@@ -111,14 +116,70 @@ class OptimusctlTest : public ::testing::Test {
     spec->mutable_optimizer()->set_lr(3e-4f);
     spec->set_grad_dtype(v1::DTYPE_BF16);
     spec->set_param_dtype(v1::DTYPE_BF16);
+    spec->set_max_chunk_bytes(64 << 10);  // 4 + 1 chunks.
+    spec->set_replication(replication);
     grpc::ClientContext ctx;
     v1::CreateJobResponse resp;
     grpc::Status s = stub_->CreateJob(&ctx, req, &resp);
     ASSERT_TRUE(s.ok()) << s.error_message();
   }
 
+  // One heartbeat per shard, as a real shard sends it: each job of its
+  // assignments at the current epoch, every chunk loaded, and its backups
+  // seeded when `seeded`.
+  void BeatAll(const std::vector<uint64_t>& shards, bool seeded) {
+    for (uint64_t id : shards) {
+      v1::HeartbeatRequest req;
+      req.set_shard_id(id);
+      v1::HeartbeatResponse first;
+      {
+        grpc::ClientContext ctx;
+        if (!stub_->Heartbeat(&ctx, req, &first).ok()) continue;
+      }
+      for (const auto& a : first.assignments()) {
+        grpc::ClientContext ctx;
+        v1::GetShardMapRequest get;
+        get.set_job_id(a.job_id());
+        v1::ShardMap map;
+        if (!stub_->GetShardMap(&ctx, get, &map).ok()) continue;
+        uint32_t primary = 0, backup = 0;
+        for (const auto& c : map.chunks()) {
+          primary += c.shard_id() == id;
+          backup += c.backup_shard_id() == id;
+        }
+        v1::ShardJobProgress* p = req.add_jobs();
+        p->set_job_id(a.job_id());
+        p->set_map_epoch(map.epoch());
+        p->set_chunks_loaded(primary + backup);
+        p->set_primary_chunks(primary);
+        p->set_backup_chunks(backup);
+        p->set_backups_seeded(seeded ? backup : 0);
+      }
+      grpc::ClientContext ctx;
+      v1::HeartbeatResponse resp;
+      stub_->Heartbeat(&ctx, req, &resp);
+    }
+  }
+
+  // Fake shards heartbeating every 100 ms until StopBeating().
+  void StartBeating(std::vector<uint64_t> shards, bool seeded) {
+    beater_ = std::thread([this, shards, seeded] {
+      while (!stop_beating_.WaitForNotificationWithTimeout(absl::Milliseconds(100))) {
+        BeatAll(shards, seeded);
+      }
+    });
+  }
+  void StopBeating() {
+    if (!beater_.joinable()) return;
+    stop_beating_.Notify();
+    beater_.join();
+  }
+  void TearDown() override { StopBeating(); }
+
   std::unique_ptr<CoordinatorServer> server_;
   std::unique_ptr<v1::Coordinator::Stub> stub_;
+  std::thread beater_;
+  absl::Notification stop_beating_;
 };
 
 TEST_F(OptimusctlTest, StatusJsonDescribesTheCluster) {
@@ -160,6 +221,83 @@ TEST_F(OptimusctlTest, StatusTableNamesShardsAndJobs) {
   EXPECT_THAT(r.out, HasSubstr("gpt-small"));
   EXPECT_THAT(r.out, HasSubstr("0/4"));
   EXPECT_THAT(r.out, HasSubstr("PENDING"));
+}
+
+TEST_F(OptimusctlTest, DrainMarksTheShardAndStatusShowsIt) {
+  const uint64_t a = RegisterShard(v1::SHARD_KIND_DPU, "bf-0");
+  const uint64_t b = RegisterShard(v1::SHARD_KIND_DPU, "bf-1");
+  CreateJob();
+  StartBeating({a, b}, /*seeded=*/false);  // Keep their leases.
+  const std::string coord = absl::StrCat("--coordinator=", server_->address());
+  RunResult r = RunOptimusctl(absl::StrCat(coord, " drain ", a));
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_THAT(r.out, ::testing::MatchesRegex("shard 1 draining: [0-9]+ chunks to move\n"));
+  r = RunOptimusctl(absl::StrCat(coord, " status --json"));
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  absl::StatusOr<JsonValue> doc = ParseJson(r.out);
+  ASSERT_TRUE(doc.ok()) << doc.status();
+  EXPECT_EQ((*doc)["shards"].array[0]["state"].string, "draining");
+  EXPECT_EQ((*doc)["shards"].array[1]["state"].string, "up");
+  r = RunOptimusctl(absl::StrCat(coord, " status"));
+  EXPECT_THAT(r.out, HasSubstr("DRAINING"));
+
+  r = RunOptimusctl(absl::StrCat(coord, " drain 9"));
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_THAT(r.err, HasSubstr("no shard with id 9"));
+  r = RunOptimusctl(absl::StrCat(coord, " drain"));
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_THAT(r.err, HasSubstr("drain needs one shard id"));
+  r = RunOptimusctl(absl::StrCat(coord, " drain bf-0"));
+  EXPECT_EQ(r.exit_code, 2);
+  r = RunOptimusctl(absl::StrCat(coord, " drain 1 --wait --wait_s=0"));
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_THAT(r.err, HasSubstr("--wait_s"));
+}
+
+TEST_F(OptimusctlTest, DrainWaitReturnsOnceTheShardHoldsNoChunk) {
+  const uint64_t a = RegisterShard(v1::SHARD_KIND_DPU, "bf-0");
+  const uint64_t b = RegisterShard(v1::SHARD_KIND_DPU, "bf-1");
+  const uint64_t c = RegisterShard(v1::SHARD_KIND_DPU, "bf-2");
+  CreateJob(/*replication=*/1);
+  const std::string coord = absl::StrCat("--coordinator=", server_->address());
+  RunResult r = RunOptimusctl(absl::StrCat(coord, " status"));
+  EXPECT_THAT(r.out, HasSubstr("syncing 0/5"));  // No backup seeded yet.
+  StartBeating({a, b, c}, /*seeded=*/true);
+  // The status shows the job's replicas in sync once the shards say so.
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  while (absl::Now() < deadline) {
+    r = RunOptimusctl(absl::StrCat(coord, " status"));
+    if (r.out.find("5/5 in sync") != std::string::npos) break;
+    absl::SleepFor(absl::Milliseconds(100));
+  }
+  ASSERT_THAT(r.out, HasSubstr("5/5 in sync"));
+
+  r = RunOptimusctl(absl::StrCat(coord, " drain ", a, " --wait --wait_s=30"));
+  EXPECT_EQ(r.exit_code, 0) << r.err << r.out;
+  EXPECT_THAT(r.out, HasSubstr("shard 1 draining: "));
+  EXPECT_THAT(r.out, HasSubstr("shard 1 drained: it holds no chunk and can be stopped"));
+  r = RunOptimusctl(absl::StrCat(coord, " status --json"));
+  absl::StatusOr<JsonValue> doc = ParseJson(r.out);
+  ASSERT_TRUE(doc.ok()) << doc.status();
+  EXPECT_EQ((*doc)["shards"].array[0]["chunks_owned"].AsUint(), 0u);
+  EXPECT_EQ((*doc)["jobs"].array[0]["state"].string, "ready");  // Through the whole drain.
+  EXPECT_EQ((*doc)["jobs"].array[0]["replication"].AsUint(), 1u);
+  EXPECT_EQ((*doc)["jobs"].array[0]["chunks_with_backup"].AsUint(), 5u);
+}
+
+TEST_F(OptimusctlTest, DrainWaitGivesUpAfterWaitSeconds) {
+  const uint64_t a = RegisterShard(v1::SHARD_KIND_DPU, "bf-0");
+  const uint64_t b = RegisterShard(v1::SHARD_KIND_DPU, "bf-1");
+  CreateJob();
+  // Alive, but the temporary backups are never seeded (the job never steps).
+  StartBeating({a, b}, /*seeded=*/false);
+  const auto start = std::chrono::steady_clock::now();
+  const RunResult r = RunOptimusctl(
+      absl::StrCat("--coordinator=", server_->address(), " drain ", a, " --wait --wait_s=1"));
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_THAT(r.err, HasSubstr("still holds"));
+  EXPECT_THAT(r.out, HasSubstr("shard 1: draining, "));
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(10));
 }
 
 TEST(OptimusctlErrorsTest, UnreachableCoordinatorExitsOneWithAClearMessage) {

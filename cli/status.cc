@@ -24,14 +24,6 @@ const char* KindName(v1::ShardKind k) {
   }
 }
 
-const char* ShardStateName(v1::ShardState s) {
-  switch (s) {
-    case v1::SHARD_STATE_UP: return "up";
-    case v1::SHARD_STATE_DOWN: return "down";
-    default: return "unspecified";
-  }
-}
-
 const char* JobStateName(v1::JobState s) {
   switch (s) {
     case v1::JOB_STATE_PENDING: return "pending";
@@ -99,6 +91,30 @@ class Table {
 
 }  // namespace
 
+const char* ShardStateName(v1::ShardState s) {
+  switch (s) {
+    case v1::SHARD_STATE_UP: return "up";
+    case v1::SHARD_STATE_DRAINING: return "draining";
+    case v1::SHARD_STATE_DOWN: return "down";
+    default: return "unspecified";
+  }
+}
+
+const char* ReplicaHealthWord(const v1::JobStatus& j) {
+  if (j.replication() == 0) return j.chunks_with_backup() > 0 ? "moving" : "none";
+  if (j.chunks_with_backup() < j.num_chunks()) return "degraded";
+  if (j.backups_in_sync() < j.num_chunks()) return "syncing";
+  return "in_sync";
+}
+
+std::string ReplicaHealth(const v1::JobStatus& j) {
+  const std::string word = ReplicaHealthWord(j);
+  if (word == "none") return "-";
+  if (word == "moving") return absl::StrCat("moving ", j.chunks_with_backup());
+  if (word == "in_sync") return absl::StrCat(j.num_chunks(), "/", j.num_chunks(), " in sync");
+  return absl::StrCat(word, " ", j.backups_in_sync(), "/", j.num_chunks());
+}
+
 absl::StatusOr<v1::StatusResponse> FetchStatus(const std::string& address,
                                                absl::Duration timeout) {
   auto channel = grpc::CreateChannel(address, grpc::InsecureChannelCredentials());
@@ -134,9 +150,10 @@ std::string HumanBytes(uint64_t size_bytes) {
 
 std::string RenderStatusTable(const v1::StatusResponse& status) {
   Table shards({"ID", "KIND", "ARCH", "HOST", "STATE", "MEM USED/LIMIT", "PLANNED", "CHUNKS",
-                "LEASE AGE"});
+                "BACKUPS", "LEASE AGE"});
   shards.RightAlign(0);
   shards.RightAlign(7);
+  shards.RightAlign(8);
   for (const v1::ShardStatus& s : status.shards()) {
     const v1::ShardCapabilities& caps = s.capabilities();
     shards.Add({absl::StrCat(s.shard_id()), KindName(caps.kind()),
@@ -145,17 +162,17 @@ std::string RenderStatusTable(const v1::StatusResponse& status) {
                 absl::StrCat(HumanBytes(s.memory_used_bytes()), " / ",
                              HumanBytes(caps.memory_limit_bytes())),
                 HumanBytes(s.memory_planned_bytes()), absl::StrCat(s.chunks_owned()),
-                HumanAge(s.lease_age_ms())});
+                absl::StrCat(s.backup_chunks()), HumanAge(s.lease_age_ms())});
   }
   Table jobs({"ID", "NAME", "STATE", "WORKERS", "STEP", "TENSORS", "PARAMS", "STATE BYTES",
-              "EPOCH", "LAST CHECKPOINT"});
-  for (size_t c : {0, 4, 5, 6, 8}) jobs.RightAlign(c);
+              "EPOCH", "REPL", "REPLICAS", "LAST CHECKPOINT"});
+  for (size_t c : {0, 4, 5, 6, 8, 9}) jobs.RightAlign(c);
   for (const v1::JobStatus& j : status.jobs()) {
     jobs.Add({absl::StrCat(j.job_id()), j.name(), Upper(JobStateName(j.state())),
               absl::StrCat(j.workers_joined(), "/", j.world_size()),
               absl::StrCat(j.current_step()), absl::StrCat(j.num_tensors()),
               absl::StrCat(j.num_params()), HumanBytes(j.state_bytes()),
-              absl::StrCat(j.map_epoch()),
+              absl::StrCat(j.map_epoch()), absl::StrCat(j.replication()), ReplicaHealth(j),
               j.has_last_checkpoint()
                   ? absl::StrCat("#", j.last_checkpoint().checkpoint_id(), " step ",
                                  j.last_checkpoint().step(), " ",
@@ -179,7 +196,8 @@ std::string RenderStatusJson(const v1::StatusResponse& status) {
         ",\"memory_used_bytes\":", s.memory_used_bytes(),
         ",\"memory_planned_bytes\":", s.memory_planned_bytes(),
         ",\"memory_limit_bytes\":", caps.memory_limit_bytes(),
-        ",\"chunks_owned\":", s.chunks_owned(), ",\"lease_age_ms\":", s.lease_age_ms(), "}"));
+        ",\"chunks_owned\":", s.chunks_owned(), ",\"backup_chunks\":", s.backup_chunks(),
+        ",\"lease_age_ms\":", s.lease_age_ms(), "}"));
   }
   std::vector<std::string> jobs;
   for (const v1::JobStatus& j : status.jobs()) {
@@ -189,6 +207,10 @@ std::string RenderStatusJson(const v1::StatusResponse& status) {
         ",\"workers_joined\":", j.workers_joined(), ",\"current_step\":", j.current_step(),
         ",\"num_tensors\":", j.num_tensors(), ",\"num_params\":", j.num_params(),
         ",\"state_bytes\":", j.state_bytes(), ",\"map_epoch\":", j.map_epoch(),
+        ",\"replication\":", j.replication(), ",\"num_chunks\":", j.num_chunks(),
+        ",\"chunks_with_backup\":", j.chunks_with_backup(),
+        ",\"backups_in_sync\":", j.backups_in_sync(),
+        ",\"replicas\":", JsonQuote(ReplicaHealthWord(j)),
         ",\"last_checkpoint\":",
         j.has_last_checkpoint()
             ? absl::StrCat("{\"checkpoint_id\":", j.last_checkpoint().checkpoint_id(),

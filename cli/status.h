@@ -21,18 +21,37 @@ absl::StatusOr<v1::StatusResponse> FetchStatus(const std::string& address,
                                                absl::Duration timeout);
 
 // Two tables, SHARDS then JOBS, with a header row each; memory in binary
-// units ("1.5 GiB"), lease age as "250ms" / "3.2s" / "5m07s".
+// units ("1.5 GiB"), lease age as "250ms" / "3.2s" / "5m07s". A shard's
+// STATE is UP, DRAINING or DOWN, CHUNKS counts primaries and backups and
+// BACKUPS the latter; a job's REPL is its replication and REPLICAS its
+// ReplicaHealth.
 std::string RenderStatusTable(const v1::StatusResponse& status);
 
 // One JSON object {"shards":[...],"jobs":[...]} and a newline. Fields are
 // snake_case; counts and byte sizes are JSON numbers; enums are lower-case
 // strings ("dpu", "up", "ready"). Shard fields: shard_id, kind, arch, cores,
-// hostname, state, memory_used_bytes, memory_planned_bytes,
-// memory_limit_bytes, chunks_owned, lease_age_ms. Job fields: job_id, name,
-// state, world_size, workers_joined, current_step, num_tensors, num_params,
-// state_bytes, map_epoch, last_checkpoint ({checkpoint_id, step, state,
-// error} or null).
+// hostname, state ("up", "draining", "down"), memory_used_bytes,
+// memory_planned_bytes, memory_limit_bytes, chunks_owned, backup_chunks,
+// lease_age_ms. Job fields: job_id, name, state, world_size, workers_joined,
+// current_step, num_tensors, num_params, state_bytes, map_epoch,
+// replication, num_chunks, chunks_with_backup, backups_in_sync, replicas
+// (ReplicaHealthWord), last_checkpoint ({checkpoint_id, step, state, error}
+// or null).
 std::string RenderStatusJson(const v1::StatusResponse& status);
+
+// A job's replica health for people, K being backups_in_sync and N
+// num_chunks: "-" (replication 0), "moving K" (replication 0 with temporary
+// backups while a drain moves its chunks), "N/N in sync" (every chunk has a
+// backup in sync: a lost shard costs no step), "syncing K/N" (every chunk
+// has a backup, some not yet seeded) or "degraded K/N" (some chunk has no
+// backup: no shard has room for it).
+std::string ReplicaHealth(const v1::JobStatus& job);
+// The same as one word for scripts: "none", "moving", "in_sync", "syncing",
+// "degraded".
+const char* ReplicaHealthWord(const v1::JobStatus& job);
+
+// "up", "draining", "down".
+const char* ShardStateName(v1::ShardState state);
 
 // "0 B", "512 B", "1.5 KiB", "16.0 GiB".
 std::string HumanBytes(uint64_t size_bytes);

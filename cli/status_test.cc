@@ -2,6 +2,7 @@
 
 #include <string>
 
+#include "cli/drain.h"
 #include "cli/test_json.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -148,6 +149,92 @@ TEST(RenderStatusTest, ShowsEachJobsLastCheckpoint) {
   EXPECT_EQ(jobs.array[0]["last_checkpoint"]["error"].string,
             "cannot write /ckpt/x: No space left on device");
   EXPECT_EQ(jobs.array[1]["last_checkpoint"].type, JsonValue::Type::kNull);
+}
+
+}  // namespace
+}  // namespace optimus
+
+namespace optimus {
+namespace {
+
+v1::JobStatus Replicated(uint32_t replication, uint32_t chunks, uint32_t with_backup,
+                         uint32_t in_sync) {
+  v1::JobStatus j;
+  j.set_job_id(1);
+  j.set_name("j");
+  j.set_replication(replication);
+  j.set_num_chunks(chunks);
+  j.set_chunks_with_backup(with_backup);
+  j.set_backups_in_sync(in_sync);
+  return j;
+}
+
+TEST(ReplicaHealthTest, SaysWhetherALostShardCostsAStep) {
+  EXPECT_EQ(ReplicaHealth(Replicated(0, 40, 0, 0)), "-");
+  EXPECT_STREQ(ReplicaHealthWord(Replicated(0, 40, 0, 0)), "none");
+  EXPECT_EQ(ReplicaHealth(Replicated(0, 40, 3, 1)), "moving 3");  // A drain in progress.
+  EXPECT_EQ(ReplicaHealth(Replicated(1, 40, 40, 40)), "40/40 in sync");
+  EXPECT_STREQ(ReplicaHealthWord(Replicated(1, 40, 40, 40)), "in_sync");
+  EXPECT_EQ(ReplicaHealth(Replicated(1, 40, 40, 38)), "syncing 38/40");
+  EXPECT_EQ(ReplicaHealth(Replicated(1, 40, 38, 38)), "degraded 38/40");
+  EXPECT_STREQ(ReplicaHealthWord(Replicated(1, 40, 38, 38)), "degraded");
+}
+
+TEST(RenderStatusTest, ShowsDrainingShardsBackupsAndReplicas) {
+  v1::StatusResponse st;
+  v1::ShardStatus* s = st.add_shards();
+  s->set_shard_id(4);
+  s->mutable_capabilities()->set_kind(v1::SHARD_KIND_DPU);
+  s->set_state(v1::SHARD_STATE_DRAINING);
+  s->set_chunks_owned(9);
+  s->set_backup_chunks(4);
+  *st.add_jobs() = Replicated(1, 40, 38, 38);
+  *st.add_jobs() = Replicated(0, 12, 0, 0);
+  const std::string table = RenderStatusTable(st);
+  EXPECT_THAT(table, HasSubstr("DRAINING"));
+  EXPECT_THAT(table, HasSubstr("BACKUPS"));
+  EXPECT_THAT(table, HasSubstr("REPLICAS"));
+  EXPECT_THAT(table, HasSubstr("degraded 38/40"));
+  // The shard row: 9 chunks, 4 of them backups, in their own columns.
+  EXPECT_THAT(table, ::testing::ContainsRegex("DRAINING +0 B / 0 B +0 B +9 +4 "));
+
+  absl::StatusOr<JsonValue> doc = ParseJson(RenderStatusJson(st));
+  ASSERT_TRUE(doc.ok()) << doc.status();
+  const JsonValue& shard = (*doc)["shards"].array[0];
+  EXPECT_EQ(shard["state"].string, "draining");
+  EXPECT_EQ(shard["chunks_owned"].AsUint(), 9u);
+  EXPECT_EQ(shard["backup_chunks"].AsUint(), 4u);
+  const JsonValue& job = (*doc)["jobs"].array[0];
+  EXPECT_EQ(job["replication"].AsUint(), 1u);
+  EXPECT_EQ(job["num_chunks"].AsUint(), 40u);
+  EXPECT_EQ(job["chunks_with_backup"].AsUint(), 38u);
+  EXPECT_EQ(job["backups_in_sync"].AsUint(), 38u);
+  EXPECT_EQ(job["replicas"].string, "degraded");
+  EXPECT_EQ((*doc)["jobs"].array[1]["replicas"].string, "none");
+}
+
+TEST(DrainProgressTest, DrainedOnlyWhileDrainingWithNoChunkLeft) {
+  v1::StatusResponse st;
+  v1::ShardStatus* s = st.add_shards();
+  s->set_shard_id(2);
+  s->set_state(v1::SHARD_STATE_DRAINING);
+  s->set_chunks_owned(5);
+  s->set_backup_chunks(2);
+  DrainProgress p = FindDrainProgress(st, 2);
+  EXPECT_TRUE(p.found);
+  EXPECT_FALSE(p.drained());
+  EXPECT_FALSE(p.lost());
+  EXPECT_EQ(RenderDrainProgress(2, p), "shard 2: draining, 5 chunks left (2 of them backups)");
+  s->set_chunks_owned(0);
+  s->set_backup_chunks(0);
+  EXPECT_TRUE(FindDrainProgress(st, 2).drained());
+  // DOWN before the drain finished: its jobs' chunks no longer count on it,
+  // which is not a drain.
+  s->set_state(v1::SHARD_STATE_DOWN);
+  p = FindDrainProgress(st, 2);
+  EXPECT_FALSE(p.drained());
+  EXPECT_TRUE(p.lost());
+  EXPECT_FALSE(FindDrainProgress(st, 3).found);
 }
 
 }  // namespace

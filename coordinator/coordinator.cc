@@ -817,6 +817,7 @@ int Coordinator::TickReplication(absl::Time now) {
           c->set_backup_shard_id(rep1 ? TakeSlot(job, i, backup, candidates) : 0);
           job.backup_seeded[i] = false;
           ++promoted;
+          if (c->backup_shard_id() != 0) ++new_backups;
         }
         // Otherwise wait for the backup to report in sync.
       } else if (rep1 && backup == 0) {
@@ -831,9 +832,9 @@ int Coordinator::TickReplication(absl::Time now) {
     CommitMapChangeLocked(job);
     ++changed_jobs;
     OPTIMUS_LOG(Info, kLog, "job ", job.spec.name(), ": promoted ", promoted,
-                " backups off draining shards, moved ", moved_backups,
-                " backups, added ", temporary, " temporary and ", new_backups,
-                " new backups; new epoch ", job.map.epoch());
+                " backups of chunks on draining shards, moved ", moved_backups,
+                " backups off draining shards, placed ", temporary, " temporary and ",
+                new_backups, " new backups; new epoch ", job.map.epoch());
   }
   if (changed_jobs > 0) {
     if (absl::Status s = PersistLocked(); !s.ok()) OPTIMUS_LOG(Warning, kLog, s.ToString());
