@@ -1262,6 +1262,8 @@ std::string CoordinatorServer::RenderMetrics() const {
             j.workers_joined(), id);
     m.Gauge("optimus_coord_job_state_bytes", "fp32 master + moment bytes of the job.",
             j.state_bytes(), id);
+    m.Gauge("optimus_coord_job_replication", "Backups per chunk the job asked for (0 or 1).",
+            j.replication(), id);
     m.Gauge("optimus_coord_job_chunks", "Chunks of the job.", j.num_chunks(), id);
     m.Gauge("optimus_coord_job_chunks_with_backup",
             "Chunks of the job whose map names a backup (replication 1; below "

@@ -493,6 +493,7 @@ TEST_F(CoordinatorTest, DrainOverGrpcMovesChunksWhileTheShardsBeatAndShowsInMetr
               HasSubstr(absl::StrCat("optimus_coord_job_chunks_with_backup{job=\"llm\"} ", on_a)));
   EXPECT_THAT(metrics, HasSubstr("optimus_coord_job_backups_in_sync{job=\"llm\"} 0"));
   EXPECT_THAT(metrics, HasSubstr("optimus_coord_job_chunks{job=\"llm\"} 5"));
+  EXPECT_THAT(metrics, HasSubstr("optimus_coord_job_replication{job=\"llm\"} 0"));
 }
 
 TEST(CoordinatorServerTest, UnusableAddressIsAnError) {
