@@ -462,23 +462,19 @@ class ClientImpl : public Client {
     for (uint64_t id : ids) Failed(id, why, /*peer_failed=*/true, 0);
   }
 
-  // A chunk request failed. Under replication, or when the shard said the
-  // map moved on, it waits for a newer map and is sent again; otherwise its
-  // ticket fails.
+  // A chunk request failed. When its shard was lost or said the map moved
+  // on, it waits for a newer map and is sent again; otherwise its ticket
+  // fails.
   void Failed(uint64_t id, const absl::Status& why, bool peer_failed, uint32_t reply_flags) {
     absl::MutexLock lock(&mu_);
     auto it = pending_.find(id);
     if (it == pending_.end()) return;
     Pending& p = it->second;
     const bool refresh = (reply_flags & wire::kReplyRefreshMap) != 0;
-    if (!refresh && !(peer_failed && replication_ > 0)) {
-      if (peer_failed) {
-        return CompleteLocked(id, absl::UnavailableError(absl::StrCat(
-                                      "shard failed with the request in flight: ",
-                                      why.message())));
-      }
-      return CompleteLocked(id, why);
-    }
+    // A lost peer is judged by the coordinator: a replica takes over or a
+    // drain moved the chunk (a newer map: send again), or the job FAILED
+    // (the recovery thread fails the ticket then, as soon as it is known).
+    if (!refresh && !peer_failed) return CompleteLocked(id, why);
     // A shard that has not loaded our (newer) map yet: send again under the
     // same map. Otherwise wait for a map newer than the one it was sent under.
     const bool shard_behind = refresh && why.code() == absl::StatusCode::kUnavailable;
@@ -624,7 +620,7 @@ class ClientImpl : public Client {
         for (const auto& [id, s] : expired) CompleteLocked(id, s);
       }
       for (uint64_t id : resend) SendPending(id);
-      if (resend.empty()) absl::SleepFor(absl::Milliseconds(20));
+      if (resend.empty()) absl::SleepFor(absl::Milliseconds(10));
     }
   }
 

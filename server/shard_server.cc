@@ -138,8 +138,10 @@ struct Chunk {
   // Backup: holds the primary's state at published_version.
   bool seeded ABSL_GUARDED_BY(mu) = false;
   // The fp32 summed, scaled gradient of the step being applied: what the
-  // primary forwards and both sides step with (replicated jobs only).
-  AlignedBytes sum;
+  // primary forwards and both sides step with. Allocated with the chunk in
+  // replicated jobs, or when a map first gives the chunk a backup (a drain
+  // of an unreplicated job); never freed or moved after that.
+  AlignedBytes sum ABSL_GUARDED_BY(mu);
   // Primary: step whose publication waits for the kernel and the forward
   // (0: none), and where those stand.
   uint64_t pub_step ABSL_GUARDED_BY(mu) = 0;
@@ -314,6 +316,10 @@ class ShardServerImpl : public ShardServer {
     }
     if (heartbeat_thread_.joinable()) heartbeat_thread_.join();
     http_.reset();
+    DumpChunkStates();
+    // Pulls parked here would otherwise wait for replies that never come:
+    // send them back to the map (a drained shard's workers move on at once).
+    RetireAll(absl::StrCat("shard ", shard_id_.load(), " is shutting down"));
     // No step is scheduled after this; queued steps finish (their sends are
     // posted to the still-running worker).
     std::unique_ptr<StepExecutor> executor;
@@ -402,10 +408,9 @@ class ShardServerImpl : public ShardServer {
     {
       absl::MutexLock lock(&jobs_mu_);
       uint64_t used = 0;
-      uint32_t owned = 0;
+      uint32_t held = 0;  // Chunks held as primary or backup (not retired).
       for (const auto& [id, job] : jobs_) {
         used += job->memory_bytes;
-        owned += static_cast<uint32_t>(job->chunks.size());
         auto* p = req.add_jobs();
         p->set_job_id(id);
         p->set_map_epoch(job->config.map_epoch);
@@ -427,6 +432,7 @@ class ShardServerImpl : public ShardServer {
           max_applied = std::max(max_applied, applied);
         }
         p->set_chunks_loaded(primaries + backups);
+        held += primaries + backups;
         p->set_primary_chunks(primaries);
         p->set_backup_chunks(backups);
         p->set_backups_seeded(seeded);
@@ -435,7 +441,7 @@ class ShardServerImpl : public ShardServer {
         p->set_max_applied_step(max_applied);
       }
       req.set_memory_used_bytes(used);
-      req.set_chunks_owned(owned);
+      req.set_chunks_owned(held);
     }
     if (ckpt_writer_ != nullptr) {
       for (auto& r : ckpt_writer_->Reports()) *req.add_checkpoints() = std::move(r);
@@ -662,11 +668,12 @@ class ShardServerImpl : public ShardServer {
     ch->master = AllocZeroed(n * 4);
     ch->m = AllocZeroed(n * 4);
     if (job.has_v) ch->v = AllocZeroed(n * 4);
-    if (replicated) ch->sum = AllocZeroed(n * 4);
+    AlignedBytes sum;
+    if (replicated) sum = AllocZeroed(n * 4);
     ch->slots = AllocZeroed(n * DTypeSize(c.grad_dtype) * c.world_size);
     ch->published[0] = AllocZeroed(n * DTypeSize(c.param_dtype));
     ch->published[1] = AllocZeroed(n * DTypeSize(c.param_dtype));
-    if (!ch->master || !ch->m || (job.has_v && !ch->v) || (replicated && !ch->sum) ||
+    if (!ch->master || !ch->m || (job.has_v && !ch->v) || (replicated && !sum) ||
         !ch->slots || !ch->published[0] || !ch->published[1]) {
       return absl::ResourceExhaustedError(absl::StrCat(
           "out of memory allocating chunk of ", n, " elements for job ", c.job_id));
@@ -677,7 +684,7 @@ class ShardServerImpl : public ShardServer {
         {ch->published[0].get(), n * DTypeSize(c.param_dtype)},
         {ch->published[1].get(), n * DTypeSize(c.param_dtype)},
         {ch->master.get(), n * 4}};
-    if (replicated) buffers.push_back({ch->sum.get(), n * 4});
+    if (replicated) buffers.push_back({sum.get(), n * 4});
     for (auto [ptr, size] : buffers) {
       auto region = worker_->RegisterMemory(ptr, size);
       if (!region.ok()) return region.status();
@@ -689,6 +696,7 @@ class ShardServerImpl : public ShardServer {
     {
       absl::MutexLock lock(&ch->mu);
       ch->slot_state.assign(c.world_size, SlotState::kEmpty);
+      ch->sum = std::move(sum);
     }
     return ch;
   }
@@ -791,6 +799,25 @@ class ShardServerImpl : public ShardServer {
     }
   }
 
+  // Logs the chunks with a step or pulls in flight (at shutdown).
+  void DumpChunkStates() {
+    absl::MutexLock lock(&jobs_mu_);
+    for (auto& [id, job] : jobs_) {
+      for (auto& [key, ch] : job->chunks) {
+        absl::MutexLock clock(&ch->mu);
+        if (ch->pub_step == 0 && ch->parked.empty() && ch->full_slots == 0) continue;
+        OPTIMUS_LOG(Info, kLog, "in flight at shutdown: job ", id, " tensor ", ch->tensor, " chunk ", ch->chunk,
+                    " role=", static_cast<int>(ch->role), " version=", ch->published_version,
+                    " full_slots=", ch->full_slots, " step_running=", ch->step_running,
+                    " pub_step=", ch->pub_step, " forward=", static_cast<int>(ch->forward),
+                    " backup=", ch->backup_shard, " seeded=", ch->backup_seeded,
+                    " blocked_on_sends=", ch->step_blocked_on_sends, " sends=",
+                    ch->sends_inflight[0], "/", ch->sends_inflight[1], " parked=",
+                    ch->parked.size());
+      }
+    }
+  }
+
   void RetireAll(const std::string& why) {
     std::vector<ParkedPull> failed;
     {
@@ -856,7 +883,19 @@ class ShardServerImpl : public ShardServer {
                        absl::StrCat("map epoch ", epoch, " places it on another shard"), &failed);
           continue;
         }
-        SetPlacement(chunk.get(), *it->second, me, backups);
+        const v1::ChunkPlacement& p = *it->second;
+        if (p.backup_shard_id() != 0 && !chunk->sum) {
+          // First backup of an unreplicated job's chunk (a drain moves it):
+          // the step now goes through the forwarded sum.
+          chunk->sum = AllocZeroed(chunk->num_elems * 4);
+          if (!chunk->sum) {
+            return absl::ResourceExhaustedError(absl::StrCat(
+                "out of memory for the gradient buffer of tensor ", chunk->tensor, " chunk ",
+                chunk->chunk));
+          }
+          job->memory_bytes += chunk->num_elems * 4;
+        }
+        SetPlacement(chunk.get(), p, me, backups);
         if (chunk->pub_step != 0) to_publish.push_back(chunk.get());
       }
       OPTIMUS_LOG(Info, kLog, "job ", job->config.job_id, ": map epoch ", job->config.map_epoch,
@@ -1109,15 +1148,17 @@ class ShardServerImpl : public ShardServer {
     bool forward_sum = false;
     transport::EndpointRef backup_ep;
     uint64_t gen = 0;
+    float* sum = nullptr;
     {
       absl::MutexLock lock(&chunk->mu);
+      sum = reinterpret_cast<float*>(chunk->sum.get());
       step = chunk->published_version;
       chunk->in_kernel = true;
       chunk->pub_step = step;
       chunk->pub_kernel_done = false;
       chunk->forward = Forward::kNone;
       if (chunk->backup_shard != 0) {
-        if (chunk->backup_seeded && chunk->backup_ep.valid()) {
+        if (chunk->backup_seeded && chunk->backup_ep.valid() && sum != nullptr) {
           forward_sum = true;
           chunk->forward = Forward::kInFlight;
           backup_ep = chunk->backup_ep;
@@ -1134,15 +1175,14 @@ class ShardServerImpl : public ShardServer {
     in.grad_dtype = c.grad_dtype;
     in.grad_scale = c.grad_scale;
     in.step = static_cast<int64_t>(step);
-    const void* sum_ptr[1] = {chunk->sum.get()};
+    const void* sum_ptr[1] = {sum};
     const absl::Time start = absl::Now();
     absl::Status s;
-    if (c.replication > 0) {
-      // Replicated: sum once (in rank order, scaled, exactly as FusedStep
+    if (sum != nullptr) {
+      // With a backup: sum once (in rank order, scaled, exactly as FusedStep
       // sums), forward the sum, and step from it on both sides, so primary
-      // and backup stay bitwise equal (and equal to an unreplicated job).
-      s = kernels::SumGradsToFp32(in, n, reinterpret_cast<float*>(chunk->sum.get()),
-                                  kernel_pool_.get());
+      // and backup stay bitwise equal (and equal to the fused step).
+      s = kernels::SumGradsToFp32(in, n, sum, kernel_pool_.get());
       in.grads = absl::MakeConstSpan(sum_ptr, 1);
       in.grad_dtype = DType::kFp32;
       in.grad_scale = 1.0f;
@@ -1259,8 +1299,12 @@ class ShardServerImpl : public ShardServer {
     h.rank = static_cast<uint32_t>(shard_id_.load());
     h.dtype = static_cast<uint8_t>(DType::kFp32);
     h.flags = seed != nullptr ? wire::kReplicateState : wire::kReplicateSum;
-    const void* payload = seed != nullptr ? static_cast<const void*>(seed->data())
-                                          : static_cast<const void*>(chunk->sum.get());
+    const void* sum;
+    {
+      absl::MutexLock lock(&chunk->mu);
+      sum = chunk->sum.get();
+    }
+    const void* payload = seed != nullptr ? static_cast<const void*>(seed->data()) : sum;
     const size_t bytes = seed != nullptr ? seed->size() * 4 : chunk->num_elems * 4;
     h.num_bytes = bytes;
     const uint64_t id = next_forward_id_.fetch_add(1);
@@ -1400,10 +1444,11 @@ class ShardServerImpl : public ShardServer {
                                                           " not loaded here yet")),
                       wire::kReplyRetry);
       }
-      return refuse(absl::FailedPreconditionError(absl::StrCat(
-                        what, ": shard ", shard_id_.load(), " is not its backup under map epoch ",
-                        epoch, " (the sender's is ", h.map_epoch, ")")),
-                    wire::kReplyFenced);
+      const absl::Status fenced = absl::FailedPreconditionError(
+          absl::StrCat(what, ": shard ", shard_id_.load(), " is not its backup under map epoch ",
+                       epoch, " (the sender's is ", h.map_epoch, ")"));
+      OPTIMUS_LOG(Info, kLog, "fencing: ", fenced.message());
+      return refuse(fenced, wire::kReplyFenced);
     }
     const bool state = (h.flags & wire::kReplicateState) != 0;
     const size_t n = chunk->num_elems;
@@ -1423,8 +1468,13 @@ class ShardServerImpl : public ShardServer {
       });
       return;
     }
+    void* sum = nullptr;
     {
       absl::MutexLock lock(&chunk->mu);
+      sum = chunk->sum.get();
+      if (sum == nullptr) {
+        return refuse(absl::InternalError(absl::StrCat(what, ": no gradient buffer")), 0);
+      }
       if (!chunk->seeded || chunk->published_version != h.step || chunk->step_running) {
         const std::string why = absl::StrCat(what, ": backup is at version ",
                                              chunk->published_version, " (seeded ",
@@ -1434,7 +1484,7 @@ class ShardServerImpl : public ShardServer {
       chunk->step_running = true;
       chunk->in_kernel = true;
     }
-    msg.ReceiveInto(chunk->sum.get(), [this, ep, h, job, chunk](absl::Status rs) {
+    msg.ReceiveInto(sum, [this, ep, h, job, chunk](absl::Status rs) {
       if (!rs.ok()) {
         {
           absl::MutexLock lock(&chunk->mu);
@@ -1467,7 +1517,11 @@ class ShardServerImpl : public ShardServer {
 
   void ApplyForwardedStep(Job* job, Chunk* chunk, transport::EndpointRef ep,
                           wire::RequestHeader h) {
-    const void* sum_ptr[1] = {chunk->sum.get()};
+    const void* sum_ptr[1] = {nullptr};
+    {
+      absl::MutexLock lock(&chunk->mu);
+      sum_ptr[0] = chunk->sum.get();
+    }
     kernels::StepInputs in;
     in.grads = absl::MakeConstSpan(sum_ptr, 1);
     in.grad_dtype = DType::kFp32;
