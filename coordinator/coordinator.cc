@@ -335,14 +335,23 @@ v1::HeartbeatResponse Coordinator::Heartbeat(const v1::HeartbeatRequest& req) {
     auto job_it = jobs_.find(p.job_id());
     if (job_it == jobs_.end()) continue;
     JobRecord& job = job_it->second;
-    if (job.load.count(shard.id) == 0) continue;  // Not a job of this shard.
+    if (job.load.count(shard.id) == 0) {
+      // Not a job of this shard (any more): once it has applied the map
+      // that took its chunks, it need not be told again.
+      if (p.map_epoch() >= job.map.epoch()) job.departed.erase(shard.id);
+      continue;
+    }
     job.progress[shard.id] = p;
     MarkSeededLocked(job, shard.id, p);
     MaybeMarkReadyLocked(job);
   }
   resp.set_known(true);
   for (const auto& [job_id, job] : jobs_) {
-    if (job.state == v1::JOB_STATE_FAILED || job.load.count(shard.id) == 0) continue;
+    if (job.state == v1::JOB_STATE_FAILED) continue;
+    if (job.load.count(shard.id) == 0 &&
+        (job.departed.count(shard.id) == 0 || !AllHoldersAtCurrentEpoch(job))) {
+      continue;
+    }
     v1::Assignment* a = resp.add_assignments();
     a->set_job_id(job_id);
     a->set_map_epoch(job.map.epoch());
@@ -351,6 +360,14 @@ v1::HeartbeatResponse Coordinator::Heartbeat(const v1::HeartbeatRequest& req) {
     *resp.add_checkpoints() = std::move(o);
   }
   return resp;
+}
+
+bool Coordinator::AllHoldersAtCurrentEpoch(const JobRecord& job) {
+  for (const auto& [shard_id, load] : job.load) {
+    auto p = job.progress.find(shard_id);
+    if (p == job.progress.end() || p->second.map_epoch() < job.map.epoch()) return false;
+  }
+  return true;
 }
 
 void Coordinator::MarkSeededLocked(JobRecord& job, uint64_t shard_id,
@@ -400,6 +417,9 @@ std::map<uint64_t, Coordinator::ShardLoad> Coordinator::PlannedLoadLocked() cons
       total[shard_id].backup_chunks += load.backup_chunks;
       total[shard_id].size_bytes += load.size_bytes;
     }
+    for (const auto& [shard_id, chunks] : job.departed) {
+      total[shard_id].unreleased_chunks += chunks;
+    }
   }
   return total;
 }
@@ -429,7 +449,18 @@ uint64_t Coordinator::TakeSlot(const JobRecord& job, int index, uint64_t exclude
 
 void Coordinator::CommitMapChangeLocked(JobRecord& job) {
   job.map.set_epoch(job.map.epoch() + 1);
+  const std::map<uint64_t, ShardLoad> old_load = std::move(job.load);
   job.load = ComputeLoad(job.map, job.bytes_per_elem);
+  // A live shard whose chunks all moved away must still learn the new map:
+  // until it does, it would serve as a primary that no longer is one.
+  for (const auto& [shard_id, load] : old_load) {
+    auto sh = shards_.find(shard_id);
+    if (job.load.count(shard_id) == 0 && sh != shards_.end() &&
+        sh->second.state != v1::SHARD_STATE_DOWN) {
+      job.departed[shard_id] = load.num_chunks;
+    }
+  }
+  for (const auto& [shard_id, load] : job.load) job.departed.erase(shard_id);
   SetEndpointsLocked(job);
   job.backup_seeded.resize(job.map.chunks_size(), false);
   // Reports of shards that no longer hold chunks of the job would keep
@@ -628,7 +659,9 @@ v1::ShardStatus Coordinator::ShardStatusLocked(const ShardRecord& shard,
   auto p = planned.find(shard.id);
   if (p != planned.end()) {
     s.set_memory_planned_bytes(p->second.size_bytes);
-    s.set_chunks_owned(p->second.num_chunks);
+    // Chunks moved away still count until the shard has applied the map
+    // that moved them: a drained shard (0 here) is safe to stop.
+    s.set_chunks_owned(p->second.num_chunks + p->second.unreleased_chunks);
     s.set_backup_chunks(p->second.backup_chunks);
   }
   s.set_lease_age_ms(static_cast<uint64_t>(
@@ -679,6 +712,7 @@ int Coordinator::SweepExpiredLeases(absl::Time now) {
     const bool was_draining = shard.state == v1::SHARD_STATE_DRAINING;
     shard.state = v1::SHARD_STATE_DOWN;
     ++marked_down;
+    for (auto& [job_id, job] : jobs_) job.departed.erase(id);
     OPTIMUS_LOG(Warning, kLog, "shard down id=", id, " host=", shard.capabilities.hostname(),
                 was_draining ? " (was draining)" : "", ": no heartbeat for ",
                 absl::FormatDuration(now - shard.last_heartbeat), " (lease ",
@@ -844,7 +878,7 @@ int Coordinator::TickReplication(absl::Time now) {
   for (auto& [id, shard] : shards_) {
     if (shard.state != v1::SHARD_STATE_DRAINING || shard.drained_logged) continue;
     auto p = planned.find(id);
-    if (p != planned.end() && p->second.num_chunks > 0) continue;
+    if (p != planned.end() && p->second.num_chunks + p->second.unreleased_chunks > 0) continue;
     shard.drained_logged = true;
     OPTIMUS_LOG(Info, kLog, "shard ", id, " drained: it holds no chunk and can be stopped");
   }

@@ -100,7 +100,11 @@ class Coordinator {
   // loaded. A shard that reports, at the current epoch, every one of its
   // backup chunks of a job seeded (backups_seeded == backup_chunks, both
   // equal to its backup count in the map) has those chunks' backups marked
-  // in sync: they may be promoted. UP and DRAINING shards are served; an
+  // in sync: they may be promoted. A shard whose chunks of a job all moved
+  // away is assigned the job again once every remaining holder has loaded
+  // the new map, until it reports that map too (so it retires what moved
+  // away); until then they count in its chunks_owned. UP and DRAINING
+  // shards are served; an
   // unknown or DOWN shard gets known=false and must register again (under a
   // new id).
   v1::HeartbeatResponse Heartbeat(const v1::HeartbeatRequest& req);
@@ -218,6 +222,9 @@ class Coordinator {
     uint32_t num_chunks = 0;     // As primary or backup.
     uint32_t backup_chunks = 0;  // Of num_chunks, as backup.
     uint64_t size_bytes = 0;     // A backup costs as much as a primary.
+    // PlannedLoadLocked only: chunks that a map moved away, which the shard
+    // has not released yet (JobRecord::departed); not in num_chunks.
+    uint32_t unreleased_chunks = 0;
   };
   struct JobRecord {
     uint64_t id = 0;
@@ -234,6 +241,15 @@ class Coordinator {
     // epoch). Volatile: a restarted coordinator learns it from the next
     // heartbeats. Cleared when a chunk's backup changes.
     std::vector<bool> backup_seeded;
+    // Live shards that held chunks under an older map and hold none now
+    // (drained, or their backups moved), with how many they held. Once
+    // every holder has loaded the current map (so that no primary still
+    // forwards to a departed backup under the old one), they are assigned
+    // the job again until they report its current epoch: they apply the map
+    // that took their chunks away (retire them, send requests for them back
+    // to the clients). Their chunks count in their chunks_owned until then:
+    // a drained shard is safe to stop only once it has let go. Volatile.
+    std::map<uint64_t, uint32_t> departed;
     std::map<uint64_t, v1::ShardJobProgress> progress;  // Reported, by shard id.
     std::set<uint32_t> joined_ranks;
     uint64_t resume_step = 1;             // Step workers start at (restored jobs: S).
@@ -246,12 +262,15 @@ class Coordinator {
   absl::Status PersistLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::string StatePath() const;
 
-  // Planned load per shard over jobs that are not FAILED.
+  // Planned load per shard over jobs that are not FAILED (and their
+  // unreleased chunks).
   std::map<uint64_t, ShardLoad> PlannedLoadLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<v1::CreateJobResponse> CreateJobInternal(const v1::CreateJobRequest& req,
                                                           const v1::RestoreSource* restore);
   CheckpointJobView ViewLocked(const JobRecord& job) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void MaybeMarkReadyLocked(JobRecord& job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Every shard holding chunks of `job` reported its current epoch loaded.
+  static bool AllHoldersAtCurrentEpoch(const JobRecord& job);
   // Records a shard's backups of `job` as in sync when its report says so.
   void MarkSeededLocked(JobRecord& job, uint64_t shard_id, const v1::ShardJobProgress& p)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -421,11 +421,29 @@ TEST_F(ReplicationTest, DrainOfAReplicatedShardPromotesAndReplacesInOneEpoch) {
   }
   EXPECT_EQ(Holders(after).count(a), 0u);
   EXPECT_EQ(Endpoints(after).count(a), 0u);
-  const v1::ShardStatus st = ShardStatusOf(a);
+  v1::ShardStatus st = ShardStatusOf(a);
   EXPECT_EQ(st.state(), v1::SHARD_STATE_DRAINING);
-  EXPECT_EQ(st.chunks_owned(), 0u);
   EXPECT_EQ(st.memory_planned_bytes(), 0u);
-  EXPECT_EQ(Beat(a).assignments_size(), 0);
+  EXPECT_EQ(st.backup_chunks(), 0u);
+  // a still holds its 4 chunks until it applies the map that moved them
+  // (it must not be stopped before): it is told the job's new epoch until
+  // it reports having loaded it.
+  EXPECT_EQ(st.chunks_owned(), 4u);
+  v1::HeartbeatRequest empty;
+  empty.set_shard_id(a);
+  // Not before b and c, which forward to a under the old map, have the new
+  // one.
+  EXPECT_EQ(coord_->Heartbeat(empty).assignments_size(), 0);
+  Beat(b);
+  EXPECT_EQ(coord_->Heartbeat(empty).assignments_size(), 0);
+  Beat(c);
+  v1::HeartbeatResponse hb = coord_->Heartbeat(empty);
+  ASSERT_EQ(hb.assignments_size(), 1);
+  EXPECT_EQ(hb.assignments(0).map_epoch(), after.epoch());
+  EXPECT_EQ(coord_->Heartbeat(empty).assignments_size(), 1);
+  Beat(a);  // Reports the job at the current epoch, with nothing loaded.
+  EXPECT_EQ(coord_->Heartbeat(empty).assignments_size(), 0);
+  EXPECT_EQ(ShardStatusOf(a).chunks_owned(), 0u);  // Drained: it can be stopped.
   EXPECT_EQ(coord_->TickReplication(now_), 0);
 
   // The operator stops it: its lease runs out and nothing fails or moves.
@@ -480,8 +498,11 @@ TEST_F(ReplicationTest, DrainWithoutReplicationSeedsATemporaryBackupThenPromotes
   EXPECT_EQ(map.epoch(), 3u);
   EXPECT_EQ(Holders(map), (std::set<uint64_t>{b}));
   EXPECT_EQ(JobStatusOf(job).chunks_with_backup(), 0u);
-  EXPECT_EQ(ShardStatusOf(a).chunks_owned(), 0u);
   EXPECT_EQ(ShardStatusOf(b).chunks_owned(), 4u);
+  EXPECT_EQ(ShardStatusOf(a).chunks_owned(), on_a);  // Until a applies epoch 3.
+  Beat(b);  // b loads epoch 3; then a is told.
+  Beat(a);
+  EXPECT_EQ(ShardStatusOf(a).chunks_owned(), 0u);
   EXPECT_EQ(coord_->TickReplication(now_), 0);
 }
 
