@@ -429,6 +429,17 @@ TEST_F(ClusterTest, BadRequestsAreRefusedAndChangeNothing) {
     bad.rank = 9;
     r = peer.Send(wire::AsBytes(bad), grad);
     EXPECT_EQ(r.status.code(), absl::StatusCode::kInvalidArgument) << r.status;
+
+    // A forged replication forward (from "shard 999") to the primary of an
+    // unreplicated chunk: refused as fenced, nothing applied.
+    bad = h;
+    bad.op = static_cast<uint16_t>(wire::Op::kReplicate);
+    bad.rank = 999;
+    bad.flags = wire::kReplicateSum;
+    r = peer.Send(wire::AsBytes(bad), grad);
+    EXPECT_EQ(r.status.code(), absl::StatusCode::kFailedPrecondition) << r.status;
+    EXPECT_NE(r.status.message().find("is not its backup"), absl::string_view::npos) << r.status;
+    EXPECT_EQ(r.header.flags & wire::kReplyFenced, wire::kReplyFenced);
   }
   EXPECT_EQ(bias_refusals, 1);
 
