@@ -10,6 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
+#include "common/checkpoint_files.h"
 #include "coordinator/coordinator.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -596,6 +597,63 @@ TEST_F(ReplicationTest, CheckpointsAreOrderedFromPrimariesOnly) {
   EXPECT_EQ(Beat(a).checkpoints_size(), 1);
   EXPECT_EQ(Beat(b).checkpoints_size(), 1);
   EXPECT_EQ(Beat(h).checkpoints_size(), 0);
+}
+
+TEST_F(ReplicationTest, RestoredJobKeepsItsReplicationAndGetsBackups) {
+  const char* tmp = std::getenv("TEST_TMPDIR");
+  options_.checkpoint_dir = absl::StrCat(tmp != nullptr ? tmp : "/tmp", "/repl_restore");
+  Start();
+  const uint64_t a = AddShard(v1::SHARD_KIND_DPU, uint64_t{1} << 30, true);
+  const uint64_t b = AddShard(v1::SHARD_KIND_DPU, uint64_t{1} << 30, true);
+  const uint64_t c = AddShard(v1::SHARD_KIND_DPU, uint64_t{1} << 30, true);
+  const uint64_t job = CreateOk(Job("llm", 6, 1));
+  BeatAll({a, b, c});
+  v1::CreateCheckpointRequest req;
+  req.set_job_name("llm");
+  auto ck = coord_->CreateCheckpoint(req);
+  ASSERT_TRUE(ck.ok()) << ck.status();
+  // Each primary writes its chunks (AdamW: master, m, v) and reports them.
+  const v1::ShardMap map = Map(job);
+  for (uint64_t shard : {a, b, c}) {
+    v1::HeartbeatRequest hb;
+    hb.set_shard_id(shard);
+    v1::HeartbeatResponse orders = coord_->Heartbeat(hb);
+    ASSERT_EQ(orders.checkpoints_size(), 1) << shard;
+    v1::ShardCheckpointReport* r = hb.add_checkpoints();
+    r->set_job_id(job);
+    r->set_checkpoint_id(orders.checkpoints(0).checkpoint_id());
+    r->set_done(true);
+    const std::vector<float> zeros(64, 0.5f);
+    const float* arrays[] = {zeros.data(), zeros.data(), zeros.data()};
+    for (const auto& ch : map.chunks()) {
+      if (ch.shard_id() != shard) continue;
+      auto f = ckpt::WriteDataFile(
+          absl::StrCat(options_.checkpoint_dir, "/", orders.checkpoints(0).path()),
+          absl::StrCat("t", ch.tensor(), "-", ch.offset_elems()), ch.tensor(), ch.offset_elems(),
+          ch.num_elems(), arrays);
+      ASSERT_TRUE(f.ok()) << f.status();
+      *r->add_files() = *f;
+    }
+    coord_->Heartbeat(hb);
+  }
+  v1::ListCheckpointsRequest list;
+  list.set_job_name("llm");
+  ASSERT_EQ(coord_->ListCheckpoints(list).checkpoints(0).state(),
+            v1::CHECKPOINT_STATE_COMPLETE);
+
+  v1::RestoreCheckpointRequest restore;
+  restore.set_job_name("llm");
+  restore.set_new_job_name("llm-again");
+  auto restored = coord_->RestoreCheckpoint(restore);
+  ASSERT_TRUE(restored.ok()) << restored.status();
+  const v1::ShardMap again = Map(restored->job_id());
+  ASSERT_EQ(again.chunks_size(), 6);
+  for (const auto& ch : again.chunks()) {
+    EXPECT_NE(ch.backup_shard_id(), 0u);
+    EXPECT_NE(ch.backup_shard_id(), ch.shard_id());
+  }
+  EXPECT_EQ(JobStatusOf(restored->job_id()).replication(), 1u);
+  EXPECT_EQ(JobStatusOf(restored->job_id()).chunks_with_backup(), 6u);
 }
 
 }  // namespace
