@@ -840,7 +840,9 @@ class ShardServerImpl : public ShardServer {
     const uint64_t me = shard_id_.load();
     const std::map<uint64_t, transport::EndpointRef> backups = ConnectBackups(resp.map(), me);
     std::map<uint64_t, const v1::ChunkPlacement*> mine;
+    std::map<uint64_t, uint64_t> primaries;  // Every chunk's primary.
     for (const auto& p : resp.map().chunks()) {
+      primaries[ChunkKey(p.tensor(), p.chunk())] = p.shard_id();
       if (p.shard_id() == me || p.backup_shard_id() == me) {
         mine[ChunkKey(p.tensor(), p.chunk())] = &p;
       }
@@ -881,6 +883,8 @@ class ShardServerImpl : public ShardServer {
         if (it == mine.end()) {
           RetireLocked(chunk.get(),
                        absl::StrCat("map epoch ", epoch, " places it on another shard"), &failed);
+          // Whom to fence: a forward from anyone else is a deposed primary.
+          chunk->primary_shard = primaries[key];
           continue;
         }
         const v1::ChunkPlacement& p = *it->second;
@@ -1377,6 +1381,7 @@ class ShardServerImpl : public ShardServer {
       } else if ((flags & wire::kReplyRetry) != 0) {
         chunk->forward = Forward::kRetryLater;
         retry_later = true;
+        BeatNow();  // Our map may be the one behind.
       } else {
         // Unreachable or failed backup. Publishing without it would let
         // workers run ahead of the only other copy; hold the step until the
@@ -1433,12 +1438,19 @@ class ShardServerImpl : public ShardServer {
     const std::string what = absl::StrCat("forward of tensor ", h.tensor, " chunk ", h.chunk,
                                           " of job ", h.job_id, " from shard ", h.rank);
     bool is_backup = false;
+    bool sender_deposed = false;
     if (chunk != nullptr) {
       absl::MutexLock lock(&chunk->mu);
       is_backup = chunk->role == Role::kBackup && chunk->primary_shard == h.rank;
+      // Under our map the chunk has another primary (us, promoted, or a
+      // shard it moved to): the sender must stop.
+      sender_deposed = chunk->primary_shard != h.rank;
     }
     if (!is_backup) {
-      if (job == nullptr || h.map_epoch > epoch) {
+      if (job == nullptr || h.map_epoch > epoch || !sender_deposed) {
+        // Either we lag behind the sender's map, or only the backup moved
+        // (the sender is still the primary and learns its new backup from
+        // its next map): not a reason to fence.
         BeatNow();
         return refuse(absl::UnavailableError(absl::StrCat(what, ": map epoch ", h.map_epoch,
                                                           " not loaded here yet")),
