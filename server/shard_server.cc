@@ -114,6 +114,10 @@ struct Chunk {
   // overwrite a buffer while its count is non-zero.
   int sends_inflight[2] ABSL_GUARDED_BY(mu) = {0, 0};
   bool step_blocked_on_sends ABSL_GUARDED_BY(mu) = false;
+  // A checkpoint copy of master/m/v is being taken right after a publish
+  // (off the workers' path); the next step waits for it.
+  bool snapshot_copying ABSL_GUARDED_BY(mu) = false;
+  bool step_blocked_on_snapshot ABSL_GUARDED_BY(mu) = false;
   std::vector<ParkedPull> parked ABSL_GUARDED_BY(mu);
   // Oldest version ever held: 1, or the step a restored chunk starts at.
   uint64_t first_version ABSL_GUARDED_BY(mu) = 1;
@@ -329,7 +333,10 @@ class ShardServerImpl : public ShardServer {
     }
     executor.reset();
     // The worker's destructor joins the progress thread, so no handler or
-    // send completion runs after this line; then the step threads drain.
+    // send completion runs after this line. Operations it cancels complete
+    // during the destruction (worker_ is already null then): closing_ makes
+    // their callbacks send nothing.
+    closing_.store(true);
     worker_.reset();
   }
 
@@ -487,8 +494,10 @@ class ShardServerImpl : public ShardServer {
   // Copies a chunk's master and moments for the writer. The caller holds
   // chunk->mu with no kernel running on the chunk, so the copy is exactly
   // version published_version.
+  // The caller holds chunk.mu, or has set snapshot_copying (no kernel can
+  // start on the chunk until it clears it).
   static ChunkSnapshot Snapshot(const Job& job, const Chunk& chunk, uint64_t checkpoint_id)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(chunk.mu) {
+      ABSL_NO_THREAD_SAFETY_ANALYSIS {
     ChunkSnapshot snap;
     snap.job_id = job.config.job_id;
     snap.checkpoint_id = checkpoint_id;
@@ -944,6 +953,7 @@ class ShardServerImpl : public ShardServer {
 
   void Reply(transport::EndpointRef ep, uint64_t request_id, const absl::Status& status,
              uint32_t flags = 0) {
+    if (closing_.load()) return;  // Completions cancelled by the worker's teardown.
     const int code = static_cast<int>(status.code());
     if (code > 0 && code < kNumCodes) errors_[code].fetch_add(1);
     std::string header = wire::EncodeReply(request_id, status, 0, flags);
@@ -1136,6 +1146,10 @@ class ShardServerImpl : public ShardServer {
     {
       absl::MutexLock lock(&chunk->mu);
       const int out = static_cast<int>((chunk->published_version + 1) % 2);
+      if (chunk->snapshot_copying) {
+        chunk->step_blocked_on_snapshot = true;
+        return;
+      }
       if (chunk->sends_inflight[out] > 0) {
         chunk->step_blocked_on_sends = true;
         return;
@@ -1264,6 +1278,7 @@ class ShardServerImpl : public ShardServer {
   void Publish(Job* job, Chunk* chunk) {
     std::vector<ParkedPull> ready;
     uint64_t version;
+    uint64_t snapshot_checkpoint = 0;
     {
       absl::MutexLock lock(&chunk->mu);
       if (chunk->pub_step == 0) return;
@@ -1273,8 +1288,11 @@ class ShardServerImpl : public ShardServer {
       chunk->published_version = version;
       chunk->in_kernel = false;
       if (chunk->capture_step == version) {
-        // A memcpy at the step boundary; the disk write happens elsewhere.
-        ckpt_writer_->Add(Snapshot(*job, *chunk, chunk->capture_checkpoint));
+        // The state is exactly version `version` until the next step, which
+        // needs every worker's next push: copy it after the pulls are
+        // answered, not before (the disk write happens elsewhere).
+        snapshot_checkpoint = chunk->capture_checkpoint;
+        chunk->snapshot_copying = true;
         chunk->capture_step = 0;
       }
       std::fill(chunk->slot_state.begin(), chunk->slot_state.end(), SlotState::kEmpty);
@@ -1284,12 +1302,24 @@ class ShardServerImpl : public ShardServer {
     }
     steps_applied_.fetch_add(1);
     for (const ParkedPull& p : ready) SendParams(job, chunk, p.reply_ep, p.request_id, p.version);
+    if (snapshot_checkpoint != 0) {
+      ckpt_writer_->Add(Snapshot(*job, *chunk, snapshot_checkpoint));
+      bool start_step = false;
+      {
+        absl::MutexLock lock(&chunk->mu);
+        chunk->snapshot_copying = false;
+        start_step = chunk->step_blocked_on_snapshot;
+        chunk->step_blocked_on_snapshot = false;
+      }
+      if (start_step) MaybeScheduleStep(job, chunk);
+    }
   }
 
   // Sends the backup the step's sum (seed null; `step` is the version the
   // step starts from) or the whole state at version `step` (a seed).
   void SendForward(Job* job, Chunk* chunk, transport::EndpointRef ep, uint64_t gen,
                    uint64_t step, std::shared_ptr<std::vector<float>> seed) {
+    if (closing_.load()) return;
     wire::RequestHeader h;
     h.op = static_cast<uint16_t>(wire::Op::kReplicate);
     {
@@ -1574,6 +1604,7 @@ class ShardServerImpl : public ShardServer {
   // Sends version `version` (already counted in sends_inflight) to a worker.
   void SendParams(Job* job, Chunk* chunk, transport::EndpointRef ep, uint64_t request_id,
                   uint64_t version) {
+    if (closing_.load()) return;
     const int idx = static_cast<int>(version % 2);
     std::string header = wire::EncodeReply(request_id, absl::OkStatus(), version, 0);
     const size_t bytes = chunk->num_elems * DTypeSize(job->config.param_dtype);
@@ -1692,6 +1723,7 @@ class ShardServerImpl : public ShardServer {
   // Null without options.checkpoint_dir.
   std::unique_ptr<CheckpointWriter> ckpt_writer_;
   std::unique_ptr<transport::Worker> worker_;
+  std::atomic<bool> closing_{false};  // Set just before worker_ is destroyed.
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::Coordinator::Stub> stub_;
   std::atomic<uint64_t> shard_id_{0};
