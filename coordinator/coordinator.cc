@@ -485,8 +485,11 @@ absl::StatusOr<v1::CreateJobResponse> Coordinator::CreateJobInternal(
   const size_t grad_bytes = DTypeSize(*DTypeFromInt(spec.grad_dtype()));
   const size_t param_bytes = DTypeSize(*DTypeFromInt(spec.param_dtype()));
   const bool adam = IsAdamLike(spec.optimizer().kind());
+  // A replicated chunk also holds the fp32 gradient sum its primary forwards
+  // (both copies step from it): 4 more bytes per element on each.
   const uint64_t bytes_per_elem =
-      StateBytesPerElem(static_cast<int>(spec.world_size()), grad_bytes, param_bytes, adam);
+      StateBytesPerElem(static_cast<int>(spec.world_size()), grad_bytes, param_bytes, adam) +
+      (spec.replication() > 0 ? 4 : 0);
   std::vector<ChunkSpec> chunks = SplitTensors(*num_elems, spec.max_chunk_bytes() / 4);
 
   absl::MutexLock lock(&mu_);

@@ -27,6 +27,8 @@ constexpr absl::Duration kLease = absl::Seconds(2);
 constexpr uint64_t kBytesPerElem = 18;
 // Chunks of 64 elements (256 bytes of fp32): 1152 bytes of shard state each.
 constexpr uint64_t kChunkBytes = 64 * kBytesPerElem;
+// A replicated chunk also holds the fp32 gradient sum: 4 more per element.
+constexpr uint64_t kRepChunkBytes = 64 * (kBytesPerElem + 4);
 
 // One tensor "w" of num_chunks * 64 elements.
 v1::CreateJobRequest Job(const std::string& name, int num_chunks, uint32_t replication) {
@@ -205,7 +207,7 @@ TEST_F(ReplicationTest, BackupsGoToAnotherShardAndCountInLoadMemoryAndReadiness)
     const v1::ShardStatus st = ShardStatusOf(s);
     EXPECT_EQ(st.chunks_owned(), 4u) << s;
     EXPECT_EQ(st.backup_chunks(), 2u) << s;
-    EXPECT_EQ(st.memory_planned_bytes(), 4 * kChunkBytes) << s;
+    EXPECT_EQ(st.memory_planned_bytes(), 4 * kRepChunkBytes) << s;
   }
   v1::JobStatus js = JobStatusOf(job);
   EXPECT_EQ(js.replication(), 1u);
@@ -328,8 +330,8 @@ TEST_F(ReplicationTest, ReplicationZeroStillFailsOnALostShard) {
 
 TEST_F(ReplicationTest, LostBackupShardLeavesTheJobReadyAndAReplacementGetsTheBackups) {
   // Two DPUs with room for the primaries only; the host holds every backup.
-  const uint64_t a = AddShard(v1::SHARD_KIND_DPU, 2 * kChunkBytes);
-  const uint64_t b = AddShard(v1::SHARD_KIND_DPU, 2 * kChunkBytes);
+  const uint64_t a = AddShard(v1::SHARD_KIND_DPU, 2 * kRepChunkBytes);
+  const uint64_t b = AddShard(v1::SHARD_KIND_DPU, 2 * kRepChunkBytes);
   const uint64_t h = AddShard(v1::SHARD_KIND_HOST);
   const uint64_t job = CreateOk(Job("llm", 4, 1));
   ASSERT_EQ(Count(Map(job), h, /*as_backup=*/true), 4u);
@@ -583,8 +585,8 @@ TEST_F(ReplicationTest, CheckpointsAreOrderedFromPrimariesOnly) {
   Start();
   // The host shard holds only backups, and has no checkpoint dir: it is not
   // asked for a part and does not block a checkpoint.
-  const uint64_t a = AddShard(v1::SHARD_KIND_DPU, 2 * kChunkBytes, /*checkpoints=*/true);
-  const uint64_t b = AddShard(v1::SHARD_KIND_DPU, 2 * kChunkBytes, /*checkpoints=*/true);
+  const uint64_t a = AddShard(v1::SHARD_KIND_DPU, 2 * kRepChunkBytes, /*checkpoints=*/true);
+  const uint64_t b = AddShard(v1::SHARD_KIND_DPU, 2 * kRepChunkBytes, /*checkpoints=*/true);
   const uint64_t h = AddShard(v1::SHARD_KIND_HOST, uint64_t{1} << 30, /*checkpoints=*/false);
   const uint64_t job = CreateOk(Job("llm", 4, 1));
   ASSERT_EQ(Count(Map(job), h, true), 4u);
