@@ -1,5 +1,10 @@
 #include "common/durable_file.h"
 
+#if defined(__aarch64__)
+#include <asm/hwcap.h>
+#include <sys/auxv.h>
+#endif
+
 #include <errno.h>
 #include <fcntl.h>
 #include <string.h>
@@ -160,7 +165,7 @@ absl::StatusOr<std::string> ReadWholeFile(const std::string& path) {
   return out;
 }
 
-uint32_t Crc32c(uint32_t crc, const void* data, size_t size_bytes) {
+uint32_t Crc32cPortable(uint32_t crc, const void* data, size_t size_bytes) {
   const Crc32cTables& tb = Tables();
   const auto* p = static_cast<const uint8_t*>(data);
   uint32_t c = ~crc;
@@ -177,6 +182,63 @@ uint32_t Crc32c(uint32_t crc, const void* data, size_t size_bytes) {
   }
   while (size_bytes-- > 0) c = (c >> 8) ^ tb.t[0][(c ^ *p++) & 0xff];
   return ~c;
+}
+
+namespace {
+
+// The CPU's own CRC-32C instruction (SSE4.2 on x86-64, the ARMv8 CRC
+// extension that BlueField's Cortex-A72/A78 cores have): several times the
+// table's speed, which is most of a checkpoint's CPU cost.
+#if defined(__x86_64__)
+__attribute__((target("sse4.2"))) uint32_t Crc32cHardware(uint32_t crc, const void* data,
+                                                           size_t size_bytes) {
+  const auto* p = static_cast<const uint8_t*>(data);
+  uint64_t c = ~crc;
+  while (size_bytes >= 8) {
+    uint64_t v;
+    std::memcpy(&v, p, 8);
+    c = __builtin_ia32_crc32di(c, v);
+    p += 8;
+    size_bytes -= 8;
+  }
+  uint32_t c32 = static_cast<uint32_t>(c);
+  while (size_bytes-- > 0) c32 = __builtin_ia32_crc32qi(c32, *p++);
+  return ~c32;
+}
+bool HasHardwareCrc32c() { return __builtin_cpu_supports("sse4.2"); }
+#elif defined(__aarch64__)
+__attribute__((target("+crc"))) uint32_t Crc32cHardware(uint32_t crc, const void* data,
+                                                         size_t size_bytes) {
+  const auto* p = static_cast<const uint8_t*>(data);
+  uint32_t c = ~crc;
+  while (size_bytes >= 8) {
+    uint64_t v;
+    std::memcpy(&v, p, 8);
+    c = __builtin_aarch64_crc32cx(c, v);
+    p += 8;
+    size_bytes -= 8;
+  }
+  while (size_bytes-- > 0) c = __builtin_aarch64_crc32cb(c, *p++);
+  return ~c;
+}
+bool HasHardwareCrc32c() { return (getauxval(AT_HWCAP) & HWCAP_CRC32) != 0; }
+#else
+uint32_t Crc32cHardware(uint32_t crc, const void* data, size_t size_bytes) {
+  return Crc32cPortable(crc, data, size_bytes);
+}
+bool HasHardwareCrc32c() { return false; }
+#endif
+
+}  // namespace
+
+bool Crc32cIsHardware() {
+  static const bool hw = HasHardwareCrc32c();
+  return hw;
+}
+
+uint32_t Crc32c(uint32_t crc, const void* data, size_t size_bytes) {
+  return Crc32cIsHardware() ? Crc32cHardware(crc, data, size_bytes)
+                            : Crc32cPortable(crc, data, size_bytes);
 }
 
 absl::Status WriteChecksummedFile(const std::string& path, absl::string_view magic,

@@ -45,6 +45,10 @@ absl::StatusOr<std::string> ReadWholeFile(const std::string& path);
 // masking) of size_bytes bytes, continuing from `crc` (0 to start).
 // Slicing-by-8: about 1-2 GB/s on one core.
 uint32_t Crc32c(uint32_t crc, const void* data, size_t size_bytes);
+// The same with the portable table code, and whether Crc32c uses the CPU's
+// CRC instruction instead (tests compare the two).
+uint32_t Crc32cPortable(uint32_t crc, const void* data, size_t size_bytes);
+bool Crc32cIsHardware();
 inline uint32_t Crc32c(absl::string_view data, uint32_t crc = 0) {
   return Crc32c(crc, data.data(), data.size());
 }

@@ -1,5 +1,8 @@
 #include "common/durable_file.h"
 
+#include <cstdio>
+#include <vector>
+
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -49,6 +52,7 @@ TEST(DurableFileTest, Crc32cKnownValue) {
   // The CRC-32C check value from the iSCSI standard (RFC 3720, B.4).
   EXPECT_EQ(Crc32c("123456789"), 0xE3069283u);
   EXPECT_EQ(Crc32c("6789", Crc32c("12345")), 0xE3069283u);
+  EXPECT_EQ(Crc32cPortable(0, "123456789", 9), 0xE3069283u);
 }
 
 TEST(DurableFileTest, ChecksummedFileDetectsAFlippedByteAndTruncation) {
@@ -70,4 +74,21 @@ TEST(DurableFileTest, ChecksummedFileDetectsAFlippedByteAndTruncation) {
 }
 
 }  // namespace
+TEST(DurableFileTest, Crc32cInstructionMatchesTheTablesAtEveryLengthAndAlignment) {
+  std::vector<uint8_t> buf(4096 + 16);
+  uint32_t x = 12345;
+  for (auto& b : buf) {
+    x = x * 1664525u + 1013904223u;
+    b = static_cast<uint8_t>(x >> 24);
+  }
+  for (size_t offset = 0; offset < 8; ++offset) {
+    for (size_t len : {0, 1, 7, 8, 9, 63, 64, 65, 1000, 4096}) {
+      const uint8_t* p = buf.data() + offset;
+      EXPECT_EQ(Crc32c(0, p, len), Crc32cPortable(0, p, len)) << offset << " " << len;
+      EXPECT_EQ(Crc32c(0xdeadbeef, p, len), Crc32cPortable(0xdeadbeef, p, len));
+    }
+  }
+  std::printf("CRC-32C uses the CPU instruction: %s\n", Crc32cIsHardware() ? "yes" : "no");
+}
+
 }  // namespace optimus
