@@ -6,7 +6,10 @@
 //                      checkpoint is taken every --ckpt_every steps against
 //                      phases without, alternating (--rounds of each): the
 //                      slowdown workers see, as a fraction of step time
-//                      (stall_fraction), and per checkpoint in steps.
+//                      (stall_fraction), and per checkpoint in steps; and
+//                      the direct stall: time steps waited for checkpoint
+//                      copies (shard counters), as a fraction of the
+//                      checkpointed phases' time (direct_stall_fraction).
 //   recovery_rollback  a shard holding chunks is stopped (no replica): time
 //                      until the coordinator has detected it (lease) and
 //                      restored the job from its last checkpoint, and until
@@ -81,7 +84,12 @@ int Main() {
   c.CreateAndJoin(Job("ckpt", params_mi));
   c.Train(1, kWarmup);
   uint64_t step = kWarmup + 1;
-  double without_ms = 0, with_ms = 0, tail_wait_ms = 0;
+  double without_ms = 0, with_ms = 0, tail_wait_ms = 0, stall_ms = 0;
+  auto stall_ns = [&c] {
+    uint64_t ns = 0;
+    for (size_t i = 0; i < c.num_shards(); ++i) ns += c.shard(i)->stats().checkpoint_stall_ns;
+    return ns;
+  };
   int ordered = 0, untimed_steps = 0;
   const int rounds = absl::GetFlag(FLAGS_rounds);
   for (int round = 0; round < rounds; ++round) {
@@ -95,7 +103,9 @@ int Main() {
         ++ordered;
         last_id = info->checkpoint_id();
       }
+      const uint64_t ns0 = stall_ns();
       with_ms += TimeSteps(c, step, step + n - 1) * n;
+      stall_ms += static_cast<double>(stall_ns() - ns0) / 1e6;
       step += n;
     }
     // Untimed steps until the phase's last checkpoint is complete, so its
@@ -131,9 +141,11 @@ int Main() {
       "\"state_mib_per_checkpoint\": %.1f, \"checkpoints_ordered\": %d, "
       "\"checkpoints_complete_kept\": %d, \"step_ms_without\": %.3f, \"step_ms_with\": %.3f, "
       "\"stall_fraction\": %.4f, \"stall_per_checkpoint_in_steps\": %.4f, "
+      "\"direct_stall_ms\": %.2f, \"direct_stall_fraction\": %.5f, "
       "\"untimed_tail_steps\": %d, \"untimed_tail_ms\": %.1f}\n",
       static_cast<long long>(params_mi) << 20, rounds, steps, every, state_mb, ordered, complete,
-      plain_ms, ckpt_ms, slowdown, slowdown * every, untimed_steps, tail_wait_ms);
+      plain_ms, ckpt_ms, slowdown, slowdown * every, stall_ms, stall_ms / with_ms,
+      untimed_steps, tail_wait_ms);
   (void)total;
   std::fflush(stdout);
 

@@ -118,6 +118,7 @@ struct Chunk {
   // (off the workers' path); the next step waits for it.
   bool snapshot_copying ABSL_GUARDED_BY(mu) = false;
   bool step_blocked_on_snapshot ABSL_GUARDED_BY(mu) = false;
+  absl::Time blocked_since ABSL_GUARDED_BY(mu);
   std::vector<ParkedPull> parked ABSL_GUARDED_BY(mu);
   // Oldest version ever held: 1, or the step a restored chunk starts at.
   uint64_t first_version ABSL_GUARDED_BY(mu) = 1;
@@ -270,6 +271,9 @@ class ShardServerImpl : public ShardServer {
               pulled_bytes_.load(), id);
     m.Counter("optimus_shard_duplicate_pushes_total", "Repeated pushes acknowledged and dropped.",
               st.pushes_duplicate, id);
+    m.Counter("optimus_shard_checkpoint_stall_seconds_total",
+              "Time steps and requests waited for checkpoint copies of their chunk.",
+              static_cast<double>(checkpoint_stall_ns_.load()) / 1e9, id);
     m.Counter("optimus_shard_forwards_total",
               "Steps and seeds sent to backups (replication).", forwards_sent_.load(), id);
     m.Counter("optimus_shard_backup_steps_total",
@@ -304,6 +308,7 @@ class ShardServerImpl : public ShardServer {
     s.requests_rejected = requests_rejected_.load();
     s.pushes_duplicate = pushes_duplicate_.load();
     s.pulls_served = pulls_served_.load();
+    s.checkpoint_stall_ns = checkpoint_stall_ns_.load();
     absl::MutexLock lock(&jobs_mu_);
     for (const auto& [id, job] : jobs_) {
       s.memory_used_bytes += job->memory_bytes;
@@ -557,7 +562,10 @@ class ShardServerImpl : public ShardServer {
                                   /*missed_step=*/true);
       }
       if (pv == o.step()) {
+        // The chunk is idle at the step: copy now, holding it.
+        const absl::Time t0 = absl::Now();
         ckpt_writer_->Add(Snapshot(*job, *chunk, o.checkpoint_id()));
+        checkpoint_stall_ns_.fetch_add(absl::ToInt64Nanoseconds(absl::Now() - t0));
       } else {
         chunk->capture_step = o.step();
         chunk->capture_checkpoint = o.checkpoint_id();
@@ -1148,6 +1156,7 @@ class ShardServerImpl : public ShardServer {
       const int out = static_cast<int>((chunk->published_version + 1) % 2);
       if (chunk->snapshot_copying) {
         chunk->step_blocked_on_snapshot = true;
+        chunk->blocked_since = absl::Now();
         return;
       }
       if (chunk->sends_inflight[out] > 0) {
@@ -1310,6 +1319,10 @@ class ShardServerImpl : public ShardServer {
         chunk->snapshot_copying = false;
         start_step = chunk->step_blocked_on_snapshot;
         chunk->step_blocked_on_snapshot = false;
+        if (start_step) {
+          checkpoint_stall_ns_.fetch_add(
+              absl::ToInt64Nanoseconds(absl::Now() - chunk->blocked_since));
+        }
       }
       if (start_step) MaybeScheduleStep(job, chunk);
     }
@@ -1742,6 +1755,7 @@ class ShardServerImpl : public ShardServer {
   Histogram step_latency_;
   std::unique_ptr<HttpServer> http_;
   std::atomic<uint64_t> pulls_served_{0};
+  std::atomic<uint64_t> checkpoint_stall_ns_{0};
 
   mutable absl::Mutex jobs_mu_;
   std::map<uint64_t, std::unique_ptr<Job>> jobs_ ABSL_GUARDED_BY(jobs_mu_);

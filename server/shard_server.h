@@ -61,6 +61,10 @@ struct ShardServerStats {
   uint64_t requests_rejected = 0;  // Pushes, pulls and inits refused with an error.
   uint64_t pushes_duplicate = 0;   // Repeated pushes acknowledged and dropped.
   uint64_t pulls_served = 0;
+  // Time a step that was ready waited for a checkpoint's copy of its chunk,
+  // plus copies made while holding the chunk (requests to it wait then):
+  // the stall checkpoints cause on the workers' path, summed over chunks.
+  uint64_t checkpoint_stall_ns = 0;
 };
 
 class ShardServer {

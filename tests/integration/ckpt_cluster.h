@@ -92,6 +92,8 @@ class CkptCluster {
   // Stops shard i as if its machine died: no more heartbeats or replies.
   void StopShard(size_t i) { shards_[i]->Shutdown(); }
   client::Client* client(uint32_t r) { return clients_[r].get(); }
+  server::ShardServer* shard(size_t i) { return shards_[i].get(); }
+  size_t num_shards() const { return shards_.size(); }
 
   // Connects W new clients; rank 0 creates the job and sends initial values.
   void CreateAndJoin(const client::JobDef& def) {
