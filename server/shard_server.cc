@@ -547,30 +547,64 @@ class ShardServerImpl : public ShardServer {
     if (absl::Status s = ckpt::MakeDirs(dir); !s.ok()) {
       return ckpt_writer_->Fail(o.job_id(), o.checkpoint_id(), std::string(s.message()));
     }
+    std::vector<Chunk*> copy_now;
+    std::vector<Chunk*> capture_later;
+    std::string error;
+    bool missed = false;
     for (Chunk* chunk : primaries) {
       absl::MutexLock lock(&chunk->mu);
       const uint64_t pv = chunk->published_version;
       if (pv == 0) {
-        return ckpt_writer_->Fail(o.job_id(), o.checkpoint_id(),
-                                  absl::StrCat("tensor ", chunk->tensor, " chunk ", chunk->chunk,
-                                               " has no initial values yet"));
+        error = absl::StrCat("tensor ", chunk->tensor, " chunk ", chunk->chunk,
+                             " has no initial values yet");
+        break;
       }
-      if (pv > o.step() || (pv == o.step() && chunk->in_kernel)) {
-        return ckpt_writer_->Fail(o.job_id(), o.checkpoint_id(),
-                                  absl::StrCat("tensor ", chunk->tensor, " chunk ", chunk->chunk,
-                                               " already applied step ", o.step()),
-                                  /*missed_step=*/true);
+      if (pv > o.step() || (pv == o.step() && (chunk->in_kernel || chunk->snapshot_copying))) {
+        error = absl::StrCat("tensor ", chunk->tensor, " chunk ", chunk->chunk,
+                             " already applied step ", o.step());
+        missed = true;
+        break;
       }
       if (pv == o.step()) {
-        // The chunk is idle at the step: copy now, holding it.
-        const absl::Time t0 = absl::Now();
-        ckpt_writer_->Add(Snapshot(*job, *chunk, o.checkpoint_id()));
-        checkpoint_stall_ns_.fetch_add(absl::ToInt64Nanoseconds(absl::Now() - t0));
+        // Idle at the step: copy it below, without holding the chunk (pushes
+        // and pulls go on; only its next step waits for the copy).
+        chunk->snapshot_copying = true;
+        copy_now.push_back(chunk);
       } else {
         chunk->capture_step = o.step();
         chunk->capture_checkpoint = o.checkpoint_id();
+        capture_later.push_back(chunk);
       }
     }
+    if (!error.empty()) {
+      // Undo this order on every chunk it touched, then report.
+      for (Chunk* chunk : capture_later) {
+        absl::MutexLock lock(&chunk->mu);
+        if (chunk->capture_checkpoint == o.checkpoint_id()) chunk->capture_step = 0;
+      }
+      for (Chunk* chunk : copy_now) FinishSnapshot(job, chunk, /*checkpoint_id=*/0);
+      return ckpt_writer_->Fail(o.job_id(), o.checkpoint_id(), error, missed);
+    }
+    for (Chunk* chunk : copy_now) FinishSnapshot(job, chunk, o.checkpoint_id());
+  }
+
+  // Copies a chunk whose snapshot_copying the caller set, then lets its next
+  // step run (counting how long that step waited).
+  // checkpoint_id 0: no copy (the order failed), just release the chunk.
+  void FinishSnapshot(Job* job, Chunk* chunk, uint64_t checkpoint_id) {
+    if (checkpoint_id != 0) ckpt_writer_->Add(Snapshot(*job, *chunk, checkpoint_id));
+    bool start_step = false;
+    {
+      absl::MutexLock lock(&chunk->mu);
+      chunk->snapshot_copying = false;
+      start_step = chunk->step_blocked_on_snapshot;
+      chunk->step_blocked_on_snapshot = false;
+      if (start_step) {
+        checkpoint_stall_ns_.fetch_add(
+            absl::ToInt64Nanoseconds(absl::Now() - chunk->blocked_since));
+      }
+    }
+    if (start_step) MaybeScheduleStep(job, chunk);
   }
 
   // Fetches the job and allocates the chunks the map places on this shard
@@ -1311,21 +1345,7 @@ class ShardServerImpl : public ShardServer {
     }
     steps_applied_.fetch_add(1);
     for (const ParkedPull& p : ready) SendParams(job, chunk, p.reply_ep, p.request_id, p.version);
-    if (snapshot_checkpoint != 0) {
-      ckpt_writer_->Add(Snapshot(*job, *chunk, snapshot_checkpoint));
-      bool start_step = false;
-      {
-        absl::MutexLock lock(&chunk->mu);
-        chunk->snapshot_copying = false;
-        start_step = chunk->step_blocked_on_snapshot;
-        chunk->step_blocked_on_snapshot = false;
-        if (start_step) {
-          checkpoint_stall_ns_.fetch_add(
-              absl::ToInt64Nanoseconds(absl::Now() - chunk->blocked_since));
-        }
-      }
-      if (start_step) MaybeScheduleStep(job, chunk);
-    }
+    if (snapshot_checkpoint != 0) FinishSnapshot(job, chunk, snapshot_checkpoint);
   }
 
   // Sends the backup the step's sum (seed null; `step` is the version the
