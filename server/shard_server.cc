@@ -1005,23 +1005,25 @@ class ShardServerImpl : public ShardServer {
                   nullptr, 0, [](absl::Status) {});
   }
 
+  // The job and chunk a request names (null when unknown here) and the
+  // job's loaded map epoch.
+  uint64_t Lookup(const wire::RequestHeader& h, Job** job, Chunk** chunk) {
+    absl::MutexLock lock(&jobs_mu_);
+    auto it = jobs_.find(h.job_id);
+    if (it == jobs_.end()) return 0;
+    *job = it->second.get();
+    auto c = (*job)->chunks.find(ChunkKey(h.tensor, h.chunk));
+    if (c != (*job)->chunks.end()) *chunk = c->second.get();
+    return (*job)->config.map_epoch;
+  }
+
   // Finds the job and chunk a worker's request names under the request's
   // map epoch. Returns null with *error (and *flags) set on failure.
   Chunk* Resolve(const wire::RequestHeader& h, Job** job_out, absl::Status* error,
                  uint32_t* flags) {
     Job* job = nullptr;
     Chunk* chunk = nullptr;
-    uint64_t epoch = 0;
-    {
-      absl::MutexLock lock(&jobs_mu_);
-      auto it = jobs_.find(h.job_id);
-      if (it != jobs_.end()) {
-        job = it->second.get();
-        epoch = job->config.map_epoch;
-        auto c = job->chunks.find(ChunkKey(h.tensor, h.chunk));
-        if (c != job->chunks.end()) chunk = c->second.get();
-      }
-    }
+    const uint64_t epoch = Lookup(h, &job, &chunk);
     if (job == nullptr) {
       *error = absl::NotFoundError(absl::StrCat("unknown job ", h.job_id, " on shard ",
                                                 shard_id_.load()));
@@ -1483,17 +1485,7 @@ class ShardServerImpl : public ShardServer {
     const transport::EndpointRef ep = msg.reply_endpoint();
     Job* job = nullptr;
     Chunk* chunk = nullptr;
-    uint64_t epoch = 0;
-    {
-      absl::MutexLock lock(&jobs_mu_);
-      auto it = jobs_.find(h.job_id);
-      if (it != jobs_.end()) {
-        job = it->second.get();
-        epoch = job->config.map_epoch;
-        auto c = job->chunks.find(ChunkKey(h.tensor, h.chunk));
-        if (c != job->chunks.end()) chunk = c->second.get();
-      }
-    }
+    const uint64_t epoch = Lookup(h, &job, &chunk);
     auto refuse = [&](const absl::Status& s, uint32_t flags) {
       requests_rejected_.fetch_add(1);
       Reply(ep, h.request_id, s, flags);

@@ -6,12 +6,10 @@
 # run: no step lost.
 set -euo pipefail
 
-root="${TEST_SRCDIR}/optimus"
+source "${TEST_SRCDIR}/optimus/tests/fault/drill_lib.sh"
 run() {  # run NAME [extra flags...]
   local name=$1; shift
-  "${root}/deploy/local/local_cluster" --bin_dir="${root}" --work_dir="${TEST_TMPDIR}/${name}" \
-    --steps=200 --hidden=64 "$@" >"${TEST_TMPDIR}/${name}.out" 2>"${TEST_TMPDIR}/${name}.err" || {
-    echo "local_cluster (${name}) failed:"; cat "${TEST_TMPDIR}/${name}.err"; exit 1; }
+  run_cluster "${name}" --steps=200 --hidden=64 "$@"
 }
 
 run drill --kill_coordinator_at_step=20 --coordinator_down_ms=400
@@ -35,11 +33,7 @@ grep -q "recovered state from" "${TEST_TMPDIR}/drill/coord-restarted.log" || {
   echo "the restarted coordinator did not load its state:"; cat "${TEST_TMPDIR}/drill/coord-restarted.log"; exit 1; }
 
 # No step lost: the same bits as the failure-free run.
-cmp "${TEST_TMPDIR}/drill/params-rank0.bin" "${TEST_TMPDIR}/clean/params-rank0.bin" || {
-  echo "final parameters differ from the failure-free run"; exit 1; }
+same_params drill clean
 
-sleep 0.5
-if pgrep -f "${root}/(server/optimus-shard|coordinator/optimus-coord|deploy/local/optimus-train-worker)" >/dev/null; then
-  echo "processes left running:"; pgrep -af "${root}/"; exit 1
-fi
+no_processes_left
 echo "ok: coordinator killed at step $(python3 -c 'import json,sys; print(json.loads(sys.argv[1])["coordinator_killed_at_step"])' "${drill}"), parameters bitwise equal to the failure-free run"

@@ -8,14 +8,10 @@
 # parameters are bitwise those of a run that was never drained.
 set -euo pipefail
 
-root="${TEST_SRCDIR}/optimus"
+source "${TEST_SRCDIR}/optimus/tests/fault/drill_lib.sh"
 run() {  # run NAME [extra flags...]
   local name=$1; shift
-  timeout 300 "${root}/deploy/local/local_cluster" --bin_dir="${root}" \
-    --work_dir="${TEST_TMPDIR}/${name}" --steps=250 --hidden=256 --shards=3 "$@" \
-    >"${TEST_TMPDIR}/${name}.out" 2>"${TEST_TMPDIR}/${name}.err" || {
-    echo "local_cluster (${name}) failed:"; cat "${TEST_TMPDIR}/${name}.err"
-    tail -n 20 "${TEST_TMPDIR}/${name}"/*.log; exit 1; }
+  run_cluster "${name}" --steps=250 --hidden=256 --shards=3 "$@"
 }
 
 run drain0 --drain_shard_at_step=80
@@ -43,14 +39,10 @@ PY
   if grep -h "re-joining\|resuming at step" "${TEST_TMPDIR}/${d}"/worker-*.log; then
     echo "${d}: a worker had to re-join"; exit 1
   fi
-  cmp "${TEST_TMPDIR}/${d}/params-rank0.bin" "${TEST_TMPDIR}/clean/params-rank0.bin" || {
-    echo "${d}: final parameters differ from the run without a drain"; exit 1; }
+  same_params "${d}" clean
 done
 grep -q "placed 1 temporary\|placed [1-9][0-9]* temporary" "${TEST_TMPDIR}/drain0/coord.log" || {
   echo "drain0: no temporary backup was placed:"; cat "${TEST_TMPDIR}/drain0/coord.log"; exit 1; }
 
-sleep 0.5
-if pgrep -f "${root}/(server/optimus-shard|coordinator/optimus-coord|deploy/local/optimus-train-worker)" >/dev/null; then
-  echo "processes left running:"; pgrep -af "${root}/"; exit 1
-fi
+no_processes_left
 echo "ok: shard drained and stopped during training (replication 0 and 1), parameters bitwise equal"

@@ -9,14 +9,10 @@
 # never failed (and had no replicas).
 set -euo pipefail
 
-root="${TEST_SRCDIR}/optimus"
+source "${TEST_SRCDIR}/optimus/tests/fault/drill_lib.sh"
 run() {  # run NAME [extra flags...]
   local name=$1; shift
-  timeout 300 "${root}/deploy/local/local_cluster" --bin_dir="${root}" \
-    --work_dir="${TEST_TMPDIR}/${name}" --steps=300 --hidden=256 "$@" \
-    >"${TEST_TMPDIR}/${name}.out" 2>"${TEST_TMPDIR}/${name}.err" || {
-    echo "local_cluster (${name}) failed:"; cat "${TEST_TMPDIR}/${name}.err"
-    tail -n 20 "${TEST_TMPDIR}/${name}"/*.log; exit 1; }
+  run_cluster "${name}" --steps=300 --hidden=256 "$@"
 }
 
 run drill --shards=3 --replication=1 --kill_shard_at_step=150
@@ -45,11 +41,7 @@ if grep -h "re-joining\|resuming at step" "${TEST_TMPDIR}"/drill/worker-*.log; t
   echo "a worker had to re-join: the failover was not transparent"; exit 1
 fi
 
-cmp "${TEST_TMPDIR}/drill/params-rank0.bin" "${TEST_TMPDIR}/clean/params-rank0.bin" || {
-  echo "final parameters differ from the failure-free run"; exit 1; }
+same_params drill clean
 
-sleep 0.5
-if pgrep -f "${root}/(server/optimus-shard|coordinator/optimus-coord|deploy/local/optimus-train-worker)" >/dev/null; then
-  echo "processes left running:"; pgrep -af "${root}/"; exit 1
-fi
+no_processes_left
 echo "ok: primary killed, backups promoted and re-seeded, parameters bitwise equal to the failure-free run"

@@ -8,14 +8,10 @@
 # math does not depend on placement).
 set -euo pipefail
 
-root="${TEST_SRCDIR}/optimus"
+source "${TEST_SRCDIR}/optimus/tests/fault/drill_lib.sh"
 run() {  # run NAME [extra flags...]
   local name=$1; shift
-  timeout 300 "${root}/deploy/local/local_cluster" --bin_dir="${root}" \
-    --work_dir="${TEST_TMPDIR}/${name}" --steps=400 --hidden=256 "$@" \
-    >"${TEST_TMPDIR}/${name}.out" 2>"${TEST_TMPDIR}/${name}.err" || {
-    echo "local_cluster (${name}) failed:"; cat "${TEST_TMPDIR}/${name}.err"
-    tail -n 20 "${TEST_TMPDIR}/${name}"/*.log; exit 1; }
+  run_cluster "${name}" --steps=400 --hidden=256 "$@"
 }
 
 run drill --checkpoint_every_steps=50 --kill_shard_at_step=300
@@ -44,11 +40,7 @@ if grep -h "failed (DEADLINE_EXCEEDED" "${TEST_TMPDIR}"/drill/worker-*.log; then
   echo "a worker waited for a timeout instead of seeing the shard fail"; exit 1
 fi
 
-cmp "${TEST_TMPDIR}/drill/params-rank0.bin" "${TEST_TMPDIR}/clean/params-rank0.bin" || {
-  echo "final parameters differ from the failure-free run"; exit 1; }
+same_params drill clean
 
-sleep 0.5
-if pgrep -f "${root}/(server/optimus-shard|coordinator/optimus-coord|deploy/local/optimus-train-worker)" >/dev/null; then
-  echo "processes left running:"; pgrep -af "${root}/"; exit 1
-fi
+no_processes_left
 echo "ok: shard killed, job rolled back and finished, parameters bitwise equal to the failure-free run"
