@@ -50,6 +50,7 @@ struct Pending {
   DType dtype = DType::kFp32;
   uint8_t flags = 0;            // wire::RequestFlags.
   uint64_t expected_bytes = 0;  // Pull: payload size.
+  uint64_t offset_bytes = 0;    // Of the chunk in the tensor's buffer.
   void* ep = nullptr;           // The shard's endpoint, to fail it if the shard dies.
   uint64_t epoch = 0;           // Map epoch it was sent under.
   // Waiting to be sent again: the map epoch needed first, since when, why.
@@ -329,6 +330,7 @@ class ClientImpl : public Client {
     p.ep = r.ep.ep;
     p.epoch = epoch_;
     p.expected_bytes = p.op == wire::Op::kPull ? r.num_elems * DTypeSize(p.dtype) : 0;
+    p.offset_bytes = r.offset_elems * DTypeSize(p.dtype);
     const uint64_t id = next_request_++;
     pending_[id] = p;
     return id;
@@ -540,13 +542,8 @@ class ClientImpl : public Client {
                               reply->header.param_version, ", expected ", p.expected_bytes,
                               " bytes of version ", p.step)));
     }
-    uint8_t* dst;
-    {
-      absl::MutexLock lock(&mu_);
-      const ChunkRoute& r = routes_[p.tensor][p.route];
-      dst = static_cast<uint8_t*>(p.dst) + r.offset_elems * DTypeSize(p.dtype);
-    }
-    msg.ReceiveInto(dst, [this, id](absl::Status s) { Complete(id, s); });
+    msg.ReceiveInto(static_cast<uint8_t*>(p.dst) + p.offset_bytes,
+                    [this, id](absl::Status s) { Complete(id, s); });
   }
 
   // ---- Failover ------------------------------------------------------------
@@ -645,8 +642,15 @@ class ClientImpl : public Client {
     {
       absl::MutexLock lock(&mu_);
       if (map.epoch() <= epoch_) return absl::OkStatus();
+      // Failover and drains move chunks, never re-cut them: a request is
+      // re-sent as the same element range.
       for (size_t t = 0; t < routes->size(); ++t) {
-        if ((*routes)[t].size() != routes_[t].size()) {
+        bool same = (*routes)[t].size() == routes_[t].size();
+        for (size_t i = 0; same && i < routes_[t].size(); ++i) {
+          same = (*routes)[t][i].offset_elems == routes_[t][i].offset_elems &&
+                 (*routes)[t][i].num_elems == routes_[t][i].num_elems;
+        }
+        if (!same) {
           return absl::InternalError(absl::StrCat("map epoch ", map.epoch(), " cuts tensor ",
                                                   tensors_[t].name, " differently"));
         }

@@ -1241,16 +1241,20 @@ class ShardServerImpl : public ShardServer {
     const void* sum_ptr[1] = {sum};
     const absl::Time start = absl::Now();
     absl::Status s;
-    if (sum != nullptr) {
-      // With a backup: sum once (in rank order, scaled, exactly as FusedStep
-      // sums), forward the sum, and step from it on both sides, so primary
-      // and backup stay bitwise equal (and equal to the fused step).
+    if (forward_sum) {
+      // To a seeded backup: sum once (in rank order, scaled, exactly as
+      // FusedStep sums), forward the sum, and step from it on both sides, so
+      // primary and backup stay bitwise equal (and equal to the fused step,
+      // which every other step uses: no extra pass without a backup to feed).
       s = kernels::SumGradsToFp32(in, n, sum, kernel_pool_.get());
       in.grads = absl::MakeConstSpan(sum_ptr, 1);
       in.grad_dtype = DType::kFp32;
       in.grad_scale = 1.0f;
-      if (forward_sum) {
+      if (s.ok()) {
         SendForward(job, chunk, backup_ep, gen, step, /*seed=*/nullptr);
+      } else {
+        absl::MutexLock lock(&chunk->mu);
+        chunk->forward = Forward::kNeedsSeed;  // Not sent: seed after the step.
       }
     }
     if (s.ok()) s = StepKernel(*job, chunk, in);
