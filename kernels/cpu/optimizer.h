@@ -15,30 +15,13 @@
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
 #include "common/dtype.h"
+#include "kernels/optimizer_spec.h"
 
 namespace optimus {
 namespace kernels {
 
-enum class OptimizerKind : uint8_t {
-  kAdamW = 1,  // Adam, decoupled weight decay (Loshchilov & Hutter), as torch.optim.AdamW.
-  kAdam = 2,   // Adam, L2 weight decay added to the gradient, as torch.optim.Adam.
-  kSgd = 3,    // SGD with momentum (dampening 0, no Nesterov), as torch.optim.SGD.
-  // Lion (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms"),
-  // as lion-pytorch: c = b1*m + (1-b1)*g; p = p*(1 - lr*wd) - lr*sign(c);
-  // m = b2*m + (1-b2)*g. Uses beta1, beta2 (Lion's usual 0.9, 0.99: set
-  // beta2 explicitly, the default below is Adam's), lr, weight_decay; state m.
-  kLion = 4,
-};
-
-struct OptimizerHyper {
-  OptimizerKind kind = OptimizerKind::kAdamW;
-  float lr = 1e-3f;
-  float beta1 = 0.9f;
-  float beta2 = 0.999f;
-  float eps = 1e-8f;
-  float weight_decay = 0.0f;
-  float momentum = 0.0f;  // SGD only; 0 disables the momentum buffer.
-};
+// OptimizerKind and OptimizerHyper (with their defaults) are in
+// kernels/optimizer_spec.h.
 
 // One step's inputs for one chunk.
 struct StepInputs {

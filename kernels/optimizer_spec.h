@@ -1,0 +1,77 @@
+// What each optimizer keeps per parameter on a shard, and its default
+// hyper-parameters: the one place that the coordinator (validation, memory
+// planning), the shard server (allocation), checkpoint files and export
+// (array names) and the client (defaults) take them from.
+// Plain values and pure functions; safe from any thread.
+#ifndef OPTIMUS_KERNELS_OPTIMIZER_SPEC_H_
+#define OPTIMUS_KERNELS_OPTIMIZER_SPEC_H_
+
+#include <array>
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "common/dtype.h"
+
+namespace optimus {
+namespace kernels {
+
+// The numeric values match proto/optimus.proto's OptimizerKind.
+enum class OptimizerKind : uint8_t {
+  kAdamW = 1,  // Adam, decoupled weight decay (Loshchilov & Hutter), as torch.optim.AdamW.
+  kAdam = 2,   // Adam, L2 weight decay added to the gradient, as torch.optim.Adam.
+  kSgd = 3,    // SGD with momentum (dampening 0, no Nesterov), as torch.optim.SGD.
+  // Lion (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms"),
+  // as lion-pytorch: c = b1*m + (1-b1)*g; p = p*(1 - lr*wd) - lr*sign(c);
+  // m = b2*m + (1-b2)*g. Uses beta1, beta2, lr, weight_decay; state m.
+  kLion = 4,
+};
+
+// INVALID_ARGUMENT for a value that names no optimizer.
+absl::StatusOr<OptimizerKind> OptimizerKindFromInt(int value);
+absl::string_view OptimizerName(OptimizerKind kind);  // "adamw", "adam", "sgd", "lion".
+
+struct OptimizerHyper {
+  OptimizerKind kind = OptimizerKind::kAdamW;
+  float lr = 1e-3f;
+  float beta1 = 0.9f;
+  float beta2 = 0.999f;
+  float eps = 1e-8f;
+  float weight_decay = 0.0f;
+  float momentum = 0.0f;  // SGD only; 0 disables the momentum buffer.
+};
+
+// The defaults of `kind`, as torch.optim (and lion-pytorch for Lion) has
+// them: lr 1e-3; Adam/AdamW betas (0.9, 0.999), eps 1e-8; Lion betas
+// (0.9, 0.99); weight decay and momentum 0.
+OptimizerHyper DefaultHyper(OptimizerKind kind);
+
+// Fills the fields of `hyper` that are 0 and have a non-zero default for
+// its kind (betas, eps; lr when 0), then checks every field: INVALID_ARGUMENT
+// naming the field when one is out of range (lr > 0 and finite, betas and
+// momentum in [0, 1), eps and weight decay >= 0 and finite).
+absl::Status FillDefaultsAndValidate(OptimizerHyper* hyper);
+
+// The fp32 arrays a shard keeps per element of a chunk for one optimizer:
+// the master weights first, then the moments, in this order in memory,
+// in checkpoint files and in the export.
+struct StateLayout {
+  uint32_t num_arrays = 1;                  // 2 or 3.
+  std::array<const char*, 3> names = {};    // torch.optim's state names.
+  bool has_v() const { return num_arrays > 2; }
+  uint64_t bytes_per_elem() const { return uint64_t{4} * num_arrays; }
+};
+const StateLayout& LayoutOf(OptimizerKind kind);
+
+// Bytes a shard holds per element of a chunk of a job: the optimizer state,
+// one gradient slot per worker, two published versions, and (for a chunk
+// with a backup, replicated on both copies) the fp32 gradient sum the
+// primary forwards. The coordinator plans with it, the shard allocates it.
+uint64_t ShardBytesPerElem(OptimizerKind kind, uint32_t world_size, DType grad_dtype,
+                           DType param_dtype, bool replicated);
+
+}  // namespace kernels
+}  // namespace optimus
+
+#endif  // OPTIMUS_KERNELS_OPTIMIZER_SPEC_H_

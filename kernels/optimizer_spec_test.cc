@@ -1,0 +1,100 @@
+#include "kernels/optimizer_spec.h"
+
+#include <cmath>
+#include <string>
+
+#include "gtest/gtest.h"
+
+namespace optimus {
+namespace kernels {
+namespace {
+
+TEST(OptimizerSpecTest, LionGetsItsOwnBetasNotAdams) {
+  OptimizerHyper h;
+  h.kind = OptimizerKind::kLion;
+  h.beta1 = 0;
+  h.beta2 = 0;
+  h.eps = 0;
+  ASSERT_TRUE(FillDefaultsAndValidate(&h).ok());
+  EXPECT_FLOAT_EQ(h.beta1, 0.9f);
+  EXPECT_FLOAT_EQ(h.beta2, 0.99f);
+}
+
+TEST(OptimizerSpecTest, AdamDefaultsAreTorchs) {
+  for (OptimizerKind k : {OptimizerKind::kAdam, OptimizerKind::kAdamW}) {
+    OptimizerHyper h;
+    h.kind = k;
+    h.lr = 0;
+    h.beta1 = 0;
+    h.beta2 = 0;
+    h.eps = 0;
+    ASSERT_TRUE(FillDefaultsAndValidate(&h).ok());
+    EXPECT_FLOAT_EQ(h.lr, 1e-3f);
+    EXPECT_FLOAT_EQ(h.beta1, 0.9f);
+    EXPECT_FLOAT_EQ(h.beta2, 0.999f);
+    EXPECT_FLOAT_EQ(h.eps, 1e-8f);
+  }
+}
+
+TEST(OptimizerSpecTest, ExplicitValuesAreKept) {
+  OptimizerHyper h;
+  h.kind = OptimizerKind::kLion;
+  h.lr = 3e-4f;
+  h.beta1 = 0.95f;
+  h.beta2 = 0.98f;
+  ASSERT_TRUE(FillDefaultsAndValidate(&h).ok());
+  EXPECT_FLOAT_EQ(h.lr, 3e-4f);
+  EXPECT_FLOAT_EQ(h.beta1, 0.95f);
+  EXPECT_FLOAT_EQ(h.beta2, 0.98f);
+}
+
+TEST(OptimizerSpecTest, OutOfRangeFieldsAreNamed) {
+  struct Case {
+    void (*set)(OptimizerHyper*);
+    const char* field;
+  } cases[] = {
+      {[](OptimizerHyper* h) { h->lr = -1; }, "lr"},
+      {[](OptimizerHyper* h) { h->lr = INFINITY; }, "lr"},
+      {[](OptimizerHyper* h) { h->beta1 = 1.0f; }, "beta1"},
+      {[](OptimizerHyper* h) { h->beta2 = -0.5f; }, "beta2"},
+      {[](OptimizerHyper* h) { h->eps = NAN; }, "eps"},
+      {[](OptimizerHyper* h) { h->weight_decay = -1; }, "weight_decay"},
+      {[](OptimizerHyper* h) { h->momentum = 1.5f; }, "momentum"},
+  };
+  for (const Case& c : cases) {
+    OptimizerHyper h;
+    c.set(&h);
+    absl::Status s = FillDefaultsAndValidate(&h);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << c.field;
+    EXPECT_NE(std::string(s.message()).find(c.field), std::string::npos) << s;
+  }
+}
+
+TEST(OptimizerSpecTest, LayoutNamesMatchTorchState) {
+  EXPECT_EQ(LayoutOf(OptimizerKind::kAdamW).num_arrays, 3u);
+  EXPECT_STREQ(LayoutOf(OptimizerKind::kAdamW).names[2], "exp_avg_sq");
+  EXPECT_EQ(LayoutOf(OptimizerKind::kSgd).num_arrays, 2u);
+  EXPECT_STREQ(LayoutOf(OptimizerKind::kSgd).names[1], "momentum_buffer");
+  EXPECT_EQ(LayoutOf(OptimizerKind::kLion).num_arrays, 2u);
+  EXPECT_FALSE(LayoutOf(OptimizerKind::kLion).has_v());
+  EXPECT_TRUE(LayoutOf(OptimizerKind::kAdam).has_v());
+}
+
+TEST(OptimizerSpecTest, ShardBytesPerElement) {
+  // AdamW, 4 workers pushing bf16, bf16 published: 12 + 4*2 + 2*2 = 24.
+  EXPECT_EQ(ShardBytesPerElem(OptimizerKind::kAdamW, 4, DType::kBf16, DType::kBf16, false), 24u);
+  // The same replicated: + the 4 B fp32 gradient sum.
+  EXPECT_EQ(ShardBytesPerElem(OptimizerKind::kAdamW, 4, DType::kBf16, DType::kBf16, true), 28u);
+  // SGD, 1 worker, fp32 everywhere: 8 + 4 + 8 = 20.
+  EXPECT_EQ(ShardBytesPerElem(OptimizerKind::kSgd, 1, DType::kFp32, DType::kFp32, false), 20u);
+}
+
+TEST(OptimizerSpecTest, KindFromInt) {
+  EXPECT_EQ(*OptimizerKindFromInt(4), OptimizerKind::kLion);
+  EXPECT_FALSE(OptimizerKindFromInt(0).ok());
+  EXPECT_FALSE(OptimizerKindFromInt(9).ok());
+}
+
+}  // namespace
+}  // namespace kernels
+}  // namespace optimus
