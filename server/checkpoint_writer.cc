@@ -51,20 +51,24 @@ void CheckpointWriter::Fail(uint64_t job_id, uint64_t checkpoint_id, const std::
   p.missed_step = missed_step;
 }
 
-std::vector<v1::ShardCheckpointReport> CheckpointWriter::Reports() const {
-  std::vector<v1::ShardCheckpointReport> out;
+void CheckpointWriter::FailJob(uint64_t job_id, const std::string& error) {
+  absl::MutexLock lock(&mu_);
+  for (auto& [key, p] : progress_) {
+    if (key.first == job_id && p.error.empty()) p.error = error;
+  }
+}
+
+std::vector<CheckpointReport> CheckpointWriter::Reports() const {
+  std::vector<CheckpointReport> out;
   absl::MutexLock lock(&mu_);
   for (const auto& [key, p] : progress_) {
-    v1::ShardCheckpointReport r;
-    r.set_job_id(key.first);
-    r.set_checkpoint_id(key.second);
-    r.set_error(p.error);
-    r.set_missed_step(p.missed_step);
-    const bool done = p.error.empty() && p.files.size() == p.expected;
-    r.set_done(done);
-    if (done) {
-      for (const auto& f : p.files) *r.add_files() = f;
-    }
+    CheckpointReport r;
+    r.job_id = key.first;
+    r.checkpoint_id = key.second;
+    r.error = p.error;
+    r.missed_step = p.missed_step;
+    r.done = p.error.empty() && p.files.size() == p.expected;
+    if (r.done) r.files = p.files;
     out.push_back(std::move(r));
   }
   return out;

@@ -20,6 +20,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
 #include "proto/optimus.pb.h"
+#include "server/domain.h"
 
 namespace optimus {
 namespace server {
@@ -56,8 +57,10 @@ class CheckpointWriter {
   // Marks a checkpoint failed; `missed_step` says a later step may succeed.
   void Fail(uint64_t job_id, uint64_t checkpoint_id, const std::string& error,
             bool missed_step = false);
+  // Marks every tracked checkpoint of the job failed (the job was deleted).
+  void FailJob(uint64_t job_id, const std::string& error);
   // Progress of every tracked checkpoint, for the heartbeat.
-  std::vector<v1::ShardCheckpointReport> Reports() const;
+  std::vector<CheckpointReport> Reports() const;
   // Forgets the checkpoints not in `ordered` (the coordinator's current
   // orders), once they are finished or failed.
   void Retain(const std::set<std::pair<uint64_t, uint64_t>>& ordered);

@@ -30,14 +30,14 @@ ChunkSnapshot Snap(uint64_t ckpt, uint64_t offset, uint64_t n) {
   return s;
 }
 
-v1::ShardCheckpointReport WaitReport(const CheckpointWriter& w, uint64_t ckpt) {
+CheckpointReport WaitReport(const CheckpointWriter& w, uint64_t ckpt) {
   const absl::Time give_up = absl::Now() + absl::Seconds(20);
-  v1::ShardCheckpointReport last;
+  CheckpointReport last;
   while (absl::Now() < give_up) {
     for (const auto& r : w.Reports()) {
-      if (r.checkpoint_id() == ckpt) last = r;
+      if (r.checkpoint_id == ckpt) last = r;
     }
-    if (last.done() || !last.error().empty()) return last;
+    if (last.done || !last.error.empty()) return last;
     absl::SleepFor(absl::Milliseconds(5));
   }
   return last;
@@ -50,11 +50,11 @@ TEST(CheckpointWriterTest, WritesEverySnapshotThenReportsDoneWithChecksums) {
   EXPECT_TRUE(w.Known(1, 3));
   w.Add(Snap(3, 0, 100));
   w.Add(Snap(3, 100, 50));
-  v1::ShardCheckpointReport r = WaitReport(w, 3);
-  ASSERT_TRUE(r.done()) << r.error();
-  ASSERT_EQ(r.files_size(), 2);
+  CheckpointReport r = WaitReport(w, 3);
+  ASSERT_TRUE(r.done) << r.error;
+  ASSERT_EQ(r.files.size(), 2u);
   v1::CheckpointManifest m;
-  for (const auto& f : r.files()) *m.add_files() = f;
+  for (const auto& f : r.files) *m.add_files() = f;
   EXPECT_TRUE(ckpt::VerifyCheckpoint(dir, m).ok());
   // Forgotten once the coordinator stops ordering it.
   w.Retain({});
@@ -65,12 +65,27 @@ TEST(CheckpointWriterTest, WriteErrorIsReportedNotFatal) {
   CheckpointWriter w(0);
   w.Begin(1, 4, "/nonexistent/folder", 1);
   w.Add(Snap(4, 0, 10));
-  v1::ShardCheckpointReport r = WaitReport(w, 4);
-  EXPECT_FALSE(r.done());
-  EXPECT_NE(r.error().find("/nonexistent/folder"), std::string::npos) << r.error();
+  CheckpointReport r = WaitReport(w, 4);
+  EXPECT_FALSE(r.done);
+  EXPECT_NE(r.error.find("/nonexistent/folder"), std::string::npos) << r.error;
   // Snapshots of a failed checkpoint are dropped.
   w.Add(Snap(4, 10, 10));
-  EXPECT_EQ(WaitReport(w, 4).files_size(), 0);
+  EXPECT_EQ(WaitReport(w, 4).files.size(), 0u);
+}
+
+TEST(CheckpointWriterTest, DeletedJobFailsItsCheckpointsAndDropsTheirSnapshots) {
+  const std::string dir = TempDir();
+  CheckpointWriter w(0);
+  w.Begin(1, 6, dir, 2);
+  w.FailJob(1, "job 1 was deleted");
+  w.Add(Snap(6, 0, 10));
+  CheckpointReport r = WaitReport(w, 6);
+  EXPECT_FALSE(r.done);
+  EXPECT_EQ(r.error, "job 1 was deleted");
+  EXPECT_TRUE(r.files.empty());
+  // Failed and no longer ordered: forgotten.
+  w.Retain({});
+  EXPECT_FALSE(w.Known(1, 6));
 }
 
 TEST(CheckpointWriterTest, RateLimitPacesTheWrites) {
@@ -79,8 +94,8 @@ TEST(CheckpointWriterTest, RateLimitPacesTheWrites) {
   w.Begin(1, 5, dir, 1);
   const absl::Time start = absl::Now();
   w.Add(Snap(5, 0, 50000));  // 400 KB.
-  v1::ShardCheckpointReport r = WaitReport(w, 5);
-  ASSERT_TRUE(r.done()) << r.error();
+  CheckpointReport r = WaitReport(w, 5);
+  ASSERT_TRUE(r.done) << r.error;
   EXPECT_GE(absl::Now() - start, absl::Milliseconds(800));
 }
 

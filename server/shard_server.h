@@ -61,17 +61,24 @@ struct ShardServerStats {
   uint64_t requests_rejected = 0;  // Pushes, pulls and inits refused with an error.
   uint64_t pushes_duplicate = 0;   // Repeated pushes acknowledged and dropped.
   uint64_t pulls_served = 0;
+  uint32_t jobs = 0;  // Jobs with state on this shard.
   // Time a step that was ready waited for a checkpoint's copy of its chunk,
   // plus copies made while holding the chunk (requests to it wait then):
   // the stall checkpoints cause on the workers' path, summed over chunks.
   uint64_t checkpoint_stall_ns = 0;
 };
 
+class CoordinatorLink;  // server/coordinator_link.h
+
 class ShardServer {
  public:
   // Starts the data plane, registers with the coordinator and begins
   // heartbeating. Fails if the coordinator cannot be reached.
   static absl::StatusOr<std::unique_ptr<ShardServer>> Start(const ShardServerOptions& options);
+  // Same, reaching the coordinator through `link` instead of gRPC to
+  // options.coordinator_address (tests of the shard alone).
+  static absl::StatusOr<std::unique_ptr<ShardServer>> StartWithLink(
+      const ShardServerOptions& options, std::unique_ptr<CoordinatorLink> link);
   virtual ~ShardServer() = default;
 
   virtual uint64_t shard_id() const = 0;

@@ -1,0 +1,301 @@
+// The shard's side of the control plane, on the heartbeat thread: register,
+// heartbeat every third of the lease (or at once when a request shows our
+// map is behind), load the jobs assigned to us and apply their newer maps,
+// free the jobs the coordinator released, pass checkpoint orders on.
+#include <unistd.h>
+
+#include <algorithm>
+#include <map>
+#include <set>
+#include <thread>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "common/logging.h"
+#include "kernels/cpu/optimizer.h"
+#include "server/shard.h"
+
+namespace optimus {
+namespace server {
+namespace {
+constexpr char kLog[] = "shard";
+
+ReplyHint RefreshHint() {
+  ReplyHint h;
+  h.refresh_map = true;
+  return h;
+}
+}  // namespace
+
+absl::Status Shard::Register() {
+  ShardRegistration r;
+  r.is_dpu = options_.is_dpu;
+#if defined(__aarch64__)
+  r.arch = "aarch64";
+#elif defined(__x86_64__)
+  r.arch = "x86_64";
+#else
+  r.arch = "unknown";
+#endif
+  r.cores = std::max(1u, std::thread::hardware_concurrency());
+  r.memory_limit_bytes = options_.memory_limit_bytes;
+  r.data_address = worker_->address();
+  char host[256] = {0};
+  gethostname(host, sizeof(host) - 1);
+  r.hostname = host;
+  r.checkpoints = !options_.checkpoint_dir.empty();
+  absl::StatusOr<Registered> reg = link_->Register(r);
+  if (!reg.ok()) return reg.status();
+  shard_id_.store(reg->shard_id);
+  lease_ms_.store(reg->lease_ms);
+  last_beat_unix_ns_.store(absl::ToUnixNanos(absl::Now()));
+  OPTIMUS_LOG(Info, kLog, "registered shard_id=", reg->shard_id,
+              " kind=", options_.is_dpu ? "dpu" : "host", " lease_ms=", reg->lease_ms,
+              " isa=", kernels::ActiveIsa());
+  return absl::OkStatus();
+}
+
+void Shard::HeartbeatLoop() {
+  for (;;) {
+    {
+      absl::MutexLock lock(&stop_mu_);
+      absl::Duration interval = options_.heartbeat_interval;
+      if (interval <= absl::ZeroDuration()) {
+        interval = std::max(absl::Milliseconds(lease_ms_.load()) / 3, absl::Milliseconds(50));
+      }
+      stop_mu_.AwaitWithTimeout(absl::Condition(this, &Shard::StopOrBeat), interval);
+      if (stopped_) return;
+      beat_now_ = false;
+    }
+    if (absl::Status s = HeartbeatOnce(); !s.ok()) {
+      OPTIMUS_LOG(Warning, kLog, "heartbeat failed: ", s.ToString());
+    }
+  }
+}
+
+void Shard::BeatNow() {
+  absl::MutexLock lock(&stop_mu_);
+  beat_now_ = true;
+}
+
+HeartbeatReport Shard::BuildReport() const {
+  HeartbeatReport r;
+  r.shard_id = shard_id_.load();
+  r.memory_used_bytes = table_.memory()->used();
+  for (const JobRef& job : table_.All()) {
+    JobReport j;
+    j.job_id = job->config.job_id;
+    j.map_epoch = job->epoch();
+    uint64_t min_applied = UINT64_MAX;
+    for (const ChunkRef& chunk : job->Chunks()) {
+      absl::MutexLock lock(&chunk->mu);
+      const ChunkMachine& m = chunk->machine;
+      if (m.retired()) continue;
+      if (m.role() == Role::kBackup) {
+        ++j.backup_chunks;
+        if (m.seeded()) ++j.backups_seeded;
+        continue;
+      }
+      ++j.primary_chunks;
+      if (m.backup_shard() != 0 && m.backup_seeded()) ++j.primaries_replicated;
+      const uint64_t applied = m.version() > 0 ? m.version() - 1 : 0;
+      min_applied = std::min(min_applied, applied);
+      j.max_applied_step = std::max(j.max_applied_step, applied);
+    }
+    j.applied_step = min_applied == UINT64_MAX ? 0 : min_applied;
+    r.chunks_owned += j.primary_chunks + j.backup_chunks;
+    r.jobs.push_back(j);
+  }
+  if (ckpt_writer_ != nullptr) r.checkpoints = ckpt_writer_->Reports();
+  return r;
+}
+
+absl::Status Shard::HeartbeatOnce() {
+  absl::StatusOr<HeartbeatReply> reply = link_->Heartbeat(BuildReport());
+  if (!reply.ok()) return reply.status();
+  last_beat_unix_ns_.store(absl::ToUnixNanos(absl::Now()));
+  if (!reply->known) {
+    // Declared dead (the lease expired, e.g. a partition) or forgotten: the
+    // jobs moved on without this shard, so its state is stale. Drop every
+    // chunk so no worker or former primary keeps using it, then join afresh.
+    OPTIMUS_LOG(Warning, kLog, "coordinator no longer knows shard_id=", shard_id_.load(),
+                "; releasing its chunks and registering again");
+    ReleaseAll(absl::FailedPreconditionError(absl::StrCat(
+                   "stale shard map: shard ", shard_id_.load(), " was declared down")),
+               RefreshHint());
+    return Register();
+  }
+  for (uint64_t job_id : reply->released_jobs) {
+    if (table_.Find(job_id) == nullptr) continue;
+    OPTIMUS_LOG(Info, kLog, "job ", job_id, " was deleted; freeing its chunks");
+    ReleaseJob(job_id, absl::NotFoundError(absl::StrCat("job ", job_id, " was deleted")), {});
+  }
+  for (const auto& [job_id, epoch] : reply->assignments) {
+    JobRef job = table_.Find(job_id);
+    if (job != nullptr && job->epoch() >= epoch) continue;
+    if (absl::Status s = LoadJob(job_id); !s.ok()) {
+      OPTIMUS_LOG(Error, kLog, "loading job ", job_id, ": ", s.ToString());
+    }
+  }
+  std::set<std::pair<uint64_t, uint64_t>> ordered;
+  for (const CheckpointOrder& o : reply->checkpoints) {
+    ordered.insert({o.job_id, o.checkpoint_id});
+    StartCheckpoint(o);
+  }
+  if (ckpt_writer_ != nullptr) ckpt_writer_->Retain(ordered);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<ChunkRef> Shard::PlaceChunk(const Job& job, const ChunkPlacement& p,
+                                           const RestoreSource* restore) {
+  const uint64_t me = shard_id_.load();
+  const Role role = p.primary == me ? Role::kPrimary : Role::kBackup;
+  // The forwarded gradient sum: every chunk of a replicated job, and a
+  // chunk that a map gives a backup (a drain of an unreplicated job).
+  const bool with_sum = job.config.replication > 0 || p.backup != 0;
+  absl::StatusOr<ChunkRef> chunk =
+      Chunk::Create(job.config, p, role, with_sum, table_.memory(), MakeRegistrar());
+  if (!chunk.ok()) return chunk.status();
+  if (restore != nullptr) {
+    if (absl::Status s = RestoreChunk(job, chunk->get(), *restore); !s.ok()) return s;
+  }
+  absl::MutexLock lock(&(*chunk)->mu);
+  (*chunk)->machine.ApplyPlacement(me, p.primary, p.backup, with_sum);
+  if (restore != nullptr) (*chunk)->machine.Restored(restore->step);
+  return chunk;
+}
+
+absl::Status Shard::LoadJob(uint64_t job_id) {
+  absl::StatusOr<JobDescription> desc = link_->GetJob(job_id);
+  if (!desc.ok()) return desc.status();
+  if (JobRef existing = table_.Find(job_id); existing != nullptr) {
+    if (absl::Status s = ApplyMap(existing, *desc); !s.ok()) return s;
+    return HeartbeatOnce();
+  }
+  auto job = std::make_shared<Job>(desc->config);
+  const uint64_t me = shard_id_.load();
+  ConnectPeers(desc->map);
+  const RestoreSource* restore = desc->restore.has_value() ? &*desc->restore : nullptr;
+  // Allocated (and restored) before the job is visible; on an error they
+  // are freed with `job`.
+  absl::flat_hash_map<uint64_t, ChunkRef> chunks;
+  absl::flat_hash_map<uint64_t, uint64_t> primary_of;
+  for (const ChunkPlacement& p : desc->map.chunks) {
+    primary_of[ChunkKey(p.tensor, p.chunk)] = p.primary;
+    if (p.primary != me && p.backup != me) continue;
+    absl::StatusOr<ChunkRef> chunk = PlaceChunk(*job, p, restore);
+    if (!chunk.ok()) return chunk.status();
+    chunks[ChunkKey(p.tensor, p.chunk)] = *std::move(chunk);
+  }
+  const size_t num_chunks = chunks.size();
+  {
+    absl::MutexLock lock(&job->mu);
+    job->map_epoch = desc->map.epoch;
+    job->chunks = std::move(chunks);
+    job->primary_of = std::move(primary_of);
+  }
+  if (!table_.Insert(job)) return absl::OkStatus();  // Loaded meanwhile.
+  OPTIMUS_LOG(Info, kLog, "loaded job ", job_id, " (", job->config.name, ") epoch ",
+              desc->map.epoch, ": ", num_chunks, " chunks, replication ",
+              job->config.replication, ", shard memory used ", table_.memory()->used(), " of ",
+              table_.memory()->limit(), " bytes");
+  // Tell the coordinator now rather than at the next beat.
+  return HeartbeatOnce();
+}
+
+absl::Status Shard::ApplyMap(const JobRef& job, const JobDescription& desc) {
+  const uint64_t epoch = desc.map.epoch;
+  if (epoch <= job->epoch()) return absl::OkStatus();
+  const uint64_t me = shard_id_.load();
+  ConnectPeers(desc.map);
+  std::map<uint64_t, const ChunkPlacement*> mine;
+  absl::flat_hash_map<uint64_t, uint64_t> primary_of;
+  for (const ChunkPlacement& p : desc.map.chunks) {
+    primary_of[ChunkKey(p.tensor, p.chunk)] = p.primary;
+    if (p.primary == me || p.backup == me) mine[ChunkKey(p.tensor, p.chunk)] = &p;
+  }
+  // Allocate first, outside the job's lock (registration waits for the
+  // progress thread, which takes that lock): chunks new here, and sum
+  // buffers for chunks that get their first backup. On an error nothing
+  // changes.
+  std::map<uint64_t, ChunkRef> fresh;
+  for (const auto& [key, p] : mine) {
+    ChunkRef have = job->Find(p->tensor, p->chunk);
+    if (have == nullptr) {
+      absl::StatusOr<ChunkRef> chunk = PlaceChunk(*job, *p, nullptr);
+      if (!chunk.ok()) return chunk.status();
+      fresh[key] = *std::move(chunk);
+    } else if (p->backup != 0) {
+      if (absl::Status s = have->AddSumBuffer(table_.memory(), MakeRegistrar()); !s.ok()) {
+        return s;
+      }
+    }
+  }
+  std::vector<std::pair<ChunkRef, Actions>> carry;
+  std::vector<const ChunkPlacement*> demoted;
+  size_t sent_back = 0;
+  {
+    // One critical section: a request under the new epoch sees the new roles.
+    absl::MutexLock lock(&job->mu);
+    if (job->map_epoch >= epoch) return absl::OkStatus();
+    const absl::Status moved = absl::FailedPreconditionError(absl::StrCat(
+        "stale shard map: job ", job->config.job_id, " moved the chunk at map epoch ", epoch));
+    for (auto it = job->chunks.begin(); it != job->chunks.end();) {
+      const ChunkRef chunk = it->second;  // A copy: the entry may be erased below.
+      auto placed = mine.find(it->first);
+      absl::MutexLock clock(&chunk->mu);
+      if (placed == mine.end()) {
+        Actions a = chunk->machine.Retire(moved, RefreshHint());
+        sent_back += a.refusals.size();
+        carry.emplace_back(chunk, std::move(a));
+        job->chunks.erase(it++);
+        continue;
+      }
+      const ChunkPlacement& p = *placed->second;
+      Actions a = chunk->machine.ApplyPlacement(me, p.primary, p.backup, chunk->has_sum());
+      if (a.retired) demoted.push_back(&p);
+      sent_back += a.refusals.size();
+      carry.emplace_back(chunk, std::move(a));
+      ++it;
+    }
+    for (auto& [key, chunk] : fresh) job->chunks[key] = chunk;
+    job->primary_of = std::move(primary_of);
+    OPTIMUS_LOG(Info, kLog, "job ", job->config.job_id, ": map epoch ", job->map_epoch, " -> ",
+                epoch, " (", fresh.size(), " new chunks, ", sent_back, " pulls sent back)");
+    job->map_epoch = epoch;
+  }
+  for (auto& [chunk, a] : carry) Carry(job, chunk, std::move(a));
+  // A primary the map makes a backup starts over as a fresh backup (the
+  // machine retired the old one); its primary seeds it.
+  for (const ChunkPlacement* p : demoted) {
+    absl::StatusOr<ChunkRef> chunk = PlaceChunk(*job, *p, nullptr);
+    if (!chunk.ok()) return chunk.status();
+    absl::MutexLock lock(&job->mu);
+    job->chunks[ChunkKey(p->tensor, p->chunk)] = *std::move(chunk);
+  }
+  return absl::OkStatus();
+}
+
+void Shard::RetireChunk(const JobRef& job, const ChunkRef& chunk, const absl::Status& why,
+                        ReplyHint hint) {
+  Actions a;
+  {
+    absl::MutexLock lock(&chunk->mu);
+    a = chunk->machine.Retire(why, hint);
+  }
+  Carry(job, chunk, std::move(a));  // Drops it from the job's table too.
+}
+
+void Shard::ReleaseJob(uint64_t job_id, const absl::Status& why, ReplyHint hint) {
+  JobRef job = table_.Remove(job_id);
+  if (job == nullptr) return;
+  for (const ChunkRef& chunk : job->Chunks()) RetireChunk(job, chunk, why, hint);
+  if (ckpt_writer_ != nullptr) ckpt_writer_->FailJob(job_id, std::string(why.message()));
+}
+
+void Shard::ReleaseAll(const absl::Status& why, ReplyHint hint) {
+  for (const JobRef& job : table_.All()) ReleaseJob(job->config.job_id, why, hint);
+}
+
+}  // namespace server
+}  // namespace optimus

@@ -1,0 +1,181 @@
+#include "server/coordinator_link.h"
+
+#include <chrono>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "common/grpc_status.h"
+#include "grpcpp/grpcpp.h"
+#include "proto/optimus.grpc.pb.h"
+
+namespace optimus {
+namespace server {
+namespace {
+
+// Proto messages are converted here and nowhere else in server/.
+
+absl::StatusOr<JobConfig> ConfigFromSpec(uint64_t job_id, const v1::JobSpec& spec) {
+  JobConfig c;
+  c.job_id = job_id;
+  c.name = spec.name();
+  c.world_size = spec.world_size();
+  c.replication = spec.replication();
+  auto gd = DTypeFromInt(spec.grad_dtype());
+  auto pd = DTypeFromInt(spec.param_dtype());
+  auto kind = kernels::OptimizerKindFromInt(spec.optimizer().kind());
+  if (!gd.ok()) return gd.status();
+  if (!pd.ok()) return pd.status();
+  if (!kind.ok()) return kind.status();
+  if (c.world_size == 0) return absl::InvalidArgumentError("job has world_size 0");
+  if (c.replication > 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("job has replication ", c.replication, "; this shard supports 0 or 1"));
+  }
+  c.grad_dtype = *gd;
+  c.param_dtype = *pd;
+  const v1::OptimizerConfig& o = spec.optimizer();
+  c.hyper.kind = *kind;
+  c.hyper.lr = o.lr();
+  c.hyper.beta1 = o.beta1();
+  c.hyper.beta2 = o.beta2();
+  c.hyper.eps = o.eps();
+  c.hyper.weight_decay = o.weight_decay();
+  c.hyper.momentum = o.momentum();
+  if (auto s = kernels::FillDefaultsAndValidate(&c.hyper); !s.ok()) return s;
+  c.grad_scale = o.grad_scale() > 0 ? o.grad_scale() : 1.0f / static_cast<float>(c.world_size);
+  return c;
+}
+
+ShardMapView MapFromProto(const v1::ShardMap& map) {
+  ShardMapView v;
+  v.epoch = map.epoch();
+  v.chunks.reserve(map.chunks_size());
+  for (const v1::ChunkPlacement& p : map.chunks()) {
+    ChunkPlacement c;
+    c.tensor = p.tensor();
+    c.chunk = p.chunk();
+    c.offset_elems = p.offset_elems();
+    c.num_elems = p.num_elems();
+    c.primary = p.shard_id();
+    c.backup = p.backup_shard_id();
+    v.chunks.push_back(c);
+  }
+  for (const v1::ShardEndpoint& e : map.shards()) v.addresses[e.shard_id()] = e.data_address();
+  return v;
+}
+
+class GrpcCoordinatorLink : public CoordinatorLink {
+ public:
+  explicit GrpcCoordinatorLink(const std::string& address) : address_(address) {
+    // Reconnect quickly after a coordinator restart: gRPC's default backoff
+    // grows to minutes, and the restarted coordinator expects a heartbeat
+    // within two leases.
+    grpc::ChannelArguments args;
+    args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
+    args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
+    args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 500);
+    // A large job's map can exceed gRPC's 4 MB default; the coordinator
+    // allows 64 MiB.
+    args.SetMaxReceiveMessageSize(64 << 20);
+    channel_ = grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
+    stub_ = v1::Coordinator::NewStub(channel_);
+  }
+
+  absl::StatusOr<Registered> Register(const ShardRegistration& r) override {
+    v1::RegisterShardRequest req;
+    v1::ShardCapabilities* caps = req.mutable_capabilities();
+    caps->set_kind(r.is_dpu ? v1::SHARD_KIND_DPU : v1::SHARD_KIND_HOST);
+    caps->set_arch(r.arch);
+    caps->set_cores(r.cores);
+    caps->set_memory_limit_bytes(r.memory_limit_bytes);
+    caps->set_data_address(r.data_address);
+    caps->set_hostname(r.hostname);
+    caps->set_checkpoints(r.checkpoints);
+    v1::RegisterShardResponse resp;
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    absl::Status s = FromGrpc(stub_->RegisterShard(&ctx, req, &resp));
+    if (!s.ok()) {
+      return absl::Status(s.code(), absl::StrCat("registering with coordinator at ", address_,
+                                                 ": ", s.message()));
+    }
+    return Registered{resp.shard_id(), static_cast<int64_t>(resp.lease_ms())};
+  }
+
+  absl::StatusOr<HeartbeatReply> Heartbeat(const HeartbeatReport& r) override {
+    v1::HeartbeatRequest req;
+    req.set_shard_id(r.shard_id);
+    req.set_memory_used_bytes(r.memory_used_bytes);
+    req.set_chunks_owned(r.chunks_owned);
+    for (const JobReport& j : r.jobs) {
+      v1::ShardJobProgress* p = req.add_jobs();
+      p->set_job_id(j.job_id);
+      p->set_map_epoch(j.map_epoch);
+      p->set_applied_step(j.applied_step);
+      p->set_max_applied_step(j.max_applied_step);
+      p->set_chunks_loaded(j.primary_chunks + j.backup_chunks);
+      p->set_primary_chunks(j.primary_chunks);
+      p->set_backup_chunks(j.backup_chunks);
+      p->set_backups_seeded(j.backups_seeded);
+      p->set_primaries_replicated(j.primaries_replicated);
+    }
+    for (const CheckpointReport& c : r.checkpoints) {
+      v1::ShardCheckpointReport* p = req.add_checkpoints();
+      p->set_job_id(c.job_id);
+      p->set_checkpoint_id(c.checkpoint_id);
+      p->set_done(c.done);
+      p->set_error(c.error);
+      p->set_missed_step(c.missed_step);
+      for (const v1::CheckpointFile& f : c.files) *p->add_files() = f;
+    }
+    v1::HeartbeatResponse resp;
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
+    if (absl::Status s = FromGrpc(stub_->Heartbeat(&ctx, req, &resp)); !s.ok()) return s;
+    HeartbeatReply out;
+    out.known = resp.known();
+    for (const v1::Assignment& a : resp.assignments()) {
+      out.assignments.emplace_back(a.job_id(), a.map_epoch());
+    }
+    for (const v1::CheckpointOrder& o : resp.checkpoints()) {
+      out.checkpoints.push_back(CheckpointOrder{o.job_id(), o.checkpoint_id(), o.step(), o.path()});
+    }
+    out.released_jobs.assign(resp.released_jobs().begin(), resp.released_jobs().end());
+    return out;
+  }
+
+  absl::StatusOr<JobDescription> GetJob(uint64_t job_id) override {
+    v1::GetJobRequest req;
+    req.set_job_id(job_id);
+    v1::GetJobResponse resp;
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    if (absl::Status s = FromGrpc(stub_->GetJob(&ctx, req, &resp)); !s.ok()) return s;
+    absl::StatusOr<JobConfig> config = ConfigFromSpec(job_id, resp.spec());
+    if (!config.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("job ", job_id, " (", resp.spec().name(), "): ", config.status().message()));
+    }
+    JobDescription d;
+    d.config = *std::move(config);
+    d.map = MapFromProto(resp.map());
+    if (resp.has_restore()) {
+      d.restore = RestoreSource{resp.restore().path(), resp.restore().manifest(), resp.resume_step()};
+    }
+    return d;
+  }
+
+ private:
+  const std::string address_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<v1::Coordinator::Stub> stub_;
+};
+
+}  // namespace
+
+std::unique_ptr<CoordinatorLink> NewGrpcCoordinatorLink(const std::string& address) {
+  return std::make_unique<GrpcCoordinatorLink>(address);
+}
+
+}  // namespace server
+}  // namespace optimus

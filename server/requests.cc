@@ -1,0 +1,247 @@
+// Data-plane requests from workers (push, pull, init), on the transport's
+// progress thread: parse and validate the header, find the job and chunk
+// under the request's map epoch, hand the request to the chunk's state
+// machine, and reply. Replication requests go to replication.cc.
+#include <cstring>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "common/logging.h"
+#include "kernels/cpu/optimizer.h"
+#include "server/shard.h"
+
+namespace optimus {
+namespace server {
+namespace {
+
+uint32_t WireFlags(const ReplyHint& hint) {
+  uint32_t f = 0;
+  if (hint.duplicate) f |= wire::kReplyDuplicate;
+  if (hint.refresh_map) f |= wire::kReplyRefreshMap;
+  if (hint.fenced) f |= wire::kReplyFenced;
+  if (hint.retry) f |= wire::kReplyRetry;
+  if (hint.need_seed) f |= wire::kReplyNeedSeed;
+  return f;
+}
+
+uintptr_t PeerOf(transport::EndpointRef ep) { return reinterpret_cast<uintptr_t>(ep.ep); }
+transport::EndpointRef EndpointOf(uintptr_t peer) {
+  return transport::EndpointRef{reinterpret_cast<void*>(peer)};
+}
+
+absl::Status CheckPayload(const transport::IncomingMessage& msg, const wire::RequestHeader& h,
+                          uint64_t num_elems, DType want, absl::string_view what) {
+  if (h.dtype != static_cast<uint8_t>(want)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        what, " for tensor ", h.tensor, " chunk ", h.chunk, " has dtype ",
+        DTypeName(static_cast<DType>(h.dtype)), ", the job expects ", DTypeName(want)));
+  }
+  const uint64_t want_bytes = num_elems * DTypeSize(want);
+  if (h.num_bytes != want_bytes || msg.payload_size() != want_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        what, " for tensor ", h.tensor, " chunk ", h.chunk, " carries ", msg.payload_size(),
+        " bytes (header says ", h.num_bytes, "), expected ", want_bytes, " (", num_elems, " x ",
+        DTypeName(want), ")"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+void Shard::Reply(uintptr_t peer, uint64_t request_id, const absl::Status& status,
+                  const ReplyHint& hint) {
+  if (closing_.load()) return;  // Completions cancelled by the worker's teardown.
+  metrics_.CountError(status);
+  std::string header = wire::EncodeReply(request_id, status, 0, WireFlags(hint));
+  worker_->Send(EndpointOf(peer), wire::kAmReply,
+                absl::Span<const uint8_t>(reinterpret_cast<const uint8_t*>(header.data()),
+                                          header.size()),
+                nullptr, 0, [](absl::Status) {});
+}
+
+void Shard::OnRequest(transport::IncomingMessage& msg) {
+  const uintptr_t from = PeerOf(msg.reply_endpoint());
+  auto parsed = wire::ParseRequestHeader(msg.header());
+  if (!parsed.ok()) {
+    metrics_.requests_rejected.fetch_add(1);
+    // Without a valid header there is no request id to answer; the reply
+    // carries id 0 so the sender still sees why.
+    return Reply(from, 0, parsed.status());
+  }
+  const wire::RequestHeader& h = *parsed;
+  if (static_cast<wire::Op>(h.op) == wire::Op::kReplicate) return OnReplicate(msg, h);
+  auto refuse = [&](const absl::Status& s, ReplyHint hint = {}) {
+    metrics_.requests_rejected.fetch_add(1);
+    Reply(from, h.request_id, s, hint);
+  };
+  JobRef job = table_.Find(h.job_id);
+  if (job == nullptr) {
+    return refuse(absl::NotFoundError(
+        absl::StrCat("unknown job ", h.job_id, " on shard ", shard_id_.load())));
+  }
+  const uint64_t epoch = job->epoch();
+  ReplyHint refresh;
+  refresh.refresh_map = true;
+  if (h.map_epoch < epoch) {
+    return refuse(absl::FailedPreconditionError(
+                      absl::StrCat("stale shard map: request has epoch ", h.map_epoch, ", job ",
+                                   h.job_id, " is at epoch ", epoch)),
+                  refresh);
+  }
+  if (h.map_epoch > epoch) {
+    // The coordinator published a map this shard has not loaded yet.
+    BeatNow();
+    return refuse(absl::UnavailableError(absl::StrCat(
+                      "shard ", shard_id_.load(), " has not loaded map epoch ", h.map_epoch,
+                      " of job ", h.job_id, " yet (it has ", epoch, "); retry")),
+                  refresh);
+  }
+  ChunkRef chunk = job->Find(h.tensor, h.chunk);
+  if (chunk == nullptr) {
+    if (job->PrimaryOf(h.tensor, h.chunk) == shard_id_.load()) {
+      // Ours under the loaded map, but retired (fenced by a backup that
+      // serves a newer map): the sender's map is as old as ours.
+      return refuse(absl::FailedPreconditionError(absl::StrCat(
+                        "stale shard map: shard ", shard_id_.load(), " is not the primary of tensor ",
+                        h.tensor, " chunk ", h.chunk, " of job ", h.job_id, " at epoch ", epoch)),
+                    refresh);
+    }
+    return refuse(absl::NotFoundError(absl::StrCat("unknown chunk ", h.chunk, " of tensor ",
+                                                   h.tensor, " in job ", h.job_id, " on shard ",
+                                                   shard_id_.load())));
+  }
+  switch (static_cast<wire::Op>(h.op)) {
+    case wire::Op::kPush: return OnPush(msg, h, job, chunk);
+    case wire::Op::kPull: return OnPull(msg, h, job, chunk);
+    case wire::Op::kInit: return OnInit(msg, h, job, chunk);
+    case wire::Op::kReplicate: return;  // Handled above.
+  }
+}
+
+void Shard::OnPush(transport::IncomingMessage& msg, const wire::RequestHeader& h,
+                   const JobRef& job, const ChunkRef& chunk) {
+  const uintptr_t from = PeerOf(msg.reply_endpoint());
+  const JobConfig& c = job->config;
+  absl::Status s = CheckPayload(msg, h, chunk->num_elems, c.grad_dtype, "push");
+  PushDecision d;
+  if (s.ok()) {
+    absl::MutexLock lock(&chunk->mu);
+    d = chunk->machine.PushRequested(h.step, h.rank, (h.flags & wire::kRequestResend) != 0);
+  } else {
+    d.error = s;
+  }
+  if (d.verdict == PushVerdict::kRefuse) {
+    metrics_.requests_rejected.fetch_add(1);
+    return Reply(from, h.request_id, d.error, d.hint);
+  }
+  if (d.verdict == PushVerdict::kDuplicate) {
+    metrics_.pushes_duplicate.fetch_add(1);
+    return Reply(from, h.request_id, absl::OkStatus(), d.hint);
+  }
+  const uint64_t request_id = h.request_id;
+  const uint32_t rank = h.rank;
+  msg.ReceiveInto(chunk->slot(rank), [this, from, request_id, rank, job, chunk](absl::Status rs) {
+    Actions a;
+    {
+      absl::MutexLock lock(&chunk->mu);
+      a = chunk->machine.PushLanded(rank, rs.ok());
+    }
+    if (!rs.ok()) {
+      metrics_.requests_rejected.fetch_add(1);
+      return Reply(from, request_id, rs);
+    }
+    metrics_.pushes_received.fetch_add(1);
+    metrics_.pushed_bytes.fetch_add(chunk->grad_bytes());
+    Reply(from, request_id, absl::OkStatus());
+    Carry(job, chunk, std::move(a));
+  });
+}
+
+void Shard::OnPull(transport::IncomingMessage& msg, const wire::RequestHeader& h,
+                   const JobRef& job, const ChunkRef& chunk) {
+  const uintptr_t from = PeerOf(msg.reply_endpoint());
+  const DType want = job->config.param_dtype;
+  PullDecision d;
+  if (h.dtype != static_cast<uint8_t>(want)) {
+    d.error = absl::InvalidArgumentError(absl::StrCat(
+        "pull for tensor ", h.tensor, " chunk ", h.chunk, " asks for ",
+        DTypeName(static_cast<DType>(h.dtype)), ", the job publishes ", DTypeName(want)));
+  } else if (h.num_bytes != chunk->published_bytes() || msg.payload_size() != 0) {
+    d.error = absl::InvalidArgumentError(absl::StrCat(
+        "pull for tensor ", h.tensor, " chunk ", h.chunk, " expects ", h.num_bytes,
+        " bytes; the chunk has ", chunk->published_bytes()));
+  } else {
+    absl::MutexLock lock(&chunk->mu);
+    d = chunk->machine.PullRequested(h.step, Requester{from, h.request_id});
+  }
+  switch (d.verdict) {
+    case PullVerdict::kServe:
+      return SendVersion(job, chunk, PullReply{Requester{from, h.request_id}, h.step});
+    case PullVerdict::kParked:
+      return;
+    case PullVerdict::kRefuse:
+      metrics_.requests_rejected.fetch_add(1);
+      return Reply(from, h.request_id, d.error, d.hint);
+  }
+}
+
+void Shard::OnInit(transport::IncomingMessage& msg, const wire::RequestHeader& h,
+                   const JobRef& job, const ChunkRef& chunk) {
+  const uintptr_t from = PeerOf(msg.reply_endpoint());
+  absl::Status s = CheckPayload(msg, h, chunk->num_elems, DType::kFp32, "init");
+  PushDecision d;
+  if (s.ok()) {
+    absl::MutexLock lock(&chunk->mu);
+    d = chunk->machine.InitRequested();
+  } else {
+    d.error = s;
+  }
+  if (d.verdict != PushVerdict::kAccept) {
+    metrics_.requests_rejected.fetch_add(1);
+    return Reply(from, h.request_id, d.error, d.hint);
+  }
+  const uint64_t request_id = h.request_id;
+  msg.ReceiveInto(chunk->master(), [this, from, request_id, job, chunk](absl::Status rs) {
+    // The chunk is receiving its initial values: nothing else touches its
+    // buffers until InitLanded.
+    if (rs.ok()) {
+      kernels::CastFromFp32(chunk->master(), chunk->num_elems, chunk->published(1),
+                            job->config.param_dtype);
+    }
+    Actions a;
+    {
+      absl::MutexLock lock(&chunk->mu);
+      a = chunk->machine.InitLanded(rs.ok());
+    }
+    Reply(from, request_id, rs);
+    Carry(job, chunk, std::move(a));
+  });
+}
+
+void Shard::SendVersion(const JobRef& job, const ChunkRef& chunk, const PullReply& p) {
+  if (closing_.load()) return;
+  std::string header = wire::EncodeReply(p.to.request_id, absl::OkStatus(), p.version, 0);
+  const size_t bytes = chunk->published_bytes();
+  const uint64_t version = p.version;
+  worker_->Send(EndpointOf(p.to.peer), wire::kAmReply,
+                absl::Span<const uint8_t>(reinterpret_cast<const uint8_t*>(header.data()),
+                                          header.size()),
+                chunk->published(version), bytes,
+                [this, job, chunk, version, bytes](absl::Status s) {
+                  if (!s.ok()) {
+                    OPTIMUS_LOG(Warning, "shard", "pull reply failed: ", s.ToString());
+                  } else {
+                    metrics_.pulls_served.fetch_add(1);
+                    metrics_.pulled_bytes.fetch_add(bytes);
+                  }
+                  Actions a;
+                  {
+                    absl::MutexLock lock(&chunk->mu);
+                    a = chunk->machine.SendDone(version);
+                  }
+                  Carry(job, chunk, std::move(a));
+                });
+}
+
+}  // namespace server
+}  // namespace optimus

@@ -1,0 +1,176 @@
+// The shard server's internal class, declared once and implemented one
+// concern per file:
+//   shard_server.cc   wiring: what it owns, the start and stop order
+//   requests.cc       data-plane requests from workers: parse, validate,
+//                     dispatch to the chunk, reply, send pulled versions
+//   steps.cc          carrying out a chunk's actions; step threads running
+//                     the kernels (primary steps, backups' forwarded steps)
+//   replication.cc    primary side (forward sums and seeds, their answers)
+//                     and backup side (take sums and seeds, fencing)
+//   control.cc        the coordinator link's heartbeat loop: assignments,
+//                     loading jobs and applying maps, released jobs
+//   checkpointing.cc  checkpoint orders, snapshot copies, restores
+// The chunk's protocol itself is server/chunk.h (no I/O); the tables and
+// buffers are server/job_table.h; counters are server/shard_metrics.h.
+//
+// Threads: the transport's progress thread (requests, replies, send
+// completions), step threads (StepExecutor), the kernel pool, the
+// heartbeat thread, the checkpoint writer, the metrics HTTP thread.
+// Locks: JobTable, Job and Chunk mutexes (job_table.h's order); peers_mu_,
+// fwd_mu_, exec_mu_ and stop_mu_ are leaves (nothing else is taken while
+// one is held).
+#ifndef OPTIMUS_SERVER_SHARD_H_
+#define OPTIMUS_SERVER_SHARD_H_
+
+#include <atomic>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <set>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
+#include "common/http_server.h"
+#include "common/wire.h"
+#include "kernels/cpu/thread_pool.h"
+#include "server/checkpoint_writer.h"
+#include "server/chunk.h"
+#include "server/coordinator_link.h"
+#include "server/domain.h"
+#include "server/job_table.h"
+#include "server/shard_metrics.h"
+#include "server/shard_server.h"
+#include "server/step_executor.h"
+#include "transport/ucx.h"
+
+namespace optimus {
+namespace server {
+
+using JobRef = std::shared_ptr<Job>;
+using ChunkRef = std::shared_ptr<Chunk>;
+
+class Shard : public ShardServer {
+ public:
+  Shard(const ShardServerOptions& options, std::unique_ptr<CoordinatorLink> link);
+  ~Shard() override;
+
+  // ---- shard_server.cc: wiring, start and stop ----
+  absl::Status Start();
+  void Shutdown() override;
+  uint64_t shard_id() const override { return shard_id_.load(); }
+  ShardServerStats stats() const override;
+  int metrics_port() const override;
+
+ private:
+  // ---- requests.cc ----
+  void OnRequest(transport::IncomingMessage& msg);
+  void OnPush(transport::IncomingMessage& msg, const wire::RequestHeader& h, const JobRef& job,
+              const ChunkRef& chunk);
+  void OnPull(transport::IncomingMessage& msg, const wire::RequestHeader& h, const JobRef& job,
+              const ChunkRef& chunk);
+  void OnInit(transport::IncomingMessage& msg, const wire::RequestHeader& h, const JobRef& job,
+              const ChunkRef& chunk);
+  // Answers a request (no payload), counting refusals by code.
+  void Reply(uintptr_t peer, uint64_t request_id, const absl::Status& status,
+             const ReplyHint& hint = {});
+  // Sends version `p.version` (already counted by the machine) to a worker.
+  void SendVersion(const JobRef& job, const ChunkRef& chunk, const PullReply& p);
+
+  // ---- steps.cc ----
+  // Carries out what an event returned (after the chunk's lock is released).
+  void Carry(const JobRef& job, const ChunkRef& chunk, Actions actions);
+  void Schedule(std::function<void()> task) ABSL_LOCKS_EXCLUDED(exec_mu_);
+  void RunStep(const JobRef& job, const ChunkRef& chunk);
+  void RunForwardedStep(const JobRef& job, const ChunkRef& chunk);
+  absl::Status StepKernel(const Job& job, const Chunk& chunk, uint64_t step,
+                          absl::Span<const void* const> grads, DType grad_dtype, float scale);
+
+  // ---- replication.cc ----
+  // Primary side.
+  void SendForward(const JobRef& job, const ChunkRef& chunk, uint64_t gen, uint64_t version,
+                   bool seed);
+  void OnForwardReply(transport::IncomingMessage& msg);
+  void FailForwardsTo(transport::EndpointRef ep, const absl::Status& why);
+  void ForwardDone(uint64_t forward_id, const absl::Status& status, uint32_t flags);
+  // Opens (once) endpoints to the shards a map names as our chunks' backups.
+  void ConnectPeers(const ShardMapView& map) ABSL_LOCKS_EXCLUDED(peers_mu_);
+  transport::EndpointRef PeerEndpoint(uint64_t shard_id) ABSL_LOCKS_EXCLUDED(peers_mu_);
+  // Backup side.
+  void OnReplicate(transport::IncomingMessage& msg, const wire::RequestHeader& h);
+
+  // ---- control.cc ----
+  void HeartbeatLoop();
+  bool StopOrBeat() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(stop_mu_) { return stopped_ || beat_now_; }
+  void BeatNow() ABSL_LOCKS_EXCLUDED(stop_mu_);
+  absl::Status Register();
+  absl::Status HeartbeatOnce();
+  HeartbeatReport BuildReport() const;
+  absl::Status LoadJob(uint64_t job_id);
+  absl::Status ApplyMap(const JobRef& job, const JobDescription& desc);
+  // Places a fresh chunk of `job` per `p` (restored from a checkpoint when
+  // `restore` is set): allocates, restores and sets its placement.
+  absl::StatusOr<ChunkRef> PlaceChunk(const Job& job, const ChunkPlacement& p,
+                                      const RestoreSource* restore);
+  // The job leaves this shard: its chunks retire (parked pulls answered
+  // with `why`), and its memory is freed once nothing refers to it.
+  void ReleaseJob(uint64_t job_id, const absl::Status& why, ReplyHint hint);
+  void ReleaseAll(const absl::Status& why, ReplyHint hint);
+  void RetireChunk(const JobRef& job, const ChunkRef& chunk, const absl::Status& why,
+                   ReplyHint hint);
+  Registrar MakeRegistrar();
+
+  // ---- checkpointing.cc ----
+  void StartCheckpoint(const CheckpointOrder& order);
+  // Copies the chunk's state for checkpoint `checkpoint_id` (0: the order
+  // failed, nothing to copy) and releases the chunk's next step.
+  void FinishSnapshot(const JobRef& job, const ChunkRef& chunk, uint64_t checkpoint_id);
+  absl::Status RestoreChunk(const Job& job, Chunk* chunk, const RestoreSource& restore);
+
+  const ShardServerOptions options_;
+  ShardMetrics metrics_;
+  JobTable table_;
+  // Borrowed by every step; outlives executor_ (declared before it).
+  std::unique_ptr<kernels::ThreadPool> kernel_pool_;
+  absl::Mutex exec_mu_;
+  std::unique_ptr<StepExecutor> executor_ ABSL_GUARDED_BY(exec_mu_);  // Null once stopping.
+  std::unique_ptr<CheckpointWriter> ckpt_writer_;  // Null without a checkpoint folder.
+  std::unique_ptr<CoordinatorLink> link_;
+  std::unique_ptr<transport::Worker> worker_;
+  std::atomic<bool> closing_{false};  // Set just before worker_ is destroyed.
+  std::unique_ptr<HttpServer> http_;
+
+  std::atomic<uint64_t> shard_id_{0};
+  std::atomic<int64_t> lease_ms_{2000};  // Granted by the coordinator.
+  std::atomic<int64_t> last_beat_unix_ns_{0};
+
+  // Replication: endpoints to other shards, and forwards awaiting answers.
+  struct PendingForward {
+    JobRef job;
+    ChunkRef chunk;
+    uint64_t gen = 0;
+    bool seed = false;
+    transport::EndpointRef ep;
+    std::shared_ptr<std::vector<float>> staging;  // A seed's payload.
+  };
+  absl::Mutex peers_mu_;
+  std::map<uint64_t, transport::EndpointRef> peers_ ABSL_GUARDED_BY(peers_mu_);
+  absl::Mutex fwd_mu_;
+  absl::flat_hash_map<uint64_t, PendingForward> forwards_ ABSL_GUARDED_BY(fwd_mu_);
+  std::atomic<uint64_t> next_forward_id_{1};
+
+  absl::Mutex stop_mu_;
+  bool stopped_ ABSL_GUARDED_BY(stop_mu_) = false;
+  bool beat_now_ ABSL_GUARDED_BY(stop_mu_) = false;
+  std::thread heartbeat_thread_;
+};
+
+}  // namespace server
+}  // namespace optimus
+
+#endif  // OPTIMUS_SERVER_SHARD_H_

@@ -1,0 +1,49 @@
+#include "server/shard_metrics.h"
+
+#include "absl/strings/str_cat.h"
+
+namespace optimus {
+namespace server {
+
+std::string RenderShardMetrics(const ShardMetrics& s, const ShardGauges& g) {
+  MetricsText m;
+  const MetricLabels id = {{"shard_id", absl::StrCat(g.shard_id)}};
+  s.step_latency.Render(&m, "optimus_shard_step_seconds",
+                        "Latency of one fused optimizer step over one chunk.");
+  m.Counter("optimus_shard_steps_total", "Chunk steps applied.", s.steps_applied.load(), id);
+  m.Counter("optimus_shard_optimizer_params_total",
+            "Parameters updated by the optimizer (rate = optimizer throughput).",
+            s.params_stepped.load(), id);
+  m.Counter("optimus_shard_pushed_bytes_total", "Gradient bytes received from workers.",
+            s.pushed_bytes.load(), id);
+  m.Counter("optimus_shard_pulled_bytes_total", "Parameter bytes sent to workers.",
+            s.pulled_bytes.load(), id);
+  m.Counter("optimus_shard_duplicate_pushes_total", "Repeated pushes acknowledged and dropped.",
+            s.pushes_duplicate.load(), id);
+  m.Counter("optimus_shard_checkpoint_stall_seconds_total",
+            "Time steps and requests waited for checkpoint copies of their chunk.",
+            static_cast<double>(s.checkpoint_stall_ns.load()) / 1e9, id);
+  m.Counter("optimus_shard_forwards_total", "Steps and seeds sent to backups (replication).",
+            s.forwards_sent.load(), id);
+  m.Counter("optimus_shard_backup_steps_total", "Forwarded steps this shard applied as a backup.",
+            s.backup_steps.load(), id);
+  m.Counter("optimus_shard_backup_seeds_total",
+            "Chunk states this shard received as a new backup.", s.seeds_received.load(), id);
+  m.Gauge("optimus_shard_memory_used_bytes", "Bytes of job state allocated.",
+          static_cast<double>(g.memory_used_bytes), id);
+  m.Gauge("optimus_shard_memory_limit_bytes", "State budget of this shard.",
+          static_cast<double>(g.memory_limit_bytes), id);
+  m.Gauge("optimus_shard_chunks_owned", "Chunks held for all jobs.", g.chunks_owned, id);
+  m.Gauge("optimus_shard_jobs", "Jobs with state on this shard.", g.jobs, id);
+  m.Gauge("optimus_shard_lease_age_seconds", "Time since the last accepted heartbeat.",
+          g.lease_age_seconds, id);
+  for (int c = 1; c < ShardMetrics::kNumCodes; ++c) {
+    m.Counter("optimus_shard_errors_total", "Requests refused, by error kind.", s.errors[c].load(),
+              {{"shard_id", absl::StrCat(g.shard_id)},
+               {"kind", absl::StatusCodeToString(static_cast<absl::StatusCode>(c))}});
+  }
+  return m.text();
+}
+
+}  // namespace server
+}  // namespace optimus

@@ -1,0 +1,57 @@
+// The shard's counters and its Prometheus page: every component bumps the
+// counters it owns here; /metrics renders them with the gauges the caller
+// passes in (memory, chunks, lease age). Counters are atomics: safe from any
+// thread, no lock.
+#ifndef OPTIMUS_SERVER_SHARD_METRICS_H_
+#define OPTIMUS_SERVER_SHARD_METRICS_H_
+
+#include <array>
+#include <atomic>
+#include <cstdint>
+#include <string>
+
+#include "absl/status/status.h"
+#include "common/metrics.h"
+
+namespace optimus {
+namespace server {
+
+struct ShardMetrics {
+  std::atomic<uint64_t> steps_applied{0};       // Chunk steps published, summed over chunks.
+  std::atomic<uint64_t> params_stepped{0};      // Elements the optimizer updated.
+  std::atomic<uint64_t> pushes_received{0};
+  std::atomic<uint64_t> pushes_duplicate{0};
+  std::atomic<uint64_t> pushed_bytes{0};
+  std::atomic<uint64_t> pulls_served{0};
+  std::atomic<uint64_t> pulled_bytes{0};
+  std::atomic<uint64_t> requests_rejected{0};   // Requests refused with an error.
+  std::atomic<uint64_t> checkpoint_stall_ns{0};
+  std::atomic<uint64_t> forwards_sent{0};       // Sums and seeds sent to backups.
+  std::atomic<uint64_t> backup_steps{0};        // Forwarded steps applied as a backup.
+  std::atomic<uint64_t> seeds_received{0};
+  static constexpr int kNumCodes = 17;          // absl::StatusCode values 0..16.
+  std::array<std::atomic<uint64_t>, kNumCodes> errors{};  // Replies by error code.
+  Histogram step_latency;                       // One chunk's fused step.
+
+  void CountError(const absl::Status& status) {
+    const int code = static_cast<int>(status.code());
+    if (code > 0 && code < kNumCodes) errors[code].fetch_add(1, std::memory_order_relaxed);
+  }
+};
+
+// Gauges that are read at scrape time.
+struct ShardGauges {
+  uint64_t shard_id = 0;
+  uint64_t memory_used_bytes = 0;
+  uint64_t memory_limit_bytes = 0;
+  uint32_t chunks_owned = 0;
+  uint32_t jobs = 0;
+  double lease_age_seconds = 0;
+};
+
+std::string RenderShardMetrics(const ShardMetrics& m, const ShardGauges& g);
+
+}  // namespace server
+}  // namespace optimus
+
+#endif  // OPTIMUS_SERVER_SHARD_METRICS_H_

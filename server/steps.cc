@@ -1,0 +1,157 @@
+// Carrying out what a chunk's state machine asks for, and the step threads
+// that run the kernels: a primary's step (the fused sum-over-workers +
+// optimizer + cast pass, or the sum forwarded to a backup and a step from
+// it) and a backup's forwarded step.
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "common/logging.h"
+#include "kernels/cpu/optimizer.h"
+#include "kernels/cpu/passes.h"
+#include "server/shard.h"
+
+namespace optimus {
+namespace server {
+namespace {
+constexpr char kLog[] = "shard";
+// How long a forward answered "retry" waits before it is sent again (the
+// backup loads our map within a heartbeat; it is asked again meanwhile).
+constexpr absl::Duration kForwardRetryDelay = absl::Milliseconds(10);
+}  // namespace
+
+void Shard::Carry(const JobRef& job, const ChunkRef& chunk, Actions a) {
+  if (a.empty()) return;
+  for (const Refusal& r : a.refusals) {
+    metrics_.requests_rejected.fetch_add(1);
+    Reply(r.to.peer, r.to.request_id, r.status, r.hint);
+  }
+  // Workers first: the copy and the next step come after their pulls.
+  for (const PullReply& p : a.sends) SendVersion(job, chunk, p);
+  if (a.published != 0) metrics_.steps_applied.fetch_add(1);
+  if (a.step_waits_for_snapshot || a.step_released_by_snapshot) {
+    absl::MutexLock lock(&chunk->mu);
+    const absl::Time now = absl::Now();
+    if (a.step_released_by_snapshot) {
+      metrics_.checkpoint_stall_ns.fetch_add(absl::ToInt64Nanoseconds(now - chunk->blocked_since));
+    }
+    if (a.step_waits_for_snapshot) chunk->blocked_since = now;
+  }
+  if (a.snapshot_checkpoint != 0) FinishSnapshot(job, chunk, a.snapshot_checkpoint);
+  if (a.schedule_step) Schedule([this, job, chunk] { RunStep(job, chunk); });
+  if (a.apply_forwarded) Schedule([this, job, chunk] { RunForwardedStep(job, chunk); });
+  if (a.send_seed) SendForward(job, chunk, a.seed_gen, a.seed_version, /*seed=*/true);
+  if (a.retry_later) {
+    const uint64_t gen = a.retry_gen;
+    Schedule([this, job, chunk, gen] {
+      absl::SleepFor(kForwardRetryDelay);
+      Actions r;
+      {
+        absl::MutexLock lock(&chunk->mu);
+        r = chunk->machine.RetryTimer(gen);
+      }
+      Carry(job, chunk, std::move(r));
+    });
+  }
+  if (a.beat_now) BeatNow();
+  if (a.retired) {
+    // Out of the job's table; freed when the last operation lets go.
+    absl::MutexLock lock(&job->mu);
+    auto it = job->chunks.find(ChunkKey(chunk->name.tensor, chunk->name.chunk));
+    if (it != job->chunks.end() && it->second == chunk) job->chunks.erase(it);
+  }
+}
+
+void Shard::Schedule(std::function<void()> task) {
+  absl::MutexLock lock(&exec_mu_);
+  if (executor_ != nullptr) executor_->Schedule(std::move(task));
+}
+
+absl::Status Shard::StepKernel(const Job& job, const Chunk& chunk, uint64_t step,
+                               absl::Span<const void* const> grads, DType grad_dtype,
+                               float scale) {
+  kernels::StepInputs in;
+  in.grads = grads;
+  in.grad_dtype = grad_dtype;
+  in.grad_scale = scale;
+  in.step = static_cast<int64_t>(step);
+  kernels::ChunkState state{chunk.master(), chunk.m(), chunk.v()};
+  return kernels::FusedStep(job.config.hyper, in, chunk.num_elems, state,
+                            chunk.published(step + 1), job.config.param_dtype,
+                            kernel_pool_.get());
+}
+
+void Shard::RunStep(const JobRef& job, const ChunkRef& chunk) {
+  const JobConfig& c = job->config;
+  StepPlan plan;
+  {
+    absl::MutexLock lock(&chunk->mu);
+    plan = chunk->machine.BeginKernel();
+    if (plan.blocked_by_snapshot) chunk->blocked_since = absl::Now();
+  }
+  if (!plan.run) return;
+  const size_t n = chunk->num_elems;
+  const absl::Time start = absl::Now();
+  absl::Status s;
+  if (plan.forward_sum) {
+    // To a seeded backup: sum once (in rank order, scaled, exactly as
+    // FusedStep sums), forward the sum, and step from it on both sides, so
+    // primary and backup stay bitwise equal (and equal to the fused step,
+    // which every other step uses: no extra pass without a backup to feed).
+    float* sum = chunk->sum();
+    kernels::StepInputs in;
+    in.grads = absl::MakeConstSpan(chunk->grad_slots());
+    in.grad_dtype = c.grad_dtype;
+    in.grad_scale = c.grad_scale;
+    in.step = static_cast<int64_t>(plan.step);
+    s = kernels::SumGradsToFp32(in, n, sum, kernel_pool_.get());
+    if (s.ok()) {
+      SendForward(job, chunk, plan.gen, plan.step, /*seed=*/false);
+      const void* sum_ptr[1] = {sum};
+      s = StepKernel(*job, *chunk, plan.step, absl::MakeConstSpan(sum_ptr, 1), DType::kFp32, 1.0f);
+    } else {
+      absl::MutexLock lock(&chunk->mu);
+      chunk->machine.SumNotForwarded();  // Seed the backup after the step.
+    }
+  } else {
+    s = StepKernel(*job, *chunk, plan.step, absl::MakeConstSpan(chunk->grad_slots()),
+                   c.grad_dtype, c.grad_scale);
+  }
+  metrics_.step_latency.Observe(absl::ToDoubleSeconds(absl::Now() - start));
+  metrics_.params_stepped.fetch_add(n);
+  if (!s.ok()) {
+    // Our own invariant (the job config was validated at load): say so loudly.
+    OPTIMUS_LOG(Error, kLog, "optimizer step failed for job ", c.job_id, " tensor ",
+                chunk->name.tensor, " chunk ", chunk->name.chunk, ": ", s.ToString());
+  }
+  Actions a;
+  {
+    absl::MutexLock lock(&chunk->mu);
+    a = chunk->machine.KernelDone();
+  }
+  Carry(job, chunk, std::move(a));
+}
+
+void Shard::RunForwardedStep(const JobRef& job, const ChunkRef& chunk) {
+  uint64_t step;
+  {
+    absl::MutexLock lock(&chunk->mu);
+    step = chunk->machine.version();  // SumOffered checked the step starts here.
+  }
+  const void* sum_ptr[1] = {chunk->sum()};
+  const absl::Status s =
+      StepKernel(*job, *chunk, step, absl::MakeConstSpan(sum_ptr, 1), DType::kFp32, 1.0f);
+  Requester from;
+  Actions a;
+  {
+    absl::MutexLock lock(&chunk->mu);
+    from = chunk->forward_from;
+    a = chunk->machine.ForwardedStepDone(s.ok());
+  }
+  if (s.ok()) metrics_.backup_steps.fetch_add(1);
+  a.published = 0;  // Counted as a backup step, not a published one.
+  Reply(from.peer, from.request_id, s);
+  Carry(job, chunk, std::move(a));
+}
+
+}  // namespace server
+}  // namespace optimus
