@@ -52,12 +52,26 @@ ABSL_FLAG(int, kill_shard_at_step, 0,
           "the job back to its last checkpoint and the workers re-join (needs "
           "--checkpoint_every_steps). 0: never");
 ABSL_FLAG(int, replication, 0, "backups per chunk of the job (0 or 1)");
+ABSL_FLAG(std::string, stop_when_file, "",
+          "train until this file exists (then a few more steps; at least --steps, at most "
+          "10x): lets a test decide when training ends, whatever the machine's speed");
 ABSL_FLAG(int, drain_shard_at_step, 0,
           "drill: drain shard 0 (optimusctl drain) when rank 0 reports this step, stop it once "
           "it holds no chunk; training goes on (0: never)");
 ABSL_FLAG(int, metrics_port, 0,
           "serve Prometheus /metrics and /healthz: the coordinator on this port, shard i on "
           "this port + 1 + i (0: off)");
+
+// Drills end training this many steps after their event (restart, drain,
+// failover, rollback), so there is training before and after it whatever the
+// machine's speed; also far enough ahead that no worker has passed it yet
+// (workers are at most one step apart).
+constexpr int kStepsAfterEvent = 20;
+// With a drill, workers may run up to this many times --steps while the
+// event has not happened yet (then the drill fails on its own checks).
+constexpr int kDrillStepCap = 10;
+// The job optimus-train-worker creates (its --job default).
+constexpr char kJobName[] = "local-mlp";
 
 namespace {
 
@@ -151,6 +165,20 @@ void StopChild(pid_t pid) {
     kill(pid, SIGKILL);
     WaitFor(pid, absl::Seconds(5), &status);
   }
+}
+
+// Whether job `name` has a complete checkpoint to roll back to.
+bool HasCompleteCheckpoint(optimus::v1::Coordinator::Stub* stub, const std::string& name) {
+  optimus::v1::ListCheckpointsRequest req;
+  req.set_job_name(name);
+  optimus::v1::ListCheckpointsResponse resp;
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(1));
+  if (!stub->ListCheckpoints(&ctx, req, &resp).ok()) return false;
+  for (const auto& c : resp.checkpoints()) {
+    if (c.state() == optimus::v1::CHECKPOINT_STATE_COMPLETE) return true;
+  }
+  return false;
 }
 
 std::string TailOf(const std::string& path) {
@@ -274,7 +302,31 @@ int main(int argc, char** argv) {
                             TailOf(dir + "/shard-0.log")));
   }
 
-  // 3. Workers; rank 0's stdout drives the progress line.
+  // 3. Workers; rank 0's stdout drives the progress line. In a drill they
+  // train until the launcher writes the last step into stop_file.
+  const int kill_at = absl::GetFlag(FLAGS_kill_coordinator_at_step);
+  const std::string stop_when = absl::GetFlag(FLAGS_stop_when_file);
+  const bool open_ended = kill_at > 0 || kill_shard_at > 0 || drain_at > 0 || !stop_when.empty();
+  const std::string stop_file = dir + "/stop-after-step";
+  unlink(stop_file.c_str());
+  // Until the stop file: at most kDrillStepCap x --steps in a drill;
+  // without a bound when a test decides (--stop_when_file).
+  const int worker_steps =
+      !stop_when.empty() ? (1 << 30) : (open_ended ? steps * kDrillStepCap : steps);
+  int final_steps = steps;
+  bool stop_written = false;
+  auto stop_after = [&](int event_step) {
+    if (stop_written) return;
+    final_steps = std::max(steps, event_step + kStepsAfterEvent);
+    const std::string tmp = stop_file + ".tmp";
+    {
+      std::ofstream out(tmp);
+      out << final_steps << "\n";
+    }
+    rename(tmp.c_str(), stop_file.c_str());  // Workers never read half a number.
+    stop_written = true;
+    std::fprintf(stderr, "training ends after step %d\n", final_steps);
+  };
   const std::string params_file = dir + "/params-rank0.bin";
   std::vector<pid_t> worker_pids;
   int progress_fd = -1;
@@ -283,10 +335,11 @@ int main(int argc, char** argv) {
                                      "--coordinator=" + coord_addr,
                                      absl::StrCat("--rank=", r),
                                      absl::StrCat("--world_size=", workers),
-                                     absl::StrCat("--steps=", steps),
+                                     absl::StrCat("--steps=", worker_steps),
                                      absl::StrCat("--hidden=", absl::GetFlag(FLAGS_hidden)),
                                      absl::StrCat("--seed=", absl::GetFlag(FLAGS_seed))};
     if (r == 0) args.push_back("--params_out=" + params_file);
+    if (open_ended) args.push_back("--stop_file=" + stop_file);
     if (ckpt_every > 0) args.push_back(absl::StrCat("--checkpoint_every_steps=", ckpt_every));
     if (kill_shard_at > 0 && replication == 0) args.push_back("--follow_rollback");
     if (replication > 0) args.push_back(absl::StrCat("--replication=", replication));
@@ -294,7 +347,6 @@ int main(int argc, char** argv) {
                                 r == 0 ? &progress_fd : nullptr));
   }
   double initial_loss = NAN, final_loss = NAN, step_ms_median = NAN;
-  const int kill_at = absl::GetFlag(FLAGS_kill_coordinator_at_step);
   bool coord_down = false;
   absl::Time restart_at;
   int killed_at_step = 0, restarted_at_step = 0, last_step = 0;
@@ -314,11 +366,15 @@ int main(int argc, char** argv) {
     return 0;
   };
   auto drill = [&]() -> bool {
-    if (kill_shard_at > 0 && shard_killed_at_step == 0 && last_step >= kill_shard_at) {
+    if (kill_shard_at > 0 && shard_killed_at_step == 0 && last_step >= kill_shard_at &&
+        (replication > 0 || HasCompleteCheckpoint(stub.get(), kJobName))) {
+      // Without a replica the job rolls back: only once a checkpoint exists.
       kill(shard_pids[0], SIGKILL);
       shard_killed_at_step = last_step;
       std::fprintf(stderr, "fault drill: killed optimus-shard 0 (SIGKILL) at step %d\n", last_step);
+      stop_after(last_step);
     }
+    if (!stop_when.empty() && access(stop_when.c_str(), F_OK) == 0) stop_after(last_step);
     if (drain_at > 0 && drained_at_step == 0 && last_step >= drain_at) {
       drain_id = shard0_id();
       optimus::v1::DrainShardRequest req;
@@ -348,6 +404,7 @@ int main(int argc, char** argv) {
             StopChild(shard_pids[0]);
             shard_pids[0] = -1;
             std::fprintf(stderr, "drill: shard 0 drained at step %d and stopped\n", last_step);
+            stop_after(last_step);
           }
         }
       }
@@ -367,6 +424,7 @@ int main(int argc, char** argv) {
       coord_down = false;
       restarted_at_step = last_step;
       std::fprintf(stderr, "fault drill: restarted optimus-coord at step %d\n", last_step);
+      stop_after(last_step);
     }
     return true;
   };
@@ -383,11 +441,13 @@ int main(int argc, char** argv) {
         last_step = s;
         if (!drill()) return Die("cannot restart optimus-coord");
         if (tty) {
-          std::fprintf(stderr, "\rstep %d/%d  loss %.5f  step %.1f ms   ", s, steps, loss, ms);
-        } else if (s == 1 || s % 50 == 0 || s == steps) {
-          std::fprintf(stderr, "step %d/%d  loss %.5f  step %.1f ms\n", s, steps, loss, ms);
+          std::fprintf(stderr, "\rstep %d/%d  loss %.5f  step %.1f ms   ", s, final_steps, loss, ms);
+        } else if (s == 1 || s % 50 == 0 || s == final_steps) {
+          std::fprintf(stderr, "step %d/%d  loss %.5f  step %.1f ms\n", s, final_steps, loss, ms);
         }
       } else if (l.find("\"event\": \"done\"") != absl::string_view::npos) {
+        double done_steps = 0;
+        if (JsonNumber(l, "steps", &done_steps)) final_steps = static_cast<int>(done_steps);
         JsonNumber(l, "initial_loss", &initial_loss);
         JsonNumber(l, "final_loss", &final_loss);
         JsonNumber(l, "step_ms_median", &step_ms_median);
@@ -456,7 +516,7 @@ int main(int argc, char** argv) {
   task.seed = absl::GetFlag(FLAGS_seed);
   optimus::local::ReferenceResult ref =
       optimus::local::RunReference(task, static_cast<uint32_t>(workers),
-                                   static_cast<uint64_t>(steps));
+                                   static_cast<uint64_t>(final_steps));
   auto got = optimus::local::ReadParams(params_file);
   if (!got.ok()) return Die(got.status().ToString());
   if (got->size() != ref.master.size()) {
@@ -470,7 +530,7 @@ int main(int argc, char** argv) {
   std::printf("{\"summary\": \"local_cluster\", \"workers\": %d, \"shards\": %d, \"steps\": %d, "
               "\"initial_loss\": %.6f, \"final_loss\": %.6f, "
               "\"max_abs_diff_vs_local_adamw\": %.3g, \"step_ms_median\": %.3f%s}\n",
-              workers, shards, steps, initial_loss, final_loss, max_diff, step_ms_median,
+              workers, shards, final_steps, initial_loss, final_loss, max_diff, step_ms_median,
               absl::StrCat(kill_at > 0 ? absl::StrCat(", \"coordinator_killed_at_step\": ",
                                                        killed_at_step,
                                                        ", \"coordinator_restarted_at_step\": ",

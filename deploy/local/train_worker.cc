@@ -6,8 +6,11 @@
 #include <memory>
 #include <chrono>
 #include <cstdio>
+#include <fstream>
 #include <string>
 #include <vector>
+
+#include <unistd.h>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
@@ -33,6 +36,10 @@ ABSL_FLAG(uint64_t, checkpoint_every_steps, 0,
           "coordinator and shards); 0: none");
 ABSL_FLAG(int, replication, 0,
           "rank 0 creates the job with this many backups per chunk (0 or 1)");
+ABSL_FLAG(std::string, stop_file, "",
+          "a file the launcher writes (atomically) with the last step to train: once it "
+          "exists, training ends after that step instead of --steps (drills end a set number "
+          "of steps after their event, whatever the machine's speed)");
 ABSL_FLAG(bool, follow_rollback, false,
           "when a push or pull fails because the job lost a shard, re-join the job the "
           "coordinator restores from its last checkpoint and continue from its resume step");
@@ -54,7 +61,9 @@ int main(int argc, char** argv) {
   torch::set_num_threads(1);  // Workers, shards and the coordinator share 2 cores.
   const uint32_t rank = static_cast<uint32_t>(absl::GetFlag(FLAGS_rank));
   const uint32_t world = static_cast<uint32_t>(absl::GetFlag(FLAGS_world_size));
-  const uint64_t steps = static_cast<uint64_t>(absl::GetFlag(FLAGS_steps));
+  uint64_t steps = static_cast<uint64_t>(absl::GetFlag(FLAGS_steps));
+  const std::string stop_file = absl::GetFlag(FLAGS_stop_file);
+  bool stop_read = false;
   const std::string job = absl::GetFlag(FLAGS_job);
   const absl::Duration timeout = absl::Seconds(absl::GetFlag(FLAGS_timeout_s));
 
@@ -139,6 +148,22 @@ int main(int argc, char** argv) {
   float initial_loss = 0;
   std::vector<double> step_ms;
   for (uint64_t step = 1; step <= steps;) {
+    if (!stop_file.empty() && !stop_read && access(stop_file.c_str(), R_OK) == 0) {
+      std::ifstream in(stop_file);
+      uint64_t last = 0;
+      if (in >> last && last > 0) {
+        stop_read = true;
+        // The launcher writes a step ahead of every worker (workers are at
+        // most a step apart); past it, this run cannot match the others.
+        if (last + 1 < step) {
+          return Fail("stop file", absl::FailedPreconditionError(absl::StrCat(
+                                        "asks to stop after step ", last, " but step ", step,
+                                        " is under way")));
+        }
+        steps = last;
+        if (step > steps) break;
+      }
+    }
     const auto t0 = std::chrono::steady_clock::now();
     if (auto s = sync->PullParams(step, timeout); !s.ok()) {
       if (!follow) return Fail(absl::StrCat("pull version ", step), s);
@@ -180,9 +205,9 @@ int main(int argc, char** argv) {
         return Fail("write parameters", s);
       }
     }
-    std::printf("{\"event\": \"done\", \"initial_loss\": %.6f, \"final_loss\": %.6f, "
-                "\"step_ms_median\": %.3f}\n",
-                initial_loss, final_loss, median);
+    std::printf("{\"event\": \"done\", \"steps\": %llu, \"initial_loss\": %.6f, "
+                "\"final_loss\": %.6f, \"step_ms_median\": %.3f}\n",
+                static_cast<unsigned long long>(steps), initial_loss, final_loss, median);
     std::fflush(stdout);
   }
   return 0;

@@ -13,7 +13,7 @@ run() {  # run NAME [extra flags...]
 }
 
 run drill --kill_coordinator_at_step=20 --coordinator_down_ms=400
-run clean
+run clean --steps="$(steps_of drill)"
 
 drill=$(tail -n 1 "${TEST_TMPDIR}/drill.out")
 echo "drill:  ${drill}"
@@ -21,12 +21,12 @@ echo "clean:  $(tail -n 1 "${TEST_TMPDIR}/clean.out")"
 python3 - "${drill}" <<'PY'
 import json, sys
 s = json.loads(sys.argv[1])
-assert s["steps"] == 200, s
+assert s["steps"] >= 200, s
 assert s["coordinator_killed_at_step"] >= 20, s
 # Workers kept training while the coordinator was down...
 assert s["coordinator_restarted_at_step"] > s["coordinator_killed_at_step"], s
-# ...and it came back before training ended.
-assert s["coordinator_restarted_at_step"] < 200, s
+# ...and after it came back (training ends a set number of steps later).
+assert s["coordinator_restarted_at_step"] < s["steps"], s
 assert s["final_loss"] < s["initial_loss"], s
 PY
 grep -q "recovered state from" "${TEST_TMPDIR}/drill/coord-restarted.log" || {

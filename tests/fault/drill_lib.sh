@@ -19,6 +19,10 @@ run_cluster() {
 # summary NAME: the run's last stdout line (its JSON summary).
 summary() { tail -n 1 "${TEST_TMPDIR}/$1.out"; }
 
+# steps_of NAME: how many steps the run trained. A drill trains until a set
+# number of steps after its event, so its reference run is given this count.
+steps_of() { python3 -c 'import json,sys; print(json.loads(sys.argv[1])["steps"])' "$(summary "$1")"; }
+
 # same_params A B: the two runs' final parameters are the same bits.
 same_params() {
   cmp "${TEST_TMPDIR}/$1/params-rank0.bin" "${TEST_TMPDIR}/$2/params-rank0.bin" || {

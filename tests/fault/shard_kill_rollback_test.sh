@@ -15,7 +15,7 @@ run() {  # run NAME [extra flags...]
 }
 
 run drill --checkpoint_every_steps=50 --kill_shard_at_step=300
-run clean
+run clean --steps="$(steps_of drill)"
 
 drill=$(tail -n 1 "${TEST_TMPDIR}/drill.out")
 echo "drill:  ${drill}"
@@ -23,7 +23,8 @@ echo "clean:  $(tail -n 1 "${TEST_TMPDIR}/clean.out")"
 python3 - "${drill}" <<'PY'
 import json, sys
 s = json.loads(sys.argv[1])
-assert s["steps"] == 400 and s["shard_killed_at_step"] >= 300, s
+assert s["steps"] >= 400 and s["shard_killed_at_step"] >= 300, s
+assert s["shard_killed_at_step"] < s["steps"], s
 assert s["final_loss"] < s["initial_loss"], s
 assert s["max_abs_diff_vs_local_adamw"] <= 1e-2, s
 PY
