@@ -46,16 +46,18 @@ struct ClientOptions {
   transport::WorkerOptions transport;
 };
 
-// Lion uses beta1, beta2 (its usual values are 0.9, 0.99), lr and
-// weight_decay, and keeps one moment.
+// Lion uses beta1, beta2, lr and weight_decay, and keeps one moment.
 enum class Optimizer { kAdamW, kAdam, kSgd, kLion };
 
+// A field left 0 takes the optimizer's own default (kernels/optimizer_spec.h:
+// Adam/AdamW betas 0.9/0.999 and eps 1e-8, Lion betas 0.9/0.99), filled by
+// the coordinator.
 struct OptimizerSpec {
   Optimizer kind = Optimizer::kAdamW;
   float lr = 1e-3f;
-  float beta1 = 0.9f;
-  float beta2 = 0.999f;
-  float eps = 1e-8f;
+  float beta1 = 0.0f;
+  float beta2 = 0.0f;
+  float eps = 0.0f;
   float weight_decay = 0.0f;
   float momentum = 0.0f;   // SGD only.
   // Multiplies the summed gradient; 0 means 1/world_size (the average).

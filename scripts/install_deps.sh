@@ -12,6 +12,7 @@ PACKAGES=(
   golang-go golang-github-masterminds-sprig-dev golang-gopkg-yaml.v3-dev nodejs
   python3-kubernetes
   python3-torch
+  clang
 )
 
 missing=()

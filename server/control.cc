@@ -89,16 +89,18 @@ HeartbeatReport Shard::BuildReport() const {
     uint64_t min_applied = UINT64_MAX;
     for (const ChunkRef& chunk : job->Chunks()) {
       absl::MutexLock lock(&chunk->mu);
-      const ChunkMachine& m = chunk->machine;
-      if (m.retired()) continue;
-      if (m.role() == Role::kBackup) {
+      if (chunk->machine.retired()) continue;
+      if (chunk->machine.role() == Role::kBackup) {
         ++j.backup_chunks;
-        if (m.seeded()) ++j.backups_seeded;
+        if (chunk->machine.seeded()) ++j.backups_seeded;
         continue;
       }
       ++j.primary_chunks;
-      if (m.backup_shard() != 0 && m.backup_seeded()) ++j.primaries_replicated;
-      const uint64_t applied = m.version() > 0 ? m.version() - 1 : 0;
+      if (chunk->machine.backup_shard() != 0 && chunk->machine.backup_seeded()) {
+        ++j.primaries_replicated;
+      }
+      const uint64_t version = chunk->machine.version();
+      const uint64_t applied = version > 0 ? version - 1 : 0;
       min_applied = std::min(min_applied, applied);
       j.max_applied_step = std::max(j.max_applied_step, applied);
     }

@@ -114,10 +114,12 @@ void Shard::Shutdown() {
   for (const JobRef& job : table_.All()) {
     for (const ChunkRef& chunk : job->Chunks()) {
       absl::MutexLock lock(&chunk->mu);
-      const ChunkMachine& m = chunk->machine;
-      if (m.phase() == Phase::kCollecting && m.parked_pulls() == 0 && m.full_slots() == 0) continue;
-      if (m.phase() == Phase::kBackupReady || m.phase() == Phase::kEmpty) continue;
-      OPTIMUS_LOG(Info, kLog, "in flight at shutdown: ", m.DebugString());
+      const Phase phase = chunk->machine.phase();
+      const bool idle = (phase == Phase::kCollecting && chunk->machine.parked_pulls() == 0 &&
+                         chunk->machine.full_slots() == 0) ||
+                        phase == Phase::kBackupReady || phase == Phase::kEmpty;
+      if (idle) continue;
+      OPTIMUS_LOG(Info, kLog, "in flight at shutdown: ", chunk->machine.DebugString());
     }
   }
   // Pulls parked here would otherwise wait for replies that never come:

@@ -23,30 +23,30 @@ ThreadPool::ThreadPool(int num_threads)
 }
 
 ThreadPool::~ThreadPool() {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    stopping_ = true;
-  }
+  mu_.Lock();
+  stopping_ = true;
+  mu_.Unlock();
   work_cv_.notify_all();
   for (std::thread& t : threads_) t.join();
 }
 
-void ThreadPool::RunTask(const Task& task, std::unique_lock<std::mutex>& lock) {
-  lock.unlock();
+void ThreadPool::RunTask(const Task& task) {
+  mu_.Unlock();
   task.batch->fn(task.begin, task.end);
-  lock.lock();
+  mu_.Lock();
   if (--task.batch->pending == 0) done_cv_.notify_all();
 }
 
 void ThreadPool::WorkerLoop() {
-  std::unique_lock<std::mutex> lock(mu_);
+  mu_.Lock();
   while (true) {
-    work_cv_.wait(lock, [this] { return stopping_ || !tasks_.empty(); });
-    if (tasks_.empty()) return;  // stopping_ and nothing left to run
+    while (!stopping_ && tasks_.empty()) mu_.Wait(work_cv_);
+    if (tasks_.empty()) break;  // stopping_ and nothing left to run
     const Task task = tasks_.back();
     tasks_.pop_back();
-    RunTask(task, lock);
+    RunTask(task);
   }
+  mu_.Unlock();
 }
 
 void ThreadPool::ParallelFor(size_t num_items, size_t grain_items,
@@ -66,7 +66,7 @@ void ThreadPool::ParallelFor(size_t num_items, size_t grain_items,
     return std::min(num_items, (r * num_grains / num_ranges) * grain);
   };
   Batch batch(fn);
-  std::unique_lock<std::mutex> lock(mu_);
+  mu_.Lock();
   batch.pending = num_ranges;
   for (size_t r = 1; r < num_ranges; ++r) {
     tasks_.push_back(Task{&batch, boundary(r), boundary(r + 1)});
@@ -76,18 +76,19 @@ void ThreadPool::ParallelFor(size_t num_items, size_t grain_items,
   } else {
     work_cv_.notify_one();
   }
-  RunTask(Task{&batch, 0, boundary(1)}, lock);
+  RunTask(Task{&batch, 0, boundary(1)});
   // Help with whatever is queued (ours or a concurrent caller's) rather than
   // sleep while work is waiting.
   while (batch.pending > 0) {
     if (!tasks_.empty()) {
       const Task task = tasks_.back();
       tasks_.pop_back();
-      RunTask(task, lock);
+      RunTask(task);
     } else {
-      done_cv_.wait(lock);
+      mu_.Wait(done_cv_);
     }
   }
+  mu_.Unlock();
 }
 
 }  // namespace kernels

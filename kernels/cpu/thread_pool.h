@@ -17,6 +17,24 @@
 namespace optimus {
 namespace kernels {
 
+// std::mutex as a capability that clang's thread-safety analysis checks
+// (libstdc++'s std::mutex carries no annotations; absl::Mutex would need
+// abseil's libraries in the header-only aarch64 kernel build).
+class ABSL_LOCKABLE PoolMutex {
+ public:
+  void Lock() ABSL_EXCLUSIVE_LOCK_FUNCTION() { mu_.lock(); }
+  void Unlock() ABSL_UNLOCK_FUNCTION() { mu_.unlock(); }
+  // Waits on `cv`: released while waiting, held again on return.
+  void Wait(std::condition_variable& cv) ABSL_EXCLUSIVE_LOCKS_REQUIRED(this) {
+    std::unique_lock<std::mutex> lock(mu_, std::adopt_lock);
+    cv.wait(lock);
+    lock.release();  // Still held: the caller unlocks it.
+  }
+
+ private:
+  std::mutex mu_;
+};
+
 class ThreadPool {
  public:
   // num_threads (>= 1; smaller values count as 1) is how many threads one
@@ -48,11 +66,10 @@ class ThreadPool {
 
   void WorkerLoop();
   // Runs `task` without the lock and counts it done.
-  void RunTask(const Task& task, std::unique_lock<std::mutex>& lock)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void RunTask(const Task& task) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const int num_threads_;
-  std::mutex mu_;
+  PoolMutex mu_;
   std::condition_variable work_cv_;  // tasks_ became non-empty, or stopping_
   std::condition_variable done_cv_;  // some batch's pending count hit zero
   // A stack, not a queue: order does not matter and its capacity is reused,
