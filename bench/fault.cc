@@ -189,7 +189,7 @@ int Main() {
   Check(c.WaitApplied("ckpt", last), "waiting for the last step");
   const uint64_t ckpt_job_id = c.worker(0)->job_id();
   const absl::Time t0 = absl::Now();
-  c.KillShard(0);
+  Check(c.KillShard(0), "killing shard 0");
   Check(c.WaitStatus("job ckpt rolled back and READY",
                      [ckpt_job_id](const v1::StatusResponse& status) {
                        for (const auto& j : status.jobs()) {
@@ -233,7 +233,7 @@ int Main() {
   std::thread trainer([&] { trained = c.Train(first, final_step, &done); });
   absl::SleepFor(absl::Milliseconds(5 * repl_ms));
   const absl::Time k0 = absl::Now();
-  c.KillShard(1);
+  Check(c.KillShard(1), "killing shard 1");
   absl::Time detected = absl::InfiniteFuture();
   while (absl::Now() < k0 + absl::Seconds(30)) {
     int down = 0;

@@ -174,7 +174,7 @@ TEST(CheckpointFaultTest, LostShardRollsTheJobBackToItsLastCheckpoint) {
   ASSERT_OK_AND_ASSIGN(const v1::CheckpointInfo ck, CheckpointAt(*c, "lost", 4));
   ASSERT_EQ(ck.state(), v1::CHECKPOINT_STATE_COMPLETE) << ck.error();
   ASSERT_OK(c->Train(4, 6));  // Steps 4-6 are lost with the shard and redone.
-  c->KillShard(0);
+  ASSERT_OK(c->KillShard(0));
   // After the lease (2 s) the job fails and is restored under its name.
   ASSERT_OK(c->WaitStatus("job lost rolled back and READY", [](const v1::StatusResponse& st) {
     for (const auto& j : st.jobs()) {

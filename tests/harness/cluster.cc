@@ -212,7 +212,13 @@ absl::StatusOr<size_t> Cluster::AddShard() {
   return shards_.size() - 1;
 }
 
-void Cluster::KillShard(size_t i) { shards_[i]->Shutdown(); }
+absl::Status Cluster::KillShard(size_t i) {
+  if (i >= shards_.size()) {
+    return absl::OutOfRangeError(absl::StrCat("no shard ", i, " (", shards_.size(), " shards)"));
+  }
+  shards_[i]->Shutdown();
+  return absl::OkStatus();
+}
 
 std::vector<server::ShardServerStats> Cluster::ShardStats() const {
   std::vector<server::ShardServerStats> out;
@@ -227,6 +233,9 @@ std::vector<uint64_t> Cluster::ShardMemoryUsed() const {
 }
 
 absl::StatusOr<v1::DrainShardResponse> Cluster::DrainShard(size_t i) {
+  if (i >= shards_.size()) {
+    return absl::OutOfRangeError(absl::StrCat("no shard ", i, " (", shards_.size(), " shards)"));
+  }
   v1::DrainShardRequest req;
   req.set_shard_id(shards_[i]->shard_id());
   v1::DrainShardResponse resp;
@@ -355,6 +364,7 @@ absl::StatusOr<std::vector<float>> Cluster::PullFp32(uint32_t tensor, uint64_t v
 
 std::vector<uint8_t> Cluster::GradientBytes(uint32_t rank, uint32_t tensor,
                                             const std::vector<float>& params, uint64_t step) {
+  if (rank >= workers_.size()) return {};
   const client::Client* c = workers_[rank].get();
   std::vector<float> g(params.size());
   for (size_t i = 0; i < g.size(); ++i) g[i] = Gradient(params[i], step, rank, tensor, i);

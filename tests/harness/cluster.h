@@ -133,12 +133,15 @@ class Cluster {
   // Starts one more shard; returns its index.
   absl::StatusOr<size_t> AddShard();
   size_t num_shards() const { return shards_.size(); }
-  // Borrowed; stays valid (and its stats() readable) after KillShard.
-  server::ShardServer* shard(size_t i) { return shards_[i].get(); }
+  // Borrowed; stays valid (and its stats() readable) after KillShard. Null
+  // for an index >= num_shards().
+  server::ShardServer* shard(size_t i) {
+    return i < shards_.size() ? shards_[i].get() : nullptr;
+  }
   // Stops shard i as if its machine died: no more heartbeats or replies,
   // its data-plane worker is destroyed (peers see it fail); the coordinator
-  // marks it DOWN after the lease. Idempotent.
-  void KillShard(size_t i);
+  // marks it DOWN after the lease. Idempotent. OUT_OF_RANGE for a bad index.
+  absl::Status KillShard(size_t i);
   // Every shard's stats(), by index (killed ones included).
   std::vector<server::ShardServerStats> ShardStats() const;
   // memory_used_bytes of every shard, by index.
@@ -151,8 +154,11 @@ class Cluster {
   // Replaces the workers with W new clients (not joined to any job).
   absl::Status ConnectWorkers();
   uint32_t num_workers() const { return options_.num_workers; }
-  // Borrowed until the workers are replaced.
-  client::Client* worker(uint32_t rank) { return workers_[rank].get(); }
+  // Borrowed until the workers are replaced. Null for a rank without a
+  // worker (none connected yet, or rank >= num_workers()).
+  client::Client* worker(uint32_t rank) {
+    return rank < workers_.size() ? workers_[rank].get() : nullptr;
+  }
   // New workers; rank 0 creates the job (world size W), every rank joins
   // (waiting until the shards are READY), and rank 0 sends the initial
   // values (InitialValue) of every tensor: version 1.
@@ -186,7 +192,8 @@ class Cluster {
   absl::StatusOr<std::vector<float>> PullFp32(uint32_t tensor, uint64_t version,
                                               uint32_t rank = 0);
   // Rank `rank`'s gradient for tensor t at `step` from the fp32 parameters
-  // it pulled, in the job's grad dtype (what RunWorker pushes).
+  // it pulled, in the job's grad dtype (what RunWorker pushes). Empty for a
+  // rank without a worker.
   std::vector<uint8_t> GradientBytes(uint32_t rank, uint32_t tensor,
                                      const std::vector<float>& params, uint64_t step);
 
