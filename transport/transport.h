@@ -148,7 +148,9 @@ class Worker {
 
   // Opens an endpoint to the worker whose address() is peer_address and
   // introduces this worker to it. After Start only (FAILED_PRECONDITION
-  // before). INVALID_ARGUMENT for an empty or malformed address; UNAVAILABLE
+  // before). INVALID_ARGUMENT for an empty address (and on loopback for one
+  // that is malformed or of another fabric; UCX cannot tell a malformed
+  // binary address, so pass only addresses a worker reported); UNAVAILABLE
   // (or DEADLINE_EXCEEDED after 10 s on UCX) when the peer is dead or does
   // not answer. Callable from a handler or callback (it does not wait there).
   // Peer failures after this surface as errors on later Sends, never as a
