@@ -1,6 +1,8 @@
 // bench/fault: what failures and their protection cost a training job, on a
 // real coordinator, 3 shard servers and 2 worker clients in this process
-// (gRPC and UCX on loopback). Prints one JSON object per line:
+// (tests/harness: gRPC on 127.0.0.1, the data plane over UCX on lo, or the
+// in-process loopback transport with --transport=loopback). Prints one JSON
+// object per line:
 //
 //   checkpoint_stall   mean step time of one job in phases where a
 //                      checkpoint is taken every --ckpt_every steps against
@@ -22,12 +24,15 @@
 //                      took over; against detection + one step.
 //
 // Usage: bazel run -c opt //bench:fault -- [--params_mi=4] [--steps=20]
-//        [--ckpt_every=10] [--rounds=4]
+//        [--ckpt_every=10] [--rounds=4] [--transport=ucx|loopback]
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
+#include <memory>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/flags/flag.h"
@@ -35,31 +40,49 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "common/checkpoint_files.h"
-#include "tests/integration/ckpt_cluster.h"
+#include "tests/harness/cluster.h"
 
 ABSL_FLAG(int64_t, params_mi, 4, "model size, Mi parameters (one weight tensor)");
 ABSL_FLAG(int, steps, 20, "timed steps per phase");
 ABSL_FLAG(int, ckpt_every, 10, "in the checkpointed phases, a checkpoint every N steps");
 ABSL_FLAG(int, rounds, 4, "phases with and without checkpoints, each");
+ABSL_FLAG(std::string, transport, "ucx",
+          "data plane: ucx (UCX on lo, as the published figures) or loopback (in-process)");
 
 namespace optimus {
 namespace bench {
 namespace {
 
-using testing_ckpt::CkptCluster;
+using harness::Cluster;
+
+constexpr uint32_t kWorkers = 2;
 
 client::JobDef Job(const std::string& name, int64_t params_mi) {
-  client::JobDef def = testing_ckpt::MakeJob(name, /*max_chunk_bytes=*/0);
+  client::JobDef def = harness::SmallJob(name, kWorkers, /*max_chunk_bytes=*/0);
   def.tensors = {{"weight", {params_mi * 1024, 1024}}, {"bias", {1024}}};
   def.optimizer.lr = 1e-3f;
   return def;
 }
 
+// Exits with a message naming what failed: a benchmark with a broken
+// cluster has no figure to print.
+void Check(const absl::Status& s, const char* what) {
+  if (s.ok()) return;
+  std::fprintf(stderr, "bench/fault: %s: %s\n", what, s.ToString().c_str());
+  std::exit(1);
+}
+
+template <typename T>
+T Check(absl::StatusOr<T> v, const char* what) {
+  Check(v.status(), what);
+  return std::move(*v);
+}
+
 // Mean milliseconds per step over steps first..last, after the caller's
 // warm-up.
-double TimeSteps(CkptCluster& c, uint64_t first, uint64_t last) {
+double TimeSteps(Cluster& c, uint64_t first, uint64_t last) {
   const absl::Time t0 = absl::Now();
-  c.Train(first, last);
+  Check(c.Train(first, last), "training");
   return absl::ToDoubleMilliseconds(absl::Now() - t0) / static_cast<double>(last - first + 1);
 }
 
@@ -67,13 +90,24 @@ int Main() {
   const int64_t params_mi = absl::GetFlag(FLAGS_params_mi);
   const int steps = absl::GetFlag(FLAGS_steps);
   const int every = absl::GetFlag(FLAGS_ckpt_every);
-  if (params_mi <= 0 || steps < 2 || every < 1) {
-    std::fprintf(stderr, "bench/fault: --params_mi > 0, --steps >= 2, --ckpt_every >= 1\n");
+  const std::string transport = absl::GetFlag(FLAGS_transport);
+  if (params_mi <= 0 || steps < 2 || every < 1 || absl::GetFlag(FLAGS_rounds) < 1 ||
+      (transport != "ucx" && transport != "loopback")) {
+    std::fprintf(stderr,
+                 "bench/fault: --params_mi > 0, --steps >= 2, --ckpt_every >= 1, "
+                 "--rounds >= 1, --transport=ucx|loopback\n");
     return 2;
   }
   constexpr uint64_t kWarmup = 3;
-  const std::string dir = testing_ckpt::NewTempDir();
-  CkptCluster c(dir, 3);
+  const std::string dir = Check(harness::NewTempDir("benchfault"), "temp folder");
+  harness::ClusterOptions options;
+  options.transport =
+      transport == "ucx" ? harness::TransportKind::kUcx : harness::TransportKind::kLoopback;
+  options.num_shards = 3;
+  options.num_workers = kWorkers;
+  options.checkpoint_dir = dir;
+  std::unique_ptr<Cluster> cluster = Check(Cluster::Start(options), "starting the cluster");
+  Cluster& c = *cluster;
 
   // One job; phases with and without checkpoints alternate (ABAB...) so
   // that warm-up and the VM's drift hit both alike. In a "with" phase a
@@ -81,8 +115,8 @@ int Main() {
   // snapshot is taken at a step boundary and written in the background
   // while the phase goes on; its completion is awaited (untimed, reported)
   // before the next phase.
-  c.CreateAndJoin(Job("ckpt", params_mi));
-  c.Train(1, kWarmup);
+  Check(c.CreateJob(Job("ckpt", params_mi)), "creating job ckpt");
+  Check(c.Train(1, kWarmup), "warm-up");
   uint64_t step = kWarmup + 1;
   double without_ms = 0, with_ms = 0, tail_wait_ms = 0, stall_ms = 0;
   auto stall_ns = [&c] {
@@ -114,12 +148,12 @@ int Main() {
     const absl::Time w0 = absl::Now();
     while (last_id != 0 && untimed_steps < 1000) {
       bool busy = false;
-      for (const auto& info : c.List("ckpt")) {
+      for (const auto& info : Check(c.ListCheckpoints("ckpt"), "listing checkpoints")) {
         busy |= info.checkpoint_id() >= last_id &&
                 info.state() == v1::CHECKPOINT_STATE_IN_PROGRESS;
       }
       if (!busy) break;
-      c.Train(step, step);
+      Check(c.Train(step, step), "training");
       ++step;
       ++untimed_steps;
     }
@@ -129,21 +163,22 @@ int Main() {
   const double plain_ms = without_ms / rounds;
   const double ckpt_ms = with_ms / (static_cast<double>(rounds) * steps);
   int complete = 0, total = 0;
-  for (const auto& info : c.List("ckpt")) {
+  for (const auto& info : Check(c.ListCheckpoints("ckpt"), "listing checkpoints")) {
     ++total;
     complete += info.state() == v1::CHECKPOINT_STATE_COMPLETE;
   }
   const double state_mb = static_cast<double>(params_mi) * 12.0;  // fp32 master, m, v
   const double slowdown = (ckpt_ms - plain_ms) / plain_ms;
   std::printf(
-      "{\"bench\": \"checkpoint_stall\", \"params\": %lld, \"workers\": 2, \"shards\": 3, "
+      "{\"bench\": \"checkpoint_stall\", \"transport\": \"%s\", \"params\": %lld, "
+      "\"workers\": 2, \"shards\": 3, "
       "\"rounds\": %d, \"steps_per_phase\": %d, \"ckpt_every_steps\": %d, "
       "\"state_mib_per_checkpoint\": %.1f, \"checkpoints_ordered\": %d, "
       "\"checkpoints_complete_kept\": %d, \"step_ms_without\": %.3f, \"step_ms_with\": %.3f, "
       "\"stall_fraction\": %.4f, \"stall_per_checkpoint_in_steps\": %.4f, "
       "\"direct_stall_ms\": %.2f, \"direct_stall_fraction\": %.5f, "
       "\"untimed_tail_steps\": %d, \"untimed_tail_ms\": %.1f}\n",
-      static_cast<long long>(params_mi) << 20, rounds, steps, every, state_mb, ordered, complete,
+      transport.c_str(), static_cast<long long>(params_mi) << 20, rounds, steps, every, state_mb, ordered, complete,
       plain_ms, ckpt_ms, slowdown, slowdown * every, stall_ms, stall_ms / with_ms,
       untimed_steps, tail_wait_ms);
   (void)total;
@@ -151,37 +186,35 @@ int Main() {
 
   // Recovery without a replica: stop a shard, wait for rollback, re-join,
   // run one step.
-  c.WaitApplied("ckpt", last);
-  const uint64_t ckpt_job_id = c.client(0)->job_id();
+  Check(c.WaitApplied("ckpt", last), "waiting for the last step");
+  const uint64_t ckpt_job_id = c.worker(0)->job_id();
   const absl::Time t0 = absl::Now();
-  c.StopShard(0);
-  bool rolled_back = false;
-  const absl::Time give_up = t0 + absl::Seconds(60);
-  while (!rolled_back && absl::Now() < give_up) {
-    const v1::StatusResponse status = c.Status();  // outlives the loop
-    for (const auto& j : status.jobs()) {
-      rolled_back |= j.name() == "ckpt" && j.state() == v1::JOB_STATE_READY &&
-                     j.job_id() > ckpt_job_id;
-    }
-    if (!rolled_back) absl::SleepFor(absl::Milliseconds(10));
-  }
-  if (!rolled_back) {
-    std::fprintf(stderr, "bench/fault: the job was not rolled back within 60 s\n");
-    return 1;
-  }
+  Check(c.KillShard(0), "killing shard 0");
+  Check(c.WaitStatus("job ckpt rolled back and READY",
+                     [ckpt_job_id](const v1::StatusResponse& status) {
+                       for (const auto& j : status.jobs()) {
+                         if (j.name() == "ckpt" && j.state() == v1::JOB_STATE_READY &&
+                             j.job_id() > ckpt_job_id) {
+                           return true;
+                         }
+                       }
+                       return false;
+                     },
+                     absl::Seconds(60)),
+        "rollback");
   const absl::Time t1 = absl::Now();
-  c.ConnectClients();
-  c.JoinAll("ckpt");
-  const uint64_t resume = c.client(0)->resume_step();
-  c.Train(resume, resume);
+  Check(c.JoinJob("ckpt"), "re-joining job ckpt");
+  const uint64_t resume = c.worker(0)->resume_step();
+  Check(c.Train(resume, resume), "the first step after the rollback");
   const absl::Time t2 = absl::Now();
-  const double lease_ms = 2000;  // CoordinatorOptions' default lease
+  const double lease_ms = absl::ToDoubleMilliseconds(options.lease);
   std::printf(
-      "{\"bench\": \"recovery_rollback\", \"lease_ms\": %.0f, \"step_ms\": %.3f, "
+      "{\"bench\": \"recovery_rollback\", \"transport\": \"%s\", \"lease_ms\": %.0f, "
+      "\"step_ms\": %.3f, "
       "\"detect_and_restore_ms\": %.1f, \"first_step_done_ms\": %.1f, "
       "\"resume_step\": %llu, \"steps_redone\": %llu, "
       "\"ratio_to_lease_plus_one_step\": %.3f}\n",
-      lease_ms, ckpt_ms, absl::ToDoubleMilliseconds(t1 - t0),
+      transport.c_str(), lease_ms, ckpt_ms, absl::ToDoubleMilliseconds(t1 - t0),
       absl::ToDoubleMilliseconds(t2 - t0), static_cast<unsigned long long>(resume),
       static_cast<unsigned long long>(last + 1 - resume),
       absl::ToDoubleMilliseconds(t2 - t0) / (lease_ms + ckpt_ms));
@@ -191,19 +224,20 @@ int Main() {
   // workers keep training while shard 1 is stopped.
   client::JobDef rdef = Job("repl", params_mi);
   rdef.replication = 1;
-  c.CreateAndJoin(rdef);
-  c.Train(1, kWarmup);
+  Check(c.CreateJob(rdef), "creating job repl");
+  Check(c.Train(1, kWarmup), "warm-up of repl");
   const double repl_ms = TimeSteps(c, kWarmup + 1, kWarmup + 10);
   const uint64_t first = kWarmup + 11, final_step = kWarmup + 40;
   std::vector<absl::Time> done;
-  std::thread trainer([&] { c.Train(first, final_step, &done); });
+  absl::Status trained;
+  std::thread trainer([&] { trained = c.Train(first, final_step, &done); });
   absl::SleepFor(absl::Milliseconds(5 * repl_ms));
   const absl::Time k0 = absl::Now();
-  c.StopShard(1);
+  Check(c.KillShard(1), "killing shard 1");
   absl::Time detected = absl::InfiniteFuture();
   while (absl::Now() < k0 + absl::Seconds(30)) {
     int down = 0;
-    const v1::StatusResponse status = c.Status();
+    const v1::StatusResponse status = Check(c.Status(), "status");
     for (const auto& sh : status.shards()) down += sh.state() == v1::SHARD_STATE_DOWN;
     if (down >= 2) {
       detected = absl::Now();
@@ -212,6 +246,7 @@ int Main() {
     absl::SleepFor(absl::Milliseconds(2));
   }
   trainer.join();
+  Check(trained, "training through the failover");
   absl::Time resumed = absl::InfiniteFuture();
   for (absl::Time t : done) {
     if (t > detected) {
@@ -228,11 +263,12 @@ int Main() {
   const double detect_ms = absl::ToDoubleMilliseconds(detected - k0);
   const double recovery_ms = absl::ToDoubleMilliseconds(resumed - k0);
   std::printf(
-      "{\"bench\": \"recovery_failover\", \"replication\": 1, \"lease_ms\": %.0f, "
+      "{\"bench\": \"recovery_failover\", \"transport\": \"%s\", \"replication\": 1, "
+      "\"lease_ms\": %.0f, "
       "\"step_ms\": %.3f, \"step_ms_unreplicated\": %.3f, \"detect_ms\": %.1f, "
       "\"first_step_done_ms\": %.1f, \"steps_redone\": 0, "
       "\"ratio_to_detect_plus_one_step\": %.3f}\n",
-      lease_ms, repl_ms, plain_ms, detect_ms, recovery_ms,
+      transport.c_str(), lease_ms, repl_ms, plain_ms, detect_ms, recovery_ms,
       recovery_ms / (detect_ms + repl_ms));
   std::fflush(stdout);
   (void)ckpt::RemoveTree(dir);

@@ -46,6 +46,7 @@ constexpr uint32_t kHelloAmId = 0;
 constexpr uint32_t kHelloAckAmId = 1;
 constexpr uint32_t kFirstUserAmId = 2;
 constexpr uint32_t kMaxUserAmId = 0xffff - kFirstUserAmId;  // UCX carries 16 bits.
+static_assert(kMaxUserAmId == kMaxAmId, "transport.h promises callers ids up to kMaxAmId");
 
 // Every message's UCX header starts with the sender's instance id (8 bytes,
 // host byte order; all our machines are little-endian). The receiver uses it
@@ -449,6 +450,14 @@ class UcxWorker : public Worker {
     if (peer->owner != this) {
       return Complete(op, absl::InvalidArgumentError("send on another worker's endpoint"));
     }
+    if (am_id > kMaxUserAmId) {
+      return Complete(op, absl::InvalidArgumentError(
+                              absl::StrCat("send: active message id ", am_id, " is reserved")));
+    }
+    if (payload == nullptr && payload_size > 0) {
+      return Complete(op, absl::InvalidArgumentError(
+                              absl::StrCat("send: null payload of ", payload_size, " bytes")));
+    }
     if (peer->ep == nullptr && peer->failure.ok()) (void)OpenEndpoint(peer);
     if (!peer->failure.ok()) {
       return Complete(op, absl::Status(peer->failure.code(),
@@ -776,7 +785,7 @@ void UcxMessage::ReceiveInto(void* dst, DoneCallback done) {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<Worker>> Worker::Create(const WorkerOptions& options) {
+absl::StatusOr<std::unique_ptr<Worker>> NewUcxWorker(const WorkerOptions& options) {
   auto w = std::make_unique<UcxWorker>(options);
   if (auto s = w->Init(); !s.ok()) return s;
   return std::unique_ptr<Worker>(std::move(w));

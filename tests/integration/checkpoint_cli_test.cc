@@ -1,5 +1,6 @@
 // optimusctl's checkpoint commands, run as an operator would (the real
-// binary) against a real coordinator and shards: create --wait, list,
+// binary) against a real coordinator and shards (tests/harness, over the
+// loopback transport): create --wait, list,
 // status, export (loaded back with torch::pickle_load and compared with the
 // parameters the shards serve), restore --as (workers resume at the
 // checkpoint's step), and bad input exits non-zero with a clear message.
@@ -18,12 +19,14 @@
 #include "common/checkpoint_files.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu/optimizer.h"
-#include "tests/integration/ckpt_cluster.h"
+#include "tests/harness/cluster.h"
+#include "tests/harness/status_assert.h"
 #include "torch/torch.h"
 
 namespace optimus {
-namespace testing_ckpt {
 namespace {
+
+constexpr uint32_t kWorkers = 2;
 
 struct CliRun {
   int exit_code = -1;
@@ -51,14 +54,18 @@ CliRun Optimusctl(const std::string& coordinator, const std::string& args) {
 }
 
 TEST(CheckpointCliTest, CreateListStatusExportRestore) {
-  const std::string dir = NewTempDir();
-  CkptCluster c(dir, 2);
-  client::JobDef def = MakeJob("cli");
+  ASSERT_OK_AND_ASSIGN(const std::string dir, harness::NewTempDir("ckpt"));
+  harness::ClusterOptions o;
+  o.num_shards = 2;
+  o.num_workers = kWorkers;
+  o.checkpoint_dir = dir;
+  ASSERT_OK_AND_ASSIGN(auto c, harness::Cluster::Start(o));
+  client::JobDef def = harness::SmallJob("cli", kWorkers);
   def.param_dtype = DType::kFp32;  // Pulled values are the fp32 master itself.
-  c.CreateAndJoin(def);
-  c.Train(1, 4);
-  c.WaitApplied("cli", 4);
-  const std::string addr = c.coord()->address();
+  ASSERT_OK(c->CreateJob(def));
+  ASSERT_OK(c->Train(1, 4));
+  ASSERT_OK(c->WaitApplied("cli", 4));
+  const std::string addr = c->coordinator_address();
 
   CliRun r = Optimusctl(addr, "checkpoint create cli --wait");
   ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
@@ -83,10 +90,10 @@ TEST(CheckpointCliTest, CreateListStatusExportRestore) {
   EXPECT_EQ(root.at("step").toInt(), 4);
   auto params = root.at("params").toGenericDict();
   for (uint32_t t = 0; t < 2; ++t) {
-    const std::string name = c.client(0)->tensors()[t].name;
+    const std::string name = c->worker(0)->tensors()[t].name;
     torch::Tensor got = params.at(name).toTensor();
-    EXPECT_EQ(got.sizes().vec(), c.client(0)->tensors()[t].shape);
-    std::vector<uint8_t> served = c.Pull(t, 5);
+    EXPECT_EQ(got.sizes().vec(), c->worker(0)->tensors()[t].shape);
+    ASSERT_OK_AND_ASSIGN(std::vector<uint8_t> served, c->Pull(t, 5));
     ASSERT_EQ(served.size(), static_cast<size_t>(got.numel()) * 4);
     EXPECT_EQ(std::memcmp(served.data(), got.data_ptr<float>(), served.size()), 0) << name;
     auto st = root.at("state").toGenericDict().at(name).toGenericDict();
@@ -102,10 +109,9 @@ TEST(CheckpointCliTest, CreateListStatusExportRestore) {
   r = Optimusctl(addr, "checkpoint restore cli --as=cli2 --max_chunk_bytes=32768");
   ASSERT_EQ(r.exit_code, 0) << r.err;
   EXPECT_TRUE(absl::StrContains(r.out, "resume at step 5")) << r.out;
-  c.ConnectClients();
-  c.JoinAll("cli2");
-  EXPECT_EQ(c.client(0)->resume_step(), 5u);
-  c.Train(5, 6);
+  ASSERT_OK(c->JoinJob("cli2"));
+  EXPECT_EQ(c->worker(0)->resume_step(), 5u);
+  ASSERT_OK(c->Train(5, 6));
 
   // Bad input: a clear message, a non-zero exit, nothing changes.
   r = Optimusctl(addr, "checkpoint restore nosuchjob");
@@ -122,10 +128,10 @@ TEST(CheckpointCliTest, CreateListStatusExportRestore) {
   EXPECT_TRUE(absl::StrContains(r.err, "--out")) << r.err;
   r = Optimusctl(addr, "checkpoint frobnicate cli");
   EXPECT_EQ(r.exit_code, 2);
-  EXPECT_EQ(c.Status().jobs_size(), 2);
+  ASSERT_OK_AND_ASSIGN(const v1::StatusResponse status, c->Status());
+  EXPECT_EQ(status.jobs_size(), 2);
   EXPECT_TRUE(ckpt::RemoveTree(dir).ok());
 }
 
 }  // namespace
-}  // namespace testing_ckpt
 }  // namespace optimus

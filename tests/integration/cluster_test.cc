@@ -1,5 +1,6 @@
 // End-to-end: a real coordinator (gRPC on localhost), two real shard servers
-// and two worker clients talking UCX over loopback, all in this process.
+// and two worker clients in this process (tests/harness), each case once
+// over the in-process loopback transport and once over UCX on loopback.
 // Checks the training result against a single-process reference and that
 // every kind of bad request is refused with a clear error and changes nothing.
 #include <cmath>
@@ -15,216 +16,102 @@
 #include "common/dtype.h"
 #include "common/http_server.h"
 #include "common/wire.h"
-#include "coordinator/coordinator.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "proto/optimus.grpc.pb.h"
-#include "kernels/cpu/optimizer.h"
-#include "server/shard_server.h"
-#include "transport/ucx.h"
+#include "tests/harness/cluster.h"
+#include "tests/harness/status_assert.h"
+#include "transport/transport.h"
 
 namespace optimus {
 namespace {
 
 using client::Client;
-using client::ClientOptions;
 using client::JobDef;
+using harness::Cluster;
+using harness::TransportKind;
 
 constexpr uint32_t kWorkers = 2;
 constexpr absl::Duration kWait = absl::Seconds(20);
 
-transport::WorkerOptions Loopback(const std::string& name) {
-  transport::WorkerOptions o;
-  o.net_devices = "lo";
-  o.name = name;
-  return o;
-}
-
-// The gradient worker `rank` computes at `step` from the parameters it pulled.
-float Grad(float param, uint64_t step, uint32_t rank, size_t i) {
-  return 0.5f * param + std::sin(0.001f * static_cast<float>(i) + 0.1f * step + rank);
-}
-
-float Init(size_t i) { return std::cos(0.37f * static_cast<float>(i)); }
-
-class ClusterTest : public ::testing::Test {
+class ClusterTest : public ::testing::TestWithParam<TransportKind> {
  protected:
   void SetUp() override {
-    CoordinatorOptions copts;
-    copts.listen_address = "127.0.0.1:0";
-    copts.metrics_address = "127.0.0.1:0";
-    auto coord = CoordinatorServer::Start(copts);
-    ASSERT_TRUE(coord.ok()) << coord.status();
-    coord_ = std::move(*coord);
-    for (int i = 0; i < 2; ++i) {
-      server::ShardServerOptions sopts;
-      sopts.coordinator_address = coord_->address();
-      sopts.memory_limit_bytes = 256ull << 20;
-      sopts.transport = Loopback("shard");
-      sopts.heartbeat_interval = absl::Milliseconds(100);
-      sopts.metrics_address = "127.0.0.1:0";
-      sopts.kernel_threads = KernelThreads();
-      auto shard = server::ShardServer::Start(sopts);
-      ASSERT_TRUE(shard.ok()) << shard.status();
-      shards_.push_back(std::move(*shard));
-    }
-    for (uint32_t r = 0; r < kWorkers; ++r) {
-      ClientOptions o;
-      o.coordinator_address = coord_->address();
-      o.transport = Loopback("worker");
-      auto c = Client::Connect(o);
-      ASSERT_TRUE(c.ok()) << c.status();
-      clients_.push_back(std::move(*c));
-    }
+    harness::ClusterOptions o;
+    o.transport = GetParam();
+    o.num_shards = 2;
+    o.num_workers = kWorkers;
+    o.kernel_threads = KernelThreads();
+    o.heartbeat_interval = absl::Milliseconds(100);
+    o.sweep_interval = absl::Milliseconds(200);
+    o.serve_metrics = true;
+    o.wait = kWait;
+    ASSERT_OK_AND_ASSIGN(cluster_, Cluster::Start(o));
+    ASSERT_OK(cluster_->ConnectWorkers());
   }
 
   // Threads each shard splits one chunk's step over.
   virtual int KernelThreads() const { return 1; }
 
-  void TearDown() override {
-    clients_.clear();
-    shards_.clear();
-    coord_.reset();
-  }
+  Client* worker(uint32_t r) { return cluster_->worker(r); }
 
   // Two tensors; small chunks so both spread over both shards.
   JobDef MakeJob(const std::string& name, DType grad, DType param) {
-    JobDef def;
-    def.name = name;
-    def.world_size = kWorkers;
+    JobDef def = harness::SmallJob(name, kWorkers, /*max_chunk_bytes=*/64 * 1024);
     def.tensors = {{"weight", {300, 257}}, {"bias", {37}}};
-    def.optimizer.kind = client::Optimizer::kAdamW;
-    def.optimizer.lr = 1e-2f;
-    def.optimizer.weight_decay = 0.1f;
     def.grad_dtype = grad;
     def.param_dtype = param;
-    def.max_chunk_bytes = 64 * 1024;  // 16384 fp32 elements per chunk.
     return def;
   }
 
-  void CreateAndJoin(const JobDef& def) {
-    ASSERT_TRUE(clients_[0]->CreateJob(def).ok());
-    for (uint32_t r = 0; r < kWorkers; ++r) {
-      absl::Status s = clients_[r]->Join(def.name, r, kWorkers);
-      ASSERT_TRUE(s.ok()) << s;
-    }
-    // Rank 0 sends the initial values.
-    for (uint32_t t = 0; t < clients_[0]->tensors().size(); ++t) {
-      std::vector<float> v(clients_[0]->tensors()[t].num_elems);
-      for (size_t i = 0; i < v.size(); ++i) v[i] = Init(i + t * 100000);
-      ASSERT_TRUE(clients_[0]->InitTensor(t, v.data(), v.size()).ok());
-    }
+  // Tensor t at `version`, as fp32, through rank r; empty (and a failure)
+  // if the pull fails.
+  std::vector<float> PullFp32(uint32_t r, uint32_t t, uint64_t version) {
+    auto got = cluster_->PullFp32(t, version, r);
+    EXPECT_TRUE(got.ok()) << got.status();
+    return got.ok() ? *got : std::vector<float>();
   }
 
-  // Pulls tensor t at `version` as fp32 through client `c`.
-  std::vector<float> PullFp32(Client* c, uint32_t t, uint64_t version) {
-    const size_t n = c->tensors()[t].num_elems;
-    std::vector<uint8_t> raw(n * DTypeSize(c->param_dtype()));
-    auto ticket = c->Pull(t, version, raw.data(), n);
-    EXPECT_TRUE(ticket.ok()) << ticket.status();
-    absl::Status s = c->Wait(*ticket, kWait);
-    EXPECT_TRUE(s.ok()) << s;
-    std::vector<float> out(n);
-    kernels::CastToFp32(raw.data(), c->param_dtype(), n, out.data());
-    return out;
-  }
-
-  // Gradient of rank r at step from params, in the job's grad dtype.
-  std::vector<uint8_t> MakeGrad(Client* c, uint32_t t, const std::vector<float>& params,
-                                uint64_t step, uint32_t rank) {
-    std::vector<float> g(params.size());
-    for (size_t i = 0; i < g.size(); ++i) g[i] = Grad(params[i], step, rank, i + t * 100000);
-    std::vector<uint8_t> out(g.size() * DTypeSize(c->grad_dtype()));
-    kernels::CastFromFp32(g.data(), g.size(), out.data(), c->grad_dtype());
-    return out;
-  }
-
-  // One worker's loop: pull version s, compute, push step s.
-  void RunWorker(uint32_t rank, uint64_t first_step, uint64_t last_step) {
-    Client* c = clients_[rank].get();
-    for (uint64_t step = first_step; step <= last_step; ++step) {
-      for (uint32_t t = 0; t < c->tensors().size(); ++t) {
-        std::vector<float> p = PullFp32(c, t, step);
-        std::vector<uint8_t> g = MakeGrad(c, t, p, step, rank);
-        auto ticket = c->Push(t, step, g.data(), p.size());
-        ASSERT_TRUE(ticket.ok()) << ticket.status();
-        absl::Status s = c->Wait(*ticket, kWait);
-        ASSERT_TRUE(s.ok()) << "rank " << rank << " step " << step << ": " << s;
-      }
-    }
-  }
-
-  void Train(uint64_t first_step, uint64_t last_step) {
-    std::vector<std::thread> threads;
-    for (uint32_t r = 0; r < kWorkers; ++r) {
-      threads.emplace_back([this, r, first_step, last_step] { RunWorker(r, first_step, last_step); });
-    }
-    for (auto& t : threads) t.join();
-  }
-
-  // The same training in one process with the scalar reference kernel over
-  // whole tensors: returns the published params (as fp32) after `steps`.
   std::vector<float> Reference(const JobDef& def, uint32_t t, uint64_t steps) {
-    size_t n = 1;
-    for (int64_t d : def.tensors[t].shape) n *= static_cast<size_t>(d);
-    std::vector<float> master(n), m(n, 0.f), v(n, 0.f), published(n);
-    for (size_t i = 0; i < n; ++i) master[i] = Init(i + t * 100000);
-    std::vector<uint8_t> out(n * DTypeSize(def.param_dtype));
-    kernels::CastFromFp32(master.data(), n, out.data(), def.param_dtype);
-    kernels::CastToFp32(out.data(), def.param_dtype, n, published.data());
-    kernels::OptimizerHyper h;
-    h.kind = def.optimizer.kind == client::Optimizer::kLion ? kernels::OptimizerKind::kLion
-                                                            : kernels::OptimizerKind::kAdamW;
-    // The coordinator's defaults for betas left at 0 (Lion: 0.9, 0.99).
-    if (h.kind == kernels::OptimizerKind::kLion) h.beta2 = 0.99f;
-    h.lr = def.optimizer.lr;
-    h.weight_decay = def.optimizer.weight_decay;
-    for (uint64_t step = 1; step <= steps; ++step) {
-      std::vector<std::vector<uint8_t>> grads;
-      std::vector<const void*> ptrs;
-      for (uint32_t r = 0; r < kWorkers; ++r) {
-        std::vector<float> g(n);
-        for (size_t i = 0; i < n; ++i) g[i] = Grad(published[i], step, r, i + t * 100000);
-        grads.emplace_back(n * DTypeSize(def.grad_dtype));
-        kernels::CastFromFp32(g.data(), n, grads.back().data(), def.grad_dtype);
-      }
-      for (auto& g : grads) ptrs.push_back(g.data());
-      kernels::StepInputs in;
-      in.grads = ptrs;
-      in.grad_dtype = def.grad_dtype;
-      in.grad_scale = 1.0f / kWorkers;
-      in.step = static_cast<int64_t>(step);
-      EXPECT_TRUE(kernels::FusedStepScalar(h, in, n, {master.data(), m.data(), v.data()},
-                                           out.data(), def.param_dtype)
-                      .ok());
-      kernels::CastToFp32(out.data(), def.param_dtype, n, published.data());
-    }
-    return published;
+    auto want = harness::ReferenceParams(def, t, steps);
+    EXPECT_TRUE(want.ok()) << want.status();
+    return want.ok() ? *want : std::vector<float>();
   }
 
-  std::unique_ptr<CoordinatorServer> coord_;
-  std::vector<std::unique_ptr<server::ShardServer>> shards_;
-  std::vector<std::unique_ptr<Client>> clients_;
+  // Elements that differ in any bit (NaNs included), or SIZE_MAX when the
+  // sizes differ.
+  static size_t Mismatches(const std::vector<float>& got, const std::vector<float>& want) {
+    if (got.size() != want.size()) return SIZE_MAX;
+    size_t n = 0;
+    for (size_t i = 0; i < got.size(); ++i) {
+      n += std::memcmp(&got[i], &want[i], sizeof(float)) != 0;
+    }
+    return n;
+  }
+
+  std::unique_ptr<Cluster> cluster_;
 };
 
-TEST_F(ClusterTest, TwentyAdamWStepsMatchSingleProcessReference) {
+std::string ParamName(const ::testing::TestParamInfo<TransportKind>& info) {
+  return harness::TransportName(info.param);
+}
+
+TEST_P(ClusterTest, TwentyAdamWStepsMatchSingleProcessReference) {
   JobDef def = MakeJob("adamw-fp32", DType::kFp32, DType::kFp32);
-  CreateAndJoin(def);
+  ASSERT_OK(cluster_->CreateJob(def));
   // The map spreads the job over both shards.
-  EXPECT_GT(clients_[0]->tensors()[0].num_chunks, 2u);
-  Train(1, 20);
+  EXPECT_GT(worker(0)->tensors()[0].num_chunks, 2u);
+  ASSERT_OK(cluster_->Train(1, 20));
   for (uint32_t t = 0; t < 2; ++t) {
-    std::vector<float> got = PullFp32(clients_[1].get(), t, 21);
+    std::vector<float> got = PullFp32(1, t, 21);
     std::vector<float> want = Reference(def, t, 20);
     ASSERT_EQ(got.size(), want.size());
-    size_t mismatches = 0;
-    for (size_t i = 0; i < got.size(); ++i) mismatches += got[i] != want[i];
     // Same summation order, same elementwise math: bitwise equal.
-    EXPECT_EQ(mismatches, 0u) << "tensor " << t;
+    EXPECT_EQ(Mismatches(got, want), 0u) << "tensor " << t;
     // And training moved the parameters.
-    EXPECT_NE(got[5], Init(5 + t * 100000));
+    EXPECT_NE(got[5], harness::InitialValue(t, 5));
   }
-  for (const auto& s : shards_) EXPECT_GT(s->stats().steps_applied, 0u);
+  for (const auto& s : cluster_->ShardStats()) EXPECT_GT(s.steps_applied, 0u);
 }
 
 // Shards that split each chunk's step over a 2-thread pool, running Lion:
@@ -234,44 +121,40 @@ class ClusterWithKernelPoolTest : public ClusterTest {
   int KernelThreads() const override { return 2; }
 };
 
-TEST_F(ClusterWithKernelPoolTest, LionSplitOverThreadsMatchesReferenceBitwise) {
+TEST_P(ClusterWithKernelPoolTest, LionSplitOverThreadsMatchesReferenceBitwise) {
   JobDef def = MakeJob("lion-pool", DType::kBf16, DType::kFp32);
   def.optimizer.kind = client::Optimizer::kLion;
   def.optimizer.lr = 1e-3f;
   def.optimizer.beta1 = 0.0f;  // 0: the coordinator fills Lion's defaults
   def.optimizer.beta2 = 0.0f;
   def.max_chunk_bytes = 256 * 1024;  // 65536 elements: large enough to split
-  CreateAndJoin(def);
-  Train(1, 12);
+  ASSERT_OK(cluster_->CreateJob(def));
+  ASSERT_OK(cluster_->Train(1, 12));
   for (uint32_t t = 0; t < 2; ++t) {
-    std::vector<float> got = PullFp32(clients_[0].get(), t, 13);
+    std::vector<float> got = PullFp32(0, t, 13);
     std::vector<float> want = Reference(def, t, 12);
     ASSERT_EQ(got.size(), want.size());
-    size_t mismatches = 0;
-    for (size_t i = 0; i < got.size(); ++i) mismatches += got[i] != want[i];
-    EXPECT_EQ(mismatches, 0u) << "tensor " << t;
-    EXPECT_NE(got[5], Init(5 + t * 100000));
+    EXPECT_EQ(Mismatches(got, want), 0u) << "tensor " << t;
+    EXPECT_NE(got[5], harness::InitialValue(t, 5));
   }
 }
 
-TEST_F(ClusterTest, Bf16GradientsAndParametersMatchReference) {
+TEST_P(ClusterTest, Bf16GradientsAndParametersMatchReference) {
   JobDef def = MakeJob("adamw-bf16", DType::kBf16, DType::kBf16);
-  CreateAndJoin(def);
-  Train(1, 20);
+  ASSERT_OK(cluster_->CreateJob(def));
+  ASSERT_OK(cluster_->Train(1, 20));
   for (uint32_t t = 0; t < 2; ++t) {
-    std::vector<float> got = PullFp32(clients_[0].get(), t, 21);
+    std::vector<float> got = PullFp32(0, t, 21);
     std::vector<float> want = Reference(def, t, 20);
-    size_t mismatches = 0;
-    for (size_t i = 0; i < got.size(); ++i) mismatches += got[i] != want[i];
-    EXPECT_EQ(mismatches, 0u) << "tensor " << t;
+    EXPECT_EQ(Mismatches(got, want), 0u) << "tensor " << t;
   }
 }
 
 // Sends raw requests to a shard and collects the replies.
 class RawPeer {
  public:
-  explicit RawPeer(const std::string& shard_address) {
-    auto w = transport::Worker::Create(Loopback("raw"));
+  RawPeer(const transport::WorkerOptions& options, const std::string& shard_address) {
+    auto w = transport::Worker::Create(options);
     EXPECT_TRUE(w.ok());
     worker_ = std::move(*w);
     worker_->SetHandler(wire::kAmReply, [this](transport::IncomingMessage& m) {
@@ -308,14 +191,14 @@ class RawPeer {
   std::vector<wire::Reply> replies_ ABSL_GUARDED_BY(mu_);
 };
 
-TEST_F(ClusterTest, BadRequestsAreRefusedAndChangeNothing) {
+TEST_P(ClusterTest, BadRequestsAreRefusedAndChangeNothing) {
   JobDef def = MakeJob("bad-input", DType::kFp32, DType::kFp32);
-  CreateAndJoin(def);
-  Train(1, 3);  // Chunks are at version 4, waiting for step 4.
-  const std::vector<float> before_w = PullFp32(clients_[0].get(), 0, 4);
-  const std::vector<float> before_b = PullFp32(clients_[0].get(), 1, 4);
+  ASSERT_OK(cluster_->CreateJob(def));
+  ASSERT_OK(cluster_->Train(1, 3));  // Chunks are at version 4, waiting for step 4.
+  const std::vector<float> before_w = PullFp32(0, 0, 4);
+  const std::vector<float> before_b = PullFp32(0, 1, 4);
 
-  Client* c0 = clients_[0].get();
+  Client* c0 = worker(0);
   const size_t nb = c0->tensors()[1].num_elems;
   std::vector<uint8_t> grad(nb * 4, 0);
 
@@ -352,7 +235,7 @@ TEST_F(ClusterTest, BadRequestsAreRefusedAndChangeNothing) {
 
   // Raw requests straight to each shard, bypassing the client's checks.
   auto stub = v1::Coordinator::NewStub(
-      grpc::CreateChannel(coord_->address(), grpc::InsecureChannelCredentials()));
+      grpc::CreateChannel(cluster_->coordinator_address(), grpc::InsecureChannelCredentials()));
   v1::JoinJobRequest jreq;
   jreq.set_job_name(def.name);
   jreq.set_rank(0);
@@ -365,7 +248,7 @@ TEST_F(ClusterTest, BadRequestsAreRefusedAndChangeNothing) {
   ASSERT_EQ(job.map().shards_size(), 2);
   int bias_refusals = 0;
   for (const auto& shard : job.map().shards()) {
-    RawPeer peer(shard.data_address());
+    RawPeer peer(cluster_->TransportOptions("raw"), shard.data_address());
     wire::RequestHeader h;
     h.op = static_cast<uint16_t>(wire::Op::kPush);
     h.job_id = job.job_id();
@@ -444,13 +327,13 @@ TEST_F(ClusterTest, BadRequestsAreRefusedAndChangeNothing) {
   EXPECT_EQ(bias_refusals, 1);
 
   // Nothing changed: version 4 is intact and still the latest.
-  EXPECT_EQ(PullFp32(clients_[1].get(), 0, 4), before_w);
-  EXPECT_EQ(PullFp32(clients_[1].get(), 1, 4), before_b);
+  EXPECT_EQ(PullFp32(1, 0, 4), before_w);
+  EXPECT_EQ(PullFp32(1, 1, 4), before_b);
 
   // A duplicate push is dropped, not added twice: rank 0 pushes step 4 twice.
   {
-    Client* c = clients_[0].get();
-    std::vector<uint8_t> g = MakeGrad(c, 1, before_b, 4, 0);
+    Client* c = worker(0);
+    std::vector<uint8_t> g = cluster_->GradientBytes(0, 1, before_b, 4);
     for (int i = 0; i < 2; ++i) {
       auto t = c->Push(1, 4, g.data(), nb);
       ASSERT_TRUE(t.ok());
@@ -460,24 +343,26 @@ TEST_F(ClusterTest, BadRequestsAreRefusedAndChangeNothing) {
   // The servers kept running: the rest of step 4 and steps 5-6 complete and
   // the result equals the reference that never saw the bad requests.
   {
-    Client* c = clients_[0].get();
-    std::vector<uint8_t> g = MakeGrad(c, 0, before_w, 4, 0);
+    Client* c = worker(0);
+    std::vector<uint8_t> g = cluster_->GradientBytes(0, 0, before_w, 4);
     auto t = c->Push(0, 4, g.data(), before_w.size());
     ASSERT_TRUE(t.ok());
     ASSERT_TRUE(c->Wait(*t, kWait).ok());
   }
-  std::thread rank1([this] { RunWorker(1, 4, 6); });
+  absl::Status rank1_result;
+  std::thread rank1([this, &rank1_result] { rank1_result = cluster_->RunWorker(1, 4, 6); });
   // Rank 0 already pushed step 4; it continues from 5.
-  RunWorker(0, 5, 6);
+  EXPECT_OK(cluster_->RunWorker(0, 5, 6));
   rank1.join();
+  EXPECT_OK(rank1_result);
   for (uint32_t t = 0; t < 2; ++t) {
-    EXPECT_EQ(PullFp32(clients_[0].get(), t, 7), Reference(def, t, 6)) << "tensor " << t;
+    EXPECT_EQ(PullFp32(0, t, 7), Reference(def, t, 6)) << "tensor " << t;
   }
   // The shards counted what they refused and the one dropped duplicate.
   uint64_t rejected = 0, duplicates = 0;
-  for (const auto& s : shards_) {
-    rejected += s->stats().requests_rejected;
-    duplicates += s->stats().pushes_duplicate;
+  for (const auto& s : cluster_->ShardStats()) {
+    rejected += s.requests_rejected;
+    duplicates += s.pushes_duplicate;
   }
   EXPECT_GE(rejected, 12u);
   EXPECT_EQ(duplicates, 1u);
@@ -510,13 +395,15 @@ std::string Scrape(int port) {
   return body.ok() ? *body : "";
 }
 
-TEST_F(ClusterTest, MetricsMoveAsTrainingRuns) {
+TEST_P(ClusterTest, MetricsMoveAsTrainingRuns) {
   JobDef def = MakeJob("metrics", DType::kBf16, DType::kBf16);
-  CreateAndJoin(def);
-  Train(1, 2);
+  ASSERT_OK(cluster_->CreateJob(def));
+  ASSERT_OK(cluster_->Train(1, 2));
   auto total = [&](const std::string& name, const std::string& match = "") {
     double sum = 0;
-    for (const auto& s : shards_) sum += MetricSum(Scrape(s->metrics_port()), name, match);
+    for (size_t i = 0; i < cluster_->num_shards(); ++i) {
+      sum += MetricSum(Scrape(cluster_->shard(i)->metrics_port()), name, match);
+    }
     return sum;
   };
   const double steps1 = total("optimus_shard_steps_total");
@@ -529,13 +416,13 @@ TEST_F(ClusterTest, MetricsMoveAsTrainingRuns) {
   EXPECT_EQ(total("optimus_shard_memory_limit_bytes"), 2.0 * (256 << 20));
   EXPECT_GT(total("optimus_shard_memory_used_bytes"), 0);
   EXPECT_EQ(total("optimus_shard_chunks_owned"), 6);
-  Train(3, 5);
+  ASSERT_OK(cluster_->Train(3, 5));
   // A stale push shows up as an error of its kind.
   {
     std::vector<uint8_t> g(37 * 2);
-    auto t = clients_[0]->Push(1, 2, g.data(), 37);
+    auto t = worker(0)->Push(1, 2, g.data(), 37);
     ASSERT_TRUE(t.ok());
-    EXPECT_EQ(clients_[0]->Wait(*t, kWait).code(), absl::StatusCode::kFailedPrecondition);
+    EXPECT_EQ(worker(0)->Wait(*t, kWait).code(), absl::StatusCode::kFailedPrecondition);
   }
   // 3 more steps of 6 chunks, and the bytes that moved for them.
   EXPECT_EQ(total("optimus_shard_steps_total") - steps1, 3 * 6);
@@ -544,7 +431,8 @@ TEST_F(ClusterTest, MetricsMoveAsTrainingRuns) {
   EXPECT_EQ(total("optimus_shard_optimizer_params_total") - params1, 3.0 * 77137);
   EXPECT_EQ(total("optimus_shard_step_seconds_count") - hist1, 3 * 6);
   EXPECT_EQ(total("optimus_shard_errors_total", "FAILED_PRECONDITION") - stale1, 1);
-  for (const auto& s : shards_) {
+  for (size_t i = 0; i < cluster_->num_shards(); ++i) {
+    server::ShardServer* s = cluster_->shard(i);
     EXPECT_LT(MetricSum(Scrape(s->metrics_port()), "optimus_shard_lease_age_seconds"), 2.0);
     auto health = HttpGet(s->metrics_port(), "/healthz");
     EXPECT_TRUE(health.ok()) << health.status();
@@ -553,25 +441,32 @@ TEST_F(ClusterTest, MetricsMoveAsTrainingRuns) {
   const absl::Time give_up = absl::Now() + absl::Seconds(5);
   double step = 0;
   while (absl::Now() < give_up) {
-    step = MetricSum(Scrape(coord_->metrics_port()), "optimus_coord_job_step", "metrics");
+    step = MetricSum(Scrape(cluster_->coordinator()->metrics_port()), "optimus_coord_job_step", "metrics");
     if (step >= 5) break;
     absl::SleepFor(absl::Milliseconds(50));
   }
   EXPECT_EQ(step, 5);
-  const std::string coord = Scrape(coord_->metrics_port());
+  const std::string coord = Scrape(cluster_->coordinator()->metrics_port());
   EXPECT_EQ(MetricSum(coord, "optimus_coord_shards", "up"), 2);
   EXPECT_EQ(MetricSum(coord, "optimus_coord_job_workers_joined", "metrics"), 2);
   EXPECT_EQ(MetricSum(coord, "optimus_coord_shard_chunks_owned"), 6);
-  EXPECT_TRUE(HttpGet(coord_->metrics_port(), "/healthz").ok());
+  EXPECT_TRUE(HttpGet(cluster_->coordinator()->metrics_port(), "/healthz").ok());
 }
 
-TEST_F(ClusterTest, JobTooBigIsRefusedWithNumbers) {
+TEST_P(ClusterTest, JobTooBigIsRefusedWithNumbers) {
   JobDef def = MakeJob("too-big", DType::kFp32, DType::kFp32);
   def.tensors = {{"huge", {1 << 20, 64}}};  // 64 Mi params, ~1.4 GB of state.
-  absl::Status s = clients_[0]->CreateJob(def);
+  absl::Status s = worker(0)->CreateJob(def);
   EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
   EXPECT_NE(s.message().find("bytes"), absl::string_view::npos) << s;
 }
+
+INSTANTIATE_TEST_SUITE_P(Transports, ClusterTest,
+                         ::testing::Values(TransportKind::kLoopback, TransportKind::kUcx),
+                         ParamName);
+INSTANTIATE_TEST_SUITE_P(Transports, ClusterWithKernelPoolTest,
+                         ::testing::Values(TransportKind::kLoopback, TransportKind::kUcx),
+                         ParamName);
 
 }  // namespace
 }  // namespace optimus

@@ -61,9 +61,20 @@ while time.time() < deadline and alive():
         pass
     time.sleep(0.2)
 assert first is not None, "no shard steps seen on /metrics before training ended"
-time.sleep(2.0)
-assert alive(), "training ended before the second scrape"
-second = (scrape(coord), scrape(shard))
+# The second scrape once the coordinator has heard of more steps (heartbeats
+# lag the data plane), rather than after a fixed pause: on a fast machine
+# the counters might not have moved yet on a slow one. Training goes on until
+# this test creates the stop file.
+deadline = time.time() + 120
+second = None
+while time.time() < deadline:
+    assert alive(), "training ended before the counters moved"
+    second = (scrape(coord), scrape(shard))
+    if (total(second[0], "optimus_coord_job_step") > total(first[0], "optimus_coord_job_step")
+            and total(second[1], "optimus_shard_steps_total")
+            > total(first[1], "optimus_shard_steps_total")):
+        break
+    time.sleep(0.1)
 
 shard_metrics = ["optimus_shard_step_seconds_count", "optimus_shard_steps_total",
                  "optimus_shard_optimizer_params_total", "optimus_shard_pushed_bytes_total",

@@ -1,0 +1,531 @@
+#include "tests/harness/cluster.h"
+
+#include <stdlib.h>
+
+#include <cerrno>
+#include <cmath>
+#include <cstring>
+#include <cstdlib>
+#include <thread>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "common/dtype.h"
+#include "common/grpc_status.h"
+#include "grpcpp/grpcpp.h"
+#include "kernels/cpu/optimizer.h"
+#include "kernels/optimizer_spec.h"
+
+namespace optimus {
+namespace harness {
+
+namespace {
+
+// Tensor t's element i is element i + t * kTensorStride of one long
+// sequence, so that tensors of one job get different values.
+constexpr size_t kTensorStride = 100000;
+
+size_t NumElems(const client::TensorDef& t) {
+  size_t n = 1;
+  for (int64_t d : t.shape) n *= static_cast<size_t>(d);
+  return n;
+}
+
+absl::StatusOr<kernels::OptimizerKind> KindOf(client::Optimizer o) {
+  switch (o) {
+    case client::Optimizer::kAdamW:
+      return kernels::OptimizerKind::kAdamW;
+    case client::Optimizer::kAdam:
+      return kernels::OptimizerKind::kAdam;
+    case client::Optimizer::kSgd:
+      return kernels::OptimizerKind::kSgd;
+    case client::Optimizer::kLion:
+      return kernels::OptimizerKind::kLion;
+  }
+  return absl::InvalidArgumentError("unknown optimizer kind");
+}
+
+}  // namespace
+
+std::string TransportName(TransportKind kind) {
+  return kind == TransportKind::kLoopback ? "loopback" : "ucx";
+}
+
+float InitialValue(uint32_t tensor, size_t i) {
+  return std::cos(0.37f * static_cast<float>(i + tensor * kTensorStride));
+}
+
+float Gradient(float param, uint64_t step, uint32_t rank, uint32_t tensor, size_t i) {
+  return 0.5f * param + std::sin(0.001f * static_cast<float>(i + tensor * kTensorStride) +
+                                 0.1f * step + rank);
+}
+
+absl::StatusOr<std::vector<float>> ReferenceParams(const client::JobDef& def, uint32_t tensor,
+                                                   uint64_t steps) {
+  if (tensor >= def.tensors.size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("job ", def.name, " has no tensor ", tensor));
+  }
+  if (def.world_size == 0) return absl::InvalidArgumentError("world_size 0");
+  auto kind = KindOf(def.optimizer.kind);
+  if (!kind.ok()) return kind.status();
+  kernels::OptimizerHyper h;
+  h.kind = *kind;
+  h.lr = def.optimizer.lr;
+  h.beta1 = def.optimizer.beta1;
+  h.beta2 = def.optimizer.beta2;
+  h.eps = def.optimizer.eps;
+  h.weight_decay = def.optimizer.weight_decay;
+  h.momentum = def.optimizer.momentum;
+  // Zero fields take the kind's defaults, as the coordinator fills them.
+  if (absl::Status s = kernels::FillDefaultsAndValidate(&h); !s.ok()) return s;
+  const float grad_scale = def.optimizer.grad_scale > 0
+                               ? def.optimizer.grad_scale
+                               : 1.0f / static_cast<float>(def.world_size);
+
+  const size_t n = NumElems(def.tensors[tensor]);
+  std::vector<float> master(n), m(n, 0.f), v(n, 0.f), published(n);
+  for (size_t i = 0; i < n; ++i) master[i] = InitialValue(tensor, i);
+  std::vector<uint8_t> out(n * DTypeSize(def.param_dtype));
+  kernels::CastFromFp32(master.data(), n, out.data(), def.param_dtype);
+  kernels::CastToFp32(out.data(), def.param_dtype, n, published.data());
+  std::vector<std::vector<uint8_t>> grads(def.world_size,
+                                          std::vector<uint8_t>(n * DTypeSize(def.grad_dtype)));
+  std::vector<float> g(n);
+  for (uint64_t step = 1; step <= steps; ++step) {
+    std::vector<const void*> ptrs;
+    for (uint32_t r = 0; r < def.world_size; ++r) {
+      for (size_t i = 0; i < n; ++i) g[i] = Gradient(published[i], step, r, tensor, i);
+      kernels::CastFromFp32(g.data(), n, grads[r].data(), def.grad_dtype);
+      ptrs.push_back(grads[r].data());
+    }
+    kernels::StepInputs in;
+    in.grads = ptrs;
+    in.grad_dtype = def.grad_dtype;
+    in.grad_scale = grad_scale;
+    in.step = static_cast<int64_t>(step);
+    absl::Status s = kernels::FusedStepScalar(h, in, n, {master.data(), m.data(), v.data()},
+                                              out.data(), def.param_dtype);
+    if (!s.ok()) return s;
+    kernels::CastToFp32(out.data(), def.param_dtype, n, published.data());
+  }
+  return published;
+}
+
+client::JobDef SmallJob(const std::string& name, uint32_t world_size, uint64_t max_chunk_bytes) {
+  client::JobDef def;
+  def.name = name;
+  def.world_size = world_size;
+  def.tensors = {{"weight", {200, 257}}, {"bias", {37}}};
+  def.optimizer.kind = client::Optimizer::kAdamW;
+  def.optimizer.lr = 1e-2f;
+  def.optimizer.weight_decay = 0.1f;
+  def.grad_dtype = DType::kBf16;
+  def.param_dtype = DType::kBf16;
+  def.max_chunk_bytes = max_chunk_bytes;
+  return def;
+}
+
+absl::StatusOr<std::string> NewTempDir(absl::string_view prefix) {
+  const char* base = std::getenv("TEST_TMPDIR");
+  std::string tmpl = absl::StrCat(base != nullptr ? base : "/tmp", "/", prefix, "XXXXXX");
+  if (mkdtemp(tmpl.data()) == nullptr) {
+    return absl::InternalError(absl::StrCat("mkdtemp ", tmpl, ": ", std::strerror(errno)));
+  }
+  return tmpl;
+}
+
+// ---- Cluster ----------------------------------------------------------------
+
+Cluster::Cluster(const ClusterOptions& options) : options_(options) {}
+
+absl::StatusOr<std::unique_ptr<Cluster>> Cluster::Start(const ClusterOptions& options) {
+  if (options.num_shards < 0 || options.num_workers == 0) {
+    return absl::InvalidArgumentError("a cluster needs num_shards >= 0 and num_workers >= 1");
+  }
+  std::unique_ptr<Cluster> c(new Cluster(options));
+  if (options.transport == TransportKind::kLoopback) {
+    c->fabric_ = transport::LoopbackFabric::Create(options.loopback);
+  }
+  CoordinatorOptions copts;
+  copts.listen_address = "127.0.0.1:0";
+  copts.lease = options.lease;
+  copts.sweep_interval = options.sweep_interval;
+  copts.checkpoint_dir = options.checkpoint_dir;
+  if (options.serve_metrics) copts.metrics_address = "127.0.0.1:0";
+  auto coord = CoordinatorServer::Start(copts);
+  if (!coord.ok()) return coord.status();
+  c->coord_ = std::move(*coord);
+  c->stub_ = v1::Coordinator::NewStub(
+      grpc::CreateChannel(c->coord_->address(), grpc::InsecureChannelCredentials()));
+  for (int i = 0; i < options.num_shards; ++i) {
+    if (auto s = c->AddShard(); !s.ok()) return s.status();
+  }
+  return c;
+}
+
+Cluster::~Cluster() {
+  workers_.clear();
+  last_push_.clear();
+  shards_.clear();
+  coord_.reset();
+}
+
+transport::WorkerOptions Cluster::TransportOptions(const std::string& name) const {
+  transport::WorkerOptions o;
+  o.name = name;
+  if (options_.transport == TransportKind::kLoopback) {
+    o.loopback = fabric_;
+  } else {
+    o.net_devices = "lo";  // Nothing leaves the machine.
+  }
+  return o;
+}
+
+absl::StatusOr<v1::StatusResponse> Cluster::Status() {
+  v1::StatusResponse resp;
+  grpc::ClientContext ctx;
+  absl::Status s = FromGrpc(stub_->Status(&ctx, v1::StatusRequest(), &resp));
+  if (!s.ok()) return s;
+  return resp;
+}
+
+// ---- Shards ----
+
+absl::StatusOr<size_t> Cluster::AddShard() {
+  server::ShardServerOptions s;
+  s.coordinator_address = coord_->address();
+  s.memory_limit_bytes = options_.shard_memory_limit_bytes;
+  s.kernel_threads = options_.kernel_threads;
+  s.heartbeat_interval = options_.heartbeat_interval;
+  s.transport = TransportOptions(absl::StrCat("shard", shards_.size()));
+  s.checkpoint_dir = options_.checkpoint_dir;
+  s.checkpoint_max_bytes_per_second = options_.checkpoint_max_bytes_per_second;
+  if (options_.serve_metrics) s.metrics_address = "127.0.0.1:0";
+  auto shard = server::ShardServer::Start(s);
+  if (!shard.ok()) {
+    return absl::Status(shard.status().code(), absl::StrCat("starting shard ", shards_.size(),
+                                                            ": ", shard.status().message()));
+  }
+  shards_.push_back(std::move(*shard));
+  return shards_.size() - 1;
+}
+
+absl::Status Cluster::KillShard(size_t i) {
+  if (i >= shards_.size()) {
+    return absl::OutOfRangeError(absl::StrCat("no shard ", i, " (", shards_.size(), " shards)"));
+  }
+  shards_[i]->Shutdown();
+  return absl::OkStatus();
+}
+
+std::vector<server::ShardServerStats> Cluster::ShardStats() const {
+  std::vector<server::ShardServerStats> out;
+  for (const auto& s : shards_) out.push_back(s->stats());
+  return out;
+}
+
+std::vector<uint64_t> Cluster::ShardMemoryUsed() const {
+  std::vector<uint64_t> out;
+  for (const auto& s : shards_) out.push_back(s->stats().memory_used_bytes);
+  return out;
+}
+
+absl::StatusOr<v1::DrainShardResponse> Cluster::DrainShard(size_t i) {
+  if (i >= shards_.size()) {
+    return absl::OutOfRangeError(absl::StrCat("no shard ", i, " (", shards_.size(), " shards)"));
+  }
+  v1::DrainShardRequest req;
+  req.set_shard_id(shards_[i]->shard_id());
+  v1::DrainShardResponse resp;
+  grpc::ClientContext ctx;
+  absl::Status s = FromGrpc(stub_->DrainShard(&ctx, req, &resp));
+  if (!s.ok()) return s;
+  return resp;
+}
+
+// ---- Workers and jobs ----
+
+absl::Status Cluster::ConnectWorkers() {
+  workers_.clear();  // Before their push buffers.
+  joined_job_.clear();
+  last_push_.assign(options_.num_workers, {});
+  for (uint32_t r = 0; r < options_.num_workers; ++r) {
+    client::ClientOptions o;
+    o.coordinator_address = coord_->address();
+    o.transport = TransportOptions(absl::StrCat("worker", r));
+    auto c = client::Client::Connect(o);
+    if (!c.ok()) {
+      return absl::Status(c.status().code(),
+                          absl::StrCat("connecting worker ", r, ": ", c.status().message()));
+    }
+    workers_.push_back(std::move(*c));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Cluster::JoinAll(const std::string& name) {
+  joined_job_ = name;
+  for (uint32_t r = 0; r < options_.num_workers; ++r) {
+    absl::Status s = workers_[r]->Join(name, r, options_.num_workers);
+    if (!s.ok()) {
+      return absl::Status(s.code(),
+                          absl::StrCat("rank ", r, " joining ", name, ": ", s.message()));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Cluster::CreateJob(const client::JobDef& def) {
+  if (def.world_size != options_.num_workers) {
+    return absl::InvalidArgumentError(absl::StrCat("job ", def.name, " has world size ",
+                                                   def.world_size, " but the cluster runs ",
+                                                   options_.num_workers, " workers"));
+  }
+  if (absl::Status s = ConnectWorkers(); !s.ok()) return s;
+  if (absl::Status s = workers_[0]->CreateJob(def); !s.ok()) return s;
+  if (absl::Status s = JoinAll(def.name); !s.ok()) return s;
+  client::Client* c = workers_[0].get();
+  for (uint32_t t = 0; t < c->tensors().size(); ++t) {
+    std::vector<float> v(c->tensors()[t].num_elems);
+    for (size_t i = 0; i < v.size(); ++i) v[i] = InitialValue(t, i);
+    if (absl::Status s = c->InitTensor(t, v.data(), v.size()); !s.ok()) {
+      return absl::Status(s.code(), absl::StrCat("initial values of tensor ", t, ": ",
+                                                 s.message()));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Cluster::JoinJob(const std::string& name) {
+  if (absl::Status s = ConnectWorkers(); !s.ok()) return s;
+  return JoinAll(name);
+}
+
+absl::Status Cluster::LeaveJob() {
+  if (joined_job_.empty()) return absl::FailedPreconditionError("no job joined");
+  for (uint32_t r = 0; r < workers_.size(); ++r) {
+    v1::LeaveJobRequest req;
+    req.set_job_name(joined_job_);
+    req.set_rank(r);
+    v1::LeaveJobResponse resp;
+    grpc::ClientContext ctx;
+    absl::Status s = FromGrpc(stub_->LeaveJob(&ctx, req, &resp));
+    if (!s.ok()) {
+      return absl::Status(s.code(), absl::StrCat("rank ", r, " leaving ", joined_job_, ": ",
+                                                 s.message()));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<v1::DeleteJobResponse> Cluster::DeleteJob(const std::string& name, bool force) {
+  v1::DeleteJobRequest req;
+  req.set_job_name(name);
+  req.set_force(force);
+  v1::DeleteJobResponse resp;
+  grpc::ClientContext ctx;
+  absl::Status s = FromGrpc(stub_->DeleteJob(&ctx, req, &resp));
+  if (!s.ok()) return s;
+  return resp;
+}
+
+absl::StatusOr<std::vector<uint8_t>> Cluster::Pull(uint32_t tensor, uint64_t version,
+                                                   uint32_t rank) {
+  if (rank >= workers_.size()) {
+    return absl::FailedPreconditionError(absl::StrCat("no worker of rank ", rank));
+  }
+  client::Client* c = workers_[rank].get();
+  if (tensor >= c->tensors().size()) {
+    return absl::InvalidArgumentError(absl::StrCat("no tensor ", tensor));
+  }
+  const size_t n = c->tensors()[tensor].num_elems;
+  std::vector<uint8_t> raw(n * DTypeSize(c->param_dtype()));
+  auto ticket = c->Pull(tensor, version, raw.data(), n);
+  if (!ticket.ok()) return ticket.status();
+  absl::Status s = c->Wait(*ticket, options_.wait);
+  if (!s.ok()) {
+    return absl::Status(s.code(), absl::StrCat("rank ", rank, " pull of tensor ", tensor,
+                                               " version ", version, ": ", s.message()));
+  }
+  return raw;
+}
+
+absl::StatusOr<std::vector<float>> Cluster::PullFp32(uint32_t tensor, uint64_t version,
+                                                     uint32_t rank) {
+  auto raw = Pull(tensor, version, rank);
+  if (!raw.ok()) return raw.status();
+  const client::Client* c = workers_[rank].get();
+  std::vector<float> out(c->tensors()[tensor].num_elems);
+  kernels::CastToFp32(raw->data(), c->param_dtype(), out.size(), out.data());
+  return out;
+}
+
+std::vector<uint8_t> Cluster::GradientBytes(uint32_t rank, uint32_t tensor,
+                                            const std::vector<float>& params, uint64_t step) {
+  if (rank >= workers_.size()) return {};
+  const client::Client* c = workers_[rank].get();
+  std::vector<float> g(params.size());
+  for (size_t i = 0; i < g.size(); ++i) g[i] = Gradient(params[i], step, rank, tensor, i);
+  std::vector<uint8_t> out(g.size() * DTypeSize(c->grad_dtype()));
+  kernels::CastFromFp32(g.data(), g.size(), out.data(), c->grad_dtype());
+  return out;
+}
+
+absl::Status Cluster::RunWorker(uint32_t rank, uint64_t first_step, uint64_t last_step,
+                                std::vector<absl::Time>* step_done) {
+  if (rank >= workers_.size()) {
+    return absl::FailedPreconditionError(absl::StrCat("no worker of rank ", rank));
+  }
+  client::Client* c = workers_[rank].get();
+  std::vector<std::vector<uint8_t>>& pushed = last_push_[rank];
+  pushed.resize(c->tensors().size());
+  for (uint64_t step = first_step; step <= last_step; ++step) {
+    for (uint32_t t = 0; t < c->tensors().size(); ++t) {
+      auto params = PullFp32(t, step, rank);
+      if (!params.ok()) return params.status();
+      // Replaces the previous push of t, whose next version was just pulled.
+      pushed[t] = GradientBytes(rank, t, *params, step);
+      auto ticket = c->Push(t, step, pushed[t].data(), params->size());
+      if (!ticket.ok()) return ticket.status();
+      absl::Status s = c->Wait(*ticket, options_.wait);
+      if (!s.ok()) {
+        return absl::Status(s.code(), absl::StrCat("rank ", rank, " push of tensor ", t,
+                                                   " step ", step, ": ", s.message()));
+      }
+    }
+    if (step_done != nullptr) step_done->push_back(absl::Now());
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Cluster::Train(uint64_t first_step, uint64_t last_step,
+                            std::vector<absl::Time>* rank0_step_done) {
+  if (workers_.size() != options_.num_workers) {
+    return absl::FailedPreconditionError("no workers: CreateJob or JoinJob first");
+  }
+  std::vector<absl::Status> results(workers_.size());
+  std::vector<std::thread> threads;
+  for (uint32_t r = 0; r < workers_.size(); ++r) {
+    threads.emplace_back([this, r, first_step, last_step, rank0_step_done, &results] {
+      results[r] = RunWorker(r, first_step, last_step, r == 0 ? rank0_step_done : nullptr);
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (const absl::Status& s : results) {
+    if (!s.ok()) return s;
+  }
+  return absl::OkStatus();
+}
+
+// ---- Checkpoints ----
+
+absl::StatusOr<v1::CheckpointInfo> Cluster::CreateCheckpoint(const std::string& job) {
+  v1::CreateCheckpointRequest req;
+  req.set_job_name(job);
+  v1::CreateCheckpointResponse resp;
+  grpc::ClientContext ctx;
+  absl::Status s = FromGrpc(stub_->CreateCheckpoint(&ctx, req, &resp));
+  if (!s.ok()) return s;
+  return resp.checkpoint();
+}
+
+absl::StatusOr<std::vector<v1::CheckpointInfo>> Cluster::ListCheckpoints(const std::string& job) {
+  v1::ListCheckpointsRequest req;
+  req.set_job_name(job);
+  v1::ListCheckpointsResponse resp;
+  grpc::ClientContext ctx;
+  absl::Status s = FromGrpc(stub_->ListCheckpoints(&ctx, req, &resp));
+  if (!s.ok()) return s;
+  return std::vector<v1::CheckpointInfo>(resp.checkpoints().begin(), resp.checkpoints().end());
+}
+
+absl::StatusOr<v1::CheckpointInfo> Cluster::WaitCheckpoint(const std::string& job, uint64_t id,
+                                                           absl::Duration timeout) {
+  v1::CheckpointInfo last;
+  absl::Status list_error;
+  absl::Status s = WaitUntil(
+      absl::StrCat("checkpoint ", id, " of ", job, " to finish"),
+      [&] {
+        auto list = ListCheckpoints(job);
+        if (!list.ok()) {
+          list_error = list.status();
+          return true;
+        }
+        bool busy = false, found = false;
+        for (const auto& c : *list) {
+          if (c.checkpoint_id() < id) continue;
+          found = true;
+          last = c;
+          busy |= c.state() == v1::CHECKPOINT_STATE_IN_PROGRESS;
+        }
+        return found && !busy;
+      },
+      timeout);
+  if (!list_error.ok()) return list_error;
+  if (!s.ok()) return s;
+  return last;
+}
+
+absl::StatusOr<v1::RestoreCheckpointResponse> Cluster::RestoreCheckpoint(
+    const std::string& job, uint64_t id, const std::string& new_name, uint64_t max_chunk_bytes) {
+  v1::RestoreCheckpointRequest req;
+  req.set_job_name(job);
+  req.set_checkpoint_id(id);
+  req.set_new_job_name(new_name);
+  req.set_max_chunk_bytes(max_chunk_bytes);
+  v1::RestoreCheckpointResponse resp;
+  grpc::ClientContext ctx;
+  absl::Status s = FromGrpc(stub_->RestoreCheckpoint(&ctx, req, &resp));
+  if (!s.ok()) return s;
+  return resp;
+}
+
+// ---- Waiting ----
+
+absl::Status Cluster::WaitUntil(absl::string_view what, const std::function<bool()>& done,
+                                absl::Duration timeout) {
+  if (timeout == absl::ZeroDuration()) timeout = options_.wait;
+  const absl::Time give_up = absl::Now() + timeout;
+  for (;;) {
+    if (done()) return absl::OkStatus();
+    if (absl::Now() >= give_up) {
+      return absl::DeadlineExceededError(
+          absl::StrCat("waited ", absl::FormatDuration(timeout), " for ", what));
+    }
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+}
+
+absl::Status Cluster::WaitStatus(absl::string_view what,
+                                 const std::function<bool(const v1::StatusResponse&)>& pred,
+                                 absl::Duration timeout) {
+  absl::Status rpc_error;
+  absl::Status s = WaitUntil(
+      what,
+      [&] {
+        auto st = Status();
+        if (!st.ok()) {
+          rpc_error = st.status();
+          return true;
+        }
+        return pred(*st);
+      },
+      timeout);
+  if (!rpc_error.ok()) return rpc_error;
+  return s;
+}
+
+absl::Status Cluster::WaitApplied(const std::string& job, uint64_t step) {
+  return WaitStatus(absl::StrCat("job ", job, " to report step ", step, " applied"),
+                    [&](const v1::StatusResponse& st) {
+                      for (const auto& j : st.jobs()) {
+                        if (j.name() == job && j.current_step() >= step) return true;
+                      }
+                      return false;
+                    });
+}
+
+}  // namespace harness
+}  // namespace optimus

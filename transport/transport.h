@@ -1,0 +1,180 @@
+// The data plane's transport interface: a Worker sends active messages (a
+// small header, copied, plus an optional payload) to peers' Workers, and
+// hands messages it receives to per-id handlers. Two implementations:
+// transport/ucx.h (UCX, between processes and machines) and
+// transport/loopback.h (in one process, for tests and benchmarks).
+// Worker::Create picks one from WorkerOptions, so callers never name one.
+// Knows nothing of jobs or optimizers.
+//
+// Ownership: the caller owns a Worker; EndpointRefs, MemoryRegions and
+// IncomingMessages belong to the Worker that made them and must not outlive it.
+// Thread-safety (every implementation): Create/SetHandler before Start; after
+// Start, Connect, Send and RegisterMemory may be called from any thread.
+// Handlers and completion callbacks run on the Worker's progress thread and
+// must not block.
+#ifndef OPTIMUS_TRANSPORT_TRANSPORT_H_
+#define OPTIMUS_TRANSPORT_TRANSPORT_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+
+namespace optimus {
+namespace transport {
+
+class LoopbackFabric;  // transport/loopback.h
+
+// A connected peer. Copyable and cheap; valid until the Worker that made it
+// (by Connect, or as a message's reply endpoint) is destroyed, even after the
+// peer has failed (Sends on it then fail). Use it only with that Worker.
+struct EndpointRef {
+  void* ep = nullptr;
+  bool valid() const { return ep != nullptr; }
+};
+
+// Called on the progress thread when a peer is found dead (see
+// WorkerOptions::on_peer_failure).
+using PeerFailureCallback = std::function<void(EndpointRef ep, const absl::Status& why)>;
+
+// Highest active-message id a caller may use. UCX carries 16 bits and the
+// UCX implementation keeps two ids for its own handshake; every
+// implementation refuses ids above this one so that code that runs on one
+// runs on all.
+inline constexpr uint16_t kMaxAmId = 0xffff - 2;
+
+struct WorkerOptions {
+  // ---- Every implementation ----
+  // Name used in log lines. Default "worker".
+  std::string name = "worker";
+  // Report dead peers: a dead peer turns into failed Sends (always, on
+  // loopback) and a call of on_peer_failure. On UCX this asks for
+  // UCP_ERR_HANDLING_MODE_PEER; UCX 1.13's shared-memory transports (posix,
+  // sysv) cannot detect peer failure, so with this on, messages between
+  // processes on one machine go over tcp (cma may still copy rendezvous
+  // payloads). Turn it off to carry messages over shared memory when the
+  // peers' lifetimes are tied together (UCX then never reports a dead peer:
+  // eager sends to it "succeed", rendezvous ones wait until teardown).
+  // Default on.
+  bool detect_peer_failure = true;
+  // Called on the progress thread when a peer failed (needs
+  // detect_peer_failure), once per endpoint, after later Sends on it have
+  // started to fail. Lets a caller fail requests still waiting for that
+  // peer's reply instead of waiting for a timeout. Must not block or call
+  // into the Worker. Default: none.
+  PeerFailureCallback on_peer_failure;
+
+  // ---- Which implementation ----
+  // Set: Worker::Create makes an in-process loopback worker attached to this
+  // fabric (transport/loopback.h); the UCX fields below are ignored. Unset:
+  // a UCX worker. Default unset.
+  std::shared_ptr<LoopbackFabric> loopback;
+
+  // ---- UCX only (ignored by loopback) ----
+  // UCX transports, in UCX_TLS syntax. Default: TCP, shared memory and self,
+  // which is what a single machine's loopback offers.
+  std::string transports = "tcp,sm,self";
+  // UCX_NET_DEVICES; "all" lets UCX choose. Tests and the local cluster use
+  // "lo" so that nothing leaves the machine.
+  std::string net_devices = "all";
+};
+
+// Called once when an operation finishes, on the progress thread (or, for an
+// operation the Worker's destruction cancels, on the destroying thread).
+using DoneCallback = std::function<void(absl::Status)>;
+
+// One received active message, valid only during the handler call.
+class IncomingMessage {
+ public:
+  virtual ~IncomingMessage() = default;
+  virtual uint16_t am_id() const = 0;
+  virtual absl::Span<const uint8_t> header() const = 0;
+  virtual size_t payload_size() const = 0;
+  // True when the payload has not arrived yet and will be pulled by
+  // rendezvous when ReceiveInto is called.
+  virtual bool is_rendezvous() const = 0;
+  // Endpoint to answer the sender on. Every message carries its sender's
+  // identity; the endpoint back is opened on the first Send. Keep it as long
+  // as needed (see EndpointRef).
+  virtual EndpointRef reply_endpoint() const = 0;
+  // Receives the payload into dst (at least payload_size() bytes). Eager
+  // payloads are copied and `done` runs before this returns; rendezvous
+  // payloads land in dst later, on the progress thread, and `done` runs
+  // then (with an error if the sender went away first). dst must stay valid
+  // until `done` runs. Call at most once (a second call fails with
+  // FAILED_PRECONDITION), from inside the handler; a payload that is never
+  // received is dropped when the handler returns and its sender's Send
+  // still completes OK.
+  virtual void ReceiveInto(void* dst, DoneCallback done) = 0;
+};
+
+using Handler = std::function<void(IncomingMessage& msg)>;
+
+// Keeps a buffer registered (so rendezvous lands in it without a bounce
+// buffer) until destroyed. Must not outlive its Worker.
+class MemoryRegion {
+ public:
+  virtual ~MemoryRegion() = default;
+};
+
+class Worker {
+ public:
+  // A loopback worker when options.loopback is set, a UCX worker otherwise.
+  // Errors: INVALID_ARGUMENT and others for a bad configuration (e.g. an
+  // unknown UCX transport), with the implementation's reason.
+  static absl::StatusOr<std::unique_ptr<Worker>> Create(const WorkerOptions& options);
+  // Stops the progress thread and closes endpoints. Operations still in
+  // flight complete with an error (CANCELLED) before it returns; handlers may
+  // run until then. Peers see this worker as failed. Takes at most ~2 s even
+  // when peers are dead.
+  virtual ~Worker() = default;
+
+  // This worker's address, an opaque string to hand to peers (e.g. via the
+  // coordinator). Valid from Create on.
+  virtual const std::string& address() const = 0;
+
+  // Registers the handler for active message id `am_id` (0..kMaxAmId; higher
+  // ids are refused with an error log). Before Start only. A message for an
+  // id without a handler is dropped (its sender's Send still completes).
+  virtual void SetHandler(uint16_t am_id, Handler handler) = 0;
+
+  // Starts the progress thread. FAILED_PRECONDITION when already started.
+  virtual absl::Status Start() = 0;
+
+  // Opens an endpoint to the worker whose address() is peer_address and
+  // introduces this worker to it. After Start only (FAILED_PRECONDITION
+  // before). INVALID_ARGUMENT for an empty address (and on loopback for one
+  // that is malformed or of another fabric; UCX cannot tell a malformed
+  // binary address, so pass only addresses a worker reported); UNAVAILABLE
+  // (or DEADLINE_EXCEEDED after 10 s on UCX) when the peer is dead or does
+  // not answer. Callable from a handler or callback (it does not wait there).
+  // Peer failures after this surface as errors on later Sends, never as a
+  // crash.
+  virtual absl::StatusOr<EndpointRef> Connect(const std::string& peer_address) = 0;
+
+  // Sends `header` (copied before return) and `payload` (payload_size bytes,
+  // may be null when 0) to `ep` as active message `am_id`. The payload must
+  // not change until `done` runs. `done` gets OK once the payload is handed
+  // over (an eager copy made, or the receiver took it or dropped it); an
+  // error when the peer failed (UNAVAILABLE on loopback and for UCX's
+  // peer-failure codes, see ucx_status.h); INVALID_ARGUMENT for a null
+  // endpoint or another worker's; CANCELLED when this worker is being
+  // destroyed.
+  virtual void Send(EndpointRef ep, uint16_t am_id, absl::Span<const uint8_t> header,
+                    const void* payload, size_t payload_size, DoneCallback done) = 0;
+
+  // Registers [data, data + size_bytes) for rendezvous. Thread-safe. A no-op
+  // region on loopback.
+  virtual absl::StatusOr<std::unique_ptr<MemoryRegion>> RegisterMemory(
+      void* data, size_t size_bytes) = 0;
+};
+
+}  // namespace transport
+}  // namespace optimus
+
+#endif  // OPTIMUS_TRANSPORT_TRANSPORT_H_
