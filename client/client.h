@@ -29,7 +29,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "common/dtype.h"
-#include "transport/ucx.h"
+#include "transport/transport.h"
 
 namespace optimus {
 namespace client {

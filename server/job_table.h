@@ -26,7 +26,7 @@
 #include "absl/time/time.h"
 #include "server/chunk.h"
 #include "server/domain.h"
-#include "transport/ucx.h"
+#include "transport/transport.h"
 
 namespace optimus {
 namespace server {

@@ -47,7 +47,7 @@
 #include "server/shard_metrics.h"
 #include "server/shard_server.h"
 #include "server/step_executor.h"
-#include "transport/ucx.h"
+#include "transport/transport.h"
 
 namespace optimus {
 namespace server {

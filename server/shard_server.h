@@ -15,7 +15,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
-#include "transport/ucx.h"
+#include "transport/transport.h"
 
 namespace optimus {
 namespace server {
