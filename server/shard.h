@@ -64,6 +64,7 @@ class Shard : public ShardServer {
   absl::Status Start();
   void Shutdown() override;
   uint64_t shard_id() const override { return shard_id_.load(); }
+  std::string data_address() const override { return worker_ != nullptr ? worker_->address() : ""; }
   ShardServerStats stats() const override;
   int metrics_port() const override;
 

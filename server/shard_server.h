@@ -82,6 +82,8 @@ class ShardServer {
   virtual ~ShardServer() = default;
 
   virtual uint64_t shard_id() const = 0;
+  // The data-plane address workers and other shards connect to.
+  virtual std::string data_address() const = 0;
   virtual ShardServerStats stats() const = 0;
   // The /metrics and /healthz port, or 0 when they are off.
   virtual int metrics_port() const = 0;

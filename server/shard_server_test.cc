@@ -1,0 +1,333 @@
+// The shard server alone, in-process: a fake coordinator link hands it jobs,
+// maps and released jobs; a raw peer on the loopback transport sends it
+// wire requests. Checks request handling (what is served, refused, parked)
+// and that every job and chunk that leaves gives its memory back.
+#include "server/shard_server.h"
+
+#include <cstring>
+#include <map>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/synchronization/mutex.h"
+#include "common/dtype.h"
+#include "common/wire.h"
+#include "gtest/gtest.h"
+#include "kernels/cpu/optimizer.h"
+#include "server/coordinator_link.h"
+#include "transport/loopback.h"
+
+namespace optimus {
+namespace server {
+namespace {
+
+constexpr absl::Duration kWait = absl::Seconds(10);
+constexpr uint64_t kJob = 5;
+constexpr uint32_t kWorld = 2;
+constexpr uint64_t kElems = 4096;  // One chunk of tensor 0.
+
+class FakeLink : public CoordinatorLink {
+ public:
+  absl::StatusOr<Registered> Register(const ShardRegistration& r) override {
+    absl::MutexLock lock(&mu_);
+    address_ = r.data_address;
+    known_ = true;
+    return Registered{++shard_id_, 600};
+  }
+  absl::StatusOr<HeartbeatReply> Heartbeat(const HeartbeatReport& report) override {
+    absl::MutexLock lock(&mu_);
+    last_ = report;
+    ++beats_;
+    HeartbeatReply reply;
+    reply.known = known_;
+    for (const auto& [id, d] : jobs_) reply.assignments.emplace_back(id, d.map.epoch);
+    reply.released_jobs = released_;
+    return reply;
+  }
+  absl::StatusOr<JobDescription> GetJob(uint64_t job_id) override {
+    absl::MutexLock lock(&mu_);
+    auto it = jobs_.find(job_id);
+    if (it == jobs_.end()) return absl::NotFoundError("no such job");
+    return it->second;
+  }
+
+  void SetJob(const JobDescription& d) {
+    absl::MutexLock lock(&mu_);
+    jobs_[d.config.job_id] = d;
+  }
+  void Delete(uint64_t job_id) {
+    absl::MutexLock lock(&mu_);
+    jobs_.erase(job_id);
+    released_.push_back(job_id);
+  }
+  void Forget() {
+    absl::MutexLock lock(&mu_);
+    known_ = false;
+  }
+  uint64_t shard_id() {
+    absl::MutexLock lock(&mu_);
+    return shard_id_;
+  }
+  // Waits for a heartbeat report that satisfies `pred`.
+  bool WaitReport(const std::function<bool(const HeartbeatReport&)>& pred) {
+    absl::MutexLock lock(&mu_);
+    auto ok = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return beats_ > 0 && pred(last_); };
+    return mu_.AwaitWithTimeout(absl::Condition(&ok), kWait);
+  }
+
+ private:
+  absl::Mutex mu_;
+  uint64_t shard_id_ ABSL_GUARDED_BY(mu_) = 0;
+  bool known_ ABSL_GUARDED_BY(mu_) = true;
+  std::string address_ ABSL_GUARDED_BY(mu_);
+  std::map<uint64_t, JobDescription> jobs_ ABSL_GUARDED_BY(mu_);
+  std::vector<uint64_t> released_ ABSL_GUARDED_BY(mu_);
+  HeartbeatReport last_ ABSL_GUARDED_BY(mu_);
+  uint64_t beats_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+// A worker speaking raw wire requests to the shard.
+class Peer {
+ public:
+  struct Answer {
+    wire::Reply reply;
+    std::vector<uint8_t> payload;
+  };
+
+  Peer(const std::shared_ptr<transport::LoopbackFabric>& fabric, const std::string& shard) {
+    transport::WorkerOptions o;
+    o.loopback = fabric;
+    o.name = "peer";
+    worker_ = *transport::Worker::Create(o);
+    worker_->SetHandler(wire::kAmReply, [this](transport::IncomingMessage& m) {
+      auto r = wire::ParseReply(m.header());
+      auto buf = std::make_shared<std::vector<uint8_t>>(m.payload_size());
+      const wire::Reply reply = r.ok() ? *r : wire::Reply{};
+      m.ReceiveInto(buf->data(), [this, reply, buf](absl::Status) {
+        absl::MutexLock lock(&mu_);
+        answers_[reply.header.request_id] = Answer{reply, *buf};
+      });
+    });
+    EXPECT_TRUE(worker_->Start().ok());
+    ep_ = *worker_->Connect(shard);
+  }
+
+  void Post(wire::RequestHeader h, const void* payload = nullptr, size_t bytes = 0) {
+    h.num_bytes = h.num_bytes != 0 ? h.num_bytes : bytes;
+    worker_->Send(ep_, wire::kAmRequest, wire::AsBytes(h), payload, bytes, [](absl::Status) {});
+  }
+  // The answer to request `id`, or a reply with UNKNOWN status after kWait.
+  Answer Await(uint64_t id, absl::Duration wait = kWait) {
+    absl::MutexLock lock(&mu_);
+    auto there = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return answers_.count(id) != 0; };
+    if (!mu_.AwaitWithTimeout(absl::Condition(&there), wait)) {
+      Answer none;
+      none.reply.status = absl::UnknownError("no answer");
+      return none;
+    }
+    Answer a = answers_[id];
+    answers_.erase(id);
+    return a;
+  }
+  Answer Call(wire::RequestHeader h, const void* payload = nullptr, size_t bytes = 0) {
+    Post(h, payload, bytes);
+    return Await(h.request_id);
+  }
+
+ private:
+  std::unique_ptr<transport::Worker> worker_;
+  transport::EndpointRef ep_;
+  absl::Mutex mu_;
+  std::map<uint64_t, Answer> answers_ ABSL_GUARDED_BY(mu_);
+};
+
+JobDescription OneChunkJob(uint64_t primary, uint64_t epoch = 1) {
+  JobDescription d;
+  d.config.job_id = kJob;
+  d.config.name = "unit";
+  d.config.world_size = kWorld;
+  d.config.grad_dtype = DType::kFp32;
+  d.config.param_dtype = DType::kFp32;
+  d.config.grad_scale = 1.0f / kWorld;
+  d.config.hyper.kind = kernels::OptimizerKind::kAdamW;
+  d.config.hyper.lr = 1e-2f;
+  d.config.hyper.weight_decay = 0.01f;
+  d.map.epoch = epoch;
+  ChunkPlacement p;
+  p.num_elems = kElems;
+  p.primary = primary;
+  d.map.chunks.push_back(p);
+  return d;
+}
+
+class ShardServerTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    fabric_ = transport::LoopbackFabric::Create();
+    auto link = std::make_unique<FakeLink>();
+    link_ = link.get();
+    ShardServerOptions o;
+    o.coordinator_address = "fake";
+    o.memory_limit_bytes = 64 << 20;
+    o.heartbeat_interval = absl::Milliseconds(20);
+    o.transport.loopback = fabric_;
+    o.transport.name = "shard";
+    auto s = ShardServer::StartWithLink(o, std::move(link));
+    ASSERT_TRUE(s.ok()) << s.status();
+    shard_ = std::move(*s);
+  }
+
+  // Loads the job and waits until the shard reports it.
+  void Load(const JobDescription& d) {
+    link_->SetJob(d);
+    ASSERT_TRUE(link_->WaitReport([&](const HeartbeatReport& r) {
+      for (const JobReport& j : r.jobs) {
+        if (j.job_id == d.config.job_id && j.map_epoch == d.map.epoch) return true;
+      }
+      return false;
+    }));
+  }
+
+  wire::RequestHeader Header(wire::Op op, uint64_t step, uint64_t id, uint64_t epoch = 1) {
+    wire::RequestHeader h;
+    h.op = static_cast<uint16_t>(op);
+    h.job_id = kJob;
+    h.map_epoch = epoch;
+    h.step = step;
+    h.dtype = static_cast<uint8_t>(DType::kFp32);
+    h.num_bytes = kElems * 4;
+    h.request_id = id;
+    return h;
+  }
+
+  std::shared_ptr<transport::LoopbackFabric> fabric_;
+  FakeLink* link_ = nullptr;
+  std::unique_ptr<ShardServer> shard_;
+};
+
+std::vector<float> Ramp(float scale) {
+  std::vector<float> v(kElems);
+  for (size_t i = 0; i < kElems; ++i) v[i] = scale * static_cast<float>(i % 97) - 1.0f;
+  return v;
+}
+
+TEST_F(ShardServerTest, ServesTheStepTorchWouldComputeAndRefusesBadRequests) {
+  Load(OneChunkJob(link_->shard_id()));
+  Peer peer(fabric_, shard_->data_address());
+  const std::vector<float> init = Ramp(0.01f);
+  ASSERT_TRUE(peer.Call(Header(wire::Op::kInit, 1, 1), init.data(), kElems * 4).reply.status.ok());
+  // Init only once.
+  EXPECT_EQ(peer.Call(Header(wire::Op::kInit, 1, 2), init.data(), kElems * 4).reply.status.code(),
+            absl::StatusCode::kAlreadyExists);
+
+  // A pull of version 2 is parked until both workers pushed step 1.
+  peer.Post(Header(wire::Op::kPull, 2, 10));
+  const std::vector<float> g0 = Ramp(0.002f), g1 = Ramp(-0.003f);
+  wire::RequestHeader push = Header(wire::Op::kPush, 1, 20);
+  ASSERT_TRUE(peer.Call(push, g0.data(), kElems * 4).reply.status.ok());
+  // The same push again is a duplicate, not a second gradient.
+  Peer::Answer dup = peer.Call(Header(wire::Op::kPush, 1, 21), g0.data(), kElems * 4);
+  EXPECT_TRUE(dup.reply.status.ok());
+  EXPECT_NE(dup.reply.header.flags & wire::kReplyDuplicate, 0u);
+  // Bad pushes change nothing.
+  wire::RequestHeader bad = Header(wire::Op::kPush, 1, 30);
+  bad.rank = kWorld;
+  EXPECT_EQ(peer.Call(bad, g1.data(), kElems * 4).reply.status.code(),
+            absl::StatusCode::kInvalidArgument);
+  bad = Header(wire::Op::kPush, 1, 31);
+  bad.rank = 1;
+  EXPECT_EQ(peer.Call(bad, g1.data(), kElems * 4 - 4).reply.status.code(),
+            absl::StatusCode::kInvalidArgument);
+  bad = Header(wire::Op::kPush, 2, 32);
+  bad.rank = 1;
+  EXPECT_EQ(peer.Call(bad, g1.data(), kElems * 4).reply.status.code(),
+            absl::StatusCode::kOutOfRange);
+  bad = Header(wire::Op::kPush, 1, 33, /*epoch=*/0);
+  bad.rank = 1;
+  Peer::Answer stale = peer.Call(bad, g1.data(), kElems * 4);
+  EXPECT_EQ(stale.reply.status.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(stale.reply.header.flags & wire::kReplyRefreshMap, 0u);
+  bad = Header(wire::Op::kPush, 1, 34);
+  bad.job_id = 99;
+  EXPECT_EQ(peer.Call(bad, g1.data(), kElems * 4).reply.status.code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(peer.Await(10, absl::Milliseconds(50)).reply.status.code(),
+            absl::StatusCode::kUnknown)
+      << "the parked pull must wait for rank 1";
+
+  wire::RequestHeader push1 = Header(wire::Op::kPush, 1, 40);
+  push1.rank = 1;
+  ASSERT_TRUE(peer.Call(push1, g1.data(), kElems * 4).reply.status.ok());
+  Peer::Answer v2 = peer.Await(10);
+  ASSERT_TRUE(v2.reply.status.ok()) << v2.reply.status;
+  EXPECT_EQ(v2.reply.header.param_version, 2u);
+  ASSERT_EQ(v2.payload.size(), kElems * 4);
+
+  // The same step in one process, with the shard's kernel.
+  std::vector<float> master = init, m(kElems), v(kElems), want(kElems);
+  const void* grads[] = {g0.data(), g1.data()};
+  kernels::StepInputs in;
+  in.grads = absl::MakeConstSpan(grads, 2);
+  in.grad_dtype = DType::kFp32;
+  in.grad_scale = 1.0f / kWorld;
+  in.step = 1;
+  ASSERT_TRUE(kernels::FusedStep(OneChunkJob(1).config.hyper, in, kElems,
+                                 {master.data(), m.data(), v.data()}, want.data(), DType::kFp32)
+                  .ok());
+  EXPECT_EQ(std::memcmp(v2.payload.data(), want.data(), kElems * 4), 0) << "not bitwise";
+  EXPECT_EQ(shard_->stats().steps_applied, 1u);
+  EXPECT_EQ(shard_->stats().pushes_duplicate, 1u);
+}
+
+TEST_F(ShardServerTest, DeletedJobGivesEveryByteBackAndAnswersItsParkedPulls) {
+  const uint64_t baseline = shard_->stats().memory_used_bytes;
+  Load(OneChunkJob(link_->shard_id()));
+  EXPECT_GT(shard_->stats().memory_used_bytes, baseline);
+  Peer peer(fabric_, shard_->data_address());
+  const std::vector<float> init = Ramp(0.01f);
+  ASSERT_TRUE(peer.Call(Header(wire::Op::kInit, 1, 1), init.data(), kElems * 4).reply.status.ok());
+  peer.Post(Header(wire::Op::kPull, 2, 2));  // Parked: nobody pushes.
+  link_->Delete(kJob);
+  Peer::Answer parked = peer.Await(2);
+  EXPECT_EQ(parked.reply.status.code(), absl::StatusCode::kNotFound) << parked.reply.status;
+  ASSERT_TRUE(link_->WaitReport([](const HeartbeatReport& r) { return r.jobs.empty(); }));
+  EXPECT_EQ(shard_->stats().memory_used_bytes, baseline);
+  EXPECT_EQ(shard_->stats().jobs, 0u);
+  EXPECT_EQ(peer.Call(Header(wire::Op::kPull, 1, 3)).reply.status.code(),
+            absl::StatusCode::kNotFound);
+}
+
+TEST_F(ShardServerTest, ChunkMovedAwayIsFreedAndItsPullsAskForTheNewMap) {
+  const uint64_t baseline = shard_->stats().memory_used_bytes;
+  Load(OneChunkJob(link_->shard_id()));
+  Peer peer(fabric_, shard_->data_address());
+  const std::vector<float> init = Ramp(0.01f);
+  ASSERT_TRUE(peer.Call(Header(wire::Op::kInit, 1, 1), init.data(), kElems * 4).reply.status.ok());
+  peer.Post(Header(wire::Op::kPull, 2, 2));
+  // Epoch 2 places the chunk on shard 77.
+  Load(OneChunkJob(77, /*epoch=*/2));
+  Peer::Answer parked = peer.Await(2);
+  EXPECT_EQ(parked.reply.status.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(parked.reply.header.flags & wire::kReplyRefreshMap, 0u);
+  EXPECT_EQ(shard_->stats().memory_used_bytes, baseline);
+  EXPECT_EQ(shard_->stats().chunks_owned, 0u);
+  // A request under the new map for a chunk that is not here: unknown.
+  EXPECT_EQ(peer.Call(Header(wire::Op::kPull, 1, 3, /*epoch=*/2)).reply.status.code(),
+            absl::StatusCode::kNotFound);
+}
+
+TEST_F(ShardServerTest, ForgottenShardDropsEverythingAndRegistersAgain) {
+  const uint64_t baseline = shard_->stats().memory_used_bytes;
+  const uint64_t first_id = link_->shard_id();
+  Load(OneChunkJob(first_id));
+  EXPECT_GT(shard_->stats().memory_used_bytes, baseline);
+  link_->Forget();
+  ASSERT_TRUE(link_->WaitReport([&](const HeartbeatReport& r) { return r.shard_id != first_id; }));
+  EXPECT_EQ(shard_->stats().memory_used_bytes, baseline);
+  EXPECT_NE(shard_->shard_id(), first_id);
+}
+
+}  // namespace
+}  // namespace server
+}  // namespace optimus
