@@ -25,9 +25,10 @@ void Shard::Carry(const JobRef& job, const ChunkRef& chunk, Actions a) {
     metrics_.requests_rejected.fetch_add(1);
     Reply(r.to.peer, r.to.request_id, r.status, r.hint);
   }
+  // Counted before any worker can see the version.
+  if (a.published != 0) metrics_.steps_applied.fetch_add(1);
   // Workers first: the copy and the next step come after their pulls.
   for (const PullReply& p : a.sends) SendVersion(job, chunk, p);
-  if (a.published != 0) metrics_.steps_applied.fetch_add(1);
   if (a.step_waits_for_snapshot || a.step_released_by_snapshot) {
     absl::MutexLock lock(&chunk->mu);
     const absl::Time now = absl::Now();
