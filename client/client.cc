@@ -285,6 +285,21 @@ class ClientImpl : public Client {
     return absl::OkStatus();
   }
 
+  absl::Status Leave() override {
+    {
+      absl::MutexLock lock(&mu_);
+      if (!joined_) return absl::FailedPreconditionError("join a job first");
+    }
+    v1::LeaveJobRequest req;
+    req.set_job_name(job_name_);
+    req.set_rank(rank_);
+    v1::LeaveJobResponse resp;
+    grpc::ClientContext ctx;
+    SetDeadline(&ctx);
+    return Annotate(FromGrpc(stub_->LeaveJob(&ctx, req, &resp)),
+                    absl::StrCat("leaving job '", job_name_, "'"));
+  }
+
   const std::vector<TensorInfo>& tensors() const override { return tensors_; }
 
   absl::StatusOr<uint32_t> TensorIndex(const std::string& name) const override {

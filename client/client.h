@@ -116,6 +116,17 @@ class Client {
   // ready (ready_timeout) and connects to them.
   virtual absl::Status Join(const std::string& name, uint32_t rank, uint32_t world_size) = 0;
 
+  // Tells the coordinator that this rank is done with the joined job
+  // (LeaveJob), so that the job can be deleted (optimusctl job delete)
+  // without --force once every rank has left. Call it when training ends,
+  // after the last Wait. Idempotent; a rank that left may Join the job again
+  // with a new client. It does not stop the data plane: the client stays
+  // usable until destroyed, but a job all of whose ranks left may be deleted
+  // under it. FAILED_PRECONDITION before Join; NOT_FOUND when the job is gone
+  // (deleted, or replaced by a restore); UNAVAILABLE when the coordinator
+  // cannot be reached.
+  virtual absl::Status Leave() = 0;
+
   // The joined job's tensors, in definition order; index = position.
   virtual const std::vector<TensorInfo>& tensors() const = 0;
   virtual absl::StatusOr<uint32_t> TensorIndex(const std::string& name) const = 0;
