@@ -587,6 +587,17 @@ class ClientImpl : public Client {
             "usable replica; re-join the job the coordinator restores from its checkpoint")));
         continue;
       }
+      // The job is gone: deleted (optimusctl job delete), or, once FAILED,
+      // replaced by the restore that took over its name (a rollback does
+      // that within a sweep of the failure, so the FAILED state may never
+      // be seen here). No new map will come for it.
+      if (absl::IsNotFound(fetched)) {
+        FailAllStalled(absl::UnavailableError(absl::StrCat(
+            "job '", job_name_, "' (id ", job_id, ") is gone from the coordinator: deleted, "
+            "or replaced by the job restored from its checkpoint after it failed; re-join the "
+            "job by name")));
+        continue;
+      }
       if (fetched.ok()) {
         uint64_t epoch;
         {
