@@ -14,8 +14,9 @@
 // Failover is transparent: when a shard fails, or the coordinator moves
 // chunks (a drain), requests in flight are resent under the job's new shard
 // map and Wait just takes longer (about the lease). Only when the job cannot
-// go on (a shard was lost without a replica: the job FAILED) do the waiting
-// tickets fail, with UNAVAILABLE.
+// go on (a shard was lost without a replica: the job FAILED; or the job is
+// gone from the coordinator: deleted, or replaced by the job a rollback
+// restored under its name) do the waiting tickets fail, with UNAVAILABLE.
 // All methods are thread-safe.
 #ifndef OPTIMUS_CLIENT_CLIENT_H_
 #define OPTIMUS_CLIENT_CLIENT_H_
