@@ -45,6 +45,31 @@ void AddArrayNames(v1::OptimizerKind kind, v1::CheckpointManifest* m) {
   for (uint32_t a = 0; a < layout.num_arrays; ++a) m->add_arrays(layout.names[a]);
 }
 
+// What a checkpoint folder on disk says of itself: COMPLETE with its step and
+// size when its manifest reads, FAILED with the reason when the manifest is
+// corrupted; nullopt without a manifest (an incomplete leftover).
+std::optional<v1::CheckpointInfo> InfoFromFolder(const std::string& job_name, uint64_t id,
+                                                 const std::string& path) {
+  absl::StatusOr<v1::CheckpointManifest> m = ckpt::ReadManifest(path);
+  if (absl::IsNotFound(m.status())) return std::nullopt;
+  v1::CheckpointInfo info;
+  info.set_job_name(job_name);
+  info.set_checkpoint_id(id);
+  info.set_path(path);
+  if (!m.ok()) {
+    info.set_state(v1::CHECKPOINT_STATE_FAILED);
+    info.set_error(std::string(m.status().message()));
+    return info;
+  }
+  info.set_state(v1::CHECKPOINT_STATE_COMPLETE);
+  info.set_step(m->step());
+  info.set_created_unix_ms(m->created_unix_ms());
+  uint64_t size = 0;
+  for (const auto& f : m->files()) size += f.size_bytes();
+  info.set_size_bytes(size);
+  return info;
+}
+
 }  // namespace
 
 CheckpointManager::CheckpointManager(std::string dir) : dir_(std::move(dir)) {}
@@ -474,24 +499,8 @@ std::vector<v1::CheckpointInfo> CheckpointManager::List(const std::string& job_n
     const uint64_t id = ckpt::ParseFolderName(name);
     const std::string path = absl::StrCat(JobDir(job_name), "/", name);
     if (id == 0 || busy.count(path) != 0) continue;
-    v1::CheckpointInfo info;
-    info.set_job_name(job_name);
-    info.set_checkpoint_id(id);
-    info.set_path(path);
-    absl::StatusOr<v1::CheckpointManifest> m = ckpt::ReadManifest(path);
-    if (absl::IsNotFound(m.status())) continue;  // Partial leftovers.
-    if (!m.ok()) {
-      info.set_state(v1::CHECKPOINT_STATE_FAILED);
-      info.set_error(std::string(m.status().message()));
-    } else {
-      info.set_state(v1::CHECKPOINT_STATE_COMPLETE);
-      info.set_step(m->step());
-      info.set_created_unix_ms(m->created_unix_ms());
-      uint64_t size = 0;
-      for (const auto& f : m->files()) size += f.size_bytes();
-      info.set_size_bytes(size);
-    }
-    out.push_back(std::move(info));
+    std::optional<v1::CheckpointInfo> info = InfoFromFolder(job_name, id, path);
+    if (info.has_value()) out.push_back(*std::move(info));  // Else partial leftovers.
   }
   std::sort(out.begin(), out.end(), [](const v1::CheckpointInfo& a, const v1::CheckpointInfo& b) {
     return a.checkpoint_id() < b.checkpoint_id();
@@ -522,25 +531,9 @@ std::optional<v1::CheckpointInfo> CheckpointManager::Last(const std::string& job
     const uint64_t id = ckpt::ParseFolderName(*it);
     if (id == 0) continue;
     if (best.has_value() && id <= best->checkpoint_id()) break;
-    const std::string path = absl::StrCat(JobDir(job_name), "/", *it);
-    absl::StatusOr<v1::CheckpointManifest> m = ckpt::ReadManifest(path);
-    if (absl::IsNotFound(m.status())) continue;
-    v1::CheckpointInfo info;
-    info.set_job_name(job_name);
-    info.set_checkpoint_id(id);
-    info.set_path(path);
-    if (!m.ok()) {
-      info.set_state(v1::CHECKPOINT_STATE_FAILED);
-      info.set_error(std::string(m.status().message()));
-    } else {
-      info.set_state(v1::CHECKPOINT_STATE_COMPLETE);
-      info.set_step(m->step());
-      info.set_created_unix_ms(m->created_unix_ms());
-      uint64_t size = 0;
-      for (const auto& f : m->files()) size += f.size_bytes();
-      info.set_size_bytes(size);
-    }
-    return info;
+    std::optional<v1::CheckpointInfo> info =
+        InfoFromFolder(job_name, id, absl::StrCat(JobDir(job_name), "/", *it));
+    if (info.has_value()) return info;
   }
   return best;
 }
