@@ -120,8 +120,9 @@ absl::StatusOr<v1::CreateJobResponse> Coordinator::CreateJobInternal(
   }
   if (absl::Status s = WaitDurable(seq); !s.ok()) {
     absl::MutexLock lock(&mu_);
+    // Its id is not handed out again: shards may have seen it in the
+    // meantime, and they are told to release it.
     jobs_.Remove(job_id);
-    jobs_.GiveBackId(job_id);
     if (JobRecord* old = jobs_.Find(replaced); old != nullptr) {
       old->deleting = false;
       jobs_.ClaimName(old->spec.name(), old->id);

@@ -359,7 +359,15 @@ TEST_F(JobLifecycleTest, AFailedSaveLeavesTheJobAndItsWorkersAsTheyWere) {
   EXPECT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
   EXPECT_EQ(GetStatus().jobs_size(), 1);
   EXPECT_THAT(Beat(a, true, {job}).released_jobs(), IsEmpty());
+  // A job whose creation cannot be saved does not exist, and its id is not
+  // handed out again (a shard may have seen it before it was undone).
+  uint64_t refused_id = 0;
+  EXPECT_EQ(Create(Spec("other", 2), &refused_id).error_code(),
+            grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_EQ(GetStatus().jobs_size(), 1);
   store_->set_failing(false);
+  EXPECT_EQ(CreateOk(Spec("other", 2)), job + 2);
+  ASSERT_TRUE(Delete("other").ok());
   ASSERT_TRUE(Delete("llm", /*force=*/true).ok());
   // A coordinator restarted over the state does not bring it back.
   Start();

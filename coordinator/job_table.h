@@ -77,11 +77,9 @@ class JobTable {
   size_t size() const { return jobs_.size(); }
   size_t names_size() const { return ids_by_name_.size(); }
 
+  // Ids are never handed out twice, not even for a job whose creation was
+  // undone: a shard that saw it must not mistake a later job for it.
   uint64_t TakeNextId() { return next_id_++; }
-  // Undoes the TakeNextId that returned `id` when it was the last one.
-  void GiveBackId(uint64_t id) {
-    if (id + 1 == next_id_) --next_id_;
-  }
   uint64_t next_id() const { return next_id_; }
   void set_next_id(uint64_t id) { next_id_ = id; }
 
