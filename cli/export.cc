@@ -5,21 +5,12 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/checkpoint_files.h"
+#include "kernels/optimizer_spec.h"
 #include "proto/optimus.pb.h"
 #include "torch/torch.h"
 
 namespace optimus {
 namespace {
-
-const char* KindName(v1::OptimizerKind k) {
-  switch (k) {
-    case v1::OPTIMIZER_ADAMW: return "adamw";
-    case v1::OPTIMIZER_ADAM: return "adam";
-    case v1::OPTIMIZER_SGD: return "sgd";
-    case v1::OPTIMIZER_LION: return "lion";
-    default: return "unspecified";
-  }
-}
 
 c10::impl::GenericDict NewDict() {
   return c10::impl::GenericDict(c10::StringType::get(), c10::AnyType::get());
@@ -29,7 +20,16 @@ absl::Status Export(const std::string& dir, const std::string& out_path) {
   absl::StatusOr<v1::CheckpointManifest> m = ckpt::ReadManifest(dir);
   if (!m.ok()) return m.status();
   if (auto s = ckpt::VerifyCheckpoint(dir, *m); !s.ok()) return s;
-  const std::vector<std::string> arrays = ckpt::ArrayNames(m->spec().optimizer().kind());
+  // The arrays of each data file, named as torch.optim names its state.
+  absl::StatusOr<kernels::OptimizerKind> kind =
+      kernels::OptimizerKindFromInt(m->spec().optimizer().kind());
+  if (!kind.ok()) {
+    return absl::DataLossError(
+        absl::StrCat(dir, ": the manifest's spec names no known optimizer"));
+  }
+  const kernels::StateLayout& layout = kernels::LayoutOf(*kind);
+  const std::vector<std::string> arrays(layout.names.begin(),
+                                        layout.names.begin() + layout.num_arrays);
   c10::impl::GenericDict params = NewDict();
   c10::impl::GenericDict state = NewDict();
   for (int t = 0; t < m->spec().tensors_size(); ++t) {
@@ -56,7 +56,7 @@ absl::Status Export(const std::string& dir, const std::string& out_path) {
   }
   const v1::OptimizerConfig& o = m->spec().optimizer();
   c10::impl::GenericDict opt = NewDict();
-  opt.insert("kind", std::string(KindName(o.kind())));
+  opt.insert("kind", std::string(kernels::OptimizerName(*kind)));
   opt.insert("lr", static_cast<double>(o.lr()));
   opt.insert("beta1", static_cast<double>(o.beta1()));
   opt.insert("beta2", static_cast<double>(o.beta2()));

@@ -2,6 +2,8 @@
 //   optimusctl [--coordinator=HOST:PORT] [--timeout_ms=N] status [--json]
 //   optimusctl checkpoint create|list|restore|export JOB [options]
 //   optimusctl drain SHARD_ID [--wait [--wait_s=N]]
+//   optimusctl job delete NAME [--force]
+//   optimusctl shard forget SHARD_ID
 // Exit codes: 0 success, 1 the command failed (e.g. coordinator
 // unreachable), 2 usage error. Flags are parsed by hand so that every usage
 // error, including an unknown flag, exits 2 with the usage text.
@@ -19,6 +21,7 @@
 #include "cli/checkpoint.h"
 #include "cli/drain.h"
 #include "cli/export.h"
+#include "cli/lifecycle.h"
 #include "cli/status.h"
 
 namespace {
@@ -33,6 +36,14 @@ constexpr char kUsage[] =
     "                    (promote its backups, seed new ones); with --wait: until it\n"
     "                    holds none (exit 0) or N seconds pass (default 300, exit 1);\n"
     "                    then stop the shard\n"
+    "  job delete JOB [--force]\n"
+    "                    end JOB: it leaves the coordinator's tables and status at once\n"
+    "                    and its shards free its memory (its checkpoints stay on disk);\n"
+    "                    refused while workers are joined unless --force (a FAILED job,\n"
+    "                    or one whose workers all left, needs none)\n"
+    "  shard forget SHARD_ID\n"
+    "                    remove a DOWN shard from the tables now (DOWN shards also leave\n"
+    "                    on their own after the coordinator's --down_shard_grace)\n"
     "  checkpoint create JOB [--wait]\n"
     "                    checkpoint JOB now (with --wait: until complete or failed)\n"
     "  checkpoint list JOB [--json]\n"
@@ -50,7 +61,8 @@ constexpr char kUsage[] =
     "  --coordinator=HOST:PORT  coordinator address (default 127.0.0.1:7070)\n"
     "  --timeout_ms=N           give up on the coordinator after N ms (default 3000)\n"
     "  --json                   print one JSON object instead of tables\n"
-    "  --wait_s=N               drain --wait gives up after N seconds (default 300)\n";
+    "  --wait_s=N               drain --wait gives up after N seconds (default 300)\n"
+    "  --force                  job delete: also while workers are joined\n";
 
 int Usage(const std::string& error) {
   if (!error.empty()) std::cerr << "optimusctl: " << error << "\n\n";
@@ -201,6 +213,39 @@ int Drain(const std::string& coordinator, absl::Duration timeout,
   }
 }
 
+// `job delete NAME [--force]`.
+int Job(const std::string& coordinator, absl::Duration timeout,
+        const std::vector<std::string>& positional, bool force) {
+  if (positional.size() < 2 || positional[1] != "delete") {
+    return Usage(positional.size() < 2 ? "job needs a command: delete"
+                                       : "unknown job command \"" + positional[1] + "\"");
+  }
+  if (positional.size() != 3 || positional[2].empty()) return Usage("job delete needs one job name");
+  absl::StatusOr<optimus::v1::DeleteJobResponse> resp =
+      optimus::DeleteJobRpc(coordinator, timeout, positional[2], force);
+  if (!resp.ok()) return Fail(resp.status());
+  std::cout << optimus::RenderJobDeleted(positional[2], *resp);
+  return 0;
+}
+
+// `shard forget SHARD_ID`.
+int Shard(const std::string& coordinator, absl::Duration timeout,
+          const std::vector<std::string>& positional) {
+  if (positional.size() < 2 || positional[1] != "forget") {
+    return Usage(positional.size() < 2 ? "shard needs a command: forget"
+                                       : "unknown shard command \"" + positional[1] + "\"");
+  }
+  uint64_t shard_id = 0;
+  if (positional.size() != 3 || !absl::SimpleAtoi(positional[2], &shard_id) || shard_id == 0) {
+    return Usage("shard forget needs one shard id (a positive number; see optimusctl status)");
+  }
+  absl::StatusOr<optimus::v1::ForgetShardResponse> resp =
+      optimus::ForgetShardRpc(coordinator, timeout, shard_id);
+  if (!resp.ok()) return Fail(resp.status());
+  std::cout << optimus::RenderShardForgotten(*resp);
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -209,6 +254,7 @@ int main(int argc, char** argv) {
   int64_t wait_s = 300;
   bool json = false;
   bool wait = false;
+  bool force = false;
   uint64_t checkpoint_id = 0;
   uint64_t max_chunk_bytes = 0;
   std::string as_name, out_path, ckpt_path;
@@ -248,6 +294,8 @@ int main(int argc, char** argv) {
       json = true;
     } else if (name == "-wait" && !has_value) {
       wait = true;
+    } else if (name == "-force" && !has_value) {
+      force = true;
     } else if (name == "-wait_s") {
       if (!take_value() || !absl::SimpleAtoi(value, &wait_s) || wait_s <= 0) {
         return Usage("--wait_s needs a positive number of seconds");
@@ -278,6 +326,15 @@ int main(int argc, char** argv) {
   if (command == "checkpoint") {
     return Checkpoint(coordinator, absl::Milliseconds(timeout_ms), positional, json, wait,
                       checkpoint_id, as_name, max_chunk_bytes, out_path, ckpt_path);
+  }
+  if (force && command != "job") return Usage("--force goes with job delete only");
+  if (command == "job") {
+    if (json) return Usage("job delete has no --json output");
+    return Job(coordinator, absl::Milliseconds(timeout_ms), positional, force);
+  }
+  if (command == "shard") {
+    if (json) return Usage("shard forget has no --json output");
+    return Shard(coordinator, absl::Milliseconds(timeout_ms), positional);
   }
   if (command == "drain") {
     if (json) return Usage("drain has no --json output");

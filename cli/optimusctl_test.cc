@@ -78,8 +78,9 @@ int UnusedPort() {
 
 class OptimusctlTest : public ::testing::Test {
  protected:
+  virtual CoordinatorOptions Options() { return CoordinatorOptions(); }
   void SetUp() override {
-    auto server = CoordinatorServer::Start(CoordinatorOptions());
+    auto server = CoordinatorServer::Start(Options());
     ASSERT_TRUE(server.ok()) << server.status();
     server_ = std::move(*server);
     stub_ = v1::Coordinator::NewStub(
@@ -298,6 +299,97 @@ TEST_F(OptimusctlTest, DrainWaitGivesUpAfterWaitSeconds) {
   EXPECT_THAT(r.err, HasSubstr("still holds"));
   EXPECT_THAT(r.out, HasSubstr("shard 1: draining, "));
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(10));
+}
+
+TEST_F(OptimusctlTest, JobDeleteEndsAJobAndIsRefusedWhileWorkersAreJoined) {
+  const uint64_t shard = RegisterShard(v1::SHARD_KIND_DPU, "bf-0");
+  CreateJob();
+  StartBeating({shard}, /*seeded=*/false);  // Keep its lease: the job must not fail.
+  {
+    grpc::ClientContext ctx;
+    v1::JoinJobRequest req;
+    req.set_job_name("gpt-small");
+    req.set_rank(2);
+    req.set_world_size(4);
+    v1::JoinJobResponse resp;
+    ASSERT_TRUE(stub_->JoinJob(&ctx, req, &resp).ok());
+  }
+  const std::string coord = absl::StrCat("--coordinator=", server_->address());
+  RunResult r = RunOptimusctl(absl::StrCat(coord, " job delete gpt-small"));
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_THAT(r.err, HasSubstr("1 workers joined (ranks 2)"));
+  r = RunOptimusctl(absl::StrCat(coord, " status --json"));
+  absl::StatusOr<JsonValue> doc = ParseJson(r.out);
+  ASSERT_TRUE(doc.ok()) << doc.status();
+  ASSERT_EQ((*doc)["jobs"].array.size(), 1u);  // Still there.
+
+  r = RunOptimusctl(absl::StrCat(coord, " job delete gpt-small --force"));
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  // 64064 elements at 24 bytes on the one shard.
+  EXPECT_THAT(r.out, HasSubstr("job gpt-small (id 1, "));
+  EXPECT_THAT(r.out, HasSubstr(") deleted: 1.5 MiB of shard memory freed"));
+  EXPECT_THAT(r.out, HasSubstr("1 workers were still joined"));
+  r = RunOptimusctl(absl::StrCat(coord, " status --json"));
+  doc = ParseJson(r.out);
+  ASSERT_TRUE(doc.ok()) << doc.status();
+  EXPECT_TRUE((*doc)["jobs"].array.empty());
+  EXPECT_EQ((*doc)["shards"].array[0]["memory_planned_bytes"].AsUint(), 0u);
+
+  r = RunOptimusctl(absl::StrCat(coord, " job delete gpt-small"));
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_THAT(r.err, HasSubstr("no job named \"gpt-small\""));
+  for (const char* bad : {" job", " job delete", " job delete a b", " job frob a",
+                          " status --force", " job delete a --json"}) {
+    r = RunOptimusctl(absl::StrCat(coord, bad));
+    EXPECT_EQ(r.exit_code, 2) << bad;
+    EXPECT_THAT(r.err, HasSubstr("usage: optimusctl")) << bad;
+  }
+}
+
+// A coordinator with a short lease, so that a shard that stops beating is
+// DOWN within a second.
+class OptimusctlShortLeaseTest : public OptimusctlTest {
+ protected:
+  CoordinatorOptions Options() override {
+    CoordinatorOptions o;
+    o.lease = absl::Milliseconds(300);
+    o.sweep_interval = absl::Milliseconds(50);
+    return o;
+  }
+};
+
+TEST_F(OptimusctlShortLeaseTest, ShardForgetRemovesOnlyADownShard) {
+  const uint64_t a = RegisterShard(v1::SHARD_KIND_DPU, "bf-0");
+  const uint64_t b = RegisterShard(v1::SHARD_KIND_DPU, "bf-1");
+  StartBeating({b}, /*seeded=*/false);
+  const std::string coord = absl::StrCat("--coordinator=", server_->address());
+  RunResult r = RunOptimusctl(absl::StrCat(coord, " shard forget ", b));
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_THAT(r.err, HasSubstr("is UP"));
+  // Shard a never beats: it goes DOWN.
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  while (absl::Now() < deadline) {
+    r = RunOptimusctl(absl::StrCat(coord, " status --json"));
+    if (r.out.find("\"down\"") != std::string::npos) break;
+    absl::SleepFor(absl::Milliseconds(100));
+  }
+  r = RunOptimusctl(absl::StrCat(coord, " shard forget ", a));
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(r.out, "shard 1 (host bf-0) forgotten: it was DOWN; if it comes back it registers "
+                   "under a new id\n");
+  r = RunOptimusctl(absl::StrCat(coord, " status --json"));
+  absl::StatusOr<JsonValue> doc = ParseJson(r.out);
+  ASSERT_TRUE(doc.ok()) << doc.status();
+  ASSERT_EQ((*doc)["shards"].array.size(), 1u);
+  EXPECT_EQ((*doc)["shards"].array[0]["shard_id"].AsUint(), b);
+  r = RunOptimusctl(absl::StrCat(coord, " shard forget ", a));
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_THAT(r.err, HasSubstr("no shard with id 1"));
+  for (const char* bad : {" shard", " shard forget", " shard forget bf-0", " shard forget 0",
+                          " shard frob 1"}) {
+    r = RunOptimusctl(absl::StrCat(coord, bad));
+    EXPECT_EQ(r.exit_code, 2) << bad;
+  }
 }
 
 TEST(OptimusctlErrorsTest, UnreachableCoordinatorExitsOneWithAClearMessage) {

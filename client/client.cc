@@ -285,6 +285,21 @@ class ClientImpl : public Client {
     return absl::OkStatus();
   }
 
+  absl::Status Leave() override {
+    {
+      absl::MutexLock lock(&mu_);
+      if (!joined_) return absl::FailedPreconditionError("join a job first");
+    }
+    v1::LeaveJobRequest req;
+    req.set_job_name(job_name_);
+    req.set_rank(rank_);
+    v1::LeaveJobResponse resp;
+    grpc::ClientContext ctx;
+    SetDeadline(&ctx);
+    return Annotate(FromGrpc(stub_->LeaveJob(&ctx, req, &resp)),
+                    absl::StrCat("leaving job '", job_name_, "'"));
+  }
+
   const std::vector<TensorInfo>& tensors() const override { return tensors_; }
 
   absl::StatusOr<uint32_t> TensorIndex(const std::string& name) const override {
@@ -570,6 +585,17 @@ class ClientImpl : public Client {
         FailAllStalled(absl::UnavailableError(absl::StrCat(
             "job '", job_name_, "' failed: a shard holding its chunks was lost without a "
             "usable replica; re-join the job the coordinator restores from its checkpoint")));
+        continue;
+      }
+      // The job is gone: deleted (optimusctl job delete), or, once FAILED,
+      // replaced by the restore that took over its name (a rollback does
+      // that within a sweep of the failure, so the FAILED state may never
+      // be seen here). No new map will come for it.
+      if (absl::IsNotFound(fetched)) {
+        FailAllStalled(absl::UnavailableError(absl::StrCat(
+            "job '", job_name_, "' (id ", job_id, ") is gone from the coordinator: deleted, "
+            "or replaced by the job restored from its checkpoint after it failed; re-join the "
+            "job by name")));
         continue;
       }
       if (fetched.ok()) {

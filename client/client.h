@@ -14,8 +14,9 @@
 // Failover is transparent: when a shard fails, or the coordinator moves
 // chunks (a drain), requests in flight are resent under the job's new shard
 // map and Wait just takes longer (about the lease). Only when the job cannot
-// go on (a shard was lost without a replica: the job FAILED) do the waiting
-// tickets fail, with UNAVAILABLE.
+// go on (a shard was lost without a replica: the job FAILED; or the job is
+// gone from the coordinator: deleted, or replaced by the job a rollback
+// restored under its name) do the waiting tickets fail, with UNAVAILABLE.
 // All methods are thread-safe.
 #ifndef OPTIMUS_CLIENT_CLIENT_H_
 #define OPTIMUS_CLIENT_CLIENT_H_
@@ -117,6 +118,17 @@ class Client {
   // Joins job `name` as `rank` of `world_size`, waits until its shards are
   // ready (ready_timeout) and connects to them.
   virtual absl::Status Join(const std::string& name, uint32_t rank, uint32_t world_size) = 0;
+
+  // Tells the coordinator that this rank is done with the joined job
+  // (LeaveJob), so that the job can be deleted (optimusctl job delete)
+  // without --force once every rank has left. Call it when training ends,
+  // after the last Wait. Idempotent; a rank that left may Join the job again
+  // with a new client. It does not stop the data plane: the client stays
+  // usable until destroyed, but a job all of whose ranks left may be deleted
+  // under it. FAILED_PRECONDITION before Join; NOT_FOUND when the job is gone
+  // (deleted, or replaced by a restore); UNAVAILABLE when the coordinator
+  // cannot be reached.
+  virtual absl::Status Leave() = 0;
 
   // The joined job's tensors, in definition order; index = position.
   virtual const std::vector<TensorInfo>& tensors() const = 0;

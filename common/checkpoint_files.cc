@@ -62,16 +62,6 @@ uint64_t ParseFolderName(absl::string_view name) {
   return absl::SimpleAtoi(name, &id) ? id : 0;
 }
 
-std::vector<std::string> ArrayNames(v1::OptimizerKind kind) {
-  switch (kind) {
-    case v1::OPTIMIZER_ADAM:
-    case v1::OPTIMIZER_ADAMW: return {"master", "exp_avg", "exp_avg_sq"};
-    case v1::OPTIMIZER_SGD: return {"master", "momentum_buffer"};
-    case v1::OPTIMIZER_LION: return {"master", "exp_avg"};
-    default: return {"master"};
-  }
-}
-
 absl::StatusOr<v1::CheckpointFile> WriteDataFile(const std::string& dir, const std::string& name,
                                                  uint32_t tensor, uint64_t offset_elems,
                                                  uint64_t num_elems,

@@ -13,7 +13,8 @@
 //         12   u32      tensor index (into the manifest's spec.tensors)
 //         16   u64      offset_elems
 //         24   u64      num_elems
-//         32   u32      num_arrays (master, then the optimizer's moments)
+//         32   u32      num_arrays (master, then the optimizer's moments, in
+//                       the order and with the names of kernels::LayoutOf)
 //         36   u32      reserved (0)
 //         40   num_arrays x num_elems fp32, array after array
 //        end-4 u32      CRC32C (Castagnoli) of every byte before it
@@ -51,11 +52,6 @@ using ::optimus::WriteFileAtomically;
 std::string FolderName(uint64_t checkpoint_id);
 // Parses FolderName's output; 0 for anything else.
 uint64_t ParseFolderName(absl::string_view name);
-
-// Names of the arrays each data file holds for an optimizer kind, in order:
-// {"master","exp_avg","exp_avg_sq"} for Adam/AdamW, {"master",
-// "momentum_buffer"} for SGD, {"master","exp_avg"} for Lion.
-std::vector<std::string> ArrayNames(v1::OptimizerKind kind);
 
 // Writes one data file into `dir` as `name`: under a temporary name, fsynced,
 // then renamed and the folder fsynced, so the file is either absent or

@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/checkpoint_files.h"
 #include "common/logging.h"
+#include "kernels/optimizer_spec.h"
 
 namespace optimus {
 namespace {
@@ -33,6 +34,42 @@ bool UsableAsFolder(const std::string& name) {
          name.find('\0') == std::string::npos;
 }
 
+// The arrays each data file holds, from the optimizer's state layout.
+void AddArrayNames(v1::OptimizerKind kind, v1::CheckpointManifest* m) {
+  absl::StatusOr<kernels::OptimizerKind> k = kernels::OptimizerKindFromInt(kind);
+  if (!k.ok()) {
+    m->add_arrays("master");
+    return;
+  }
+  const kernels::StateLayout& layout = kernels::LayoutOf(*k);
+  for (uint32_t a = 0; a < layout.num_arrays; ++a) m->add_arrays(layout.names[a]);
+}
+
+// What a checkpoint folder on disk says of itself: COMPLETE with its step and
+// size when its manifest reads, FAILED with the reason when the manifest is
+// corrupted; nullopt without a manifest (an incomplete leftover).
+std::optional<v1::CheckpointInfo> InfoFromFolder(const std::string& job_name, uint64_t id,
+                                                 const std::string& path) {
+  absl::StatusOr<v1::CheckpointManifest> m = ckpt::ReadManifest(path);
+  if (absl::IsNotFound(m.status())) return std::nullopt;
+  v1::CheckpointInfo info;
+  info.set_job_name(job_name);
+  info.set_checkpoint_id(id);
+  info.set_path(path);
+  if (!m.ok()) {
+    info.set_state(v1::CHECKPOINT_STATE_FAILED);
+    info.set_error(std::string(m.status().message()));
+    return info;
+  }
+  info.set_state(v1::CHECKPOINT_STATE_COMPLETE);
+  info.set_step(m->step());
+  info.set_created_unix_ms(m->created_unix_ms());
+  uint64_t size = 0;
+  for (const auto& f : m->files()) size += f.size_bytes();
+  info.set_size_bytes(size);
+  return info;
+}
+
 }  // namespace
 
 CheckpointManager::CheckpointManager(std::string dir) : dir_(std::move(dir)) {}
@@ -41,16 +78,26 @@ std::string CheckpointManager::JobDir(const std::string& job_name) const {
   return absl::StrCat(dir_, "/", job_name);
 }
 
-uint64_t CheckpointManager::NextIdLocked(const std::string& job_name) {
-  uint64_t last = last_id_[job_name];
-  for (const std::string& name : ckpt::ListDir(JobDir(job_name))) {
-    last = std::max(last, ckpt::ParseFolderName(name));
-  }
-  last_id_[job_name] = last + 1;
-  return last + 1;
+CheckpointManager::InProgress* CheckpointManager::FindLocked(uint64_t job_id, uint64_t ticket) {
+  auto it = in_progress_.find(job_id);
+  return it != in_progress_.end() && it->second.ticket == ticket ? &it->second : nullptr;
 }
 
-absl::StatusOr<v1::CheckpointInfo> CheckpointManager::Create(const CheckpointJobView& job) {
+void CheckpointManager::ResolveLocked(uint64_t ticket,
+                                      absl::StatusOr<v1::CheckpointInfo> result) {
+  auto it = awaited_.find(ticket);
+  if (it != awaited_.end() && !it->second.has_value()) it->second = std::move(result);
+}
+
+void CheckpointManager::RemoveLater(std::string path) {
+  files_.Queue([path = std::move(path)] {
+    if (absl::Status s = ckpt::RemoveTree(path); !s.ok()) {
+      OPTIMUS_LOG(Warning, kLog, "removing checkpoint folder: ", s.ToString());
+    }
+  });
+}
+
+absl::StatusOr<uint64_t> CheckpointManager::Start(const CheckpointJobView& job) {
   if (!enabled()) {
     return absl::FailedPreconditionError(
         "checkpoints are off: start optimus-coord with --checkpoint_dir");
@@ -70,44 +117,108 @@ absl::StatusOr<v1::CheckpointInfo> CheckpointManager::Create(const CheckpointJob
   }
   absl::MutexLock lock(&mu_);
   if (auto it = in_progress_.find(job.job_id); it != in_progress_.end()) {
+    const uint64_t id = it->second.info.checkpoint_id();
     return absl::FailedPreconditionError(
-        absl::StrCat("checkpoint ", it->second.info.checkpoint_id(), " of job \"",
-                     job.spec.name(), "\" is still in progress"));
+        absl::StrCat(id != 0 ? absl::StrCat("checkpoint ", id) : std::string("a checkpoint"),
+                     " of job \"", job.spec.name(), "\" is still in progress"));
   }
-  return StartLocked(job, job.max_applied_step + 1);
+  StartLocked(job, job.max_applied_step + 1, /*attempt=*/0, /*old_path=*/"");
+  const uint64_t ticket = in_progress_.at(job.job_id).ticket;
+  awaited_[ticket] = std::nullopt;
+  return ticket;
 }
 
-absl::StatusOr<v1::CheckpointInfo> CheckpointManager::StartLocked(const CheckpointJobView& job,
-                                                                  uint64_t step) {
+absl::StatusOr<v1::CheckpointInfo> CheckpointManager::AwaitStart(uint64_t ticket) {
+  absl::MutexLock lock(&mu_);
+  auto it = awaited_.find(ticket);
+  if (it == awaited_.end()) {
+    return absl::InternalError(absl::StrCat("no checkpoint start with ticket ", ticket));
+  }
+  auto resolved = [&it]() { return it->second.has_value(); };
+  mu_.Await(absl::Condition(&resolved));
+  absl::StatusOr<v1::CheckpointInfo> out = *std::move(it->second);
+  awaited_.erase(it);
+  return out;
+}
+
+absl::StatusOr<v1::CheckpointInfo> CheckpointManager::Create(const CheckpointJobView& job) {
+  absl::StatusOr<uint64_t> ticket = Start(job);
+  if (!ticket.ok()) return ticket.status();
+  return AwaitStart(*ticket);
+}
+
+void CheckpointManager::StartLocked(const CheckpointJobView& job, uint64_t step, int attempt,
+                                    std::string old_path) {
   InProgress ip;
+  ip.ticket = next_ticket_++;
+  ip.phase = Phase::kStarting;
   ip.job_id = job.job_id;
   ip.spec = job.spec;
   ip.owners = job.owners;
-  v1::CheckpointInfo& info = ip.info;
-  info.set_job_name(job.spec.name());
-  info.set_checkpoint_id(NextIdLocked(job.spec.name()));
-  info.set_step(std::max<uint64_t>(step, 1));
-  info.set_state(v1::CHECKPOINT_STATE_IN_PROGRESS);
-  info.set_path(absl::StrCat(JobDir(job.spec.name()), "/",
-                             ckpt::FolderName(info.checkpoint_id())));
-  info.set_created_unix_ms(UnixMs(absl::Now()));
-  if (absl::Status s = ckpt::MakeDirs(info.path()); !s.ok()) {
-    info.set_state(v1::CHECKPOINT_STATE_FAILED);
-    info.set_error(std::string(s.message()));
-    failed_[info.job_name()].push_back(info);
-    return absl::Status(s.code(), absl::StrCat("checkpoint of job \"", job.spec.name(),
-                                               "\": ", s.message()));
-  }
+  ip.attempt = attempt;
+  ip.old_path = std::move(old_path);
+  ip.info.set_job_name(job.spec.name());
+  ip.info.set_step(std::max<uint64_t>(step, 1));
+  ip.info.set_state(v1::CHECKPOINT_STATE_IN_PROGRESS);
+  ip.info.set_created_unix_ms(UnixMs(absl::Now()));
   PolicyState& ps = policy_[job.job_id];
   ps.last_step = job.min_applied_step;
   ps.last_time = absl::Now();
-  OPTIMUS_LOG(Info, kLog, "checkpoint ordered job=", job.spec.name(),
-              " id=", info.checkpoint_id(), " step=", info.step(), " shards=", ip.owners.size());
-  v1::CheckpointInfo out = info;
-  auto it = in_progress_.find(job.job_id);
-  if (it != in_progress_.end()) ip.attempt = it->second.attempt;
-  in_progress_[job.job_id] = std::move(ip);
-  return out;
+  const uint64_t job_id = job.job_id, ticket = ip.ticket;
+  in_progress_[job_id] = std::move(ip);
+  files_.Queue([this, job_id, ticket] { MakeFolder(job_id, ticket); });
+}
+
+void CheckpointManager::MakeFolder(uint64_t job_id, uint64_t ticket) {
+  const absl::Status ended = absl::AbortedError(
+      "the checkpoint ended before its folder was made (its job failed or was deleted)");
+  std::string name, old_path;
+  {
+    absl::MutexLock lock(&mu_);
+    InProgress* ip = FindLocked(job_id, ticket);
+    if (ip == nullptr) return ResolveLocked(ticket, ended);
+    name = ip->info.job_name();
+    old_path = ip->old_path;
+  }
+  if (!old_path.empty()) (void)ckpt::RemoveTree(old_path);  // A retry's earlier attempt.
+  uint64_t listed = 0;
+  for (const std::string& entry : ckpt::ListDir(JobDir(name))) {
+    listed = std::max(listed, ckpt::ParseFolderName(entry));
+  }
+  std::string path;
+  {
+    absl::MutexLock lock(&mu_);
+    InProgress* ip = FindLocked(job_id, ticket);
+    if (ip == nullptr) return ResolveLocked(ticket, ended);
+    uint64_t& last = last_id_[name];
+    last = std::max(last, listed) + 1;
+    path = absl::StrCat(JobDir(name), "/", ckpt::FolderName(last));
+    ip->info.set_checkpoint_id(last);
+    ip->info.set_path(path);
+    ip->old_path.clear();
+  }
+  const absl::Status made = ckpt::MakeDirs(path);
+  absl::MutexLock lock(&mu_);
+  InProgress* ip = FindLocked(job_id, ticket);
+  // Ended meanwhile: the removal of `path` is queued behind this task.
+  if (ip == nullptr) return ResolveLocked(ticket, ended);
+  if (!made.ok()) {
+    v1::CheckpointInfo info = ip->info;
+    in_progress_.erase(job_id);
+    info.set_state(v1::CHECKPOINT_STATE_FAILED);
+    info.set_error(std::string(made.message()));
+    auto& failed = failed_[name];
+    failed.push_back(info);
+    if (failed.size() > kMaxFailedRemembered) failed.erase(failed.begin());
+    OPTIMUS_LOG(Error, kLog, "checkpoint failed job=", name, ": ", made.ToString());
+    return ResolveLocked(ticket, absl::Status(made.code(), absl::StrCat("checkpoint of job \"",
+                                                                        name, "\": ",
+                                                                        made.message())));
+  }
+  ip->phase = Phase::kOrdered;
+  OPTIMUS_LOG(Info, kLog, "checkpoint ordered job=", name, " id=", ip->info.checkpoint_id(),
+              " step=", ip->info.step(), " shards=", ip->owners.size());
+  ResolveLocked(ticket, ip->info);
 }
 
 uint64_t CheckpointManager::StepAheadLocked(const CheckpointJobView& job, absl::Time now) const {
@@ -138,23 +249,20 @@ void CheckpointManager::Tick(const std::vector<CheckpointJobView>& jobs, absl::T
     }
     auto ip = in_progress_.find(job.job_id);
     if (ip != in_progress_.end()) {
-      if (!ip->second.retry) continue;
+      if (ip->second.phase != Phase::kRetry) continue;
       // A retry aims ahead of the most advanced chunk by the steps training
       // makes while an order travels (at the job's measured pace; none when
       // it is paused), and later ones by a further gap that doubles. The
       // first order of a checkpoint aims at the next step: right when
       // training is paused, one wasted round trip when it is not.
       const int attempt = ip->second.attempt + 1;
-      const std::string old_path = ip->second.info.path();
       if (attempt >= kMaxAttempts) {
         FailLocked(job.job_id, "training kept passing the chosen step; try again");
         continue;
       }
-      (void)ckpt::RemoveTree(old_path);
-      ip->second.attempt = attempt;
       const uint64_t step =
           StepAheadLocked(job, now) + (attempt >= 2 ? uint64_t{1} << (attempt - 1) : 0);
-      if (!StartLocked(job, step).ok()) in_progress_.erase(job.job_id);
+      StartLocked(job, step, attempt, ip->second.info.path());
       continue;
     }
     if (job.state != v1::JOB_STATE_READY || !job.owners_without_checkpoint_dir.empty() ||
@@ -172,10 +280,7 @@ void CheckpointManager::Tick(const std::vector<CheckpointJobView>& jobs, absl::T
                           job.min_applied_step >= ps->second.last_step + policy.every_steps();
     const bool by_time = policy.every_seconds() > 0 &&
                          now - ps->second.last_time >= absl::Seconds(policy.every_seconds());
-    if (by_steps || by_time) {
-      absl::StatusOr<v1::CheckpointInfo> s = StartLocked(job, job.max_applied_step + 1);
-      if (!s.ok()) OPTIMUS_LOG(Warning, kLog, "policy checkpoint: ", s.status().ToString());
-    }
+    if (by_steps || by_time) StartLocked(job, job.max_applied_step + 1, 0, "");
   }
 }
 
@@ -186,14 +291,15 @@ std::vector<v1::CheckpointOrder> CheckpointManager::OnHeartbeat(
   absl::MutexLock lock(&mu_);
   for (const v1::ShardCheckpointReport& r : reports) {
     auto it = in_progress_.find(r.job_id());
-    if (it == in_progress_.end() || it->second.info.checkpoint_id() != r.checkpoint_id() ||
-        it->second.owners.count(shard_id) == 0 || it->second.retry) {
+    if (it == in_progress_.end() || it->second.phase != Phase::kOrdered ||
+        it->second.info.checkpoint_id() != r.checkpoint_id() ||
+        it->second.owners.count(shard_id) == 0) {
       continue;
     }
     InProgress& ip = it->second;
     if (!r.error().empty()) {
       if (r.missed_step()) {
-        ip.retry = true;
+        ip.phase = Phase::kRetry;
         OPTIMUS_LOG(Info, kLog, "checkpoint ", ip.info.checkpoint_id(), " of job ",
                     ip.info.job_name(), ": shard ", shard_id, " passed step ", ip.info.step(),
                     " already; retrying later");
@@ -204,11 +310,19 @@ std::vector<v1::CheckpointOrder> CheckpointManager::OnHeartbeat(
     }
     if (r.done()) {
       ip.reports[shard_id] = r;
-      if (ip.reports.size() == ip.owners.size()) FinishLocked(r.job_id());
+      if (ip.reports.size() == ip.owners.size()) {
+        // Every part is on disk; the manifest is file work.
+        ip.phase = Phase::kFinishing;
+        const uint64_t job_id = r.job_id(), ticket = ip.ticket;
+        files_.Queue([this, job_id, ticket] { WriteManifest(job_id, ticket); });
+      }
     }
   }
   for (const auto& [job_id, ip] : in_progress_) {
-    if (ip.retry || ip.owners.count(shard_id) == 0 || ip.reports.count(shard_id) != 0) continue;
+    if (ip.phase != Phase::kOrdered || ip.owners.count(shard_id) == 0 ||
+        ip.reports.count(shard_id) != 0) {
+      continue;
+    }
     v1::CheckpointOrder o;
     o.set_job_id(job_id);
     o.set_checkpoint_id(ip.info.checkpoint_id());
@@ -219,81 +333,127 @@ std::vector<v1::CheckpointOrder> CheckpointManager::OnHeartbeat(
   return orders;
 }
 
-void CheckpointManager::FinishLocked(uint64_t job_id) {
-  InProgress& ip = in_progress_.at(job_id);
+void CheckpointManager::WriteManifest(uint64_t job_id, uint64_t ticket) {
   v1::CheckpointManifest m;
-  m.set_format_version(ckpt::kFormatVersion);
-  m.set_job_name(ip.info.job_name());
-  m.set_checkpoint_id(ip.info.checkpoint_id());
-  m.set_step(ip.info.step());
-  *m.mutable_spec() = ip.spec;
-  m.set_dtype("fp32");
-  for (const std::string& a : ckpt::ArrayNames(ip.spec.optimizer().kind())) m.add_arrays(a);
+  std::string path, name;
+  uint32_t keep = kDefaultKeepLast;
   uint64_t size_bytes = 0;
-  for (const auto& [shard, r] : ip.reports) {
-    for (const v1::CheckpointFile& f : r.files()) {
-      *m.add_files() = f;
-      size_bytes += f.size_bytes();
+  {
+    absl::MutexLock lock(&mu_);
+    InProgress* ip = FindLocked(job_id, ticket);
+    if (ip == nullptr || ip->phase != Phase::kFinishing) return;
+    m.set_format_version(ckpt::kFormatVersion);
+    m.set_job_name(ip->info.job_name());
+    m.set_checkpoint_id(ip->info.checkpoint_id());
+    m.set_step(ip->info.step());
+    *m.mutable_spec() = ip->spec;
+    m.set_dtype("fp32");
+    AddArrayNames(ip->spec.optimizer().kind(), &m);
+    for (const auto& [shard, r] : ip->reports) {
+      for (const v1::CheckpointFile& f : r.files()) {
+        *m.add_files() = f;
+        size_bytes += f.size_bytes();
+      }
     }
+    m.set_created_unix_ms(ip->info.created_unix_ms());
+    path = ip->info.path();
+    name = ip->info.job_name();
+    if (ip->spec.checkpoint_policy().keep_last() > 0) keep = ip->spec.checkpoint_policy().keep_last();
   }
   std::sort(m.mutable_files()->begin(), m.mutable_files()->end(),
             [](const v1::CheckpointFile& a, const v1::CheckpointFile& b) {
               return std::make_pair(a.tensor(), a.offset_elems()) <
                      std::make_pair(b.tensor(), b.offset_elems());
             });
-  m.set_created_unix_ms(ip.info.created_unix_ms());
   // The manifest goes last: a folder without one is not a checkpoint.
-  if (absl::Status s = ckpt::WriteManifest(ip.info.path(), m); !s.ok()) {
-    return FailLocked(job_id, std::string(s.message()));
+  const absl::Status written = ckpt::WriteManifest(path, m);
+  {
+    absl::MutexLock lock(&mu_);
+    // Ended meanwhile (its job was deleted): its folder's removal is queued.
+    if (FindLocked(job_id, ticket) == nullptr) return;
+    if (!written.ok()) return FailLocked(job_id, std::string(written.message()));
+    in_progress_.erase(job_id);
   }
-  const std::string name = ip.info.job_name();
-  OPTIMUS_LOG(Info, kLog, "checkpoint complete job=", name, " id=", ip.info.checkpoint_id(),
-              " step=", ip.info.step(), " files=", m.files_size(), " bytes=", size_bytes,
-              " path=", ip.info.path());
-  const uint32_t keep = ip.spec.checkpoint_policy().keep_last() > 0
-                            ? ip.spec.checkpoint_policy().keep_last()
-                            : kDefaultKeepLast;
-  in_progress_.erase(job_id);
-  PruneLocked(name, keep);
+  OPTIMUS_LOG(Info, kLog, "checkpoint complete job=", name, " id=", m.checkpoint_id(),
+              " step=", m.step(), " files=", m.files_size(), " bytes=", size_bytes,
+              " path=", path);
+  Prune(name, keep);
 }
 
 void CheckpointManager::FailLocked(uint64_t job_id, const std::string& error) {
   auto it = in_progress_.find(job_id);
   if (it == in_progress_.end()) return;
-  v1::CheckpointInfo info = it->second.info;
+  InProgress ip = std::move(it->second);
   in_progress_.erase(it);
-  info.set_state(v1::CHECKPOINT_STATE_FAILED);
-  info.set_error(error);
-  OPTIMUS_LOG(Error, kLog, "checkpoint failed job=", info.job_name(),
-              " id=", info.checkpoint_id(), ": ", error);
   // Free the space its partial files hold; the previous checkpoints are
   // other folders and stay as they are.
-  if (absl::Status s = ckpt::RemoveTree(info.path()); !s.ok()) {
-    OPTIMUS_LOG(Warning, kLog, "removing failed checkpoint: ", s.ToString());
-  }
-  auto& failed = failed_[info.job_name()];
-  failed.push_back(std::move(info));
+  if (!ip.info.path().empty()) RemoveLater(ip.info.path());
+  if (!ip.old_path.empty()) RemoveLater(ip.old_path);
+  OPTIMUS_LOG(Error, kLog, "checkpoint failed job=", ip.info.job_name(),
+              " id=", ip.info.checkpoint_id(), ": ", error);
+  if (ip.info.checkpoint_id() == 0) return;  // Never ordered: nothing to list.
+  ip.info.set_state(v1::CHECKPOINT_STATE_FAILED);
+  ip.info.set_error(error);
+  auto& failed = failed_[ip.info.job_name()];
+  failed.push_back(std::move(ip.info));
   if (failed.size() > kMaxFailedRemembered) failed.erase(failed.begin());
 }
 
 void CheckpointManager::OnJobFailed(uint64_t job_id, const std::string& why) {
   absl::MutexLock lock(&mu_);
+  auto it = in_progress_.find(job_id);
+  // Every part is on disk already: the manifest completes it.
+  if (it == in_progress_.end() || it->second.phase == Phase::kFinishing) return;
   FailLocked(job_id, why);
 }
 
 void CheckpointManager::OnOwnersChanged(uint64_t job_id, const std::set<uint64_t>& owners) {
   absl::MutexLock lock(&mu_);
   auto it = in_progress_.find(job_id);
-  if (it == in_progress_.end() || it->second.retry || it->second.owners == owners) return;
-  it->second.retry = true;
-  OPTIMUS_LOG(Info, kLog, "checkpoint ", it->second.info.checkpoint_id(), " of job ",
-              it->second.info.job_name(), ": the job's chunks moved to other shards; retrying "
-              "later over the new ones");
+  if (it == in_progress_.end()) return;
+  InProgress& ip = it->second;
+  if (ip.phase == Phase::kStarting) {
+    ip.owners = owners;  // Not ordered yet: order the new owners.
+    return;
+  }
+  if (ip.phase != Phase::kOrdered || ip.owners == owners) return;
+  ip.phase = Phase::kRetry;
+  OPTIMUS_LOG(Info, kLog, "checkpoint ", ip.info.checkpoint_id(), " of job ", ip.info.job_name(),
+              ": the job's chunks moved to other shards; retrying later over the new ones");
 }
 
-void CheckpointManager::PruneLocked(const std::string& job_name, uint32_t keep_last) {
+void CheckpointManager::OnJobDeleted(uint64_t job_id) {
+  absl::MutexLock lock(&mu_);
+  auto it = in_progress_.find(job_id);
+  if (it != in_progress_.end()) {
+    const InProgress& ip = it->second;
+    OPTIMUS_LOG(Info, kLog, "checkpoint ", ip.info.checkpoint_id(), " of job ",
+                ip.info.job_name(), " ended: the job was deleted");
+    if (!ip.info.path().empty()) RemoveLater(ip.info.path());
+    if (!ip.old_path.empty()) RemoveLater(ip.old_path);
+    in_progress_.erase(it);
+  }
+  policy_.erase(job_id);
+  pace_.erase(job_id);
+}
+
+void CheckpointManager::ForgetJobName(const std::string& job_name) {
+  absl::MutexLock lock(&mu_);
+  failed_.erase(job_name);
+  last_id_.erase(job_name);
+}
+
+void CheckpointManager::Prune(const std::string& job_name, uint32_t keep_last) {
+  // Folders are made and removed on this (the file) thread only, so none
+  // appears while this runs.
   std::set<std::string> busy;
-  for (const auto& [id, ip] : in_progress_) busy.insert(ip.info.path());
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& [id, ip] : in_progress_) {
+      if (!ip.info.path().empty()) busy.insert(ip.info.path());
+      if (!ip.old_path.empty()) busy.insert(ip.old_path);
+    }
+  }
   std::vector<std::string> complete;
   for (const std::string& name : ckpt::ListDir(JobDir(job_name))) {
     if (ckpt::ParseFolderName(name) == 0) continue;
@@ -317,40 +477,31 @@ void CheckpointManager::PruneLocked(const std::string& job_name, uint32_t keep_l
 }
 
 std::vector<v1::CheckpointInfo> CheckpointManager::List(const std::string& job_name) {
+  if (!enabled() || !UsableAsFolder(job_name)) return {};
+  files_.Flush();
   std::vector<v1::CheckpointInfo> out;
-  if (!enabled() || !UsableAsFolder(job_name)) return out;
-  absl::MutexLock lock(&mu_);
   std::set<std::string> busy;
-  for (const auto& [id, ip] : in_progress_) {
-    if (ip.info.job_name() == job_name && !ip.retry) {
-      out.push_back(ip.info);
-      busy.insert(ip.info.path());
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& [id, ip] : in_progress_) {
+      if (ip.info.job_name() != job_name) continue;
+      if (ip.phase == Phase::kOrdered || ip.phase == Phase::kFinishing) {
+        out.push_back(ip.info);
+        busy.insert(ip.info.path());
+      }
+    }
+    if (auto f = failed_.find(job_name); f != failed_.end()) {
+      out.insert(out.end(), f->second.begin(), f->second.end());
     }
   }
+  // The folders, read with no lock held.
   for (const std::string& name : ckpt::ListDir(JobDir(job_name))) {
     const uint64_t id = ckpt::ParseFolderName(name);
     const std::string path = absl::StrCat(JobDir(job_name), "/", name);
     if (id == 0 || busy.count(path) != 0) continue;
-    v1::CheckpointInfo info;
-    info.set_job_name(job_name);
-    info.set_checkpoint_id(id);
-    info.set_path(path);
-    absl::StatusOr<v1::CheckpointManifest> m = ckpt::ReadManifest(path);
-    if (absl::IsNotFound(m.status())) continue;  // Partial leftovers.
-    if (!m.ok()) {
-      info.set_state(v1::CHECKPOINT_STATE_FAILED);
-      info.set_error(std::string(m.status().message()));
-    } else {
-      info.set_state(v1::CHECKPOINT_STATE_COMPLETE);
-      info.set_step(m->step());
-      info.set_created_unix_ms(m->created_unix_ms());
-      uint64_t size = 0;
-      for (const auto& f : m->files()) size += f.size_bytes();
-      info.set_size_bytes(size);
-    }
-    out.push_back(std::move(info));
+    std::optional<v1::CheckpointInfo> info = InfoFromFolder(job_name, id, path);
+    if (info.has_value()) out.push_back(*std::move(info));  // Else partial leftovers.
   }
-  for (const v1::CheckpointInfo& f : failed_[job_name]) out.push_back(f);
   std::sort(out.begin(), out.end(), [](const v1::CheckpointInfo& a, const v1::CheckpointInfo& b) {
     return a.checkpoint_id() < b.checkpoint_id();
   });
@@ -358,9 +509,33 @@ std::vector<v1::CheckpointInfo> CheckpointManager::List(const std::string& job_n
 }
 
 std::optional<v1::CheckpointInfo> CheckpointManager::Last(const std::string& job_name) {
-  std::vector<v1::CheckpointInfo> all = List(job_name);
-  if (all.empty()) return std::nullopt;
-  return all.back();
+  // The newest checkpoint is the one with the highest id: in memory (in
+  // progress, failed) or the last folder on disk.
+  if (!enabled() || !UsableAsFolder(job_name)) return std::nullopt;
+  std::optional<v1::CheckpointInfo> best;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& [id, p] : in_progress_) {
+      if (p.info.job_name() != job_name) continue;
+      if (p.phase == Phase::kOrdered || p.phase == Phase::kFinishing) best = p.info;
+    }
+    if (auto f = failed_.find(job_name); f != failed_.end() && !f->second.empty()) {
+      if (!best.has_value() || f->second.back().checkpoint_id() > best->checkpoint_id()) {
+        best = f->second.back();
+      }
+    }
+  }
+  // The folder with the highest id that is a checkpoint (has a manifest).
+  std::vector<std::string> names = ckpt::ListDir(JobDir(job_name));
+  for (auto it = names.rbegin(); it != names.rend(); ++it) {
+    const uint64_t id = ckpt::ParseFolderName(*it);
+    if (id == 0) continue;
+    if (best.has_value() && id <= best->checkpoint_id()) break;
+    std::optional<v1::CheckpointInfo> info =
+        InfoFromFolder(job_name, id, absl::StrCat(JobDir(job_name), "/", *it));
+    if (info.has_value()) return info;
+  }
+  return best;
 }
 
 absl::StatusOr<v1::RestoreSource> CheckpointManager::PrepareRestore(const std::string& job_name,
@@ -407,6 +582,19 @@ absl::StatusOr<v1::RestoreSource> CheckpointManager::PrepareRestore(const std::s
   src.set_path(absl::StrCat(job_name, "/", ckpt::FolderName(pick->checkpoint_id())));
   *src.mutable_manifest() = *std::move(m);
   return src;
+}
+
+CheckpointManager::TableSizes CheckpointManager::table_sizes() const {
+  absl::MutexLock lock(&mu_);
+  TableSizes t;
+  t.in_progress = in_progress_.size();
+  t.policies = policy_.size();
+  t.paces = pace_.size();
+  std::set<std::string> names;
+  for (const auto& [name, f] : failed_) names.insert(name);
+  for (const auto& [name, id] : last_id_) names.insert(name);
+  t.names = names.size();
+  return t;
 }
 
 }  // namespace optimus

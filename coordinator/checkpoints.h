@@ -4,8 +4,17 @@
 // lists them, and verifies one before a restore. Files live under
 // dir/<job name>/ckpt-<id>/ (see common/checkpoint_files.h).
 //
-// Owned by the Coordinator. Thread-safe; its lock is always taken after the
-// Coordinator's (it never calls back into the Coordinator).
+// Disk I/O never happens under a lock: bookkeeping (orders, reports, states)
+// is done under the manager's own lock, which is always taken after the
+// Coordinator's and never held while touching the disk; file work that
+// follows from it (a checkpoint's folder, its manifest, pruning, removing
+// what a failed one left) runs in order on the manager's file thread, so a
+// heartbeat that completes a checkpoint never waits for its manifest.
+// Reads (List, PrepareRestore) do their I/O on the caller's thread without
+// any lock held.
+//
+// Owned by the Coordinator. Thread-safe; never calls back into the
+// Coordinator. The destructor finishes the queued file work.
 #ifndef OPTIMUS_COORDINATOR_CHECKPOINTS_H_
 #define OPTIMUS_COORDINATOR_CHECKPOINTS_H_
 
@@ -20,6 +29,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "coordinator/file_worker.h"
 #include "proto/optimus.pb.h"
 
 namespace optimus {
@@ -48,14 +58,27 @@ class CheckpointManager {
 
   // Orders a checkpoint of `job` at step max_applied_step + 1 (a version no
   // chunk has passed). FAILED_PRECONDITION when off, the job is not READY,
-  // one is in progress, or a shard has no checkpoint dir.
+  // one is in progress, or a shard has no checkpoint dir; INVALID_ARGUMENT
+  // for a job name that cannot name a folder. Bookkeeping only (callable
+  // under the Coordinator's lock): its folder is made on the file thread,
+  // and shards are sent the order once it exists. Returns a ticket for
+  // AwaitStart.
+  absl::StatusOr<uint64_t> Start(const CheckpointJobView& job);
+  // Waits for Start's folder (call it with no lock held): the checkpoint,
+  // IN_PROGRESS; or the error that failed it (the folder cannot be made),
+  // or ABORTED when its job was deleted first.
+  absl::StatusOr<v1::CheckpointInfo> AwaitStart(uint64_t ticket);
+  // Start, then AwaitStart.
   absl::StatusOr<v1::CheckpointInfo> Create(const CheckpointJobView& job);
 
   // Runs the policies (every N steps / T seconds) and retries checkpoints
-  // whose step a shard had already passed. Called by the sweeper.
+  // whose step a shard had already passed. Bookkeeping; the file work is
+  // queued. Called by the sweeper.
   void Tick(const std::vector<CheckpointJobView>& jobs, absl::Time now);
 
-  // Takes a shard's reports and returns the orders it must carry out.
+  // Takes a shard's reports and returns the orders it must carry out. Once
+  // every owner reported its part, the manifest is written on the file
+  // thread (the checkpoint stays IN_PROGRESS until it is).
   std::vector<v1::CheckpointOrder> OnHeartbeat(
       uint64_t shard_id,
       const google::protobuf::RepeatedPtrField<v1::ShardCheckpointReport>& reports);
@@ -69,10 +92,21 @@ class CheckpointManager {
   // reports, and a chunk's new primary was never ordered).
   void OnOwnersChanged(uint64_t job_id, const std::set<uint64_t>& owners);
 
+  // The job was deleted: its checkpoint in progress ends (its partial folder
+  // is removed; complete checkpoints stay on disk) and what was kept for it
+  // by id (policy, pace) goes.
+  void OnJobDeleted(uint64_t job_id);
+  // No job has `job_name` any more: forgets what was kept by name (failed
+  // checkpoints, the last id handed out). Its folders stay.
+  void ForgetJobName(const std::string& job_name);
+
   // Checkpoints of job `job_name`, oldest first: complete ones found on disk
-  // plus those in progress or failed since this coordinator started.
+  // plus those in progress or failed since this coordinator started. Waits
+  // for the file work queued before it (a manifest being written) so that it
+  // shows the outcome of every report already taken.
   std::vector<v1::CheckpointInfo> List(const std::string& job_name);
-  // The newest of List, if any.
+  // The newest checkpoint, without waiting for queued file work (for
+  // status: a manifest being written shows as IN_PROGRESS).
   std::optional<v1::CheckpointInfo> Last(const std::string& job_name);
 
   // Finds checkpoint `checkpoint_id` (0: the newest complete one) of
@@ -82,15 +116,35 @@ class CheckpointManager {
                                                    uint64_t checkpoint_id,
                                                    v1::CheckpointInfo* info);
 
+  // Waits until the file work queued so far has run (tests; List).
+  void WaitForFileWork() { files_.Flush(); }
+
+  // Sizes of the tables kept, for tests that check nothing grows.
+  struct TableSizes {
+    size_t in_progress = 0;
+    size_t policies = 0;
+    size_t paces = 0;
+    size_t names = 0;  // Job names with failed checkpoints or last ids kept.
+  };
+  TableSizes table_sizes() const;
+
  private:
+  enum class Phase {
+    kStarting,   // Waiting for the file thread to make its folder; no orders yet.
+    kOrdered,    // Orders out; collecting reports.
+    kRetry,      // A shard had passed the step: the next Tick orders a later one.
+    kFinishing,  // Every report in; the manifest is being written.
+  };
   struct InProgress {
+    uint64_t ticket = 0;  // Unique per start (a retry gets a new one).
+    Phase phase = Phase::kStarting;
     uint64_t job_id = 0;
     v1::JobSpec spec;
-    v1::CheckpointInfo info;
+    v1::CheckpointInfo info;  // checkpoint_id and path set once the folder is made.
     std::set<uint64_t> owners;
     std::map<uint64_t, v1::ShardCheckpointReport> reports;  // By shard.
     int attempt = 0;
-    bool retry = false;       // A shard had passed the step: order a later one.
+    std::string old_path;  // kStarting after a retry: the folder to remove first.
   };
   struct PolicyState {
     uint64_t last_step = 0;   // Steps applied when the last checkpoint was ordered.
@@ -112,22 +166,40 @@ class CheckpointManager {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   std::string JobDir(const std::string& job_name) const;
-  uint64_t NextIdLocked(const std::string& job_name) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  absl::StatusOr<v1::CheckpointInfo> StartLocked(const CheckpointJobView& job, uint64_t step)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void FinishLocked(uint64_t job_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Puts the job's entry in kStarting at `step` and queues its folder.
+  void StartLocked(const CheckpointJobView& job, uint64_t step, int attempt,
+                   std::string old_path) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The entry of `job_id` when it is still the one started with `ticket`.
+  InProgress* FindLocked(uint64_t job_id, uint64_t ticket) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void FailLocked(uint64_t job_id, const std::string& error) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void PruneLocked(const std::string& job_name, uint32_t keep_last)
+  // Queues the removal of a checkpoint folder.
+  void RemoveLater(std::string path);
+
+  // File thread: makes a checkpoint's folder and sends it out.
+  void MakeFolder(uint64_t job_id, uint64_t ticket);
+  // File thread: writes the manifest, then prunes.
+  void WriteManifest(uint64_t job_id, uint64_t ticket);
+  // File thread: keeps the newest `keep_last` complete checkpoints.
+  void Prune(const std::string& job_name, uint32_t keep_last);
+  // Records what AwaitStart(ticket) returns, when someone waits for it.
+  void ResolveLocked(uint64_t ticket, absl::StatusOr<v1::CheckpointInfo> result)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const std::string dir_;
-  absl::Mutex mu_;
+  mutable absl::Mutex mu_;
+  uint64_t next_ticket_ ABSL_GUARDED_BY(mu_) = 1;
   std::map<uint64_t, InProgress> in_progress_ ABSL_GUARDED_BY(mu_);  // By job id.
+  // Starts that Start's caller waits for, by ticket: empty until resolved.
+  std::map<uint64_t, std::optional<absl::StatusOr<v1::CheckpointInfo>>> awaited_
+      ABSL_GUARDED_BY(mu_);
   // Failed checkpoints by job name (their files are removed), newest last.
   std::map<std::string, std::vector<v1::CheckpointInfo>> failed_ ABSL_GUARDED_BY(mu_);
   std::map<uint64_t, PolicyState> policy_ ABSL_GUARDED_BY(mu_);  // By job id.
   std::map<uint64_t, Pace> pace_ ABSL_GUARDED_BY(mu_);            // By job id.
   std::map<std::string, uint64_t> last_id_ ABSL_GUARDED_BY(mu_);  // By job name.
+  // Last member: destroyed first, so that queued work runs while the rest
+  // of the manager is still there.
+  FileWorker files_;
 };
 
 }  // namespace optimus

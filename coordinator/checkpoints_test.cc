@@ -1,5 +1,7 @@
 // CheckpointManager on its own: orders, reports, manifest, retries,
-// failures and pruning, with a real folder and no servers.
+// failures and pruning, with a real folder and no servers. File work
+// (folders, manifests, removals) runs on the manager's file thread: the
+// tests wait for it with WaitForFileWork where they look at its outcome.
 #include "coordinator/checkpoints.h"
 
 #include <cstdlib>
@@ -95,6 +97,7 @@ TEST(CheckpointManagerTest, ManifestOnlyWhenEveryShardIsDoneThenKeepsTheLastK) {
     EXPECT_EQ(m.Last("j")->state(), v1::CHECKPOINT_STATE_IN_PROGRESS);
     // Shard 2 done: the manifest is written and the checkpoint is complete.
     m.OnHeartbeat(2, Reports({Done(orders[0], root, 2)}));
+    m.WaitForFileWork();
     auto manifest = ckpt::ReadManifest(info->path());
     ASSERT_TRUE(manifest.ok()) << manifest.status();
     EXPECT_EQ(manifest->files_size(), 2);
@@ -130,6 +133,7 @@ TEST(CheckpointManagerTest, MissedStepRetriesLaterAndErrorsFailAndCleanUp) {
   EXPECT_TRUE(m.OnHeartbeat(1, Reports({missed})).empty());  // No orders while waiting.
   // The next tick orders the step training is at now, under a new id.
   m.Tick({View(9)}, absl::Now());
+  m.WaitForFileWork();  // The new folder.
   auto retry = m.OnHeartbeat(2, Reports({}));
   ASSERT_EQ(retry.size(), 1u);
   EXPECT_EQ(retry[0].step(), 10u);
@@ -141,6 +145,7 @@ TEST(CheckpointManagerTest, MissedStepRetriesLaterAndErrorsFailAndCleanUp) {
   bad.set_checkpoint_id(retry[0].checkpoint_id());
   bad.set_error("cannot write x: No space left on device");
   m.OnHeartbeat(1, Reports({bad}));
+  m.WaitForFileWork();  // Its folder's removal.
   const auto last = m.Last("j");
   ASSERT_TRUE(last.has_value());
   EXPECT_EQ(last->state(), v1::CHECKPOINT_STATE_FAILED);
@@ -168,6 +173,7 @@ TEST(CheckpointManagerTest, ChunksMovingToOtherShardsRetryTheCheckpointOverTheNe
   CheckpointJobView moved = View(8);
   moved.owners = {1, 3};
   m.Tick({moved}, absl::Now());
+  m.WaitForFileWork();
   auto again = m.OnHeartbeat(3, Reports({}));
   ASSERT_EQ(again.size(), 1u);
   EXPECT_GT(again[0].checkpoint_id(), orders[0].checkpoint_id());
@@ -175,6 +181,7 @@ TEST(CheckpointManagerTest, ChunksMovingToOtherShardsRetryTheCheckpointOverTheNe
   ASSERT_EQ(m.OnHeartbeat(1, Reports({})).size(), 1u);
   m.OnHeartbeat(1, Reports({Done(again[0], root, 0)}));
   m.OnHeartbeat(3, Reports({Done(again[0], root, 2)}));
+  m.WaitForFileWork();
   EXPECT_EQ(m.Last("j")->state(), v1::CHECKPOINT_STATE_COMPLETE);
   EXPECT_EQ(m.Last("j")->checkpoint_id(), again[0].checkpoint_id());
 }
@@ -191,6 +198,7 @@ TEST(CheckpointManagerTest, PolicyEveryStepsAndEverySeconds) {
   EXPECT_FALSE(m.Last("j").has_value());
   v.min_applied_step = v.max_applied_step = 5;
   m.Tick({v}, t0);
+  m.WaitForFileWork();
   ASSERT_TRUE(m.Last("j").has_value());
   EXPECT_EQ(m.Last("j")->step(), 6u);
 
@@ -201,7 +209,70 @@ TEST(CheckpointManagerTest, PolicyEveryStepsAndEverySeconds) {
   timed.Tick({w}, t0 + absl::Seconds(59));
   EXPECT_FALSE(timed.Last("j").has_value());
   timed.Tick({w}, t0 + absl::Seconds(61));
+  timed.WaitForFileWork();
   EXPECT_TRUE(timed.Last("j").has_value());
+}
+
+TEST(CheckpointManagerTest, DeletingAJobEndsItsCheckpointAndForgetsItButKeepsCompleteOnes) {
+  const std::string root = TempDir();
+  CheckpointManager m(root);
+  // One complete checkpoint, then one in progress with shard 1's part done.
+  auto first = m.Create(View(5));
+  ASSERT_TRUE(first.ok()) << first.status();
+  auto orders = m.OnHeartbeat(1, Reports({}));
+  ASSERT_EQ(orders.size(), 1u);
+  m.OnHeartbeat(1, Reports({Done(orders[0], root, 0)}));
+  m.OnHeartbeat(2, Reports({Done(orders[0], root, 2)}));
+  m.WaitForFileWork();
+  ASSERT_EQ(m.Last("j")->state(), v1::CHECKPOINT_STATE_COMPLETE);
+  CheckpointJobView policy = View(6);
+  policy.spec.mutable_checkpoint_policy()->set_every_steps(100);
+  auto second = m.Create(policy);
+  ASSERT_TRUE(second.ok()) << second.status();
+  orders = m.OnHeartbeat(1, Reports({}));
+  ASSERT_EQ(orders.size(), 1u);
+  m.OnHeartbeat(1, Reports({Done(orders[0], root, 0)}));
+  m.Tick({policy}, absl::Now());  // Keeps a pace and a policy for the job.
+  EXPECT_GT(m.table_sizes().in_progress, 0u);
+
+  // Shard 2 writes its part while the job is being deleted.
+  const v1::ShardCheckpointReport late = Done(orders[0], root, 2);
+  m.OnJobDeleted(7);
+  m.ForgetJobName("j");
+  m.WaitForFileWork();
+  // No order any more, the partial folder is gone, the complete one stays.
+  EXPECT_TRUE(m.OnHeartbeat(2, Reports({})).empty());
+  EXPECT_EQ(ckpt::ListDir(root + "/j"), std::vector<std::string>{ckpt::FolderName(1)});
+  const std::vector<v1::CheckpointInfo> list = m.List("j");
+  ASSERT_EQ(list.size(), 1u);
+  EXPECT_EQ(list[0].state(), v1::CHECKPOINT_STATE_COMPLETE);
+  // A late report of the ended checkpoint changes nothing.
+  m.OnHeartbeat(2, Reports({late}));
+  m.WaitForFileWork();
+  EXPECT_EQ(m.List("j").size(), 1u);
+  const CheckpointManager::TableSizes t = m.table_sizes();
+  EXPECT_EQ(t.in_progress, 0u);
+  EXPECT_EQ(t.policies, 0u);
+  EXPECT_EQ(t.paces, 0u);
+  EXPECT_EQ(t.names, 0u);
+}
+
+TEST(CheckpointManagerTest, DeletingAJobBeforeItsFolderIsMadeAbortsTheCreate) {
+  CheckpointManager m(TempDir());
+  auto ticket = m.Start(View(3));
+  ASSERT_TRUE(ticket.ok()) << ticket.status();
+  m.OnJobDeleted(7);
+  auto info = m.AwaitStart(*ticket);
+  // The folder may have been made just before the delete: either way the
+  // caller hears how it ended and nothing is left in progress.
+  if (info.ok()) {
+    EXPECT_EQ(info->state(), v1::CHECKPOINT_STATE_IN_PROGRESS);
+  } else {
+    EXPECT_EQ(info.status().code(), absl::StatusCode::kAborted) << info.status();
+  }
+  m.WaitForFileWork();
+  EXPECT_EQ(m.table_sizes().in_progress, 0u);
+  EXPECT_TRUE(m.OnHeartbeat(1, Reports({})).empty());
 }
 
 }  // namespace

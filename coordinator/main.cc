@@ -29,6 +29,9 @@ ABSL_FLAG(std::string, checkpoint_dir, "",
           "Folder for checkpoints, shared with the shards' --checkpoint_dir; empty: off");
 ABSL_FLAG(bool, rollback_on_shard_loss, true,
           "Restore a job whose shard is lost (no replica) from its newest checkpoint");
+ABSL_FLAG(absl::Duration, down_shard_grace, absl::Minutes(10),
+          "A shard DOWN for longer than this leaves the coordinator's tables and status "
+          "(optimusctl shard forget removes one at once); e.g. 10m, 1h; inf keeps them");
 ABSL_FLAG(bool, verbose, false, "Log debug lines too");
 ABSL_FLAG(std::string, log_format, "text", "text, or json (one object per line, for log collectors)");
 
@@ -79,6 +82,11 @@ int main(int argc, char** argv) {
   options.checkpoint_dir = absl::GetFlag(FLAGS_checkpoint_dir);
   options.rollback_on_shard_loss = absl::GetFlag(FLAGS_rollback_on_shard_loss);
   options.state_dir = absl::GetFlag(FLAGS_state_dir);
+  options.down_shard_grace = absl::GetFlag(FLAGS_down_shard_grace);
+  if (options.down_shard_grace < absl::ZeroDuration()) {
+    std::fprintf(stderr, "optimus-coord: --down_shard_grace must be >= 0 (or inf)\n");
+    return 2;
+  }
   if (absl::GetFlag(FLAGS_metrics_port) > 0) {
     options.metrics_address = absl::StrCat("0.0.0.0:", absl::GetFlag(FLAGS_metrics_port));
   }

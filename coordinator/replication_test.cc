@@ -2,6 +2,9 @@
 // shard heartbeats and a fake clock (no servers, no real shards): where
 // backups go, when a lost shard's chunks fail over and when the job fails,
 // how a drain empties a shard, and what status says about it.
+// (Over 600 lines: one fixture and its scenarios, which read best together;
+// the planning rules themselves are tested case by case in
+// map_planner_test.cc.)
 #include <cstdlib>
 #include <map>
 #include <memory>

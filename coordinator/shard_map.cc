@@ -29,14 +29,6 @@ uint64_t FreeBytes(const ShardInfo& s, uint64_t planned_bytes) {
 
 }  // namespace
 
-uint64_t StateBytesPerElem(int world_size, size_t grad_dtype_bytes,
-                           size_t param_dtype_bytes, bool has_second_moment) {
-  const uint64_t workers = world_size > 0 ? static_cast<uint64_t>(world_size) : 0;
-  return 4 /* fp32 master */ + 4 /* m */ + (has_second_moment ? 4 : 0) /* v */ +
-         workers * grad_dtype_bytes /* aggregation slots */ +
-         2 * param_dtype_bytes /* published versions */;
-}
-
 std::vector<ChunkSpec> SplitTensors(absl::Span<const uint64_t> tensor_num_elems,
                                     uint64_t max_chunk_elems) {
   if (max_chunk_elems == 0) max_chunk_elems = 1;

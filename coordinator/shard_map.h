@@ -1,5 +1,6 @@
-// Shard-map math of the coordinator: how many bytes of state an element
-// costs, how tensors are cut into contiguous chunks, and where chunks go.
+// Shard-map math of the coordinator: how tensors are cut into contiguous
+// chunks, and where chunks go (what an element costs on a shard is
+// kernels::ShardBytesPerElem's to say).
 // Pure functions over plain structs (no proto, no clock); they own nothing
 // and are safe to call from any thread.
 #ifndef OPTIMUS_COORDINATOR_SHARD_MAP_H_
@@ -38,13 +39,6 @@ struct ChunkSpec {
 // that per-message overheads vanish, small enough that a layer's push
 // pipelines over several shards.
 inline constexpr uint64_t kDefaultMaxChunkBytes = uint64_t{4} << 20;
-
-// Bytes a shard holds per element of a job:
-//   4 (fp32 master) + 4 (first moment / momentum) + 4 if has_second_moment
-//   (Adam's v) + world_size * grad_dtype_bytes (one aggregation slot per
-//   worker) + 2 * param_dtype_bytes (two published versions, double buffer).
-uint64_t StateBytesPerElem(int world_size, size_t grad_dtype_bytes,
-                           size_t param_dtype_bytes, bool has_second_moment);
 
 // Cuts each tensor into contiguous chunks of at most max_chunk_elems
 // elements (all full-size except possibly the last of each tensor), in

@@ -22,13 +22,6 @@ std::map<uint64_t, uint64_t> PlannedBytes(const std::vector<ChunkSpec>& chunks,
   return planned;
 }
 
-TEST(StateBytesPerElemTest, CountsMasterMomentsSlotsAndVersions) {
-  // AdamW, 8 workers pushing bf16, publishing bf16: 12 + 8*2 + 2*2.
-  EXPECT_EQ(StateBytesPerElem(8, 2, 2, true), 32u);
-  // SGD with momentum, 1 worker, fp32 grads and params: 8 + 4 + 8.
-  EXPECT_EQ(StateBytesPerElem(1, 4, 4, false), 20u);
-}
-
 TEST(SplitTensorsTest, ChunksAreContiguousBoundedAndOrdered) {
   const std::vector<uint64_t> sizes = {10, 3, 0, 7};
   const std::vector<ChunkSpec> chunks = SplitTensors(sizes, 4);

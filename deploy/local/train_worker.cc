@@ -195,6 +195,12 @@ int main(int argc, char** argv) {
   if (auto s = sync->PullParams(steps + 1, timeout); !s.ok()) {
     return Fail("pull final parameters", s);
   }
+  // Done with the job: once every rank has left, it can be deleted without
+  // --force. A failure here costs nothing but that, so it is only reported.
+  if (auto s = client->Leave(); !s.ok()) {
+    std::fprintf(stderr, "optimus-train-worker rank %u: leaving the job: %s\n", rank,
+                 s.ToString().c_str());
+  }
   const float final_loss = optimus::local::Loss(model, eval);
   std::sort(step_ms.begin(), step_ms.end());
   const double median = step_ms.empty() ? 0 : step_ms[step_ms.size() / 2];

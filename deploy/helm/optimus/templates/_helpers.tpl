@@ -156,6 +156,7 @@ prometheus.io/path: /metrics
 --metrics_port={{ int $c.metricsPort }}
 --lease_ms={{ int $c.leaseMs }}
 --sweep_ms={{ int $c.sweepMs }}
+--down_shard_grace={{ $c.downShardGrace }}
 --state_dir={{ trimSuffix "/" $c.persistence.mountPath }}/state
 {{- if .Values.checkpoints.enabled }}
 --checkpoint_dir={{ .Values.checkpoints.mountPath }}

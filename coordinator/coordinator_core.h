@@ -1,0 +1,301 @@
+// The coordinator's core: the control plane's logic behind the gRPC service,
+// wiring the shard registry (leases), the job table, the map planners, the
+// checkpoint manager and the durable state writer. Request and response
+// types are the contract of proto/optimus.proto, so proto types stop here;
+// the planning below it (map_planner.h, shard_map.h) takes plain structs.
+//
+// One internal class declared once, implemented by concern:
+// coordinator.cc (construction, recovery, persistence), coordinator_shards.cc
+// (registration, heartbeats, leases, drain, forget), coordinator_jobs.cc
+// (create, join, leave, delete, maps), coordinator_maps.cc (failover and
+// replication moves), coordinator_checkpoints.cc, coordinator_status.cc.
+//
+// Thread-safety: every method is safe from any thread. Locks, in the order
+// they are taken: commit_mu_ (serializes changes to the durable state and
+// is held while one waits to be durable), then mu_ (the tables; held
+// briefly, never while touching the disk), then the checkpoint manager's
+// and the state writer's own locks. Heartbeats and reads take only mu_, so
+// they never wait for an fsync; a change that must be durable before it is
+// answered applies itself under mu_, snapshots the state, releases mu_ and
+// waits for the writer, and undoes itself if the save fails.
+#ifndef OPTIMUS_COORDINATOR_COORDINATOR_CORE_H_
+#define OPTIMUS_COORDINATOR_COORDINATOR_CORE_H_
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "coordinator/checkpoints.h"
+#include "coordinator/coordinator_options.h"
+#include "coordinator/job_spec.h"
+#include "coordinator/job_table.h"
+#include "coordinator/shard_map.h"
+#include "coordinator/shard_registry.h"
+#include "coordinator/state_store.h"
+#include "coordinator/state_writer.h"
+#include "proto/optimus.pb.h"
+
+namespace optimus {
+
+class Coordinator {
+ public:
+  explicit Coordinator(const CoordinatorOptions& options);
+  // Writes the last snapshot still queued and finishes queued checkpoint
+  // file work.
+  ~Coordinator();
+  Coordinator(const Coordinator&) = delete;
+  Coordinator& operator=(const Coordinator&) = delete;
+
+  // Loads the durable state (options.state_store, or state_dir's file), if
+  // there is one (none is a fresh start). Shards that were UP get a fresh
+  // lease from now: they keep running while the coordinator is away and
+  // heartbeat again when it is back; DOWN shards start their grace period
+  // again. DATA_LOSS naming the file when it is corrupted; nothing is
+  // loaded then. Call once, before serving.
+  absl::Status Recover();
+
+  // ---- Shards (coordinator_shards.cc) ----
+
+  // Assigns a new shard id (1, 2, ...; never reused), state UP.
+  // INVALID_ARGUMENT unless memory_limit_bytes > 0, kind is DPU or HOST and
+  // data_address is non-empty. An error from saving the state changes
+  // nothing.
+  absl::StatusOr<v1::RegisterShardResponse> RegisterShard(const v1::RegisterShardRequest& req);
+
+  // Renews the lease and records the shard's reported usage and per-job
+  // progress; a PENDING job turns READY once every shard holding its chunks
+  // (as primary or backup) reports the current epoch with all its chunks
+  // loaded. A shard that reports, at the current epoch, every one of its
+  // backup chunks of a job seeded (backups_seeded == backup_chunks, both
+  // equal to its backup count in the map) has those chunks' backups marked
+  // in sync: they may be promoted. A shard whose chunks of a job all moved
+  // away is assigned the job again once every remaining holder has loaded
+  // the new map, until it reports that map too (so it retires what moved
+  // away); until then they count in its chunks_owned. Every job the shard
+  // reports that the coordinator does not have (deleted, replaced by a
+  // restore, or unknown to a coordinator that lost its state) is listed in
+  // released_jobs: the shard frees it. UP and DRAINING shards are served;
+  // an unknown (forgotten) or DOWN shard gets known=false and must register
+  // again (under a new id). Never waits for the disk.
+  v1::HeartbeatResponse Heartbeat(const v1::HeartbeatRequest& req);
+
+  // Marks the shard DRAINING (durable) so that TickReplication moves its
+  // chunks away while training runs; returns it with the number of chunks
+  // it held. Refuses, changing nothing: NOT_FOUND for an unknown shard,
+  // FAILED_PRECONDITION for a DOWN one or when some chunk it holds fits on
+  // no other UP shard (with the numbers). Idempotent for a DRAINING shard.
+  absl::StatusOr<v1::DrainShardResponse> DrainShard(const v1::DrainShardRequest& req);
+
+  // Removes a DOWN shard from the tables now (durable) and returns it as it
+  // was. NOT_FOUND for an unknown id; FAILED_PRECONDITION for an UP or
+  // DRAINING shard (nothing changes). A forgotten shard that heartbeats
+  // again is told to register anew.
+  absl::StatusOr<v1::ForgetShardResponse> ForgetShard(const v1::ForgetShardRequest& req);
+
+  // Marks DOWN every UP or DRAINING shard whose last heartbeat is older
+  // than the lease at `now` (the registry tells the core through its
+  // shard-down listener), then, for each PENDING/READY job holding chunks
+  // on a DOWN shard, fails it over or fails it (see PlanFailover in
+  // map_planner.h); RollbackFailedJobs may then restore a failed one. The
+  // epoch of a job that fails over goes up by exactly one. Returns the
+  // number of shards marked DOWN. Called by the sweeper thread.
+  int SweepExpiredLeases(absl::Time now);
+
+  // Removes the shards that have been DOWN longer than
+  // options.down_shard_grace at `now`; returns how many. Called by the
+  // sweeper thread.
+  int ForgetLongDownShards(absl::Time now);
+
+  // Moves chunks of PENDING/READY jobs, at most one epoch bump per job per
+  // call (see PlanReplication in map_planner.h): off DRAINING shards, and
+  // (replication 1) new backups where one is missing. Logs "shard N
+  // drained" once a DRAINING shard holds no chunk. Returns the number of
+  // jobs whose map changed. Called by the sweeper thread.
+  int TickReplication(absl::Time now);
+
+  // ---- Jobs (coordinator_jobs.cc) ----
+
+  // Validates the spec (INVALID_ARGUMENT, or ALREADY_EXISTS for a taken name;
+  // replication must be 0 or 1), fills defaults, places the chunks over UP
+  // shards (not DRAINING ones) and, with replication 1, a backup of each on
+  // another shard (FAILED_PRECONDITION without shards or, for replication 1,
+  // with fewer than 2; RESOURCE_EXHAUSTED when it does not fit, backups
+  // included) and returns the new job's id and map (epoch 1). The job starts
+  // PENDING. Answers once the job is durable.
+  absl::StatusOr<v1::CreateJobResponse> CreateJob(const v1::CreateJobRequest& req);
+
+  // Records `rank` as joined (idempotent; a rank that left may join again).
+  // NOT_FOUND for an unknown job; INVALID_ARGUMENT when world_size differs
+  // from the job's or rank >= it.
+  absl::StatusOr<v1::JoinJobResponse> JoinJob(const v1::JoinJobRequest& req);
+
+  // Records `rank` as gone (idempotent). NOT_FOUND for an unknown job,
+  // INVALID_ARGUMENT for a rank >= world_size. A job all of whose workers
+  // left may be deleted without force.
+  absl::StatusOr<v1::LeaveJobResponse> LeaveJob(const v1::LeaveJobRequest& req);
+
+  // Ends a job: it leaves every table and the status at once (and the
+  // durable state), its checkpoint in progress ends (the partial folder is
+  // removed; complete checkpoints stay on disk), WaitForShardMap waiters get
+  // NOT_FOUND, its planned bytes are free for placement, and every shard
+  // that reports it afterwards is told to release it. FAILED_PRECONDITION,
+  // changing nothing, while workers are joined unless force (a FAILED job,
+  // or one whose workers all left, needs none); NOT_FOUND for an unknown
+  // name; INVALID_ARGUMENT for an empty one.
+  absl::StatusOr<v1::DeleteJobResponse> DeleteJob(const v1::DeleteJobRequest& req);
+
+  // NOT_FOUND for an unknown job.
+  absl::StatusOr<v1::GetJobResponse> GetJob(uint64_t job_id);
+  absl::StatusOr<v1::ShardMap> GetShardMap(uint64_t job_id);
+
+  // Waits up to `timeout` for the job's map to have an epoch > after_epoch
+  // and returns it; std::nullopt when the wait timed out. NOT_FOUND for an
+  // unknown (or deleted) job, FAILED_PRECONDITION once the job has FAILED
+  // (after its current map was delivered), UNAVAILABLE after
+  // BeginShutdown().
+  absl::StatusOr<std::optional<v1::ShardMap>> WaitForShardMap(uint64_t job_id,
+                                                              uint64_t after_epoch,
+                                                              absl::Duration timeout);
+
+  // ---- Status (coordinator_status.cc) ----
+  v1::StatusResponse Status();
+
+  // ---- Checkpoints (coordinator_checkpoints.cc; see checkpoints.h) ----
+  // Orders a checkpoint of a READY job now; returns it IN_PROGRESS.
+  // NOT_FOUND for an unknown job, FAILED_PRECONDITION when checkpoints are
+  // off, one is in progress, or a shard of the job has no checkpoint dir.
+  absl::StatusOr<v1::CreateCheckpointResponse> CreateCheckpoint(
+      const v1::CreateCheckpointRequest& req);
+  v1::ListCheckpointsResponse ListCheckpoints(const v1::ListCheckpointsRequest& req);
+  // Verifies the checkpoint's files (DATA_LOSS naming the corrupted file;
+  // nothing changes) and creates a job from it, placed over the live shards
+  // with the current placement rules (any number of shards, any chunk
+  // size): the shards load their element ranges from the files and the
+  // job's workers resume at the checkpoint's step. The new job takes the
+  // name new_job_name (default: job_name); an existing job of that name is
+  // refused (ALREADY_EXISTS) unless it has FAILED: then it takes over the
+  // name and the FAILED job is deleted (its shards release it).
+  absl::StatusOr<v1::RestoreCheckpointResponse> RestoreCheckpoint(
+      const v1::RestoreCheckpointRequest& req);
+  // Sets each job's last_checkpoint (reads the checkpoint folders, with no
+  // lock held).
+  void FillLastCheckpoints(v1::StatusResponse* status);
+  // Runs checkpoint policies and retries; called by the sweeper.
+  void TickCheckpoints(absl::Time now);
+  // With options.rollback_on_shard_loss: restores each job that FAILED (a
+  // shard holding its chunks was lost, no replica) from its newest complete
+  // checkpoint, under the same name, onto the live shards. Tried once per
+  // failed job; returns how many were restored. Called by the sweeper.
+  int RollbackFailedJobs();
+  // Waits until the checkpoint file work queued so far (folders, manifests,
+  // pruning) has run. For tests.
+  void WaitForCheckpointFileWork() { checkpoints_.WaitForFileWork(); }
+
+  // The clock of options.clock (absl::Now by default).
+  absl::Time Now() const;
+
+  // Wakes every WaitForShardMap, which then returns UNAVAILABLE.
+  void BeginShutdown();
+
+  // How big the tables are, for tests that check they do not grow.
+  struct TableSizes {
+    size_t shards = 0;
+    size_t jobs = 0;
+    size_t job_names = 0;
+    size_t progress_reports = 0;  // Per (job, shard) progress kept.
+    size_t departed = 0;          // Per (job, shard) departed entries.
+    CheckpointManager::TableSizes checkpoints;
+  };
+  TableSizes table_sizes();
+
+  // Counts since start, for metrics.
+  struct Counters {
+    uint64_t jobs_deleted = 0;      // By DeleteJob or replaced by a restore.
+    uint64_t shards_forgotten = 0;  // By ForgetShard or the grace period.
+  };
+  Counters counters();
+
+ private:
+  // ---- Durable state (coordinator.cc) ----
+  // Serializes the durable state (every shard, every job not being deleted)
+  // and queues it for the writer; returns its sequence number, 0 when the
+  // state is not kept. Never waits for I/O.
+  absl::StatusOr<uint64_t> SnapshotLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Waits until snapshot `seq` is durable. Call with no lock but
+  // commit_mu_ held; "saving coordinator state: ..." on failure.
+  absl::Status WaitDurable(const absl::StatusOr<uint64_t>& seq) ABSL_LOCKS_EXCLUDED(mu_);
+  // Queues a snapshot nobody waits for (the writer logs a failure).
+  void SaveLaterLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  // ---- Shards (coordinator_shards.cc) ----
+  // The shard-down listener: shards just marked DOWN are no longer waited
+  // for as departed holders.
+  void OnShardsDownLocked(const std::vector<uint64_t>& shard_ids)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Drops what jobs keep per shard for a shard that left the tables.
+  void DropShardFromJobsLocked(uint64_t shard_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Returns true when the job turned READY.
+  bool MaybeMarkReadyLocked(JobRecord& job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Every shard holding chunks of `job` reported its current epoch loaded.
+  static bool AllHoldersAtCurrentEpoch(const JobRecord& job);
+  // Records a shard's backups of `job` as in sync when its report says so.
+  static void MarkSeeded(JobRecord& job, uint64_t shard_id, const v1::ShardJobProgress& p);
+
+  // ---- Jobs (coordinator_jobs.cc) ----
+  absl::StatusOr<v1::CreateJobResponse> CreateJobInternal(const v1::CreateJobRequest& req,
+                                                          const v1::RestoreSource* restore);
+  // Removes a job whose deletion is durable, and everything kept for it.
+  void FinishDeleteLocked(uint64_t job_id, const char* why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  // ---- Maps (coordinator_maps.cc) ----
+  // Planned load per shard over jobs that are not FAILED (and their
+  // unreleased chunks).
+  std::map<uint64_t, ShardLoad> PlannedLoadLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // UP shards (not DRAINING or DOWN) as the placer sees them, with the
+  // bytes planned on them by every job that has not failed.
+  std::vector<ShardInfo> PlacementCandidatesLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Fails over or fails every live job holding chunks on DOWN shards;
+  // returns true when one changed.
+  bool FailoverJobsLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // After job.map.chunks changed: epoch + 1, load, endpoints, seeded flags'
+  // size, stale progress dropped; tells the checkpoint manager about the
+  // new primaries. The caller saves and signals map_changed_.
+  void CommitMapChangeLocked(JobRecord& job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // map.shards from job.load (every shard holding a primary or a backup).
+  void SetEndpointsLocked(JobRecord& job) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  // ---- Checkpoints, status ----
+  CheckpointJobView ViewLocked(const JobRecord& job) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  v1::ShardStatus ShardStatusLocked(const ShardRecord& shard,
+                                    const std::map<uint64_t, ShardLoad>& planned,
+                                    absl::Time now) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  const CoordinatorOptions options_;
+  // Where the durable state goes (null: memory only), and its writer.
+  // Declared before the writer, which borrows it.
+  std::shared_ptr<StateStore> store_;
+  std::unique_ptr<StateWriter> writer_;
+
+  absl::Mutex commit_mu_ ABSL_ACQUIRED_BEFORE(mu_);
+  absl::Mutex mu_ ABSL_ACQUIRED_AFTER(commit_mu_);
+  // Its lock is taken after mu_ (it never calls back).
+  CheckpointManager checkpoints_;
+  // Signalled when a map epoch changes, a job fails or is deleted, or on
+  // shutdown.
+  absl::CondVar map_changed_;
+  bool shutting_down_ ABSL_GUARDED_BY(mu_) = false;
+  ShardRegistry shards_ ABSL_GUARDED_BY(mu_);
+  JobTable jobs_ ABSL_GUARDED_BY(mu_);
+  Counters counters_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace optimus
+
+#endif  // OPTIMUS_COORDINATOR_COORDINATOR_CORE_H_

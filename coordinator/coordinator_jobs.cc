@@ -1,0 +1,314 @@
+// Coordinator: jobs. Create (and restore's create), join, leave, delete,
+// and reading jobs and maps. See coordinator_core.h.
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/logging.h"
+#include "coordinator/coordinator_core.h"
+
+namespace optimus {
+namespace {
+constexpr char kLog[] = "coord";
+
+absl::Status NoJobNamed(const std::string& name) {
+  return absl::NotFoundError(absl::StrCat("no job named \"", name, "\""));
+}
+
+const char* JobStateName(v1::JobState s) {
+  switch (s) {
+    case v1::JOB_STATE_PENDING: return "PENDING";
+    case v1::JOB_STATE_READY: return "READY";
+    case v1::JOB_STATE_FAILED: return "FAILED";
+    default: return "UNSPECIFIED";
+  }
+}
+}  // namespace
+
+absl::StatusOr<v1::CreateJobResponse> Coordinator::CreateJob(const v1::CreateJobRequest& req) {
+  return CreateJobInternal(req, nullptr);
+}
+
+absl::StatusOr<v1::CreateJobResponse> Coordinator::CreateJobInternal(
+    const v1::CreateJobRequest& req, const v1::RestoreSource* restore) {
+  v1::JobSpec spec = req.spec();
+  absl::StatusOr<CheckedSpec> checked = CheckAndFillSpec(spec);
+  if (!checked.ok()) return checked.status();
+  const uint64_t bytes_per_elem = checked->bytes_per_elem;
+  std::vector<ChunkSpec> chunks =
+      SplitTensors(checked->tensor_num_elems, spec.max_chunk_bytes() / 4);
+
+  absl::MutexLock commit(&commit_mu_);
+  v1::CreateJobResponse resp;
+  uint64_t job_id;
+  uint64_t replaced = 0;  // A FAILED job whose name a restore takes over.
+  absl::StatusOr<uint64_t> seq;
+  {
+    absl::MutexLock lock(&mu_);
+    JobRecord* holder = jobs_.FindByName(spec.name());
+    const bool takes_over =
+        holder != nullptr && restore != nullptr && holder->state == v1::JOB_STATE_FAILED;
+    if (holder != nullptr && !takes_over) {
+      return absl::AlreadyExistsError(absl::StrCat("a job named \"", spec.name(),
+                                                   "\" already exists (id ", holder->id, ")"));
+    }
+    const std::vector<ShardInfo> live = PlacementCandidatesLocked();
+    absl::StatusOr<std::vector<ChunkSpec>> placed =
+        PlaceChunks(std::move(chunks), live, bytes_per_elem);
+    // A job asking for a backup per chunk gets one from the start, or is
+    // refused: it must not silently run without.
+    if (placed.ok() && spec.replication() == 1) {
+      placed = PlaceBackups(*std::move(placed), live, bytes_per_elem);
+    }
+    if (!placed.ok()) {
+      OPTIMUS_LOG(Warning, kLog, "job refused name=", spec.name(), ": ",
+                  placed.status().message());
+      return absl::Status(placed.status().code(),
+                          absl::StrCat("job \"", spec.name(), "\": ", placed.status().message()));
+    }
+    if (restore != nullptr) {
+      // Backups load their chunks from the checkpoint too.
+      for (const ChunkSpec& c : *placed) {
+        for (uint64_t id : {c.shard_id, c.backup_shard_id}) {
+          const ShardRecord* s = id != 0 ? shards_.Find(id) : nullptr;
+          if (s != nullptr && !s->capabilities.checkpoints()) {
+            return absl::FailedPreconditionError(
+                absl::StrCat("cannot restore job \"", spec.name(), "\": shard ", id,
+                             " was started without --checkpoint_dir"));
+          }
+        }
+      }
+    }
+    JobRecord job;
+    job.id = jobs_.TakeNextId();
+    job.spec = spec;
+    if (restore != nullptr) {
+      job.restore = *restore;
+      job.resume_step = restore->manifest().step();
+    }
+    job.bytes_per_elem = bytes_per_elem;
+    job.num_params = checked->num_params;
+    job.map.set_job_id(job.id);
+    job.map.set_epoch(1);
+    for (const ChunkSpec& c : *placed) {
+      v1::ChunkPlacement* p = job.map.add_chunks();
+      p->set_tensor(c.tensor);
+      p->set_chunk(c.chunk);
+      p->set_offset_elems(c.offset_elems);
+      p->set_num_elems(c.num_elems);
+      p->set_shard_id(c.shard_id);
+      p->set_backup_shard_id(c.backup_shard_id);
+    }
+    job.load = ComputeLoad(*placed, bytes_per_elem);
+    SetEndpointsLocked(job);
+    job.backup_seeded.assign(job.map.chunks_size(), false);
+    OPTIMUS_LOG(Info, kLog, "job created id=", job.id, " name=", spec.name(),
+                " world_size=", spec.world_size(), " tensors=", spec.tensors_size(),
+                " params=", job.num_params, " chunks=", job.map.chunks_size(),
+                " replication=", spec.replication(), " shards=", job.load.size(),
+                " bytes_per_elem=", bytes_per_elem);
+    resp.set_job_id(job.id);
+    *resp.mutable_map() = job.map;
+    job_id = job.id;
+    if (takes_over) {
+      replaced = holder->id;
+      holder->deleting = true;  // Out of the snapshot; deleted once it is durable.
+    }
+    jobs_.Add(std::move(job));
+    seq = SnapshotLocked();
+  }
+  if (absl::Status s = WaitDurable(seq); !s.ok()) {
+    absl::MutexLock lock(&mu_);
+    // Its id is not handed out again: shards may have seen it in the
+    // meantime, and they are told to release it.
+    jobs_.Remove(job_id);
+    if (JobRecord* old = jobs_.Find(replaced); old != nullptr) {
+      old->deleting = false;
+      jobs_.ClaimName(old->spec.name(), old->id);
+    }
+    SaveLaterLocked();
+    return s;
+  }
+  if (replaced != 0) {
+    absl::MutexLock lock(&mu_);
+    FinishDeleteLocked(replaced, "replaced by a job restored under its name");
+  }
+  return resp;
+}
+
+absl::StatusOr<v1::JoinJobResponse> Coordinator::JoinJob(const v1::JoinJobRequest& req) {
+  absl::MutexLock commit(&commit_mu_);
+  v1::JoinJobResponse resp;
+  uint64_t job_id;
+  absl::StatusOr<uint64_t> seq = 0;
+  bool joined_now;
+  {
+    absl::MutexLock lock(&mu_);
+    JobRecord* job = jobs_.FindByName(req.job_name());
+    if (job == nullptr) return NoJobNamed(req.job_name());
+    if (req.world_size() != job->spec.world_size()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("job \"", req.job_name(), "\" has world_size ", job->spec.world_size(),
+                       ", the worker says ", req.world_size()));
+    }
+    if (req.rank() >= job->spec.world_size()) {
+      return absl::InvalidArgumentError(absl::StrCat("rank ", req.rank(),
+                                                     " is out of range for job \"",
+                                                     req.job_name(), "\" with world_size ",
+                                                     job->spec.world_size()));
+    }
+    job_id = job->id;
+    joined_now = job->joined_ranks.insert(req.rank()).second;
+    if (joined_now) {
+      seq = SnapshotLocked();
+      OPTIMUS_LOG(Info, kLog, "worker joined job=", job->id, " rank=", req.rank(), " joined=",
+                  job->joined_ranks.size(), "/", job->spec.world_size());
+    }
+    resp.set_job_id(job->id);
+    *resp.mutable_spec() = job->spec;
+    *resp.mutable_map() = job->map;
+    resp.set_state(job->state);
+    resp.set_resume_step(job->resume_step);
+    resp.set_current_step(ViewLocked(*job).min_applied_step);
+    if (job->restore.has_value()) *resp.mutable_restore() = *job->restore;
+  }
+  if (absl::Status s = WaitDurable(seq); !s.ok()) {
+    absl::MutexLock lock(&mu_);
+    if (JobRecord* job = jobs_.Find(job_id); job != nullptr && joined_now) {
+      job->joined_ranks.erase(req.rank());
+    }
+    SaveLaterLocked();
+    return s;
+  }
+  return resp;
+}
+
+absl::StatusOr<v1::LeaveJobResponse> Coordinator::LeaveJob(const v1::LeaveJobRequest& req) {
+  absl::MutexLock commit(&commit_mu_);
+  v1::LeaveJobResponse resp;
+  uint64_t job_id;
+  absl::StatusOr<uint64_t> seq = 0;
+  bool left_now;
+  {
+    absl::MutexLock lock(&mu_);
+    JobRecord* job = jobs_.FindByName(req.job_name());
+    if (job == nullptr) return NoJobNamed(req.job_name());
+    if (req.rank() >= job->spec.world_size()) {
+      return absl::InvalidArgumentError(absl::StrCat("rank ", req.rank(),
+                                                     " is out of range for job \"",
+                                                     req.job_name(), "\" with world_size ",
+                                                     job->spec.world_size()));
+    }
+    job_id = job->id;
+    left_now = job->joined_ranks.erase(req.rank()) > 0;
+    if (left_now) {
+      seq = SnapshotLocked();
+      OPTIMUS_LOG(Info, kLog, "worker left job=", job->id, " rank=", req.rank(), " joined=",
+                  job->joined_ranks.size(), "/", job->spec.world_size());
+    }
+    resp.set_workers_joined(static_cast<uint32_t>(job->joined_ranks.size()));
+  }
+  if (absl::Status s = WaitDurable(seq); !s.ok()) {
+    absl::MutexLock lock(&mu_);
+    if (JobRecord* job = jobs_.Find(job_id); job != nullptr && left_now) {
+      job->joined_ranks.insert(req.rank());
+    }
+    SaveLaterLocked();
+    return s;
+  }
+  return resp;
+}
+
+absl::StatusOr<v1::DeleteJobResponse> Coordinator::DeleteJob(const v1::DeleteJobRequest& req) {
+  if (req.job_name().empty()) return absl::InvalidArgumentError("job_name is empty");
+  absl::MutexLock commit(&commit_mu_);
+  v1::DeleteJobResponse resp;
+  absl::StatusOr<uint64_t> seq;
+  {
+    absl::MutexLock lock(&mu_);
+    JobRecord* job = jobs_.FindByName(req.job_name());
+    if (job == nullptr) return NoJobNamed(req.job_name());
+    if (!req.force() && job->state != v1::JOB_STATE_FAILED && !job->joined_ranks.empty()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "job \"", req.job_name(), "\" has ", job->joined_ranks.size(),
+          " workers joined (ranks ", absl::StrJoin(job->joined_ranks, ","),
+          "): they leave when training ends (Client::Leave); delete with force to end it "
+          "under them (their requests then fail)"));
+    }
+    resp.set_job_id(job->id);
+    resp.set_state(job->state);
+    resp.set_workers_joined(static_cast<uint32_t>(job->joined_ranks.size()));
+    uint64_t bytes = 0;
+    for (const auto& [shard_id, load] : job->load) bytes += load.size_bytes;
+    resp.set_state_bytes(bytes);
+    job->deleting = true;
+    seq = SnapshotLocked();
+  }
+  if (absl::Status s = WaitDurable(seq); !s.ok()) {
+    absl::MutexLock lock(&mu_);
+    if (JobRecord* job = jobs_.Find(resp.job_id()); job != nullptr) job->deleting = false;
+    SaveLaterLocked();
+    return s;
+  }
+  absl::MutexLock lock(&mu_);
+  FinishDeleteLocked(resp.job_id(), req.force() ? "deleted (force)" : "deleted");
+  return resp;
+}
+
+void Coordinator::FinishDeleteLocked(uint64_t job_id, const char* why) {
+  std::optional<JobRecord> job = jobs_.Remove(job_id);
+  if (!job.has_value()) return;
+  checkpoints_.OnJobDeleted(job_id);
+  if (jobs_.FindByName(job->spec.name()) == nullptr) {
+    checkpoints_.ForgetJobName(job->spec.name());
+  }
+  ++counters_.jobs_deleted;
+  map_changed_.SignalAll();  // Its watchers end with NOT_FOUND.
+  OPTIMUS_LOG(Info, kLog, "job ", why, ": id=", job_id, " name=", job->spec.name(),
+              " state=", JobStateName(job->state), " workers_joined=", job->joined_ranks.size(),
+              " shards=", job->load.size(), "; its shards release it at their next heartbeat");
+}
+
+absl::StatusOr<v1::GetJobResponse> Coordinator::GetJob(uint64_t job_id) {
+  absl::MutexLock lock(&mu_);
+  const JobRecord* job = jobs_.Find(job_id);
+  if (job == nullptr) return absl::NotFoundError(absl::StrCat("no job with id ", job_id));
+  v1::GetJobResponse resp;
+  resp.set_job_id(job_id);
+  *resp.mutable_spec() = job->spec;
+  *resp.mutable_map() = job->map;
+  resp.set_state(job->state);
+  resp.set_resume_step(job->resume_step);
+  resp.set_current_step(ViewLocked(*job).min_applied_step);
+  if (job->restore.has_value()) *resp.mutable_restore() = *job->restore;
+  return resp;
+}
+
+absl::StatusOr<v1::ShardMap> Coordinator::GetShardMap(uint64_t job_id) {
+  absl::MutexLock lock(&mu_);
+  const JobRecord* job = jobs_.Find(job_id);
+  if (job == nullptr) return absl::NotFoundError(absl::StrCat("no job with id ", job_id));
+  return job->map;
+}
+
+absl::StatusOr<std::optional<v1::ShardMap>> Coordinator::WaitForShardMap(uint64_t job_id,
+                                                                         uint64_t after_epoch,
+                                                                         absl::Duration timeout) {
+  const absl::Time deadline = absl::Now() + timeout;
+  absl::MutexLock lock(&mu_);
+  while (true) {
+    if (shutting_down_) return absl::UnavailableError("coordinator is shutting down");
+    const JobRecord* job = jobs_.Find(job_id);
+    if (job == nullptr) return absl::NotFoundError(absl::StrCat("no job with id ", job_id));
+    if (job->map.epoch() > after_epoch) return std::optional<v1::ShardMap>(job->map);
+    if (job->state == v1::JOB_STATE_FAILED) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("job ", job_id, " failed: a shard holding its chunks went down"));
+    }
+    if (absl::Now() >= deadline) return std::optional<v1::ShardMap>();
+    map_changed_.WaitWithDeadline(&mu_, deadline);
+  }
+}
+
+}  // namespace optimus

@@ -1,0 +1,29 @@
+// The coordinator's /metrics page (Prometheus text): shards by state and
+// their usage, jobs and their replication, checkpoints, errors answered,
+// and jobs deleted / shards forgotten. A pure function of what it is given;
+// safe from any thread.
+#ifndef OPTIMUS_COORDINATOR_COORDINATOR_METRICS_H_
+#define OPTIMUS_COORDINATOR_COORDINATOR_METRICS_H_
+
+#include <cstdint>
+#include <string>
+
+#include "absl/types/span.h"
+#include "proto/optimus.pb.h"
+
+namespace optimus {
+
+struct CoordinatorMetricsInput {
+  // Status with last_checkpoint filled.
+  const v1::StatusResponse* status = nullptr;
+  // RPCs answered with an error, by absl::StatusCode value (index 0 unused).
+  absl::Span<const uint64_t> errors_by_code;
+  uint64_t jobs_deleted = 0;
+  uint64_t shards_forgotten = 0;
+};
+
+std::string RenderCoordinatorMetrics(const CoordinatorMetricsInput& in);
+
+}  // namespace optimus
+
+#endif  // OPTIMUS_COORDINATOR_COORDINATOR_METRICS_H_

@@ -1,0 +1,69 @@
+// What an optimus-coord is configured with: addresses, lease timing, the
+// folders for checkpoints and durable state, and how long a DOWN shard is
+// remembered. A plain struct; optimus-coord's flags fill it (main.cc), tests
+// and in-process clusters set it directly.
+#ifndef OPTIMUS_COORDINATOR_COORDINATOR_OPTIONS_H_
+#define OPTIMUS_COORDINATOR_COORDINATOR_OPTIONS_H_
+
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "coordinator/state_store.h"
+
+namespace optimus {
+
+struct CoordinatorOptions {
+  // gRPC listen address, "HOST:PORT". Port 0 picks a free port (read it back
+  // with CoordinatorServer::port()). Default: loopback only.
+  std::string listen_address = "127.0.0.1:0";
+  // A shard with no heartbeat for this long is marked DOWN; the jobs that
+  // hold chunks on it fail over to their backups (replication 1) or fail.
+  // Shorter detects failures sooner but costs more
+  // heartbeats (shards are told to beat every lease/3). Default 2 s.
+  absl::Duration lease = absl::Seconds(2);
+  // How often the sweeper checks leases; a dead shard is noticed within
+  // lease + sweep_interval. Default 200 ms.
+  absl::Duration sweep_interval = absl::Milliseconds(200);
+  // A shard DOWN for longer than this leaves the coordinator's tables (and
+  // status) on its own; `optimusctl shard forget` removes one at once. A
+  // shard that comes back after that registers anew under a new id, as it
+  // does after any DOWN. Until then it stays visible, so that an operator
+  // sees what was lost. absl::InfiniteDuration() keeps DOWN shards forever.
+  // Default 10 minutes.
+  absl::Duration down_shard_grace = absl::Minutes(10);
+  // "HOST:PORT" for the HTTP /metrics (Prometheus) and /healthz endpoints;
+  // port 0 picks one; empty turns them off. Default off.
+  std::string metrics_address;
+  // Folder for checkpoints (dir/<job name>/ckpt-<id>/), on a filesystem the
+  // shards share (their --checkpoint_dir). The coordinator writes each
+  // manifest there, prunes old checkpoints and verifies one before a
+  // restore. Empty: checkpoints are off. Default empty.
+  std::string checkpoint_dir;
+  // When a shard holding chunks of a job is lost (no replica), restore the
+  // job from its newest complete checkpoint onto the live shards, under the
+  // same name: its workers re-join and resume at the checkpoint's step (the
+  // steps since are redone). Needs checkpoint_dir. Default on.
+  bool rollback_on_shard_loss = true;
+  // Folder for the durable state (shards, jobs, maps), rewritten with fsync
+  // and an atomic rename after every membership or job change (not on
+  // heartbeats; the write happens on a thread of its own, never under the
+  // coordinator's lock), and loaded at start, so a restarted coordinator
+  // loses nothing. Empty: state lives in memory only. Default empty.
+  std::string state_dir;
+  // Where the durable state goes instead of state_dir's file, when set:
+  // tests use an in-memory store, or one whose writes are slow. Shared with
+  // the caller, who may keep it to start another coordinator over the same
+  // state. Default none.
+  std::shared_ptr<StateStore> state_store;
+  // The clock for leases, lease ages and the DOWN grace period; empty means
+  // absl::Now. Tests set a fake one to expire one shard's lease and not
+  // another's.
+  std::function<absl::Time()> clock;
+};
+
+}  // namespace optimus
+
+#endif  // OPTIMUS_COORDINATOR_COORDINATOR_OPTIONS_H_

@@ -1,0 +1,122 @@
+// CoordinatorServer: starting and stopping the gRPC server, the sweeper and
+// the /metrics endpoint around a Coordinator. See coordinator.h.
+#include <chrono>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "common/logging.h"
+#include "coordinator/coordinator.h"
+#include "coordinator/coordinator_metrics.h"
+#include "coordinator/grpc_service.h"
+#include "grpcpp/grpcpp.h"
+
+namespace optimus {
+namespace {
+
+constexpr char kLog[] = "coord";
+
+// gRPC message size limit of the server: a job's map travels whole in
+// CreateJob/JoinJob/GetJob responses (see kMaxChunksPerJob).
+constexpr int kMaxMessageBytes = 64 << 20;
+
+}  // namespace
+
+CoordinatorServer::CoordinatorServer() = default;
+
+absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
+    const CoordinatorOptions& options) {
+  if (options.lease <= absl::ZeroDuration() || options.sweep_interval <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("coordinator options: lease and sweep_interval must be > 0");
+  }
+  if (options.down_shard_grace < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("coordinator options: down_shard_grace must be >= 0");
+  }
+  const size_t colon = options.listen_address.rfind(':');
+  if (colon == std::string::npos) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("listen address \"", options.listen_address, "\" is not HOST:PORT"));
+  }
+  std::unique_ptr<CoordinatorServer> s(new CoordinatorServer());
+  s->host_ = options.listen_address.substr(0, colon);
+  if (s->host_.empty() || s->host_ == "0.0.0.0" || s->host_ == "[::]" || s->host_ == "*") {
+    s->host_ = "127.0.0.1";
+  }
+  s->core_ = std::make_unique<Coordinator>(options);
+  if (absl::Status r = s->core_->Recover(); !r.ok()) return r;
+  s->service_ = std::make_unique<CoordinatorService>(s->core_.get());
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort(options.listen_address, grpc::InsecureServerCredentials(), &s->port_);
+  builder.RegisterService(s->service_.get());
+  builder.SetMaxReceiveMessageSize(kMaxMessageBytes);
+  builder.SetMaxSendMessageSize(kMaxMessageBytes);
+  s->server_ = builder.BuildAndStart();
+  if (s->server_ == nullptr || s->port_ == 0) {
+    return absl::UnavailableError(
+        absl::StrCat("coordinator cannot listen on ", options.listen_address));
+  }
+  Coordinator* core = s->core_.get();
+  absl::Notification* stop = &s->stop_sweeper_;
+  const absl::Duration interval = options.sweep_interval;
+  s->sweeper_ = std::thread([core, stop, interval] {
+    while (!stop->WaitForNotificationWithTimeout(interval)) {
+      core->SweepExpiredLeases(core->Now());
+      core->TickReplication(core->Now());
+      core->TickCheckpoints(absl::Now());
+      core->RollbackFailedJobs();
+      core->ForgetLongDownShards(core->Now());
+    }
+  });
+  if (!options.metrics_address.empty()) {
+    CoordinatorServer* raw = s.get();
+    auto http = HttpServer::Start(
+        options.metrics_address,
+        {{"/metrics", [raw] { return HttpResponse{200, "text/plain; version=0.0.4",
+                                                  raw->RenderMetrics()}; }},
+         {"/healthz", [] { return HttpResponse{200, "text/plain", "ok\n"}; }}});
+    if (!http.ok()) return http.status();
+    s->http_ = std::move(*http);
+  }
+  OPTIMUS_LOG(Info, kLog, "coordinator listening on ", s->address(),
+              " lease=", absl::FormatDuration(options.lease),
+              " down_shard_grace=", absl::FormatDuration(options.down_shard_grace));
+  return s;
+}
+
+int CoordinatorServer::metrics_port() const { return http_ != nullptr ? http_->port() : 0; }
+
+std::string CoordinatorServer::RenderMetrics() const {
+  v1::StatusResponse st = core_->Status();
+  core_->FillLastCheckpoints(&st);
+  const std::vector<uint64_t> errors = service_->errors();
+  const Coordinator::Counters counters = core_->counters();
+  CoordinatorMetricsInput in;
+  in.status = &st;
+  in.errors_by_code = errors;
+  in.jobs_deleted = counters.jobs_deleted;
+  in.shards_forgotten = counters.shards_forgotten;
+  return RenderCoordinatorMetrics(in);
+}
+
+std::string CoordinatorServer::address() const { return absl::StrCat(host_, ":", port_); }
+
+void CoordinatorServer::Shutdown() {
+  {
+    absl::MutexLock lock(&shutdown_mu_);
+    if (shut_down_) return;
+    shut_down_ = true;
+  }
+  http_.reset();
+  core_->BeginShutdown();  // Ends WatchShardMap streams.
+  // Gives in-flight unary calls a moment, then cancels what is left.
+  server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
+  server_->Wait();
+  stop_sweeper_.Notify();
+  if (sweeper_.joinable()) sweeper_.join();
+  OPTIMUS_LOG(Info, kLog, "coordinator stopped");
+}
+
+CoordinatorServer::~CoordinatorServer() {
+  if (server_ != nullptr) Shutdown();
+}
+
+}  // namespace optimus

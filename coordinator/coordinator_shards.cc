@@ -1,0 +1,302 @@
+// Coordinator: shards. Registration, heartbeats (leases, progress, READY,
+// released jobs), the lease sweep, drain, and forgetting DOWN shards. See
+// coordinator_core.h.
+#include <algorithm>
+#include <set>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "common/logging.h"
+#include "coordinator/coordinator_core.h"
+
+namespace optimus {
+namespace {
+constexpr char kLog[] = "coord";
+
+const char* KindName(v1::ShardKind k) {
+  switch (k) {
+    case v1::SHARD_KIND_DPU: return "dpu";
+    case v1::SHARD_KIND_HOST: return "host";
+    default: return "unspecified";
+  }
+}
+}  // namespace
+
+absl::StatusOr<v1::RegisterShardResponse> Coordinator::RegisterShard(
+    const v1::RegisterShardRequest& req) {
+  const v1::ShardCapabilities& caps = req.capabilities();
+  if (caps.kind() != v1::SHARD_KIND_DPU && caps.kind() != v1::SHARD_KIND_HOST) {
+    return absl::InvalidArgumentError("shard capabilities: kind must be DPU or HOST");
+  }
+  if (caps.memory_limit_bytes() == 0) {
+    return absl::InvalidArgumentError("shard capabilities: memory_limit_bytes must be > 0");
+  }
+  if (caps.data_address().empty()) {
+    return absl::InvalidArgumentError(
+        "shard capabilities: data_address (the UCX worker address) is empty");
+  }
+  absl::MutexLock commit(&commit_mu_);
+  uint64_t id;
+  absl::StatusOr<uint64_t> seq;
+  {
+    absl::MutexLock lock(&mu_);
+    id = shards_.Register(caps, Now()).id;
+    seq = SnapshotLocked();
+  }
+  if (absl::Status s = WaitDurable(seq); !s.ok()) {
+    absl::MutexLock lock(&mu_);
+    shards_.Unregister(id);
+    SaveLaterLocked();
+    return s;
+  }
+  OPTIMUS_LOG(Info, kLog, "shard registered id=", id, " kind=", KindName(caps.kind()),
+              " host=", caps.hostname(), " arch=", caps.arch(),
+              " memory_limit_bytes=", caps.memory_limit_bytes());
+  v1::RegisterShardResponse resp;
+  resp.set_shard_id(id);
+  resp.set_lease_ms(static_cast<uint32_t>(absl::ToInt64Milliseconds(options_.lease)));
+  return resp;
+}
+
+v1::HeartbeatResponse Coordinator::Heartbeat(const v1::HeartbeatRequest& req) {
+  v1::HeartbeatResponse resp;
+  absl::MutexLock lock(&mu_);
+  ShardRecord* shard =
+      shards_.Renew(req.shard_id(), Now(), req.memory_used_bytes(), req.chunks_owned());
+  if (shard == nullptr) {
+    resp.set_known(false);
+    return resp;
+  }
+  const uint64_t shard_id = shard->id;
+  bool became_ready = false;
+  std::set<uint64_t> released;
+  for (const v1::ShardJobProgress& p : req.jobs()) {
+    JobRecord* job = jobs_.Find(p.job_id());
+    if (job == nullptr) {
+      // Deleted, replaced by a restore, or never known here: whatever the
+      // shard holds of it is garbage.
+      released.insert(p.job_id());
+      continue;
+    }
+    if (job->load.count(shard_id) == 0) {
+      // Not a job of this shard (any more): once it has applied the map
+      // that took its chunks, it need not be told again.
+      if (p.map_epoch() >= job->map.epoch()) job->departed.erase(shard_id);
+      continue;
+    }
+    job->progress[shard_id] = p;
+    MarkSeeded(*job, shard_id, p);
+    became_ready |= MaybeMarkReadyLocked(*job);
+  }
+  // A restart before this is saved finds the job PENDING, and the next
+  // heartbeats make it READY again: nobody waits for this save.
+  if (became_ready) SaveLaterLocked();
+  resp.set_known(true);
+  for (uint64_t id : released) resp.add_released_jobs(id);
+  for (const auto& [job_id, job] : jobs_.all()) {
+    if (job.state == v1::JOB_STATE_FAILED) continue;
+    if (job.load.count(shard_id) == 0 &&
+        (job.departed.count(shard_id) == 0 || !AllHoldersAtCurrentEpoch(job))) {
+      continue;
+    }
+    v1::Assignment* a = resp.add_assignments();
+    a->set_job_id(job_id);
+    a->set_map_epoch(job.map.epoch());
+  }
+  for (v1::CheckpointOrder& o : checkpoints_.OnHeartbeat(shard_id, req.checkpoints())) {
+    *resp.add_checkpoints() = std::move(o);
+  }
+  return resp;
+}
+
+bool Coordinator::AllHoldersAtCurrentEpoch(const JobRecord& job) {
+  for (const auto& [shard_id, load] : job.load) {
+    auto p = job.progress.find(shard_id);
+    if (p == job.progress.end() || p->second.map_epoch() < job.map.epoch()) return false;
+  }
+  return true;
+}
+
+void Coordinator::MarkSeeded(JobRecord& job, uint64_t shard_id, const v1::ShardJobProgress& p) {
+  // Counts are over the map of p.map_epoch(): only a report on the current
+  // map says something about the current backups. The report is per shard,
+  // not per chunk, so the flags are set only once all of them are seeded
+  // (a backup seeded once stays in step: the primary publishes a step only
+  // after the backup acknowledged it). They are cleared when a chunk's
+  // backup changes (the planners do).
+  if (p.map_epoch() != job.map.epoch() || p.backup_chunks() == 0 ||
+      p.backups_seeded() != p.backup_chunks()) {
+    return;
+  }
+  auto load = job.load.find(shard_id);
+  if (load == job.load.end() || load->second.backup_chunks != p.backup_chunks()) return;
+  for (int i = 0; i < job.map.chunks_size(); ++i) {
+    if (job.map.chunks(i).backup_shard_id() == shard_id) job.backup_seeded[i] = true;
+  }
+}
+
+bool Coordinator::MaybeMarkReadyLocked(JobRecord& job) {
+  if (job.state != v1::JOB_STATE_PENDING) return false;
+  for (const auto& [shard_id, load] : job.load) {
+    auto p = job.progress.find(shard_id);
+    if (p == job.progress.end() || p->second.map_epoch() != job.map.epoch() ||
+        p->second.chunks_loaded() != load.num_chunks) {
+      return false;
+    }
+  }
+  job.state = v1::JOB_STATE_READY;
+  OPTIMUS_LOG(Info, kLog, "job ready id=", job.id, " name=", job.spec.name(),
+              " epoch=", job.map.epoch(), " shards=", job.load.size());
+  return true;
+}
+
+void Coordinator::OnShardsDownLocked(const std::vector<uint64_t>& shard_ids) {
+  // A dead shard will never apply the map that took its chunks away.
+  for (uint64_t id : shard_ids) {
+    for (auto& [job_id, job] : jobs_.all()) job.departed.erase(id);
+  }
+}
+
+void Coordinator::DropShardFromJobsLocked(uint64_t shard_id) {
+  for (auto& [job_id, job] : jobs_.all()) {
+    job.progress.erase(shard_id);
+    job.departed.erase(shard_id);
+  }
+}
+
+int Coordinator::SweepExpiredLeases(absl::Time now) {
+  absl::MutexLock commit(&commit_mu_);
+  absl::MutexLock lock(&mu_);
+  // Every shard lost in this sweep is DOWN before any job is looked at: a
+  // backup on a shard lost at the same time cannot be promoted. Jobs are
+  // checked on every sweep, not only when a shard was just lost: a state
+  // saved before a failover could be applied names DOWN shards too.
+  const int marked_down = shards_.SweepExpired(now);
+  const bool jobs_changed = FailoverJobsLocked();
+  if (marked_down > 0 || jobs_changed) {
+    // A restarted coordinator gives every shard a fresh lease and marks the
+    // dead ones down again, so nobody waits for this save.
+    SaveLaterLocked();
+    map_changed_.SignalAll();
+  }
+  return marked_down;
+}
+
+int Coordinator::ForgetLongDownShards(absl::Time now) {
+  if (options_.down_shard_grace == absl::InfiniteDuration()) return 0;
+  absl::MutexLock commit(&commit_mu_);
+  absl::MutexLock lock(&mu_);
+  const std::vector<ShardRecord> gone =
+      shards_.ForgetDownLongerThan(options_.down_shard_grace, now);
+  for (const ShardRecord& shard : gone) {
+    DropShardFromJobsLocked(shard.id);
+    ++counters_.shards_forgotten;
+    OPTIMUS_LOG(Info, kLog, "shard forgotten id=", shard.id,
+                " host=", shard.capabilities.hostname(), ": DOWN for ",
+                absl::FormatDuration(now - shard.down_since), " (grace ",
+                absl::FormatDuration(options_.down_shard_grace), ")");
+  }
+  if (!gone.empty()) SaveLaterLocked();
+  return static_cast<int>(gone.size());
+}
+
+absl::StatusOr<v1::ForgetShardResponse> Coordinator::ForgetShard(
+    const v1::ForgetShardRequest& req) {
+  absl::MutexLock commit(&commit_mu_);
+  v1::ForgetShardResponse resp;
+  ShardRecord record;
+  absl::StatusOr<uint64_t> seq;
+  {
+    absl::MutexLock lock(&mu_);
+    const ShardRecord* shard = shards_.Find(req.shard_id());
+    if (shard != nullptr) *resp.mutable_shard() = ShardStatusLocked(*shard, PlannedLoadLocked(), Now());
+    absl::StatusOr<ShardRecord> forgotten = shards_.Forget(req.shard_id());
+    if (!forgotten.ok()) return forgotten.status();
+    record = *std::move(forgotten);
+    seq = SnapshotLocked();
+  }
+  if (absl::Status s = WaitDurable(seq); !s.ok()) {
+    absl::MutexLock lock(&mu_);
+    shards_.Restore(std::move(record));
+    SaveLaterLocked();
+    return s;
+  }
+  absl::MutexLock lock(&mu_);
+  DropShardFromJobsLocked(record.id);
+  ++counters_.shards_forgotten;
+  OPTIMUS_LOG(Info, kLog, "shard forgotten id=", record.id,
+              " host=", record.capabilities.hostname(), " (by request)");
+  return resp;
+}
+
+absl::StatusOr<v1::DrainShardResponse> Coordinator::DrainShard(const v1::DrainShardRequest& req) {
+  absl::MutexLock commit(&commit_mu_);
+  v1::DrainShardResponse resp;
+  absl::StatusOr<uint64_t> seq;
+  uint32_t chunks_held = 0, backups_held = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    ShardRecord* shard = shards_.Find(req.shard_id());
+    if (shard == nullptr) {
+      return absl::NotFoundError(absl::StrCat("no shard with id ", req.shard_id()));
+    }
+    if (shard->state == v1::SHARD_STATE_DOWN) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("shard ", shard->id, " is DOWN: it holds nothing to drain"));
+    }
+    const std::map<uint64_t, ShardLoad> planned = PlannedLoadLocked();
+    if (auto held = planned.find(shard->id); held != planned.end()) {
+      chunks_held = held->second.num_chunks;
+      backups_held = held->second.backup_chunks;
+    }
+    if (shard->state == v1::SHARD_STATE_DRAINING) {
+      *resp.mutable_shard() = ShardStatusLocked(*shard, planned, Now());
+      // After a coordinator restart the count at the start is not known.
+      resp.set_chunks_to_move(shard->drain_chunks_at_start != 0 ? shard->drain_chunks_at_start
+                                                                 : chunks_held);
+      return resp;
+    }
+    // Checked with the placement rule over what is planned now, so that the
+    // drain does not start what it cannot finish.
+    std::vector<ShardInfo> candidates = PlacementCandidatesLocked();
+    candidates.erase(std::remove_if(candidates.begin(), candidates.end(),
+                                    [&](const ShardInfo& s) { return s.id == shard->id; }),
+                     candidates.end());
+    std::vector<JobLayout> layouts;
+    std::vector<std::string> names;
+    for (const auto& [job_id, job] : jobs_.all()) {
+      if (job.state == v1::JOB_STATE_FAILED || job.load.count(shard->id) == 0) continue;
+      layouts.push_back(LayoutOfJob(job));
+      names.push_back(job.spec.name());
+    }
+    std::vector<DrainJob> drain_jobs;
+    for (size_t i = 0; i < layouts.size(); ++i) drain_jobs.push_back({names[i], &layouts[i]});
+    if (absl::Status s = CheckDrainFits(shard->id, chunks_held, drain_jobs, shards_.Health(),
+                                        std::move(candidates));
+        !s.ok()) {
+      return s;
+    }
+    shard->state = v1::SHARD_STATE_DRAINING;
+    shard->drain_chunks_at_start = chunks_held;
+    shard->drained_logged = false;
+    *resp.mutable_shard() = ShardStatusLocked(*shard, planned, Now());
+    resp.set_chunks_to_move(chunks_held);
+    seq = SnapshotLocked();
+  }
+  if (absl::Status s = WaitDurable(seq); !s.ok()) {
+    absl::MutexLock lock(&mu_);
+    ShardRecord* shard = shards_.Find(req.shard_id());
+    if (shard != nullptr && shard->state == v1::SHARD_STATE_DRAINING) {
+      shard->state = v1::SHARD_STATE_UP;
+      shard->drain_chunks_at_start = 0;
+    }
+    SaveLaterLocked();
+    return s;
+  }
+  OPTIMUS_LOG(Info, kLog, "shard ", req.shard_id(), " draining: ", chunks_held, " chunks (",
+              backups_held, " of them backups) move to other shards");
+  return resp;
+}
+
+}  // namespace optimus

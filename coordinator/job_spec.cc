@@ -1,0 +1,128 @@
+#include "coordinator/job_spec.h"
+
+#include <cmath>
+#include <set>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "common/dtype.h"
+#include "coordinator/shard_map.h"
+#include "kernels/optimizer_spec.h"
+
+namespace optimus {
+namespace {
+
+// 2^56 elements is far beyond any model, and keeps every byte count derived
+// from it (elements * bytes per element) inside 64 bits.
+constexpr uint64_t kMaxJobElems = uint64_t{1} << 56;
+
+// Every worker costs an aggregation slot per chunk on the shards; a million
+// is beyond any cluster and keeps world_size * dtype bytes a small int.
+constexpr uint32_t kMaxWorldSize = 1 << 20;
+
+absl::Status Invalid(absl::string_view what) {
+  return absl::InvalidArgumentError(absl::StrCat("invalid job spec: ", what));
+}
+
+// The optimizer's fields: kind and lr are the caller's to choose (a silent
+// default learning rate would surprise); the rest is filled and checked by
+// kernels::FillDefaultsAndValidate, the one place defaults live.
+absl::Status CheckOptimizer(v1::OptimizerConfig& opt, uint32_t world_size) {
+  absl::StatusOr<kernels::OptimizerKind> kind = kernels::OptimizerKindFromInt(opt.kind());
+  if (!kind.ok()) return Invalid("optimizer.kind must be ADAMW, ADAM, SGD or LION");
+  if (!(opt.lr() > 0) || !std::isfinite(opt.lr())) {
+    return Invalid(absl::StrCat("optimizer.lr must be positive and finite, got ", opt.lr()));
+  }
+  if (!(opt.grad_scale() >= 0) || !std::isfinite(opt.grad_scale())) {
+    return Invalid("optimizer.grad_scale must be >= 0 and finite (0: 1/world_size)");
+  }
+  kernels::OptimizerHyper h;
+  h.kind = *kind;
+  h.lr = opt.lr();
+  h.beta1 = opt.beta1();
+  h.beta2 = opt.beta2();
+  h.eps = opt.eps();
+  h.weight_decay = opt.weight_decay();
+  h.momentum = opt.momentum();
+  if (absl::Status s = kernels::FillDefaultsAndValidate(&h); !s.ok()) return Invalid(s.message());
+  opt.set_beta1(h.beta1);
+  opt.set_beta2(h.beta2);
+  opt.set_eps(h.eps);
+  opt.set_weight_decay(h.weight_decay);
+  opt.set_momentum(h.momentum);
+  if (opt.grad_scale() == 0) opt.set_grad_scale(1.0f / static_cast<float>(world_size));
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+uint64_t StateBytesPerElemOf(v1::OptimizerKind kind) {
+  absl::StatusOr<kernels::OptimizerKind> k = kernels::OptimizerKindFromInt(kind);
+  return k.ok() ? kernels::LayoutOf(*k).bytes_per_elem() : 0;
+}
+
+absl::StatusOr<CheckedSpec> CheckAndFillSpec(v1::JobSpec& spec) {
+  if (spec.name().empty()) return Invalid("name is empty");
+  if (spec.world_size() < 1) return Invalid("world_size must be >= 1");
+  if (spec.replication() > 1) {
+    return Invalid(absl::StrCat("replication must be 0 or 1 (backups per chunk), got ",
+                                spec.replication()));
+  }
+  if (spec.world_size() > kMaxWorldSize) {
+    return Invalid(absl::StrCat("world_size must be <= ", kMaxWorldSize));
+  }
+  if (spec.tensors_size() < 1) return Invalid("at least one tensor is required");
+  CheckedSpec out;
+  std::set<std::string> names;
+  for (int t = 0; t < spec.tensors_size(); ++t) {
+    const v1::TensorSpec& tensor = spec.tensors(t);
+    if (tensor.name().empty()) return Invalid(absl::StrCat("tensor ", t, " has an empty name"));
+    if (!names.insert(tensor.name()).second) {
+      return Invalid(absl::StrCat("tensor name \"", tensor.name(), "\" is used twice"));
+    }
+    // An empty shape is a scalar: one element.
+    uint64_t n = 1;
+    for (int64_t dim : tensor.shape()) {
+      if (dim <= 0) {
+        return Invalid(absl::StrCat("tensor \"", tensor.name(), "\" has dimension ", dim,
+                                    "; every dimension must be positive"));
+      }
+      if (__builtin_mul_overflow(n, static_cast<uint64_t>(dim), &n) || n > kMaxJobElems) {
+        return Invalid(absl::StrCat("tensor \"", tensor.name(), "\" is too large"));
+      }
+    }
+    out.num_params += n;
+    if (out.num_params > kMaxJobElems) return Invalid("the job has too many elements");
+    out.tensor_num_elems.push_back(n);
+  }
+  absl::StatusOr<DType> grad = DTypeFromInt(spec.grad_dtype());
+  if (spec.grad_dtype() == v1::DTYPE_UNSPECIFIED || !grad.ok()) {
+    return Invalid("grad_dtype must be FP32, BF16 or FP16");
+  }
+  absl::StatusOr<DType> param = DTypeFromInt(spec.param_dtype());
+  if (spec.param_dtype() == v1::DTYPE_UNSPECIFIED || !param.ok()) {
+    return Invalid("param_dtype must be FP32, BF16 or FP16");
+  }
+  if (absl::Status s = CheckOptimizer(*spec.mutable_optimizer(), spec.world_size()); !s.ok()) {
+    return s;
+  }
+  if (spec.max_chunk_bytes() == 0) spec.set_max_chunk_bytes(kDefaultMaxChunkBytes);
+  if (spec.max_chunk_bytes() < 4) {
+    return Invalid("max_chunk_bytes must be 0 (4 MiB) or at least 4 (one fp32 element)");
+  }
+  const uint64_t max_chunk_elems = spec.max_chunk_bytes() / 4;
+  uint64_t num_chunks = 0;
+  for (uint64_t n : out.tensor_num_elems) num_chunks += (n + max_chunk_elems - 1) / max_chunk_elems;
+  if (num_chunks > kMaxChunksPerJob) {
+    return Invalid(absl::StrCat("the job would have ", num_chunks, " chunks, more than ",
+                                kMaxChunksPerJob, "; raise max_chunk_bytes"));
+  }
+  const kernels::OptimizerKind kind = *kernels::OptimizerKindFromInt(spec.optimizer().kind());
+  out.bytes_per_elem = kernels::ShardBytesPerElem(kind, spec.world_size(), *grad, *param,
+                                                  /*replicated=*/spec.replication() > 0);
+  out.state_bytes_per_elem = kernels::LayoutOf(kind).bytes_per_elem();
+  return out;
+}
+
+}  // namespace optimus

@@ -1,0 +1,47 @@
+// Checking a JobSpec that a CreateJob or a restore brings, and filling its
+// defaults (optimizer defaults from kernels/optimizer_spec.h, the one place
+// they live), plus what a shard holds per element of the job. Pure
+// functions; safe from any thread.
+#ifndef OPTIMUS_COORDINATOR_JOB_SPEC_H_
+#define OPTIMUS_COORDINATOR_JOB_SPEC_H_
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "proto/optimus.pb.h"
+
+namespace optimus {
+
+// Most chunks one job may have: its whole map travels in one gRPC message
+// (~25 bytes per chunk), which must stay well under the 64 MiB the server
+// allows. A larger model needs a larger max_chunk_bytes.
+inline constexpr uint64_t kMaxChunksPerJob = uint64_t{1} << 20;
+
+struct CheckedSpec {
+  std::vector<uint64_t> tensor_num_elems;  // By tensor, in spec order.
+  uint64_t num_params = 0;                 // Their sum.
+  // Shard bytes per element, primary or backup alike
+  // (kernels::ShardBytesPerElem; replicated when replication is 1).
+  uint64_t bytes_per_elem = 0;
+  // fp32 master and moment bytes per element (kernels::LayoutOf).
+  uint64_t state_bytes_per_elem = 0;
+};
+
+// Validates `spec` in place and fills its defaults: INVALID_ARGUMENT
+// ("invalid job spec: ...", naming the field) when the name is empty,
+// world_size is 0 or too large, replication is not 0 or 1, there is no
+// tensor, a tensor name is empty or repeated, a dimension is not positive,
+// the job is too large, a dtype or the optimizer kind is unset, lr is not
+// positive, another optimizer field is out of range, or the job would have
+// more than kMaxChunksPerJob chunks. Fills the optimizer's defaults for its
+// kind, grad_scale (1/world_size) and max_chunk_bytes (4 MiB).
+absl::StatusOr<CheckedSpec> CheckAndFillSpec(v1::JobSpec& spec);
+
+// fp32 master and moment bytes per element of `kind` (12 for Adam/AdamW, 8
+// for SGD and Lion); 0 for an unknown kind.
+uint64_t StateBytesPerElemOf(v1::OptimizerKind kind);
+
+}  // namespace optimus
+
+#endif  // OPTIMUS_COORDINATOR_JOB_SPEC_H_

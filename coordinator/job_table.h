@@ -1,0 +1,100 @@
+// The coordinator's jobs: one record per job (spec, state, current shard
+// map, what each shard reported, joined worker ranks) by id, and the index
+// of job names. A name belongs to one job at a time.
+//
+// Not thread-safe on its own: the Coordinator owns one as a member guarded
+// by its lock and calls it only under that lock. It does no I/O.
+#ifndef OPTIMUS_COORDINATOR_JOB_TABLE_H_
+#define OPTIMUS_COORDINATOR_JOB_TABLE_H_
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "coordinator/map_planner.h"
+#include "proto/optimus.pb.h"
+
+namespace optimus {
+
+struct JobRecord {
+  uint64_t id = 0;
+  v1::JobSpec spec;  // Defaults filled.
+  v1::JobState state = v1::JOB_STATE_PENDING;
+  uint64_t num_params = 0;
+  uint64_t bytes_per_elem = 0;  // Shard bytes per element (kernels::ShardBytesPerElem).
+  v1::ShardMap map;             // Current map, map.epoch() is the epoch.
+  // Planned, by shard id, over primaries and backups (from map).
+  std::map<uint64_t, ShardLoad> load;
+  // By index into map.chunks: the chunk's backup is known to be in sync
+  // (its shard reported all its backups of the job seeded at the current
+  // epoch). Volatile: a restarted coordinator learns it from the next
+  // heartbeats. Cleared when a chunk's backup changes.
+  std::vector<bool> backup_seeded;
+  // Live shards that held chunks under an older map and hold none now
+  // (drained, or their backups moved), with how many they held. Once
+  // every holder has loaded the current map (so that no primary still
+  // forwards to a departed backup under the old one), they are assigned
+  // the job again until they report its current epoch: they apply the map
+  // that took their chunks away (retire them, send requests for them back
+  // to the clients). Their chunks count in their chunks_owned until then:
+  // a drained shard is safe to stop only once it has let go. Volatile.
+  std::map<uint64_t, uint32_t> departed;
+  std::map<uint64_t, v1::ShardJobProgress> progress;  // Reported, by shard id.
+  std::set<uint32_t> joined_ranks;
+  uint64_t resume_step = 1;  // Step workers start at (restored jobs: S).
+  std::optional<v1::RestoreSource> restore;
+  bool rollback_tried = false;
+  // Being deleted: left out of saved snapshots while its deletion is made
+  // durable; still served (and not released to shards) until it is gone.
+  bool deleting = false;
+};
+
+class JobTable {
+ public:
+  // Adds `job` (its id must be new) and gives it its name.
+  JobRecord& Add(JobRecord job);
+  // Removes the job and, when the name is its own, the name. Returns it.
+  std::optional<JobRecord> Remove(uint64_t id);
+  // Gives `name` to job `id` (undoing a restore that took it over).
+  void ClaimName(const std::string& name, uint64_t id) { ids_by_name_[name] = id; }
+
+  // Drops every job and name (keeps the next id).
+  void Clear() {
+    jobs_.clear();
+    ids_by_name_.clear();
+  }
+
+  JobRecord* Find(uint64_t id);
+  const JobRecord* Find(uint64_t id) const;
+  // The job that holds `name`, or nullptr.
+  JobRecord* FindByName(const std::string& name);
+
+  std::map<uint64_t, JobRecord>& all() { return jobs_; }
+  const std::map<uint64_t, JobRecord>& all() const { return jobs_; }
+  size_t size() const { return jobs_.size(); }
+  size_t names_size() const { return ids_by_name_.size(); }
+
+  // Ids are never handed out twice, not even for a job whose creation was
+  // undone: a shard that saw it must not mistake a later job for it.
+  uint64_t TakeNextId() { return next_id_++; }
+  uint64_t next_id() const { return next_id_; }
+  void set_next_id(uint64_t id) { next_id_ = id; }
+
+ private:
+  uint64_t next_id_ = 1;
+  std::map<uint64_t, JobRecord> jobs_;
+  std::map<std::string, uint64_t> ids_by_name_;
+};
+
+// The job's chunks as the map planners take them.
+JobLayout LayoutOfJob(const JobRecord& job);
+// Writes the planners' copies back into job.map and job.backup_seeded (the
+// chunks' ranges do not change).
+void ApplyLayout(const JobLayout& layout, JobRecord& job);
+
+}  // namespace optimus
+
+#endif  // OPTIMUS_COORDINATOR_JOB_TABLE_H_

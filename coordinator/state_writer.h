@@ -1,0 +1,69 @@
+// Writes snapshots of the coordinator's state to a StateStore on a thread of
+// its own, so that no lock is held while a snapshot reaches the disk. The
+// coordinator serializes a snapshot under its lock and Submits it (which
+// never waits for I/O); each snapshot gets the next sequence number. The
+// writer always writes the newest snapshot queued and skips older ones, so
+// an older snapshot never overwrites a newer one and a burst of changes
+// costs one write. A caller that must answer only once its change is
+// durable waits with WaitDurable(seq); others (heartbeats, the sweeper) do
+// not wait.
+//
+// Owns its thread; borrows the store, which must outlive it. Thread-safe.
+#ifndef OPTIMUS_COORDINATOR_STATE_WRITER_H_
+#define OPTIMUS_COORDINATOR_STATE_WRITER_H_
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <thread>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
+#include "coordinator/state_store.h"
+
+namespace optimus {
+
+class StateWriter {
+ public:
+  explicit StateWriter(StateStore* store);
+  // Writes the newest snapshot still queued, then stops the thread.
+  ~StateWriter();
+  StateWriter(const StateWriter&) = delete;
+  StateWriter& operator=(const StateWriter&) = delete;
+
+  // Queues a snapshot and returns its sequence number (1, 2, ...). Callers
+  // submit snapshots in the order they took them (under the lock that
+  // guards the state), so a larger number is a newer state. Never blocks on
+  // I/O.
+  uint64_t Submit(std::string bytes);
+
+  // Waits until snapshot `seq`, or a newer one, has been written. OK when
+  // one at least as new is durable; otherwise the store's error from the
+  // attempt that covered `seq` (the store keeps an older state then).
+  absl::Status WaitDurable(uint64_t seq);
+
+  // Sequence number of the newest durable snapshot (0: none yet).
+  uint64_t durable_seq() const;
+
+ private:
+  void Run();
+
+  StateStore* const store_;
+  mutable absl::Mutex mu_;
+  uint64_t submitted_seq_ ABSL_GUARDED_BY(mu_) = 0;
+  // The newest snapshot not yet taken by the thread, and its number.
+  std::optional<std::string> pending_ ABSL_GUARDED_BY(mu_);
+  uint64_t pending_seq_ ABSL_GUARDED_BY(mu_) = 0;
+  // The newest snapshot the thread tried to write, the newest it wrote,
+  // and the error of the last failed attempt.
+  uint64_t attempted_seq_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t durable_seq_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::Status last_error_ ABSL_GUARDED_BY(mu_);
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  std::thread thread_;
+};
+
+}  // namespace optimus
+
+#endif  // OPTIMUS_COORDINATOR_STATE_WRITER_H_
