@@ -5,6 +5,6 @@ set -euo pipefail
 log="${TEST_SRCDIR}/optimus/tests/static/thread_safety.log"
 cat "${log}"
 grep -q " 0 failed$" "${log}" || { echo "thread-safety violations"; exit 1; }
-for pkg in server client transport common cli kernels/cpu; do
+for pkg in server coordinator client transport common cli kernels/cpu; do
   grep -q "^ok ${pkg}/" "${log}" || { echo "no file of ${pkg}/ was checked"; exit 1; }
 done
