@@ -1,5 +1,7 @@
 #include "server/job_table.h"
 
+#include <sys/mman.h>
+
 #include <cstdlib>
 #include <cstring>
 #include <utility>
@@ -12,6 +14,12 @@ namespace {
 
 // Cache-line alignment so the SIMD kernels load whole lines.
 constexpr size_t kAlignBytes = 64;
+// Buffers at least this large are mapped from the kernel directly (page
+// aligned, zeroed by it) and unmapped when freed: a deleted job's memory goes
+// back to the system at once instead of staying in the allocator's arenas,
+// where it would be reusable only by this process and fragmented across
+// threads. A chunk's buffers are this size or larger unless the job is tiny.
+constexpr size_t kMapThresholdBytes = 64 * 1024;
 
 }  // namespace
 
@@ -42,12 +50,18 @@ absl::StatusOr<std::unique_ptr<Buffer>> Buffer::Allocate(size_t size_bytes,
   b->account_ = std::move(account);
   b->reserved_bytes_ = size_bytes;
   b->size_bytes_ = size_bytes;
-  b->data_ = static_cast<uint8_t*>(std::aligned_alloc(kAlignBytes, rounded));
+  if (rounded >= kMapThresholdBytes) {
+    void* p = mmap(nullptr, rounded, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    b->data_ = p == MAP_FAILED ? nullptr : static_cast<uint8_t*>(p);
+    b->mapped_bytes_ = b->data_ != nullptr ? rounded : 0;
+  } else {
+    b->data_ = static_cast<uint8_t*>(std::aligned_alloc(kAlignBytes, rounded));
+    if (b->data_ != nullptr) std::memset(b->data_, 0, rounded);
+  }
   if (b->data_ == nullptr) {
     return absl::ResourceExhaustedError(
         absl::StrCat("out of memory allocating ", rounded, " bytes for ", what));
   }
-  std::memset(b->data_, 0, rounded);
   if (registrar) {
     auto region = registrar(b->data_, size_bytes);
     if (!region.ok()) return region.status();
@@ -58,7 +72,11 @@ absl::StatusOr<std::unique_ptr<Buffer>> Buffer::Allocate(size_t size_bytes,
 
 Buffer::~Buffer() {
   region_.reset();  // Deregistered before the memory goes.
-  std::free(data_);
+  if (mapped_bytes_ != 0) {
+    munmap(data_, mapped_bytes_);
+  } else {
+    std::free(data_);
+  }
   if (account_ != nullptr) account_->Release(reserved_bytes_);
 }
 

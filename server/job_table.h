@@ -51,7 +51,8 @@ class MemoryAccount {
 using Registrar =
     std::function<absl::StatusOr<std::unique_ptr<transport::MemoryRegion>>(void*, size_t)>;
 
-// One zeroed, 64-byte aligned, registered, accounted allocation.
+// One zeroed, 64-byte aligned, registered, accounted allocation; large
+// ones are mapped from the kernel and given back to it when freed.
 class Buffer {
  public:
   static absl::StatusOr<std::unique_ptr<Buffer>> Allocate(
@@ -70,6 +71,7 @@ class Buffer {
   uint8_t* data_ = nullptr;
   size_t size_bytes_ = 0;
   size_t reserved_bytes_ = 0;
+  size_t mapped_bytes_ = 0;  // Non-zero: mmap'ed (unmapped when freed).
   std::shared_ptr<MemoryAccount> account_;
   std::unique_ptr<transport::MemoryRegion> region_;  // Before data_ is freed.
 };
