@@ -181,21 +181,26 @@ void CheckpointManager::MakeFolder(uint64_t job_id, uint64_t ticket) {
     old_path = ip->old_path;
   }
   if (!old_path.empty()) (void)ckpt::RemoveTree(old_path);  // A retry's earlier attempt.
-  uint64_t listed = 0;
-  for (const std::string& entry : ckpt::ListDir(JobDir(name))) {
-    listed = std::max(listed, ckpt::ParseFolderName(entry));
-  }
+  // A checkpoint's id is its step.
   std::string path;
+  uint64_t step;
   {
     absl::MutexLock lock(&mu_);
     InProgress* ip = FindLocked(job_id, ticket);
     if (ip == nullptr) return ResolveLocked(ticket, ended);
-    uint64_t& last = last_id_[name];
-    last = std::max(last, listed) + 1;
-    path = absl::StrCat(JobDir(name), "/", ckpt::FolderName(last));
-    ip->info.set_checkpoint_id(last);
+    step = ip->info.step();
+    path = absl::StrCat(JobDir(name), "/", ckpt::FolderName(step));
+    ip->info.set_checkpoint_id(step);
     ip->info.set_path(path);
     ip->old_path.clear();
+  }
+  if (std::optional<v1::CheckpointInfo> done = InfoFromFolder(name, step, path);
+      done.has_value() && done->state() == v1::CHECKPOINT_STATE_COMPLETE) {
+    // The state of this step is on disk already (a job restored from it
+    // and not stepped since): that checkpoint is the answer.
+    absl::MutexLock lock(&mu_);
+    if (FindLocked(job_id, ticket) != nullptr) in_progress_.erase(job_id);
+    return ResolveLocked(ticket, *done);
   }
   const absl::Status made = ckpt::MakeDirs(path);
   absl::MutexLock lock(&mu_);
@@ -270,27 +275,63 @@ void CheckpointManager::Tick(const std::vector<CheckpointJobView>& jobs, absl::T
       continue;
     }
     const v1::CheckpointPolicy& policy = job.spec.checkpoint_policy();
-    if (policy.every_steps() == 0 && policy.every_seconds() == 0) continue;
+    if (policy.every_seconds() == 0) continue;
     auto [ps, first] = policy_.try_emplace(job.job_id);
     if (first) {
       ps->second.last_step = job.resume_step - 1;
       ps->second.last_time = now;
     }
-    const bool by_steps = policy.every_steps() > 0 &&
-                          job.min_applied_step >= ps->second.last_step + policy.every_steps();
+    // every_steps is the shards' to apply at step boundaries (OnHeartbeat
+    // takes those checkpoints up); a time policy is ordered from here.
     const bool by_time = policy.every_seconds() > 0 &&
                          now - ps->second.last_time >= absl::Seconds(policy.every_seconds());
-    if (by_steps || by_time) StartLocked(job, job.max_applied_step + 1, 0, "");
+    if (by_time) StartLocked(job, job.max_applied_step + 1, 0, "");
   }
 }
 
+void CheckpointManager::AdoptLocked(const CheckpointJobView& job, uint64_t step) {
+  InProgress ip;
+  ip.ticket = next_ticket_++;
+  ip.phase = Phase::kOrdered;
+  ip.policy = true;
+  ip.job_id = job.job_id;
+  ip.spec = job.spec;
+  ip.owners = job.owners;
+  ip.info.set_job_name(job.spec.name());
+  ip.info.set_checkpoint_id(step);
+  ip.info.set_step(step);
+  ip.info.set_path(absl::StrCat(JobDir(job.spec.name()), "/", ckpt::FolderName(step)));
+  ip.info.set_state(v1::CHECKPOINT_STATE_IN_PROGRESS);
+  ip.info.set_created_unix_ms(UnixMs(absl::Now()));
+  OPTIMUS_LOG(Info, kLog, "checkpoint taken by policy job=", job.spec.name(), " id=", step,
+              " step=", step, " shards=", ip.owners.size());
+  in_progress_[job.job_id] = std::move(ip);
+}
+
 std::vector<v1::CheckpointOrder> CheckpointManager::OnHeartbeat(
-    uint64_t shard_id, const google::protobuf::RepeatedPtrField<v1::ShardCheckpointReport>& reports) {
+    uint64_t shard_id, const google::protobuf::RepeatedPtrField<v1::ShardCheckpointReport>& reports,
+    const std::map<uint64_t, CheckpointJobView>& jobs) {
   std::vector<v1::CheckpointOrder> orders;
   if (!enabled()) return orders;
   absl::MutexLock lock(&mu_);
   for (const v1::ShardCheckpointReport& r : reports) {
     auto it = in_progress_.find(r.job_id());
+    if (it == in_progress_.end()) {
+      // The first report of a checkpoint the shards took at a boundary of
+      // the job's policy (while none of its checkpoints is in progress).
+      auto v = jobs.find(r.job_id());
+      if (v == jobs.end()) continue;
+      const CheckpointJobView& job = v->second;
+      const uint64_t every = job.spec.checkpoint_policy().every_steps();
+      const uint64_t step = r.checkpoint_id();
+      if (every == 0 || step % every != 0 || step <= job.resume_step ||
+          job.state != v1::JOB_STATE_READY || job.owners.count(shard_id) == 0 ||
+          !job.owners_without_checkpoint_dir.empty() || !UsableAsFolder(job.spec.name())) {
+        continue;
+      }
+      AdoptLocked(job, step);
+      it = in_progress_.find(r.job_id());
+    }
     if (it == in_progress_.end() || it->second.phase != Phase::kOrdered ||
         it->second.info.checkpoint_id() != r.checkpoint_id() ||
         it->second.owners.count(shard_id) == 0) {
@@ -328,6 +369,7 @@ std::vector<v1::CheckpointOrder> CheckpointManager::OnHeartbeat(
     o.set_checkpoint_id(ip.info.checkpoint_id());
     o.set_step(ip.info.step());
     o.set_path(absl::StrCat(ip.info.job_name(), "/", ckpt::FolderName(ip.info.checkpoint_id())));
+    o.set_policy(ip.policy);
     orders.push_back(std::move(o));
   }
   return orders;
@@ -377,7 +419,7 @@ void CheckpointManager::WriteManifest(uint64_t job_id, uint64_t ticket) {
   OPTIMUS_LOG(Info, kLog, "checkpoint complete job=", name, " id=", m.checkpoint_id(),
               " step=", m.step(), " files=", m.files_size(), " bytes=", size_bytes,
               " path=", path);
-  Prune(name, keep);
+  Prune(name, keep, m.checkpoint_id());
 }
 
 void CheckpointManager::FailLocked(uint64_t job_id, const std::string& error) {
@@ -417,6 +459,11 @@ void CheckpointManager::OnOwnersChanged(uint64_t job_id, const std::set<uint64_t
     return;
   }
   if (ip.phase != Phase::kOrdered || ip.owners == owners) return;
+  if (ip.policy) {
+    // Its parts come from the chunks as they were; the next boundary is
+    // taken over the new owners.
+    return FailLocked(job_id, "the job's chunks moved to other shards during the checkpoint");
+  }
   ip.phase = Phase::kRetry;
   OPTIMUS_LOG(Info, kLog, "checkpoint ", ip.info.checkpoint_id(), " of job ", ip.info.job_name(),
               ": the job's chunks moved to other shards; retrying later over the new ones");
@@ -440,12 +487,13 @@ void CheckpointManager::OnJobDeleted(uint64_t job_id) {
 void CheckpointManager::ForgetJobName(const std::string& job_name) {
   absl::MutexLock lock(&mu_);
   failed_.erase(job_name);
-  last_id_.erase(job_name);
 }
 
-void CheckpointManager::Prune(const std::string& job_name, uint32_t keep_last) {
-  // Folders are made and removed on this (the file) thread only, so none
-  // appears while this runs.
+void CheckpointManager::Prune(const std::string& job_name, uint32_t keep_last,
+                              uint64_t completed) {
+  // The coordinator makes and removes folders on this (the file) thread
+  // only; shards make the folders of policy checkpoints, always of steps
+  // after the one just completed.
   std::set<std::string> busy;
   {
     absl::MutexLock lock(&mu_);
@@ -456,12 +504,13 @@ void CheckpointManager::Prune(const std::string& job_name, uint32_t keep_last) {
   }
   std::vector<std::string> complete;
   for (const std::string& name : ckpt::ListDir(JobDir(job_name))) {
-    if (ckpt::ParseFolderName(name) == 0) continue;
+    const uint64_t id = ckpt::ParseFolderName(name);
+    if (id == 0) continue;
     const std::string path = absl::StrCat(JobDir(job_name), "/", name);
     if (busy.count(path) != 0) continue;
     if (ckpt::ReadManifest(path).ok()) {
       complete.push_back(path);  // Sorted by id: ListDir sorts, names are zero-padded.
-    } else {
+    } else if (id < completed) {
       // Left behind by a checkpoint that never completed.
       (void)ckpt::RemoveTree(path);
     }
@@ -592,7 +641,6 @@ CheckpointManager::TableSizes CheckpointManager::table_sizes() const {
   t.paces = pace_.size();
   std::set<std::string> names;
   for (const auto& [name, f] : failed_) names.insert(name);
-  for (const auto& [name, id] : last_id_) names.insert(name);
   t.names = names.size();
   return t;
 }

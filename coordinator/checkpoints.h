@@ -1,8 +1,11 @@
-// The coordinator's checkpoint bookkeeping: orders checkpoints (on request or
-// by a job's policy), collects the shards' reports, writes the manifest once
-// every shard's files are on disk, keeps the last K complete checkpoints,
-// lists them, and verifies one before a restore. Files live under
-// dir/<job name>/ckpt-<id>/ (see common/checkpoint_files.h).
+// The coordinator's checkpoint bookkeeping: orders checkpoints on request
+// (or every T seconds by a job's policy), takes up the ones the shards take
+// on their own at the policy's step boundaries (every N steps: no order
+// races the training), collects the shards' reports, writes the manifest
+// once every shard's files are on disk, keeps the last K complete
+// checkpoints, lists them, and verifies one before a restore. A checkpoint's
+// id is its step; its files live under dir/<job name>/ckpt-<step>/ (see
+// common/checkpoint_files.h).
 //
 // Disk I/O never happens under a lock: bookkeeping (orders, reports, states)
 // is done under the manager's own lock, which is always taken after the
@@ -76,12 +79,18 @@ class CheckpointManager {
   // queued. Called by the sweeper.
   void Tick(const std::vector<CheckpointJobView>& jobs, absl::Time now);
 
-  // Takes a shard's reports and returns the orders it must carry out. Once
-  // every owner reported its part, the manifest is written on the file
-  // thread (the checkpoint stays IN_PROGRESS until it is).
+  // Takes a shard's reports and returns the orders it must carry out (or,
+  // for policy checkpoints, keep reporting). The first report of a policy
+  // checkpoint (a step boundary of its job's every_steps, after its resume
+  // step) puts it in progress over the job's owners, unless another of the
+  // job's checkpoints is in progress (then that boundary is skipped). `jobs`
+  // holds the views of the jobs the reports name. Once every owner reported
+  // its part, the manifest is written on the file thread (the checkpoint
+  // stays IN_PROGRESS until it is).
   std::vector<v1::CheckpointOrder> OnHeartbeat(
       uint64_t shard_id,
-      const google::protobuf::RepeatedPtrField<v1::ShardCheckpointReport>& reports);
+      const google::protobuf::RepeatedPtrField<v1::ShardCheckpointReport>& reports,
+      const std::map<uint64_t, CheckpointJobView>& jobs);
 
   // Fails the job's checkpoint in progress (a shard went down).
   void OnJobFailed(uint64_t job_id, const std::string& why);
@@ -97,7 +106,7 @@ class CheckpointManager {
   // by id (policy, pace) goes.
   void OnJobDeleted(uint64_t job_id);
   // No job has `job_name` any more: forgets what was kept by name (failed
-  // checkpoints, the last id handed out). Its folders stay.
+  // checkpoints). Its folders stay.
   void ForgetJobName(const std::string& job_name);
 
   // Checkpoints of job `job_name`, oldest first: complete ones found on disk
@@ -124,7 +133,7 @@ class CheckpointManager {
     size_t in_progress = 0;
     size_t policies = 0;
     size_t paces = 0;
-    size_t names = 0;  // Job names with failed checkpoints or last ids kept.
+    size_t names = 0;  // Job names with failed checkpoints kept.
   };
   TableSizes table_sizes() const;
 
@@ -145,6 +154,7 @@ class CheckpointManager {
     std::map<uint64_t, v1::ShardCheckpointReport> reports;  // By shard.
     int attempt = 0;
     std::string old_path;  // kStarting after a retry: the folder to remove first.
+    bool policy = false;   // Taken by the shards at a policy boundary, not ordered.
   };
   struct PolicyState {
     uint64_t last_step = 0;   // Steps applied when the last checkpoint was ordered.
@@ -166,6 +176,9 @@ class CheckpointManager {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   std::string JobDir(const std::string& job_name) const;
+  // Takes up a policy checkpoint the shards began at `step` (kOrdered: the
+  // shards made its folder).
+  void AdoptLocked(const CheckpointJobView& job, uint64_t step) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Puts the job's entry in kStarting at `step` and queues its folder.
   void StartLocked(const CheckpointJobView& job, uint64_t step, int attempt,
                    std::string old_path) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -179,8 +192,10 @@ class CheckpointManager {
   void MakeFolder(uint64_t job_id, uint64_t ticket);
   // File thread: writes the manifest, then prunes.
   void WriteManifest(uint64_t job_id, uint64_t ticket);
-  // File thread: keeps the newest `keep_last` complete checkpoints.
-  void Prune(const std::string& job_name, uint32_t keep_last);
+  // File thread: keeps the newest `keep_last` complete checkpoints, and
+  // removes incomplete leftovers older than checkpoint `completed` (newer
+  // ones may be policy checkpoints the shards are still writing).
+  void Prune(const std::string& job_name, uint32_t keep_last, uint64_t completed);
   // Records what AwaitStart(ticket) returns, when someone waits for it.
   void ResolveLocked(uint64_t ticket, absl::StatusOr<v1::CheckpointInfo> result)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -196,7 +211,6 @@ class CheckpointManager {
   std::map<std::string, std::vector<v1::CheckpointInfo>> failed_ ABSL_GUARDED_BY(mu_);
   std::map<uint64_t, PolicyState> policy_ ABSL_GUARDED_BY(mu_);  // By job id.
   std::map<uint64_t, Pace> pace_ ABSL_GUARDED_BY(mu_);            // By job id.
-  std::map<std::string, uint64_t> last_id_ ABSL_GUARDED_BY(mu_);  // By job name.
   // Last member: destroyed first, so that queued work runs while the rest
   // of the manager is still there.
   FileWorker files_;

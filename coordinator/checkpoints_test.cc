@@ -5,6 +5,7 @@
 #include "coordinator/checkpoints.h"
 
 #include <cstdlib>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -88,15 +89,15 @@ TEST(CheckpointManagerTest, ManifestOnlyWhenEveryShardIsDoneThenKeepsTheLastK) {
     auto info = m.Create(view);
     ASSERT_TRUE(info.ok()) << info.status();
     EXPECT_EQ(info->step(), round * 10 + 1);
-    auto orders = m.OnHeartbeat(1, Reports({}));
+    auto orders = m.OnHeartbeat(1, Reports({}), {});
     ASSERT_EQ(orders.size(), 1u);
     EXPECT_EQ(orders[0].step(), round * 10 + 1);
     // Shard 1 done: no manifest yet.
-    EXPECT_TRUE(m.OnHeartbeat(1, Reports({Done(orders[0], root, 0)})).empty());
+    EXPECT_TRUE(m.OnHeartbeat(1, Reports({Done(orders[0], root, 0)}), {}).empty());
     EXPECT_EQ(ckpt::ReadManifest(info->path()).status().code(), absl::StatusCode::kNotFound);
     EXPECT_EQ(m.Last("j")->state(), v1::CHECKPOINT_STATE_IN_PROGRESS);
     // Shard 2 done: the manifest is written and the checkpoint is complete.
-    m.OnHeartbeat(2, Reports({Done(orders[0], root, 2)}));
+    m.OnHeartbeat(2, Reports({Done(orders[0], root, 2)}), {});
     m.WaitForFileWork();
     auto manifest = ckpt::ReadManifest(info->path());
     ASSERT_TRUE(manifest.ok()) << manifest.status();
@@ -123,18 +124,18 @@ TEST(CheckpointManagerTest, MissedStepRetriesLaterAndErrorsFailAndCleanUp) {
   CheckpointManager m(root);
   auto first = m.Create(View(5));
   ASSERT_TRUE(first.ok());
-  auto orders = m.OnHeartbeat(1, Reports({}));
+  auto orders = m.OnHeartbeat(1, Reports({}), {});
   ASSERT_EQ(orders.size(), 1u);
   v1::ShardCheckpointReport missed;
   missed.set_job_id(7);
   missed.set_checkpoint_id(orders[0].checkpoint_id());
   missed.set_error("already applied");
   missed.set_missed_step(true);
-  EXPECT_TRUE(m.OnHeartbeat(1, Reports({missed})).empty());  // No orders while waiting.
+  EXPECT_TRUE(m.OnHeartbeat(1, Reports({missed}), {}).empty());  // No orders while waiting.
   // The next tick orders the step training is at now, under a new id.
   m.Tick({View(9)}, absl::Now());
   m.WaitForFileWork();  // The new folder.
-  auto retry = m.OnHeartbeat(2, Reports({}));
+  auto retry = m.OnHeartbeat(2, Reports({}), {});
   ASSERT_EQ(retry.size(), 1u);
   EXPECT_EQ(retry[0].step(), 10u);
   EXPECT_GT(retry[0].checkpoint_id(), orders[0].checkpoint_id());
@@ -144,7 +145,7 @@ TEST(CheckpointManagerTest, MissedStepRetriesLaterAndErrorsFailAndCleanUp) {
   bad.set_job_id(7);
   bad.set_checkpoint_id(retry[0].checkpoint_id());
   bad.set_error("cannot write x: No space left on device");
-  m.OnHeartbeat(1, Reports({bad}));
+  m.OnHeartbeat(1, Reports({bad}), {});
   m.WaitForFileWork();  // Its folder's removal.
   const auto last = m.Last("j");
   ASSERT_TRUE(last.has_value());
@@ -160,48 +161,106 @@ TEST(CheckpointManagerTest, ChunksMovingToOtherShardsRetryTheCheckpointOverTheNe
   CheckpointManager m(root);
   auto first = m.Create(View(5));
   ASSERT_TRUE(first.ok());
-  auto orders = m.OnHeartbeat(1, Reports({}));
+  auto orders = m.OnHeartbeat(1, Reports({}), {});
   ASSERT_EQ(orders.size(), 1u);
-  m.OnHeartbeat(1, Reports({Done(orders[0], root, 0)}));
+  m.OnHeartbeat(1, Reports({Done(orders[0], root, 0)}), {});
   // Same owners (only backups moved): nothing changes.
   m.OnOwnersChanged(7, {1, 2});
-  EXPECT_EQ(m.OnHeartbeat(2, Reports({})).size(), 1u);
+  EXPECT_EQ(m.OnHeartbeat(2, Reports({}), {}).size(), 1u);
   // Shard 2 is lost and its chunks fail over to shard 3: shard 2 will never
   // report, so the checkpoint is ordered again, from shards 1 and 3.
   m.OnOwnersChanged(7, {1, 3});
-  EXPECT_TRUE(m.OnHeartbeat(3, Reports({})).empty());  // Nothing until the tick.
+  EXPECT_TRUE(m.OnHeartbeat(3, Reports({}), {}).empty());  // Nothing until the tick.
   CheckpointJobView moved = View(8);
   moved.owners = {1, 3};
   m.Tick({moved}, absl::Now());
   m.WaitForFileWork();
-  auto again = m.OnHeartbeat(3, Reports({}));
+  auto again = m.OnHeartbeat(3, Reports({}), {});
   ASSERT_EQ(again.size(), 1u);
   EXPECT_GT(again[0].checkpoint_id(), orders[0].checkpoint_id());
-  EXPECT_TRUE(m.OnHeartbeat(2, Reports({})).empty());
-  ASSERT_EQ(m.OnHeartbeat(1, Reports({})).size(), 1u);
-  m.OnHeartbeat(1, Reports({Done(again[0], root, 0)}));
-  m.OnHeartbeat(3, Reports({Done(again[0], root, 2)}));
+  EXPECT_TRUE(m.OnHeartbeat(2, Reports({}), {}).empty());
+  ASSERT_EQ(m.OnHeartbeat(1, Reports({}), {}).size(), 1u);
+  m.OnHeartbeat(1, Reports({Done(again[0], root, 0)}), {});
+  m.OnHeartbeat(3, Reports({Done(again[0], root, 2)}), {});
   m.WaitForFileWork();
   EXPECT_EQ(m.Last("j")->state(), v1::CHECKPOINT_STATE_COMPLETE);
   EXPECT_EQ(m.Last("j")->checkpoint_id(), again[0].checkpoint_id());
 }
 
-TEST(CheckpointManagerTest, PolicyEveryStepsAndEverySeconds) {
-  CheckpointManager m(TempDir());
-  CheckpointJobView v = View(0);
-  v.spec.mutable_checkpoint_policy()->set_every_steps(5);
-  const absl::Time t0 = absl::Now();
-  m.Tick({v}, t0);
-  EXPECT_FALSE(m.Last("j").has_value());
-  v.min_applied_step = v.max_applied_step = 4;
-  m.Tick({v}, t0);
-  EXPECT_FALSE(m.Last("j").has_value());
-  v.min_applied_step = v.max_applied_step = 5;
-  m.Tick({v}, t0);
-  m.WaitForFileWork();
-  ASSERT_TRUE(m.Last("j").has_value());
-  EXPECT_EQ(m.Last("j")->step(), 6u);
+// A checkpoint's id is its step.
+TEST(CheckpointManagerTest, IdsAreSteps) {
+  const std::string root = TempDir();
+  CheckpointManager m(root);
+  auto info = m.Create(View(29));
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->checkpoint_id(), 30u);
+  EXPECT_EQ(info->path(), root + "/j/" + ckpt::FolderName(30));
+}
 
+// every_steps: the shards take the checkpoint at each boundary on their
+// own; the coordinator orders nothing and takes up the first report.
+TEST(CheckpointManagerTest, PolicyCheckpointsAreTakenUpFromTheShardsReports) {
+  const std::string root = TempDir();
+  CheckpointManager m(root);
+  CheckpointJobView v = View(12);
+  v.spec.mutable_checkpoint_policy()->set_every_steps(5);
+  v.resume_step = 1;
+  const std::map<uint64_t, CheckpointJobView> views = {{7, v}};
+  m.Tick({v}, absl::Now());
+  m.WaitForFileWork();
+  EXPECT_FALSE(m.Last("j").has_value()) << "no order for a step policy";
+  EXPECT_TRUE(m.OnHeartbeat(2, Reports({}), views).empty());
+
+  auto Part = [&](uint64_t step, uint64_t shard_offset, bool write) {
+    v1::CheckpointOrder o;
+    o.set_job_id(7);
+    o.set_checkpoint_id(step);
+    o.set_path(absl::StrCat("j/", ckpt::FolderName(step)));
+    if (write) {
+      // The shard makes a policy checkpoint's folder.
+      EXPECT_TRUE(ckpt::MakeDirs(absl::StrCat(root, "/", o.path())).ok());
+      return Done(o, root, shard_offset);
+    }
+    v1::ShardCheckpointReport r;  // Still writing.
+    r.set_job_id(7);
+    r.set_checkpoint_id(step);
+    return r;
+  };
+  // Not a boundary, or not after the resume step: ignored.
+  EXPECT_TRUE(m.OnHeartbeat(1, Reports({Part(12, 0, false)}), views).empty());
+  CheckpointJobView restored = v;
+  restored.resume_step = 10;
+  EXPECT_TRUE(m.OnHeartbeat(1, Reports({Part(10, 0, false)}), {{7, restored}}).empty());
+  EXPECT_FALSE(m.Last("j").has_value());
+
+  // Shard 1 reports boundary 10 first: it is in progress over shards 1, 2;
+  // shard 2 is told to keep reporting it (a policy order starts nothing).
+  EXPECT_TRUE(m.OnHeartbeat(1, Reports({Part(10, 0, false)}), views).size() == 1u);
+  ASSERT_TRUE(m.Last("j").has_value());
+  EXPECT_EQ(m.Last("j")->checkpoint_id(), 10u);
+  EXPECT_EQ(m.Last("j")->state(), v1::CHECKPOINT_STATE_IN_PROGRESS);
+  auto orders = m.OnHeartbeat(2, Reports({}), views);
+  ASSERT_EQ(orders.size(), 1u);
+  EXPECT_TRUE(orders[0].policy());
+  EXPECT_EQ(orders[0].step(), 10u);
+  // Boundary 15 while 10 is in progress: skipped.
+  m.OnHeartbeat(2, Reports({Part(15, 2, false)}), views);
+  EXPECT_EQ(m.Last("j")->checkpoint_id(), 10u);
+  // Both parts of 10 written: complete, with a manifest.
+  m.OnHeartbeat(1, Reports({Part(10, 0, true)}), views);
+  m.OnHeartbeat(2, Reports({Part(10, 2, true)}), views);
+  m.WaitForFileWork();
+  ASSERT_EQ(m.Last("j")->state(), v1::CHECKPOINT_STATE_COMPLETE);
+  auto manifest = ckpt::ReadManifest(root + "/j/" + ckpt::FolderName(10));
+  ASSERT_TRUE(manifest.ok()) << manifest.status();
+  EXPECT_EQ(manifest->step(), 10u);
+  EXPECT_EQ(manifest->files_size(), 2);
+  // Nothing ordered any more: the shards forget it.
+  EXPECT_TRUE(m.OnHeartbeat(1, Reports({}), views).empty());
+}
+
+TEST(CheckpointManagerTest, PolicyEverySeconds) {
+  const absl::Time t0 = absl::Now();
   CheckpointManager timed(TempDir());
   CheckpointJobView w = View(3);
   w.spec.mutable_checkpoint_policy()->set_every_seconds(60);
@@ -219,19 +278,19 @@ TEST(CheckpointManagerTest, DeletingAJobEndsItsCheckpointAndForgetsItButKeepsCom
   // One complete checkpoint, then one in progress with shard 1's part done.
   auto first = m.Create(View(5));
   ASSERT_TRUE(first.ok()) << first.status();
-  auto orders = m.OnHeartbeat(1, Reports({}));
+  auto orders = m.OnHeartbeat(1, Reports({}), {});
   ASSERT_EQ(orders.size(), 1u);
-  m.OnHeartbeat(1, Reports({Done(orders[0], root, 0)}));
-  m.OnHeartbeat(2, Reports({Done(orders[0], root, 2)}));
+  m.OnHeartbeat(1, Reports({Done(orders[0], root, 0)}), {});
+  m.OnHeartbeat(2, Reports({Done(orders[0], root, 2)}), {});
   m.WaitForFileWork();
   ASSERT_EQ(m.Last("j")->state(), v1::CHECKPOINT_STATE_COMPLETE);
   CheckpointJobView policy = View(6);
   policy.spec.mutable_checkpoint_policy()->set_every_steps(100);
   auto second = m.Create(policy);
   ASSERT_TRUE(second.ok()) << second.status();
-  orders = m.OnHeartbeat(1, Reports({}));
+  orders = m.OnHeartbeat(1, Reports({}), {});
   ASSERT_EQ(orders.size(), 1u);
-  m.OnHeartbeat(1, Reports({Done(orders[0], root, 0)}));
+  m.OnHeartbeat(1, Reports({Done(orders[0], root, 0)}), {});
   m.Tick({policy}, absl::Now());  // Keeps a pace and a policy for the job.
   EXPECT_GT(m.table_sizes().in_progress, 0u);
 
@@ -241,13 +300,14 @@ TEST(CheckpointManagerTest, DeletingAJobEndsItsCheckpointAndForgetsItButKeepsCom
   m.ForgetJobName("j");
   m.WaitForFileWork();
   // No order any more, the partial folder is gone, the complete one stays.
-  EXPECT_TRUE(m.OnHeartbeat(2, Reports({})).empty());
-  EXPECT_EQ(ckpt::ListDir(root + "/j"), std::vector<std::string>{ckpt::FolderName(1)});
+  EXPECT_TRUE(m.OnHeartbeat(2, Reports({}), {}).empty());
+  EXPECT_EQ(ckpt::ListDir(root + "/j"),
+            std::vector<std::string>{ckpt::FolderName(first->checkpoint_id())});
   const std::vector<v1::CheckpointInfo> list = m.List("j");
   ASSERT_EQ(list.size(), 1u);
   EXPECT_EQ(list[0].state(), v1::CHECKPOINT_STATE_COMPLETE);
   // A late report of the ended checkpoint changes nothing.
-  m.OnHeartbeat(2, Reports({late}));
+  m.OnHeartbeat(2, Reports({late}), {});
   m.WaitForFileWork();
   EXPECT_EQ(m.List("j").size(), 1u);
   const CheckpointManager::TableSizes t = m.table_sizes();
@@ -272,7 +332,7 @@ TEST(CheckpointManagerTest, DeletingAJobBeforeItsFolderIsMadeAbortsTheCreate) {
   }
   m.WaitForFileWork();
   EXPECT_EQ(m.table_sizes().in_progress, 0u);
-  EXPECT_TRUE(m.OnHeartbeat(1, Reports({})).empty());
+  EXPECT_TRUE(m.OnHeartbeat(1, Reports({}), {}).empty());
 }
 
 }  // namespace

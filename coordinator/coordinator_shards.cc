@@ -104,7 +104,14 @@ v1::HeartbeatResponse Coordinator::Heartbeat(const v1::HeartbeatRequest& req) {
     a->set_job_id(job_id);
     a->set_map_epoch(job.map.epoch());
   }
-  for (v1::CheckpointOrder& o : checkpoints_.OnHeartbeat(shard_id, req.checkpoints())) {
+  std::map<uint64_t, CheckpointJobView> views;  // Of the jobs the reports name.
+  for (const v1::ShardCheckpointReport& r : req.checkpoints()) {
+    if (views.count(r.job_id()) != 0) continue;
+    if (const JobRecord* job = jobs_.Find(r.job_id()); job != nullptr) {
+      views.emplace(r.job_id(), ViewLocked(*job));
+    }
+  }
+  for (v1::CheckpointOrder& o : checkpoints_.OnHeartbeat(shard_id, req.checkpoints(), views)) {
     *resp.add_checkpoints() = std::move(o);
   }
   return resp;

@@ -4,6 +4,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/checkpoint_files.h"
 #include "common/logging.h"
@@ -27,12 +28,15 @@ bool CheckpointWriter::Known(uint64_t job_id, uint64_t checkpoint_id) const {
   return progress_.count({job_id, checkpoint_id}) != 0;
 }
 
-void CheckpointWriter::Begin(uint64_t job_id, uint64_t checkpoint_id, const std::string& dir,
-                             uint32_t num_chunks) {
+bool CheckpointWriter::BeginIfNew(uint64_t job_id, uint64_t checkpoint_id,
+                                  const std::string& dir, uint32_t num_chunks, bool make_dir) {
   absl::MutexLock lock(&mu_);
-  Progress& p = progress_[{job_id, checkpoint_id}];
-  p.dir = dir;
-  p.expected = num_chunks;
+  auto [it, fresh] = progress_.try_emplace({job_id, checkpoint_id});
+  if (!fresh) return false;
+  it->second.dir = dir;
+  it->second.expected = num_chunks;
+  it->second.make_dir = make_dir;
+  return true;
 }
 
 void CheckpointWriter::Add(ChunkSnapshot snapshot) {
@@ -58,10 +62,11 @@ void CheckpointWriter::FailJob(uint64_t job_id, const std::string& error) {
   }
 }
 
-std::vector<CheckpointReport> CheckpointWriter::Reports() const {
+std::vector<CheckpointReport> CheckpointWriter::Reports() {
   std::vector<CheckpointReport> out;
   absl::MutexLock lock(&mu_);
-  for (const auto& [key, p] : progress_) {
+  for (auto& [key, p] : progress_) {
+    p.reported = true;
     CheckpointReport r;
     r.job_id = key.first;
     r.checkpoint_id = key.second;
@@ -79,7 +84,7 @@ void CheckpointWriter::Retain(const std::set<std::pair<uint64_t, uint64_t>>& ord
   for (auto it = progress_.begin(); it != progress_.end();) {
     const Progress& p = it->second;
     const bool finished = !p.error.empty() || p.files.size() == p.expected;
-    if (ordered.count(it->first) == 0 && finished) {
+    if (ordered.count(it->first) == 0 && finished && p.reported) {
       it = progress_.erase(it);
     } else {
       ++it;
@@ -97,6 +102,7 @@ void CheckpointWriter::Loop() {
   for (;;) {
     ChunkSnapshot snap;
     std::string dir;
+    bool make_dir = false;
     {
       absl::MutexLock lock(&mu_);
       mu_.Await(absl::Condition(
@@ -110,6 +116,25 @@ void CheckpointWriter::Loop() {
       auto it = progress_.find({snap.job_id, snap.checkpoint_id});
       if (it == progress_.end() || !it->second.error.empty()) continue;
       dir = it->second.dir;
+      make_dir = it->second.make_dir;
+      it->second.make_dir = false;
+    }
+    if (make_dir) {
+      // A policy checkpoint: this shard makes its folder, and never writes
+      // into one that holds a complete checkpoint (e.g. of the same step,
+      // from before a restore).
+      absl::Status made = ckpt::ReadManifest(dir).ok()
+                              ? absl::AlreadyExistsError(absl::StrCat(
+                                    "a complete checkpoint exists in ", dir))
+                              : ckpt::MakeDirs(dir);
+      if (!made.ok()) {
+        absl::MutexLock lock(&mu_);
+        auto it = progress_.find({snap.job_id, snap.checkpoint_id});
+        if (it != progress_.end() && it->second.error.empty()) {
+          it->second.error = std::string(made.message());
+        }
+        continue;
+      }
     }
     std::vector<const float*> arrays;
     for (uint32_t a = 0; a < snap.num_arrays; ++a) {

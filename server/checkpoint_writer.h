@@ -47,10 +47,18 @@ class CheckpointWriter {
 
   // Whether Begin was called for this checkpoint (and not forgotten).
   bool Known(uint64_t job_id, uint64_t checkpoint_id) const;
-  // Starts tracking a checkpoint whose files go into `dir` (which exists):
-  // it is done when `num_chunks` snapshots are written.
+  // Starts tracking a checkpoint whose files go into `dir`: it is done when
+  // `num_chunks` snapshots are written. With make_dir the writer makes the
+  // folder before the first file, and fails the checkpoint if the folder
+  // holds a complete checkpoint already (one is never overwritten);
+  // otherwise `dir` must exist. False, changing nothing, when the
+  // checkpoint is tracked already.
+  bool BeginIfNew(uint64_t job_id, uint64_t checkpoint_id, const std::string& dir,
+                  uint32_t num_chunks, bool make_dir);
   void Begin(uint64_t job_id, uint64_t checkpoint_id, const std::string& dir,
-             uint32_t num_chunks);
+             uint32_t num_chunks) {
+    BeginIfNew(job_id, checkpoint_id, dir, num_chunks, /*make_dir=*/false);
+  }
   // Queues a snapshot of a checkpoint that Begin started; dropped if that
   // checkpoint has failed.
   void Add(ChunkSnapshot snapshot);
@@ -59,10 +67,13 @@ class CheckpointWriter {
             bool missed_step = false);
   // Marks every tracked checkpoint of the job failed (the job was deleted).
   void FailJob(uint64_t job_id, const std::string& error);
-  // Progress of every tracked checkpoint, for the heartbeat.
-  std::vector<CheckpointReport> Reports() const;
-  // Forgets the checkpoints not in `ordered` (the coordinator's current
-  // orders), once they are finished or failed.
+  // Progress of every tracked checkpoint, for the heartbeat; each counts as
+  // reported from then on.
+  std::vector<CheckpointReport> Reports();
+  // Forgets the checkpoints not in `ordered` (what the coordinator still
+  // wants reports of) once they are finished or failed and were reported
+  // at least once: a policy checkpoint the coordinator has not heard of yet
+  // stays.
   void Retain(const std::set<std::pair<uint64_t, uint64_t>>& ordered);
 
  private:
@@ -71,6 +82,8 @@ class CheckpointWriter {
     uint32_t expected = 0;
     std::string error;
     bool missed_step = false;
+    bool make_dir = false;  // Made (and checked) before the first file.
+    bool reported = false;
     std::vector<v1::CheckpointFile> files;
   };
   using Key = std::pair<uint64_t, uint64_t>;  // (job, checkpoint).

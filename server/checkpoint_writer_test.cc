@@ -30,7 +30,7 @@ ChunkSnapshot Snap(uint64_t ckpt, uint64_t offset, uint64_t n) {
   return s;
 }
 
-CheckpointReport WaitReport(const CheckpointWriter& w, uint64_t ckpt) {
+CheckpointReport WaitReport(CheckpointWriter& w, uint64_t ckpt) {
   const absl::Time give_up = absl::Now() + absl::Seconds(20);
   CheckpointReport last;
   while (absl::Now() < give_up) {
@@ -86,6 +86,40 @@ TEST(CheckpointWriterTest, DeletedJobFailsItsCheckpointsAndDropsTheirSnapshots) 
   // Failed and no longer ordered: forgotten.
   w.Retain({});
   EXPECT_FALSE(w.Known(1, 6));
+}
+
+TEST(CheckpointWriterTest, PolicyCheckpointMakesItsFolderAndStaysUntilReported) {
+  const std::string dir = TempDir() + "/job/ckpt-000050";
+  CheckpointWriter w(0);
+  EXPECT_TRUE(w.BeginIfNew(1, 50, dir, 1, /*make_dir=*/true));
+  EXPECT_FALSE(w.BeginIfNew(1, 50, dir, 7, /*make_dir=*/true)) << "tracked already";
+  w.Add(Snap(50, 0, 10));
+  // Finished but never reported: the coordinator has not heard of it, so
+  // a heartbeat reply that does not list it must not drop it.
+  const absl::Time give_up = absl::Now() + absl::Seconds(20);
+  while (ckpt::ListDir(dir).empty() && absl::Now() < give_up) absl::SleepFor(absl::Milliseconds(5));
+  absl::SleepFor(absl::Milliseconds(50));
+  w.Retain({});
+  EXPECT_TRUE(w.Known(1, 50));
+  CheckpointReport r = WaitReport(w, 50);  // Reported now.
+  ASSERT_TRUE(r.done) << r.error;
+  EXPECT_EQ(r.files.size(), 1u);
+  w.Retain({});
+  EXPECT_FALSE(w.Known(1, 50));
+}
+
+TEST(CheckpointWriterTest, PolicyCheckpointNeverOverwritesACompleteOne) {
+  const std::string dir = TempDir();
+  v1::CheckpointManifest m;
+  m.set_step(50);
+  ASSERT_TRUE(ckpt::WriteManifest(dir, m).ok());
+  CheckpointWriter w(0);
+  ASSERT_TRUE(w.BeginIfNew(1, 50, dir, 1, /*make_dir=*/true));
+  w.Add(Snap(50, 0, 10));
+  CheckpointReport r = WaitReport(w, 50);
+  EXPECT_FALSE(r.done);
+  EXPECT_NE(r.error.find("a complete checkpoint exists"), std::string::npos) << r.error;
+  EXPECT_EQ(ckpt::ListDir(dir), std::vector<std::string>{"MANIFEST"});
 }
 
 TEST(CheckpointWriterTest, RateLimitPacesTheWrites) {

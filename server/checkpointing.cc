@@ -15,7 +15,9 @@ namespace optimus {
 namespace server {
 
 void Shard::StartCheckpoint(const CheckpointOrder& o) {
-  if (ckpt_writer_ == nullptr || ckpt_writer_->Known(o.job_id, o.checkpoint_id)) return;
+  // A policy checkpoint is taken by the chunks themselves at the boundary
+  // (FinishSnapshot begins it); its order only keeps it reported.
+  if (ckpt_writer_ == nullptr || o.policy) return;
   JobRef job = table_.Find(o.job_id);
   // Only primaries write: a backup holds the same bytes.
   std::vector<ChunkRef> primaries;
@@ -28,7 +30,10 @@ void Shard::StartCheckpoint(const CheckpointOrder& o) {
     }
   }
   const std::string dir = absl::StrCat(options_.checkpoint_dir, "/", o.path);
-  ckpt_writer_->Begin(o.job_id, o.checkpoint_id, dir, static_cast<uint32_t>(primaries.size()));
+  if (!ckpt_writer_->BeginIfNew(o.job_id, o.checkpoint_id, dir,
+                                static_cast<uint32_t>(primaries.size()), /*make_dir=*/false)) {
+    return;  // Ordered before (or taken by the policy at this step).
+  }
   if (job == nullptr) {
     return ckpt_writer_->Fail(
         o.job_id, o.checkpoint_id,
@@ -69,6 +74,20 @@ void Shard::StartCheckpoint(const CheckpointOrder& o) {
   // Copied without holding the chunk: pushes and pulls go on, only its
   // next step waits for the copy.
   for (const ChunkRef& chunk : copy_now) FinishSnapshot(job, chunk, o.checkpoint_id);
+}
+
+void Shard::BeginPolicyCheckpoint(const JobRef& job, uint64_t step) {
+  if (ckpt_writer_ == nullptr || ckpt_writer_->Known(job->config.job_id, step)) return;
+  // Every primary chunk of the job snapshots this boundary as it publishes
+  // it; the writer makes the folder (refusing one that is complete already).
+  uint32_t primaries = 0;
+  for (const ChunkRef& chunk : job->Chunks()) {
+    absl::MutexLock lock(&chunk->mu);
+    if (!chunk->machine.retired() && chunk->machine.role() == Role::kPrimary) ++primaries;
+  }
+  const std::string dir = absl::StrCat(options_.checkpoint_dir, "/", job->config.name, "/",
+                                       ckpt::FolderName(step));
+  ckpt_writer_->BeginIfNew(job->config.job_id, step, dir, primaries, /*make_dir=*/true);
 }
 
 void Shard::FinishSnapshot(const JobRef& job, const ChunkRef& chunk, uint64_t checkpoint_id) {

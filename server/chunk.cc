@@ -28,7 +28,8 @@ const char* PhaseName(Phase phase) {
 bool Actions::empty() const {
   return refusals.empty() && sends.empty() && !schedule_step && !apply_forwarded &&
          !send_seed && !retry_later && !beat_now && snapshot_checkpoint == 0 &&
-         !step_waits_for_snapshot && !step_released_by_snapshot && published == 0 && !retired;
+         !step_waits_for_snapshot && !step_released_by_snapshot && published == 0 && !retired &&
+         !snapshot_by_policy;
 }
 
 namespace {
@@ -365,12 +366,17 @@ void ChunkMachine::Publish(Actions* out) {
   phase_ = Phase::kCollecting;
   ResetSlots();
   out->published = version_;
+  // The state is exactly this version until the next step, which needs
+  // every worker's next push: copy it after the pulls are answered.
   if (capture_step_ != 0 && capture_step_ == version_) {
-    // The state is exactly this version until the next step, which needs
-    // every worker's next push: copy it after the pulls are answered.
     snapshot_copying_ = true;
     out->snapshot_checkpoint = capture_checkpoint_;
     capture_step_ = 0;
+  } else if (checkpoint_every_ > 0 && version_ % checkpoint_every_ == 0 &&
+             version_ > first_version_) {
+    snapshot_copying_ = true;
+    out->snapshot_checkpoint = version_;
+    out->snapshot_by_policy = true;
   }
   TakeParked(version_, out);
 }

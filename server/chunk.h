@@ -118,8 +118,10 @@ struct Actions {
   bool beat_now = false;
   // Copy master and moments for checkpoint `snapshot_checkpoint` (the state
   // is exactly the published version and no kernel starts until
-  // SnapshotDone), then call SnapshotDone.
+  // SnapshotDone), then call SnapshotDone. snapshot_by_policy: taken at a
+  // policy boundary, not for an order.
   uint64_t snapshot_checkpoint = 0;
+  bool snapshot_by_policy = false;
   // A step became ready but waits for a checkpoint copy (the caller may
   // measure how long), or a copy released a waiting step.
   bool step_waits_for_snapshot = false;
@@ -199,6 +201,11 @@ class ChunkMachine {
   // it now); a backup promoted to primary takes pushes from its version on.
   // has_sum_buffer: the fp32 sum buffer exists (the step can forward sums).
   Actions ApplyPlacement(uint64_t self, uint64_t primary, uint64_t backup, bool has_sum_buffer);
+  // Snapshot every version S with S % every_steps == 0 when it is published
+  // as a primary (the job's checkpoint policy; 0: none). Versions up to the
+  // first one held (a restored checkpoint's) are not taken again. The
+  // snapshot's checkpoint id is S: a checkpoint's id is its step.
+  void SetCheckpointEvery(uint64_t every_steps) { checkpoint_every_ = every_steps; }
   // Values loaded from a checkpoint at `version`: both copies of a chunk
   // load the same files, so a backup is seeded and a primary's backup holds
   // its state.
@@ -290,6 +297,7 @@ class ChunkMachine {
   bool snapshot_copying_ = false;
   uint64_t capture_step_ = 0;
   uint64_t capture_checkpoint_ = 0;
+  uint64_t checkpoint_every_ = 0;
   // Replication.
   uint64_t self_ = 0;
   uint64_t primary_ = 0;

@@ -163,6 +163,11 @@ absl::StatusOr<ChunkRef> Shard::PlaceChunk(const Job& job, const ChunkPlacement&
   }
   absl::MutexLock lock(&(*chunk)->mu);
   (*chunk)->machine.ApplyPlacement(me, p.primary, p.backup, with_sum);
+  // Without a checkpoint folder the shard takes no checkpoint (the
+  // coordinator refuses them for its jobs).
+  if (ckpt_writer_ != nullptr) {
+    (*chunk)->machine.SetCheckpointEvery(job.config.checkpoint_every_steps);
+  }
   if (restore != nullptr) (*chunk)->machine.Restored(restore->step);
   return chunk;
 }

@@ -43,6 +43,7 @@ absl::StatusOr<JobConfig> ConfigFromSpec(uint64_t job_id, const v1::JobSpec& spe
   c.hyper.momentum = o.momentum();
   if (auto s = kernels::FillDefaultsAndValidate(&c.hyper); !s.ok()) return s;
   c.grad_scale = o.grad_scale() > 0 ? o.grad_scale() : 1.0f / static_cast<float>(c.world_size);
+  c.checkpoint_every_steps = spec.checkpoint_policy().every_steps();
   return c;
 }
 
@@ -138,7 +139,8 @@ class GrpcCoordinatorLink : public CoordinatorLink {
       out.assignments.emplace_back(a.job_id(), a.map_epoch());
     }
     for (const v1::CheckpointOrder& o : resp.checkpoints()) {
-      out.checkpoints.push_back(CheckpointOrder{o.job_id(), o.checkpoint_id(), o.step(), o.path()});
+      out.checkpoints.push_back(
+          CheckpointOrder{o.job_id(), o.checkpoint_id(), o.step(), o.path(), o.policy()});
     }
     out.released_jobs.assign(resp.released_jobs().begin(), resp.released_jobs().end());
     return out;

@@ -32,6 +32,9 @@ struct JobConfig {
   DType param_dtype = DType::kBf16;
   // Multiplies the summed gradient (1/W: the average).
   float grad_scale = 1.0f;
+  // The policy's checkpoint boundary: every primary chunk snapshots version
+  // S when it publishes it, for each S % every_steps == 0 (0: none).
+  uint64_t checkpoint_every_steps = 0;
   kernels::OptimizerHyper hyper;
 };
 
@@ -118,6 +121,9 @@ struct CheckpointOrder {
   uint64_t checkpoint_id = 0;
   uint64_t step = 0;  // Snapshot version `step`.
   std::string path;   // Relative to the checkpoint folder.
+  // Taken by the shards at a policy boundary: the order only says "keep
+  // reporting it"; nothing is started for it.
+  bool policy = false;
 };
 
 struct HeartbeatReply {

@@ -128,6 +128,8 @@ class Shard : public ShardServer {
 
   // ---- checkpointing.cc ----
   void StartCheckpoint(const CheckpointOrder& order);
+  // Starts tracking the job's policy checkpoint at `step` (once per shard).
+  void BeginPolicyCheckpoint(const JobRef& job, uint64_t step);
   // Copies the chunk's state for checkpoint `checkpoint_id` (0: the order
   // failed, nothing to copy) and releases the chunk's next step.
   void FinishSnapshot(const JobRef& job, const ChunkRef& chunk, uint64_t checkpoint_id);

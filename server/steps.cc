@@ -37,6 +37,7 @@ void Shard::Carry(const JobRef& job, const ChunkRef& chunk, Actions a) {
     }
     if (a.step_waits_for_snapshot) chunk->blocked_since = now;
   }
+  if (a.snapshot_by_policy) BeginPolicyCheckpoint(job, a.snapshot_checkpoint);
   if (a.snapshot_checkpoint != 0) FinishSnapshot(job, chunk, a.snapshot_checkpoint);
   if (a.schedule_step) Schedule([this, job, chunk] { RunStep(job, chunk); });
   if (a.apply_forwarded) Schedule([this, job, chunk] { RunForwardedStep(job, chunk); });

@@ -116,7 +116,9 @@ class IncomingMessage {
 using Handler = std::function<void(IncomingMessage& msg)>;
 
 // Keeps a buffer registered (so rendezvous lands in it without a bounce
-// buffer) until destroyed. Must not outlive its Worker.
+// buffer) until destroyed. May be destroyed on any thread, the progress
+// thread included, and never waits for the progress thread (UCX's
+// deregistration may complete just after). Must not outlive its Worker.
 class MemoryRegion {
  public:
   virtual ~MemoryRegion() = default;

@@ -139,6 +139,59 @@ TEST_P(TransportTest, LargePayloadLandsInRegisteredBuffer) {
   EXPECT_TRUE(got->rendezvous) << "4 MiB should go by rendezvous";
 }
 
+// Regions may be freed on any thread, the progress thread included, at the
+// same time: one freed on another thread while the progress thread, inside a
+// handler, frees a second one must not deadlock them (a shard frees a
+// chunk's buffers wherever its last user lets go). The handler holds the
+// progress thread while the other thread frees its region first.
+TEST_P(TransportTest, RegionsFreedOnTheProgressThreadAndElsewhereAtOnce) {
+  auto w = Worker::Create(Options("regions"));
+  ASSERT_TRUE(w.ok()) << w.status();
+  std::vector<uint8_t> a(1 << 20), b(1 << 20);
+  absl::Mutex mu;
+  std::unique_ptr<MemoryRegion> in_handler, elsewhere;
+  absl::Notification handler_entered, elsewhere_freed, handler_done;
+  (*w)->SetHandler(kData, [&](IncomingMessage&) {
+    handler_entered.Notify();
+    // The other thread's free runs while this thread is busy here.
+    elsewhere_freed.WaitForNotificationWithTimeout(absl::Milliseconds(300));
+    absl::MutexLock lock(&mu);
+    in_handler.reset();  // On the progress thread.
+    handler_done.Notify();
+  });
+  ASSERT_TRUE((*w)->Start().ok());
+  {
+    auto ra = (*w)->RegisterMemory(a.data(), a.size());
+    auto rb = (*w)->RegisterMemory(b.data(), b.size());
+    ASSERT_TRUE(ra.ok() && rb.ok());
+    absl::MutexLock lock(&mu);
+    in_handler = std::move(*ra);
+    elsewhere = std::move(*rb);
+  }
+  auto ep = (*w)->Connect((*w)->address());
+  ASSERT_TRUE(ep.ok()) << ep.status();
+  (*w)->Send(*ep, kData, test_util::Bytes("go"), nullptr, 0, [](absl::Status) {});
+  ASSERT_TRUE(handler_entered.WaitForNotificationWithTimeout(kWait));
+  std::thread other([&] {
+    std::unique_ptr<MemoryRegion> r;
+    {
+      absl::MutexLock lock(&mu);
+      r = std::move(elsewhere);
+    }
+    r.reset();  // While the progress thread is inside the handler.
+    elsewhere_freed.Notify();
+  });
+  const bool done = handler_done.WaitForNotificationWithTimeout(kWait);
+  if (!done) {
+    // Deadlocked: the test fails; leave the threads behind rather than hang.
+    other.detach();
+    (void)w->release();
+    FAIL() << "freeing regions on two threads at once deadlocked";
+  }
+  other.join();
+  EXPECT_TRUE(elsewhere_freed.HasBeenNotified());
+}
+
 TEST_P(TransportTest, RequestReplyOverReplyEndpoint) {
   Sink sink, replies;
   auto server = MakeServer(&sink);

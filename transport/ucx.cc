@@ -326,11 +326,22 @@ class UcxWorker : public Worker {
     return std::unique_ptr<MemoryRegion>(new UcxMemoryRegion(core_, memh));
   }
 
-  // Called by a MemoryRegion whose worker is still alive.
+  // Called by a MemoryRegion whose worker is still alive (its destructor
+  // holds core_->mu). Off the progress thread the unmap is posted, not
+  // waited for: a region may be destroyed on a thread that the progress
+  // thread is waiting on, or while the progress thread itself destroys
+  // another region (waiting here, holding core_->mu, deadlocked them).
+  // Every posted task runs (by the loop, or in Teardown, which also unmaps
+  // whatever is left), so none is lost.
   void Unmap(ucp_mem_h memh) {
-    RunOnProgress([&] {
+    auto unmap = [this, memh] {
       if (regions_.erase(memh) > 0) ucp_mem_unmap(context_, memh);
-    });
+    };
+    if (!progress_.joinable() || OnProgressThread()) {
+      unmap();
+    } else {
+      Post(unmap);
+    }
   }
 
   // Starts a rendezvous receive for UcxMessage (progress thread).

@@ -74,11 +74,11 @@ TEST(CheckpointCliTest, CreateListStatusExportRestore) {
   r = Optimusctl(addr, "checkpoint list cli");
   ASSERT_EQ(r.exit_code, 0) << r.err;
   EXPECT_TRUE(absl::StrContains(r.out, "COMPLETE")) << r.out;
-  EXPECT_TRUE(absl::StrContains(r.out, dir + "/cli/ckpt-000001")) << r.out;
+  EXPECT_TRUE(absl::StrContains(r.out, dir + "/cli/ckpt-000005")) << r.out;
   r = Optimusctl(addr, "checkpoint list cli --json");
   EXPECT_TRUE(absl::StrContains(r.out, "\"state\":\"complete\"")) << r.out;
   r = Optimusctl(addr, "status");
-  EXPECT_TRUE(absl::StrContains(r.out, "#1 step 5 COMPLETE")) << r.out;
+  EXPECT_TRUE(absl::StrContains(r.out, "#5 step 5 COMPLETE")) << r.out;
 
   // Export and load it back as torch.load would.
   const std::string out = dir + "/cli.pt";
@@ -101,7 +101,7 @@ TEST(CheckpointCliTest, CreateListStatusExportRestore) {
     EXPECT_GT(st.at("exp_avg_sq").toTensor().sum().item<float>(), 0.0f);
   }
   // --path works without asking the coordinator.
-  r = Optimusctl("127.0.0.1:1", "checkpoint export --path=" + dir + "/cli/ckpt-000001 --out=" +
+  r = Optimusctl("127.0.0.1:1", "checkpoint export --path=" + dir + "/cli/ckpt-000005 --out=" +
                                     dir + "/again.pt");
   EXPECT_EQ(r.exit_code, 0) << r.err;
 

@@ -115,12 +115,14 @@ TEST(CheckpointTest, PolicyEveryTwoStepsKeepsTheLastTwo) {
   uint64_t completed = 0;
   for (uint64_t step = 1; step <= 8; step += 2) {
     ASSERT_OK(c->Train(step, step + 1));
-    // The policy fires once two more steps are applied; wait for it.
-    ASSERT_OK(c->WaitUntil(absl::StrCat("a checkpoint at step ", step + 2), [&] {
+    // Every chunk took version step + 1 (a boundary of the policy) as it
+    // published it; wait for the coordinator to complete that checkpoint.
+    ASSERT_OK(c->WaitUntil(absl::StrCat("a checkpoint at step ", step + 1), [&] {
       auto list = c->ListCheckpoints("policy");
       bool done = false;
       for (const auto& ck : list.ok() ? *list : std::vector<v1::CheckpointInfo>()) {
-        done |= ck.state() == v1::CHECKPOINT_STATE_COMPLETE && ck.step() == step + 2;
+        done |= ck.state() == v1::CHECKPOINT_STATE_COMPLETE && ck.step() == step + 1 &&
+                ck.checkpoint_id() == step + 1;
       }
       return done;
     }));
@@ -132,7 +134,7 @@ TEST(CheckpointTest, PolicyEveryTwoStepsKeepsTheLastTwo) {
   for (const auto& ck : list) {
     if (ck.state() == v1::CHECKPOINT_STATE_COMPLETE) steps.push_back(ck.step());
   }
-  EXPECT_EQ(steps, (std::vector<uint64_t>{7, 9}));
+  EXPECT_EQ(steps, (std::vector<uint64_t>{6, 8}));
   // On disk: exactly two checkpoint folders, each with its manifest.
   std::vector<std::string> folders = ckpt::ListDir(dir + "/policy");
   EXPECT_EQ(folders.size(), 2u);
