@@ -34,6 +34,15 @@ bool UsableAsFolder(const std::string& name) {
          name.find('\0') == std::string::npos;
 }
 
+// Whether `step` is a boundary of the spec's every_steps policy: the shards
+// of any job of this name write that step's folder on their own, so the
+// coordinator never removes it behind them (a failed attempt's files are
+// overwritten by the next one, or pruned once a later checkpoint completes).
+bool PolicyBoundary(const v1::JobSpec& spec, uint64_t step) {
+  const uint64_t every = spec.checkpoint_policy().every_steps();
+  return every > 0 && step % every == 0;
+}
+
 // The arrays each data file holds, from the optimizer's state layout.
 void AddArrayNames(v1::OptimizerKind kind, v1::CheckpointManifest* m) {
   absl::StatusOr<kernels::OptimizerKind> k = kernels::OptimizerKindFromInt(kind);
@@ -267,7 +276,9 @@ void CheckpointManager::Tick(const std::vector<CheckpointJobView>& jobs, absl::T
       }
       const uint64_t step =
           StepAheadLocked(job, now) + (attempt >= 2 ? uint64_t{1} << (attempt - 1) : 0);
-      StartLocked(job, step, attempt, ip->second.info.path());
+      const v1::CheckpointInfo& missed = ip->second.info;
+      StartLocked(job, step, attempt,
+                  PolicyBoundary(job.spec, missed.step()) ? "" : missed.path());
       continue;
     }
     if (job.state != v1::JOB_STATE_READY || !job.owners_without_checkpoint_dir.empty() ||
@@ -429,7 +440,9 @@ void CheckpointManager::FailLocked(uint64_t job_id, const std::string& error) {
   in_progress_.erase(it);
   // Free the space its partial files hold; the previous checkpoints are
   // other folders and stay as they are.
-  if (!ip.info.path().empty()) RemoveLater(ip.info.path());
+  if (!ip.info.path().empty() && !PolicyBoundary(ip.spec, ip.info.step())) {
+    RemoveLater(ip.info.path());
+  }
   if (!ip.old_path.empty()) RemoveLater(ip.old_path);
   OPTIMUS_LOG(Error, kLog, "checkpoint failed job=", ip.info.job_name(),
               " id=", ip.info.checkpoint_id(), ": ", error);
@@ -476,7 +489,9 @@ void CheckpointManager::OnJobDeleted(uint64_t job_id) {
     const InProgress& ip = it->second;
     OPTIMUS_LOG(Info, kLog, "checkpoint ", ip.info.checkpoint_id(), " of job ",
                 ip.info.job_name(), " ended: the job was deleted");
-    if (!ip.info.path().empty()) RemoveLater(ip.info.path());
+    if (!ip.info.path().empty() && !PolicyBoundary(ip.spec, ip.info.step())) {
+      RemoveLater(ip.info.path());
+    }
     if (!ip.old_path.empty()) RemoveLater(ip.old_path);
     in_progress_.erase(it);
   }

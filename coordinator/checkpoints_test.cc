@@ -257,6 +257,17 @@ TEST(CheckpointManagerTest, PolicyCheckpointsAreTakenUpFromTheShardsReports) {
   EXPECT_EQ(manifest->files_size(), 2);
   // Nothing ordered any more: the shards forget it.
   EXPECT_TRUE(m.OnHeartbeat(1, Reports({}), views).empty());
+  // A failed policy checkpoint is listed as such, and its folder is left
+  // to the shards (another attempt at that step, e.g. after a rollback,
+  // writes it again) and to pruning once a later one completes.
+  v1::ShardCheckpointReport bad = Part(20, 0, true);
+  bad.set_done(false);
+  bad.set_error("cannot write: No space left on device");
+  m.OnHeartbeat(1, Reports({bad}), views);
+  m.WaitForFileWork();
+  EXPECT_EQ(m.Last("j")->state(), v1::CHECKPOINT_STATE_FAILED);
+  EXPECT_EQ(m.Last("j")->checkpoint_id(), 20u);
+  EXPECT_FALSE(ckpt::ListDir(root + "/j/" + ckpt::FolderName(20)).empty());
 }
 
 TEST(CheckpointManagerTest, PolicyEverySeconds) {
