@@ -1,4 +1,5 @@
 #include "coordinator/checkpoints.h"
+#include "coordinator/checkpoint_folders.h"
 
 #include <cmath>
 
@@ -14,72 +15,18 @@ namespace optimus {
 namespace {
 
 constexpr char kLog[] = "coord";
-// Complete checkpoints kept when a job's policy says 0.
-constexpr uint32_t kDefaultKeepLast = 3;
-// Failed checkpoints remembered per job for `list` (their files are gone).
-constexpr size_t kMaxFailedRemembered = 16;
-// Retries of a checkpoint whose step a shard had passed before its order
-// arrived (heartbeats lag training); each retry aims further ahead.
-constexpr int kMaxAttempts = 8;
-// How far ahead, in time at the job's pace, an order aims: two heartbeat
-// intervals (a third of the default 2 s lease each) plus margin.
-constexpr absl::Duration kOrderLead = absl::Milliseconds(1600);
-
-int64_t UnixMs(absl::Time t) { return absl::ToUnixMillis(t); }
-
-// A job's checkpoints live in a folder named after it: a name that is not a
-// plain folder name would write elsewhere.
-bool UsableAsFolder(const std::string& name) {
-  return !name.empty() && name != "." && name != ".." && name.find('/') == std::string::npos &&
-         name.find('\0') == std::string::npos;
-}
-
-// Whether `step` is a boundary of the spec's every_steps policy: the shards
-// of any job of this name write that step's folder on their own, so the
-// coordinator never removes it behind them (a failed attempt's files are
-// overwritten by the next one, or pruned once a later checkpoint completes).
-bool PolicyBoundary(const v1::JobSpec& spec, uint64_t step) {
-  const uint64_t every = spec.checkpoint_policy().every_steps();
-  return every > 0 && step % every == 0;
-}
-
-// The arrays each data file holds, from the optimizer's state layout.
-void AddArrayNames(v1::OptimizerKind kind, v1::CheckpointManifest* m) {
-  absl::StatusOr<kernels::OptimizerKind> k = kernels::OptimizerKindFromInt(kind);
-  if (!k.ok()) {
-    m->add_arrays("master");
-    return;
-  }
-  const kernels::StateLayout& layout = kernels::LayoutOf(*k);
-  for (uint32_t a = 0; a < layout.num_arrays; ++a) m->add_arrays(layout.names[a]);
-}
-
-// What a checkpoint folder on disk says of itself: COMPLETE with its step and
-// size when its manifest reads, FAILED with the reason when the manifest is
-// corrupted; nullopt without a manifest (an incomplete leftover).
-std::optional<v1::CheckpointInfo> InfoFromFolder(const std::string& job_name, uint64_t id,
-                                                 const std::string& path) {
-  absl::StatusOr<v1::CheckpointManifest> m = ckpt::ReadManifest(path);
-  if (absl::IsNotFound(m.status())) return std::nullopt;
-  v1::CheckpointInfo info;
-  info.set_job_name(job_name);
-  info.set_checkpoint_id(id);
-  info.set_path(path);
-  if (!m.ok()) {
-    info.set_state(v1::CHECKPOINT_STATE_FAILED);
-    info.set_error(std::string(m.status().message()));
-    return info;
-  }
-  info.set_state(v1::CHECKPOINT_STATE_COMPLETE);
-  info.set_step(m->step());
-  info.set_created_unix_ms(m->created_unix_ms());
-  uint64_t size = 0;
-  for (const auto& f : m->files()) size += f.size_bytes();
-  info.set_size_bytes(size);
-  return info;
-}
 
 }  // namespace
+
+using checkpoint_internal::AddArrayNames;
+using checkpoint_internal::InfoFromFolder;
+using checkpoint_internal::kDefaultKeepLast;
+using checkpoint_internal::kMaxAttempts;
+using checkpoint_internal::kMaxFailedRemembered;
+using checkpoint_internal::kOrderLead;
+using checkpoint_internal::PolicyBoundary;
+using checkpoint_internal::UnixMs;
+using checkpoint_internal::UsableAsFolder;
 
 CheckpointManager::CheckpointManager(std::string dir) : dir_(std::move(dir)) {}
 
@@ -538,114 +485,6 @@ void CheckpointManager::Prune(const std::string& job_name, uint32_t keep_last,
     }
     complete.erase(complete.begin());
   }
-}
-
-std::vector<v1::CheckpointInfo> CheckpointManager::List(const std::string& job_name) {
-  if (!enabled() || !UsableAsFolder(job_name)) return {};
-  files_.Flush();
-  std::vector<v1::CheckpointInfo> out;
-  std::set<std::string> busy;
-  {
-    absl::MutexLock lock(&mu_);
-    for (const auto& [id, ip] : in_progress_) {
-      if (ip.info.job_name() != job_name) continue;
-      if (ip.phase == Phase::kOrdered || ip.phase == Phase::kFinishing) {
-        out.push_back(ip.info);
-        busy.insert(ip.info.path());
-      }
-    }
-    if (auto f = failed_.find(job_name); f != failed_.end()) {
-      out.insert(out.end(), f->second.begin(), f->second.end());
-    }
-  }
-  // The folders, read with no lock held.
-  for (const std::string& name : ckpt::ListDir(JobDir(job_name))) {
-    const uint64_t id = ckpt::ParseFolderName(name);
-    const std::string path = absl::StrCat(JobDir(job_name), "/", name);
-    if (id == 0 || busy.count(path) != 0) continue;
-    std::optional<v1::CheckpointInfo> info = InfoFromFolder(job_name, id, path);
-    if (info.has_value()) out.push_back(*std::move(info));  // Else partial leftovers.
-  }
-  std::sort(out.begin(), out.end(), [](const v1::CheckpointInfo& a, const v1::CheckpointInfo& b) {
-    return a.checkpoint_id() < b.checkpoint_id();
-  });
-  return out;
-}
-
-std::optional<v1::CheckpointInfo> CheckpointManager::Last(const std::string& job_name) {
-  // The newest checkpoint is the one with the highest id: in memory (in
-  // progress, failed) or the last folder on disk.
-  if (!enabled() || !UsableAsFolder(job_name)) return std::nullopt;
-  std::optional<v1::CheckpointInfo> best;
-  {
-    absl::MutexLock lock(&mu_);
-    for (const auto& [id, p] : in_progress_) {
-      if (p.info.job_name() != job_name) continue;
-      if (p.phase == Phase::kOrdered || p.phase == Phase::kFinishing) best = p.info;
-    }
-    if (auto f = failed_.find(job_name); f != failed_.end() && !f->second.empty()) {
-      if (!best.has_value() || f->second.back().checkpoint_id() > best->checkpoint_id()) {
-        best = f->second.back();
-      }
-    }
-  }
-  // The folder with the highest id that is a checkpoint (has a manifest).
-  std::vector<std::string> names = ckpt::ListDir(JobDir(job_name));
-  for (auto it = names.rbegin(); it != names.rend(); ++it) {
-    const uint64_t id = ckpt::ParseFolderName(*it);
-    if (id == 0) continue;
-    if (best.has_value() && id <= best->checkpoint_id()) break;
-    std::optional<v1::CheckpointInfo> info =
-        InfoFromFolder(job_name, id, absl::StrCat(JobDir(job_name), "/", *it));
-    if (info.has_value()) return info;
-  }
-  return best;
-}
-
-absl::StatusOr<v1::RestoreSource> CheckpointManager::PrepareRestore(const std::string& job_name,
-                                                                    uint64_t checkpoint_id,
-                                                                    v1::CheckpointInfo* info) {
-  if (!enabled()) {
-    return absl::FailedPreconditionError(
-        "checkpoints are off: start optimus-coord with --checkpoint_dir");
-  }
-  if (!UsableAsFolder(job_name)) {
-    return absl::InvalidArgumentError(absl::StrCat("bad job name \"", job_name, "\""));
-  }
-  const std::vector<v1::CheckpointInfo> all = List(job_name);
-  const v1::CheckpointInfo* pick = nullptr;
-  for (const v1::CheckpointInfo& c : all) {
-    if (checkpoint_id == 0 ? c.state() == v1::CHECKPOINT_STATE_COMPLETE
-                           : c.checkpoint_id() == checkpoint_id) {
-      pick = &c;
-    }
-  }
-  if (pick == nullptr) {
-    return absl::NotFoundError(
-        checkpoint_id == 0
-            ? absl::StrCat("job \"", job_name, "\" has no complete checkpoint in ", JobDir(job_name))
-            : absl::StrCat("job \"", job_name, "\" has no checkpoint ", checkpoint_id));
-  }
-  if (pick->state() != v1::CHECKPOINT_STATE_COMPLETE) {
-    if (!pick->error().empty() && pick->state() == v1::CHECKPOINT_STATE_FAILED &&
-        pick->error().find("corrupt") != std::string::npos) {
-      return absl::DataLossError(pick->error());
-    }
-    return absl::FailedPreconditionError(absl::StrCat(
-        "checkpoint ", pick->checkpoint_id(), " of job \"", job_name, "\" is not complete"));
-  }
-  absl::StatusOr<v1::CheckpointManifest> m = ckpt::ReadManifest(pick->path());
-  if (!m.ok()) return m.status();
-  if (absl::Status s = ckpt::VerifyCheckpoint(pick->path(), *m); !s.ok()) {
-    return absl::Status(s.code(), absl::StrCat("refusing to restore checkpoint ",
-                                               pick->checkpoint_id(), " of job \"", job_name,
-                                               "\": ", s.message()));
-  }
-  *info = *pick;
-  v1::RestoreSource src;
-  src.set_path(absl::StrCat(job_name, "/", ckpt::FolderName(pick->checkpoint_id())));
-  *src.mutable_manifest() = *std::move(m);
-  return src;
 }
 
 CheckpointManager::TableSizes CheckpointManager::table_sizes() const {
