@@ -7,8 +7,28 @@ set -euo pipefail
 
 root="${TEST_SRCDIR}/optimus"
 work="${TEST_TMPDIR}/cluster"
-# A port range unlikely to be taken; the cluster fails loudly if it is.
-base=$(( 20000 + (RANDOM % 20000) ))
+# Three consecutive free ports below the kernel's ephemeral range (where
+# other processes' outgoing connections and port-0 listeners get theirs).
+base=$(python3 - <<'PY'
+import random, socket
+low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+for _ in range(200):
+    base = random.randrange(10000, low - 8)
+    socks = []
+    try:
+        for p in range(base, base + 3):
+            s = socket.socket()
+            s.bind(("0.0.0.0", p))
+            socks.append(s)
+        print(base)
+        break
+    except OSError:
+        pass
+    finally:
+        for s in socks:
+            s.close()
+PY
+)
 
 # Training runs until this test has scraped twice (then it creates the file).
 stop="${TEST_TMPDIR}/stop"
@@ -16,7 +36,15 @@ stop="${TEST_TMPDIR}/stop"
   --steps=400 --hidden=128 --metrics_port="${base}" --stop_when_file="${stop}" \
   >"${TEST_TMPDIR}/out.txt" 2>"${TEST_TMPDIR}/err.txt" &
 cluster=$!
-trap 'kill ${cluster} 2>/dev/null || true' EXIT
+on_exit() {
+  rc=$?
+  kill ${cluster} 2>/dev/null || true
+  if [ "${rc}" -ne 0 ]; then
+    echo "local_cluster's output:"; tail -n 30 "${TEST_TMPDIR}/err.txt"
+    tail -n 15 "${work}"/*.log 2>/dev/null || true
+  fi
+}
+trap on_exit EXIT
 
 python3 - "${base}" "${cluster}" "${stop}" <<'PY'
 import os, re, sys, time, urllib.request
