@@ -1,6 +1,7 @@
 #include "client/client.h"
 
 #include <chrono>
+#include <cmath>
 #include <cstring>
 #include <map>
 #include <thread>
@@ -14,6 +15,7 @@
 #include "common/logging.h"
 #include "common/wire.h"
 #include "grpcpp/grpcpp.h"
+#include "kernels/optimizer_spec.h"
 #include "proto/optimus.grpc.pb.h"
 
 namespace optimus {
@@ -49,6 +51,12 @@ struct Pending {
   void* dst = nullptr;          // Pull: the whole tensor's buffer.
   DType dtype = DType::kFp32;
   uint8_t flags = 0;            // wire::RequestFlags.
+  uint32_t step_flags = 0;      // wire::StepFlags.
+  float lr = 0.0f;              // Push: the step's lr; init with state: the last lr.
+  float grad_mult = 0.0f;       // Push.
+  float clip_coef = 0.0f;       // Commit.
+  uint64_t optimizer_steps = 0; // Init with state.
+  uint32_t arrays = 1;          // Init with state: arrays per element, chunk-major.
   uint64_t expected_bytes = 0;  // Pull: payload size.
   uint64_t offset_bytes = 0;    // Of the chunk in the tensor's buffer.
   void* ep = nullptr;           // The shard's endpoint, to fail it if the shard dies.
@@ -65,6 +73,19 @@ struct Retained {
   bool valid = false;
   uint64_t step = 0;
   const void* src = nullptr;
+  uint32_t step_flags = 0;
+  float lr = 0.0f;
+  float grad_mult = 0.0f;
+};
+
+// The clipping round of one step on this client: every chunk's partial sum
+// of squares (from the push replies), then the decision it commits.
+struct Round {
+  std::vector<std::vector<double>> partials;  // [tensor][route]
+  std::vector<std::vector<bool>> have;
+  uint64_t missing = 0;
+  bool decided = false;
+  StepReport report;
 };
 
 v1::OptimizerKind ToProto(Optimizer k) {
@@ -130,7 +151,20 @@ class ClientImpl : public Client {
       auto* ts = spec->add_tensors();
       ts->set_name(t.name);
       for (int64_t d : t.shape) ts->add_shape(d);
+      ts->set_group(t.group);
+      ts->set_frozen(t.frozen);
     }
+    for (const ParamGroup& g : def.param_groups) {
+      auto* pg = spec->add_param_groups();
+      pg->set_name(g.name);
+      if (g.weight_decay) pg->set_weight_decay(*g.weight_decay);
+      if (g.lr_mult) pg->set_lr_mult(*g.lr_mult);
+      if (g.beta1) pg->set_beta1(*g.beta1);
+      if (g.beta2) pg->set_beta2(*g.beta2);
+      if (g.momentum) pg->set_momentum(*g.momentum);
+    }
+    spec->set_max_grad_norm(def.max_grad_norm);
+    spec->set_keep_nonfinite(!def.skip_nonfinite);
     auto* o = spec->mutable_optimizer();
     o->set_kind(ToProto(def.optimizer.kind));
     o->set_lr(def.optimizer.lr);
@@ -251,8 +285,12 @@ class ClientImpl : public Client {
     auto pd = DTypeFromInt(spec.param_dtype());
     if (!gd.ok()) return gd.status();
     if (!pd.ok()) return pd.status();
+    auto kind = kernels::OptimizerKindFromInt(spec.optimizer().kind());
+    if (!kind.ok()) return kind.status();
     std::vector<TensorInfo> tensors;
+    std::vector<bool> frozen;
     for (const auto& t : spec.tensors()) {
+      frozen.push_back(t.frozen());
       TensorInfo info;
       info.name = t.name();
       info.num_elems = 1;
@@ -275,6 +313,13 @@ class ClientImpl : public Client {
     rank_ = rank;
     world_size_ = spec.world_size();
     resume_step_ = std::max<uint64_t>(job.resume_step(), 1);
+    resume_lr_ = job.has_restore() ? job.restore().manifest().last_lr() : 0.0f;
+    round_ = spec.max_grad_norm() > 0 || !spec.keep_nonfinite();
+    max_grad_norm_ = spec.max_grad_norm();
+    skip_nonfinite_ = !spec.keep_nonfinite();
+    num_arrays_ = kernels::LayoutOf(*kind).num_arrays;
+    default_lr_ = spec.optimizer().lr();
+    frozen_ = std::move(frozen);
     grad_dtype_ = *gd;
     param_dtype_ = *pd;
     tensors_ = std::move(tensors);
@@ -313,6 +358,7 @@ class ClientImpl : public Client {
   DType grad_dtype() const override { return grad_dtype_; }
   DType param_dtype() const override { return param_dtype_; }
   uint64_t resume_step() const override { return resume_step_; }
+  float resume_lr() const override { return resume_lr_; }
   uint64_t job_id() const override { return job_id_; }
   uint64_t map_epoch() const override {
     absl::MutexLock lock(&mu_);
@@ -345,7 +391,7 @@ class ClientImpl : public Client {
     p.ep = r.ep.ep;
     p.epoch = epoch_;
     p.expected_bytes = p.op == wire::Op::kPull ? r.num_elems * DTypeSize(p.dtype) : 0;
-    p.offset_bytes = r.offset_elems * DTypeSize(p.dtype);
+    p.offset_bytes = r.offset_elems * DTypeSize(p.dtype) * p.arrays;
     const uint64_t id = next_request_++;
     pending_[id] = p;
     return id;
@@ -373,11 +419,20 @@ class ClientImpl : public Client {
       h.rank = rank_;
       h.dtype = static_cast<uint8_t>(p.dtype);
       h.flags = p.flags;
-      h.num_bytes = r.num_elems * elem_bytes;
+      h.step_flags = p.step_flags;
+      h.lr = p.lr;
+      h.grad_mult = p.grad_mult;
+      h.clip_coef = p.clip_coef;
+      h.optimizer_steps = p.optimizer_steps;
+      h.num_bytes = r.num_elems * elem_bytes * p.arrays;
       h.request_id = id;
-      if (p.op != wire::Op::kPull) {
-        payload = static_cast<const uint8_t*>(p.src) + r.offset_elems * elem_bytes;
-        payload_bytes = r.num_elems * elem_bytes;
+      const bool no_payload = p.op == wire::Op::kPull || p.op == wire::Op::kCommit ||
+                              (p.step_flags & wire::kPushNoGrad) != 0;
+      if (no_payload) {
+        if (p.op != wire::Op::kPull) h.num_bytes = 0;
+      } else {
+        payload = static_cast<const uint8_t*>(p.src) + r.offset_elems * elem_bytes * p.arrays;
+        payload_bytes = r.num_elems * elem_bytes * p.arrays;
       }
       ep.ep = p.ep;
     }
@@ -388,13 +443,16 @@ class ClientImpl : public Client {
   }
 
   // Sends one request per chunk of `tensor` and returns the ticket.
+  // `proto` carries the fields every chunk request shares.
   absl::StatusOr<Ticket> Issue(wire::Op op, uint32_t tensor, uint64_t step, const void* src,
-                               void* dst, size_t num_elems, DType dtype) {
+                               void* dst, size_t num_elems, DType dtype,
+                               const Pending& proto = Pending{}) {
     Ticket ticket;
     std::vector<uint64_t> ids;
     {
       absl::MutexLock lock(&mu_);
       if (auto s = CheckTensor(tensor, num_elems); !s.ok()) return s;
+      if (op == wire::Op::kPush && round_) StartRoundLocked(step);
       ticket = next_ticket_++;
       const uint32_t n = static_cast<uint32_t>(routes_[tensor].size());
       TicketState& ts = tickets_[ticket];
@@ -403,7 +461,7 @@ class ClientImpl : public Client {
       ts.tensor = tensor;
       ts.step = step;
       for (uint32_t i = 0; i < n; ++i) {
-        Pending p;
+        Pending p = proto;
         p.ticket = ticket;
         p.op = op;
         p.tensor = tensor;
@@ -414,7 +472,10 @@ class ClientImpl : public Client {
         p.dtype = dtype;
         ids.push_back(AddPendingLocked(p));
       }
-      if (op == wire::Op::kPush) retained_[tensor] = Retained{true, step, src};
+      if (op == wire::Op::kPush) {
+        retained_[tensor] =
+            Retained{true, step, src, proto.step_flags, proto.lr, proto.grad_mult};
+      }
     }
     for (uint64_t id : ids) SendPending(id);
     return ticket;
@@ -426,10 +487,173 @@ class ClientImpl : public Client {
     return Wait(*t, options_.rpc_timeout);
   }
 
-  absl::StatusOr<Ticket> Push(uint32_t tensor, uint64_t step, const void* grad,
-                              size_t num_elems) override {
+  absl::Status InitTensorState(uint32_t tensor, const TensorState& state,
+                               size_t num_elems) override {
+    uint32_t arrays;
+    {
+      absl::MutexLock lock(&mu_);
+      if (auto s = CheckTensor(tensor, num_elems); !s.ok()) return s;
+      arrays = num_arrays_;
+    }
+    const float* src[3] = {state.master, state.m, state.v};
+    for (uint32_t a = 0; a < arrays; ++a) {
+      if (src[a] == nullptr) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "InitTensorState: the job's optimizer keeps ", arrays, " arrays per element; ",
+            a == 0 ? "master" : a == 1 ? "m" : "v", " is null"));
+      }
+    }
+    if (state.steps > 0 && frozen_[tensor]) {
+      return absl::InvalidArgumentError(absl::StrCat("tensor ", tensors_[tensor].name,
+                                                     " is frozen: it takes no optimizer steps"));
+    }
+    // Chunk-major: each chunk's request carries its range of every array.
+    std::vector<float> staging(num_elems * arrays);
+    {
+      absl::MutexLock lock(&mu_);
+      size_t at = 0;
+      for (const ChunkRoute& r : routes_[tensor]) {
+        for (uint32_t a = 0; a < arrays; ++a) {
+          std::memcpy(staging.data() + at, src[a] + r.offset_elems, r.num_elems * 4);
+          at += r.num_elems;
+        }
+      }
+    }
+    Pending proto;
+    proto.step_flags = wire::kInitState;
+    proto.optimizer_steps = state.steps;
+    proto.lr = state.last_lr;
+    proto.arrays = arrays;
+    auto t = Issue(wire::Op::kInit, tensor, 0, staging.data(), nullptr, num_elems, DType::kFp32,
+                   proto);
+    if (!t.ok()) return t.status();
+    return Wait(*t, options_.rpc_timeout);
+  }
+
+  using Client::Push;
+  absl::StatusOr<Ticket> Push(uint32_t tensor, uint64_t step, const void* grad, size_t num_elems,
+                              const PushOptions& options) override {
     if (step == 0) return absl::InvalidArgumentError("steps start at 1");
-    return Issue(wire::Op::kPush, tensor, step, grad, nullptr, num_elems, grad_dtype_);
+    if (!std::isfinite(options.lr) || options.lr < 0.0f) {
+      return absl::InvalidArgumentError(absl::StrCat("push lr ", options.lr, " is not >= 0"));
+    }
+    if (!std::isfinite(options.grad_mult) || options.grad_mult < 0.0f) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("push grad_mult ", options.grad_mult, " is not >= 0"));
+    }
+    Pending proto;
+    // Resolved here, so that ranks that leave it 0 and ranks that spell out
+    // the job's value agree.
+    proto.lr = options.lr > 0.0f ? options.lr : default_lr_;
+    proto.grad_mult = options.grad_mult > 0.0f ? options.grad_mult : 1.0f;
+    {
+      absl::MutexLock lock(&mu_);
+      if (tensor < frozen_.size() && frozen_[tensor]) grad = nullptr;
+    }
+    if (grad == nullptr) proto.step_flags |= wire::kPushNoGrad;
+    return Issue(wire::Op::kPush, tensor, step, grad, nullptr, num_elems, grad_dtype_, proto);
+  }
+
+  // ---- The clipping round ----------------------------------------------------
+
+  void StartRoundLocked(uint64_t step) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (rounds_.count(step) != 0) return;
+    Round& r = rounds_[step];
+    r.partials.resize(routes_.size());
+    r.have.resize(routes_.size());
+    for (size_t t = 0; t < routes_.size(); ++t) {
+      r.partials[t].assign(routes_[t].size(), 0.0);
+      r.have[t].assign(routes_[t].size(), false);
+      r.missing += routes_[t].size();
+    }
+    while (rounds_.size() > kRoundsKept) rounds_.erase(rounds_.begin());
+  }
+
+  // A chunk's partial for `step` arrived. When it was the last one, decides
+  // the step and returns the commits to send.
+  std::vector<uint64_t> RecordPartialLocked(uint32_t tensor, uint32_t route, uint64_t step,
+                                            double partial) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    std::vector<uint64_t> commits;
+    auto it = rounds_.find(step);
+    if (it == rounds_.end()) return commits;
+    Round& r = it->second;
+    if (tensor >= r.have.size() || route >= r.have[tensor].size() || r.have[tensor][route]) {
+      return commits;
+    }
+    r.have[tensor][route] = true;
+    r.partials[tensor][route] = partial;
+    if (--r.missing != 0) return commits;
+    // Every rank adds the same partials in the same order: the same norm
+    // and the same decision on every rank.
+    double total = 0.0;
+    for (const auto& per : r.partials) {
+      for (double x : per) total += x;
+    }
+    r.report.grad_norm = std::sqrt(total);
+    r.report.found_inf = !std::isfinite(total);
+    r.report.skipped = r.report.found_inf && skip_nonfinite_;
+    float coef = 1.0f;
+    if (max_grad_norm_ > 0.0f && !r.report.found_inf) {
+      // clip_grad_norm_: max_norm / (total_norm + 1e-6), clamped to 1, in fp32.
+      const float c = max_grad_norm_ / (static_cast<float>(r.report.grad_norm) + 1e-6f);
+      coef = std::min(c, 1.0f);
+    }
+    r.report.clip_coef = coef;
+    r.decided = true;
+    for (uint32_t t = 0; t < routes_.size(); ++t) {
+      for (uint32_t i = 0; i < routes_[t].size(); ++i) {
+        commits.push_back(AddPendingLocked(CommitFor(t, i, step, r.report)));
+      }
+    }
+    return commits;
+  }
+
+  Pending CommitFor(uint32_t tensor, uint32_t route, uint64_t step, const StepReport& rep) const {
+    Pending p;
+    p.op = wire::Op::kCommit;
+    p.tensor = tensor;
+    p.route = route;
+    p.step = step;
+    p.dtype = DType::kFp32;
+    p.clip_coef = rep.clip_coef;
+    if (rep.skipped) p.step_flags |= wire::kStepSkip;
+    return p;
+  }
+
+  bool RoundDecided(uint64_t step) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    auto it = rounds_.find(step);
+    return it == rounds_.end() || it->second.decided;
+  }
+
+  absl::StatusOr<StepReport> StepResult(uint64_t step, absl::Duration timeout) override {
+    absl::MutexLock lock(&mu_);
+    if (!joined_) return absl::FailedPreconditionError("join a job first");
+    if (!round_) {
+      return absl::FailedPreconditionError(
+          "the job neither clips (max_grad_norm) nor skips non-finite steps: no step report");
+    }
+    if (rounds_.count(step) == 0) {
+      return absl::NotFoundError(absl::StrCat("no pushes of step ", step, " on this client (or "
+                                              "too long ago: the last ", kRoundsKept, " are kept)"));
+    }
+    struct Args {
+      const ClientImpl* self;
+      uint64_t step;
+    } args{this, step};
+    const bool done = mu_.AwaitWithTimeout(
+        absl::Condition(
+            +[](Args* a) ABSL_NO_THREAD_SAFETY_ANALYSIS { return a->self->RoundDecided(a->step); },
+            &args),
+        timeout);
+    auto it = rounds_.find(step);
+    if (it == rounds_.end()) return absl::NotFoundError(absl::StrCat("step ", step, " forgotten"));
+    if (!done) {
+      return absl::DeadlineExceededError(absl::StrCat(
+          "step ", step, ": ", it->second.missing,
+          " chunks have not answered this rank's pushes yet (every tensor must be pushed, by "
+          "every rank) after ", absl::FormatDuration(timeout)));
+    }
+    return it->second.report;
   }
 
   absl::StatusOr<Ticket> Pull(uint32_t tensor, uint64_t version, void* dst,
@@ -549,6 +773,16 @@ class ClientImpl : public Client {
     }
     if (!reply->status.ok()) {
       return Failed(id, reply->status, /*peer_failed=*/false, reply->header.flags);
+    }
+    if (p.op == wire::Op::kPush && (reply->header.flags & wire::kReplyPartial) != 0) {
+      std::vector<uint64_t> commits;
+      {
+        absl::MutexLock lock(&mu_);
+        commits = RecordPartialLocked(p.tensor, p.route, p.step, reply->header.grad_sum_squares);
+        CompleteLocked(id, reply->status);
+      }
+      for (uint64_t c : commits) SendPending(c);
+      return;
     }
     if (p.op != wire::Op::kPull) return Complete(id, reply->status);
     if (msg.payload_size() != p.expected_bytes || reply->header.param_version != p.step) {
@@ -699,8 +933,17 @@ class ClientImpl : public Client {
           p.src = r.src;
           p.dtype = grad_dtype_;
           p.flags = wire::kRequestResend;
+          p.step_flags = r.step_flags;
+          p.lr = r.lr;
+          p.grad_mult = r.grad_mult;
           resend.push_back(AddPendingLocked(p));
           ++resent_;
+          // The step's commit too, if this rank decided it already (the
+          // new primary may not have had it).
+          auto round = rounds_.find(r.step);
+          if (round != rounds_.end() && round->second.decided) {
+            resend.push_back(AddPendingLocked(CommitFor(t, i, r.step, round->second.report)));
+          }
         }
       }
     }
@@ -725,6 +968,13 @@ class ClientImpl : public Client {
   uint32_t rank_ = 0;
   uint32_t world_size_ = 0;
   uint64_t resume_step_ = 1;
+  float resume_lr_ = 0.0f;
+  bool round_ = false;
+  float max_grad_norm_ = 0.0f;
+  bool skip_nonfinite_ = true;
+  uint32_t num_arrays_ = 1;
+  float default_lr_ = 0.0f;
+  std::vector<bool> frozen_;
   DType grad_dtype_ = DType::kBf16;
   DType param_dtype_ = DType::kBf16;
   std::vector<TensorInfo> tensors_;
@@ -741,9 +991,22 @@ class ClientImpl : public Client {
   absl::flat_hash_map<Ticket, TicketState> tickets_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<uint64_t, Pending> pending_ ABSL_GUARDED_BY(mu_);
   std::map<uint64_t, Pending> stalled_ ABSL_GUARDED_BY(mu_);
+  static constexpr size_t kRoundsKept = 64;
+  std::map<uint64_t, Round> rounds_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace
+
+void SplitDecayGroups(JobDef* def, float weight_decay) {
+  ParamGroup decay;
+  decay.name = "decay";
+  decay.weight_decay = weight_decay;
+  ParamGroup no_decay;
+  no_decay.name = "no_decay";
+  no_decay.weight_decay = 0.0f;
+  def->param_groups = {decay, no_decay};
+  for (TensorDef& t : def->tensors) t.group = t.shape.size() < 2 ? 1 : 0;
+}
 
 absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& options) {
   if (options.coordinator_address.empty()) {

@@ -23,6 +23,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -68,6 +69,23 @@ struct OptimizerSpec {
 struct TensorDef {
   std::string name;
   std::vector<int64_t> shape;
+  // Index into JobDef::param_groups (0 when there are none).
+  uint32_t group = 0;
+  // Never updated (torch: requires_grad=False): its pushes carry no
+  // gradient, whatever Push is given, and it keeps its initial values.
+  bool frozen = false;
+};
+
+// A parameter group, as in torch.optim's param_groups: an unset field takes
+// the job's OptimizerSpec value. The group's learning rate is each step's
+// learning rate times lr_mult.
+struct ParamGroup {
+  std::string name;
+  std::optional<float> weight_decay;
+  std::optional<float> lr_mult;
+  std::optional<float> beta1;
+  std::optional<float> beta2;
+  std::optional<float> momentum;
 };
 
 // When the coordinator checkpoints the job on its own (it needs
@@ -91,6 +109,56 @@ struct JobDef {
   // Backups per chunk: 0, or 1 (each chunk also lives on a second shard,
   // which takes over without losing a step when the first fails).
   uint32_t replication = 0;
+  // Parameter groups (TensorDef::group indexes them); empty: one group with
+  // the optimizer's settings.
+  std::vector<ParamGroup> param_groups;
+  // > 0: every step's averaged gradient is clipped to this global L2 norm
+  // over the whole job, as torch.nn.utils.clip_grad_norm_ would on one
+  // process. Costs one small round per step (see Push).
+  float max_grad_norm = 0.0f;
+  // A step whose averaged gradient holds an inf or NaN anywhere in the job
+  // is skipped by every chunk (GradScaler's rule) and reported (found_inf).
+  // Costs the same round as clipping.
+  bool skip_nonfinite = true;
+};
+
+// The usual "no weight decay on biases and norm weights" in one line: puts
+// every tensor of `def` with fewer than 2 dimensions into a group "no_decay"
+// (weight decay 0) and the rest into a group "decay" (weight_decay),
+// replacing def->param_groups.
+void SplitDecayGroups(JobDef* def, float weight_decay);
+
+// What travels with one push (every rank's push of a step must agree).
+struct PushOptions {
+  // The step's learning rate (before its group's lr_mult); 0: the job's
+  // OptimizerSpec::lr. Any schedule: the trainer computes it per step.
+  float lr = 0.0f;
+  // Multiplies the averaged gradient: 1 / the loss scale of mixed-precision
+  // training (GradScaler's unscale). 0 means 1.
+  float grad_mult = 0.0f;
+};
+
+// What the shards decided for one step (jobs with max_grad_norm or
+// skip_nonfinite; see Client::StepResult).
+struct StepReport {
+  // The global L2 norm of the step's averaged gradient (after grad_mult,
+  // before clipping), as clip_grad_norm_ returns it; inf/NaN when found_inf.
+  double grad_norm = 0.0;
+  float clip_coef = 1.0f;   // What the gradient was multiplied by.
+  bool found_inf = false;   // The gradient held an inf or NaN.
+  bool skipped = false;     // The step left every tensor unchanged.
+};
+
+// One tensor's optimizer state, to start a job from (e.g. a torch
+// optimizer's state_dict): num_elems floats each. m and v as the
+// optimizer's layout names them (Adam/AdamW exp_avg, exp_avg_sq; SGD
+// momentum_buffer in m; Lion exp_avg in m); null where the layout has none.
+struct TensorState {
+  const float* master = nullptr;
+  const float* m = nullptr;
+  const float* v = nullptr;
+  uint64_t steps = 0;     // Optimizer steps these values have seen (torch's 'step').
+  float last_lr = 0.0f;   // The last step's learning rate (informational).
 };
 
 // Identifies one Push or Pull until Wait consumes it.
@@ -141,6 +209,10 @@ class Client {
   // InitTensor first), S for a job restored from a checkpoint of step S
   // (its values are loaded: pull version S, push step S, no InitTensor).
   virtual uint64_t resume_step() const = 0;
+  // The learning rate of the last step before the checkpoint a restored job
+  // started from (0 for a new job): a trainer whose schedule is not a
+  // function of the step can take it up from there.
+  virtual float resume_lr() const = 0;
   // The joined job's id and the shard map epoch in use (it grows when the
   // coordinator fails a shard over or moves chunks).
   virtual uint64_t job_id() const = 0;
@@ -153,9 +225,32 @@ class Client {
   // 1, which waits for it. Blocking.
   virtual absl::Status InitTensor(uint32_t tensor, const float* values, size_t num_elems) = 0;
 
+  // Like InitTensor, with the optimizer's moments and step count too (a run
+  // moving onto optimus without restarting its moments). Blocking.
+  virtual absl::Status InitTensorState(uint32_t tensor, const TensorState& state,
+                                       size_t num_elems) = 0;
+
   // Pushes this rank's gradient for `step` (>= 1), num_elems of grad_dtype().
+  // grad == nullptr: this rank has no gradient for the tensor this step (a
+  // tensor no rank has one for is left alone, as torch skips parameters
+  // whose .grad is None; ranks without one count as zero in the average).
+  // Every tensor must be pushed every step. With clipping or
+  // skip_nonfinite, the push is answered once every rank's push of the
+  // chunk is in (the answer carries the chunk's partial norm), and the
+  // client then commits the step to every chunk by itself.
+  absl::StatusOr<Ticket> Push(uint32_t tensor, uint64_t step, const void* grad,
+                              size_t num_elems) {
+    return Push(tensor, step, grad, num_elems, PushOptions{});
+  }
   virtual absl::StatusOr<Ticket> Push(uint32_t tensor, uint64_t step, const void* grad,
-                                      size_t num_elems) = 0;
+                                      size_t num_elems, const PushOptions& options) = 0;
+
+  // What the shards decided for `step`: available once this rank's pushes
+  // of every tensor for it are answered; waits up to `timeout` for that
+  // (DEADLINE_EXCEEDED). FAILED_PRECONDITION for a job that neither clips
+  // nor skips non-finite steps (there is no round to report); NOT_FOUND for
+  // a step this client pushed nothing for or forgot (it keeps the last 64).
+  virtual absl::StatusOr<StepReport> StepResult(uint64_t step, absl::Duration timeout) = 0;
 
   // Pulls the parameters at `version` (>= 1) into dst, num_elems of
   // param_dtype(). A version one ahead of the latest is answered once all

@@ -1,6 +1,8 @@
 #include "common/wire.h"
 
+#include <cmath>
 #include <cstring>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 
@@ -25,16 +27,25 @@ absl::StatusOr<RequestHeader> ParseRequestHeader(absl::Span<const uint8_t> bytes
     return absl::InvalidArgumentError(
         absl::StrCat("unsupported wire version ", h.version, " (this shard speaks ", kVersion, ")"));
   }
-  if (h.op < static_cast<uint16_t>(Op::kPush) || h.op > static_cast<uint16_t>(Op::kReplicate)) {
+  if (h.op < static_cast<uint16_t>(Op::kPush) || h.op > static_cast<uint16_t>(Op::kCommit)) {
     return absl::InvalidArgumentError(absl::StrCat("unknown request op ", h.op));
   }
   if (auto d = DTypeFromInt(h.dtype); !d.ok()) return d.status();
+  for (const auto& [name, v] : {std::pair<const char*, float>{"lr", h.lr},
+                                {"grad_mult", h.grad_mult},
+                                {"clip_coef", h.clip_coef}}) {
+    if (!std::isfinite(v) || v < 0.0f) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("malformed request header: ", name, " is ", v, " (must be finite, >= 0)"));
+    }
+  }
   return h;
 }
 
 std::string EncodeReply(uint64_t request_id, const absl::Status& status, uint64_t param_version,
-                        uint32_t flags) {
+                        uint32_t flags, double grad_sum_squares) {
   ReplyHeader h;
+  h.grad_sum_squares = grad_sum_squares;
   h.code = static_cast<uint16_t>(status.code());
   h.request_id = request_id;
   h.param_version = param_version;

@@ -21,7 +21,9 @@ constexpr uint16_t kAmRequest = 1;  // worker -> shard: push, pull, init.
 constexpr uint16_t kAmReply = 2;    // shard -> worker: status (+ pulled bytes).
 
 constexpr uint32_t kMagic = 0x4d54504fu;  // "OPTM" read little-endian.
-constexpr uint16_t kVersion = 1;
+// 2: per-step learning rate, gradient multiplier and flags in the request;
+// the clipping round (kCommit, the partial sum of squares in push replies).
+constexpr uint16_t kVersion = 2;
 
 enum class Op : uint16_t {
   kPush = 1,  // Gradient for (chunk, step); payload: num_elems of dtype.
@@ -33,6 +35,28 @@ enum class Op : uint16_t {
   // step's summed, scaled gradient when flags has kReplicateSum. `rank`
   // carries the sender's shard id. Answered once applied.
   kReplicate = 4,
+  // Worker -> shard, the second half of the clipping round (jobs with
+  // max_grad_norm or skipping of non-finite steps): once a worker has every
+  // chunk's partial sum of squares for `step` (from the push replies), it
+  // sends each chunk the step's clip coefficient (`clip_coef`, in (0, 1])
+  // and kStepSkip when the job's gradient holds an inf or NaN. No payload.
+  // Every rank sends it; the chunk steps at the first and checks the rest
+  // agree.
+  kCommit = 5,
+};
+
+// RequestHeader.step_flags bits.
+enum StepFlags : uint32_t {
+  // kPush: this rank has no gradient for the tensor this step (no payload);
+  // a chunk none of whose ranks has one is left untouched.
+  kPushNoGrad = 1u << 0,
+  // kCommit / kReplicate (sum): the step is skipped: state untouched, the
+  // version advances. No payload on a kReplicate.
+  kStepSkip = 1u << 1,
+  // kInit: the payload holds every state array of the chunk (master, then
+  // the moments, kernels::LayoutOf order), and optimizer_steps says how many
+  // steps they have seen (an imported optimizer state).
+  kInitState = 1u << 2,
 };
 
 // RequestHeader.flags bits.
@@ -44,8 +68,9 @@ enum RequestFlags : uint8_t {
   kReplicateSum = 1u << 2,    // kReplicate: applies one step with the sum.
 };
 
-// 64 bytes. `step` is the gradient's step for kPush and the wanted version
-// for kPull (version v = the result of steps 1..v-1; initial values are v=1).
+// 96 bytes. `step` is the gradient's step for kPush and kCommit and the
+// wanted version for kPull (version v = the result of steps 1..v-1; initial
+// values are v=1).
 struct RequestHeader {
   uint32_t magic = kMagic;
   uint16_t version = kVersion;
@@ -61,8 +86,24 @@ struct RequestHeader {
   uint8_t reserved[2] = {0, 0};
   uint64_t num_bytes = 0;    // Payload bytes sent (push/init) or expected (pull).
   uint64_t request_id = 0;   // Echoed in the reply.
+  // kPush: the step's learning rate (before the tensor's group lr_mult); 0:
+  // the job's. Every rank's push of a (chunk, step) must carry the same.
+  // kReplicate (sum): the lr of the forwarded step. kInit (state): the
+  // last lr the imported state was stepped with (0: none).
+  float lr = 0.0f;
+  // kPush: multiplies the averaged gradient (1 / the loss scale); 0 means
+  // 1. Every rank's push of a (chunk, step) must carry the same.
+  float grad_mult = 0.0f;
+  float clip_coef = 0.0f;    // kCommit: in (0, 1].
+  uint32_t step_flags = 0;   // StepFlags.
+  // kInit with kInitState, kReplicate seed: optimizer steps the values have
+  // seen (torch's per-parameter 'step').
+  uint64_t optimizer_steps = 0;
+  // kReplicate (sum): the step's partial sum of squares, so that a promoted
+  // backup answers a push sent again for it.
+  double grad_sum_squares = 0.0;
 };
-static_assert(sizeof(RequestHeader) == 64, "wire layout");
+static_assert(sizeof(RequestHeader) == 96, "wire layout");
 
 enum ReplyFlags : uint32_t {
   kReplyDuplicate = 1u << 0,  // A push already received; this copy was dropped.
@@ -78,6 +119,11 @@ enum ReplyFlags : uint32_t {
   // kReplicate: the backup does not hold the state this step starts from;
   // send the state (a seed) instead.
   kReplyNeedSeed = 1u << 4,
+  // kPush (jobs with the clipping round): grad_sum_squares holds the sum of
+  // squares of the chunk's averaged gradient for the push's step (inf or
+  // NaN when it holds a non-finite value); the worker adds every chunk's and
+  // sends kCommit.
+  kReplyPartial = 1u << 5,
 };
 
 // Followed in the AM header by `message_len` bytes of error text.
@@ -89,15 +135,19 @@ struct ReplyHeader {
   uint64_t param_version = 0; // For pulls: the version whose bytes follow.
   uint32_t flags = 0;
   uint32_t message_len = 0;
+  double grad_sum_squares = 0.0;  // With kReplyPartial.
+  uint64_t reserved = 0;
 };
-static_assert(sizeof(ReplyHeader) == 32, "wire layout");
+static_assert(sizeof(ReplyHeader) == 48, "wire layout");
 
-// Checks size, magic, version, op and dtype. InvalidArgument on any mismatch.
+// Checks size, magic, version, op, dtype and that lr, grad_mult and
+// clip_coef are finite and not negative. InvalidArgument on any mismatch.
 absl::StatusOr<RequestHeader> ParseRequestHeader(absl::Span<const uint8_t> bytes);
 
 // Serializes a reply carrying `status` (its message is truncated to 1 KiB).
 std::string EncodeReply(uint64_t request_id, const absl::Status& status,
-                        uint64_t param_version, uint32_t flags);
+                        uint64_t param_version, uint32_t flags,
+                        double grad_sum_squares = 0.0);
 
 struct Reply {
   ReplyHeader header;

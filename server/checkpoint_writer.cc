@@ -154,6 +154,8 @@ void CheckpointWriter::Loop() {
       if (it->second.error.empty()) it->second.error = std::string(file.status().message());
       continue;
     }
+    file->set_optimizer_steps(snap.optimizer_steps);
+    file->set_last_lr(snap.last_lr);
     it->second.files.push_back(*file);
   }
 }

@@ -33,6 +33,8 @@ struct ChunkSnapshot {
   uint64_t offset_elems = 0;
   uint64_t num_elems = 0;
   uint32_t num_arrays = 0;
+  uint64_t optimizer_steps = 0;  // Steps the state has seen (torch's 'step').
+  float last_lr = 0.0f;          // Of the last step taken.
   std::vector<float> data;  // num_arrays x num_elems, array after array.
 };
 

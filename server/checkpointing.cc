@@ -100,6 +100,11 @@ void Shard::FinishSnapshot(const JobRef& job, const ChunkRef& chunk, uint64_t ch
     snap.tensor = chunk->name.tensor;
     snap.offset_elems = chunk->offset_elems;
     snap.num_elems = chunk->num_elems;
+    {
+      absl::MutexLock lock(&chunk->mu);
+      snap.optimizer_steps = chunk->machine.optimizer_steps();
+      snap.last_lr = chunk->machine.last_lr();
+    }
     const std::vector<float*> arrays = chunk->state_arrays();
     snap.num_arrays = static_cast<uint32_t>(arrays.size());
     snap.data.resize(arrays.size() * chunk->num_elems);

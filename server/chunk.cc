@@ -21,12 +21,14 @@ const char* PhaseName(Phase phase) {
     case Phase::kBackupSeeding: return "backup_seeding";
     case Phase::kBackupStepping: return "backup_stepping";
     case Phase::kRetired: return "retired";
+    case Phase::kReducing: return "reducing";
+    case Phase::kAwaitingCommit: return "awaiting_commit";
   }
   return "unknown";
 }
 
 bool Actions::empty() const {
-  return refusals.empty() && sends.empty() && !schedule_step && !apply_forwarded &&
+  return refusals.empty() && acks.empty() && !reduce && sends.empty() && !schedule_step && !apply_forwarded &&
          !send_seed && !retry_later && !beat_now && snapshot_checkpoint == 0 &&
          !step_waits_for_snapshot && !step_released_by_snapshot && published == 0 && !retired &&
          !snapshot_by_policy;
@@ -64,7 +66,13 @@ PushDecision Duplicate() {
 }  // namespace
 
 ChunkMachine::ChunkMachine(ChunkName name, uint32_t world_size, Role role)
-    : name_(name), world_size_(world_size), role_(role), slots_(world_size, Slot::kEmpty) {}
+    : name_(name),
+      world_size_(world_size),
+      role_(role),
+      slots_(world_size, Slot::kEmpty),
+      has_grad_(world_size, false),
+      waiters_(world_size),
+      waiting_(world_size, false) {}
 
 std::string ChunkMachine::What() const {
   return absl::StrCat("tensor ", name_.tensor, " chunk ", name_.chunk, " of job ", name_.job);
@@ -78,7 +86,17 @@ Phase ChunkMachine::IdlePhase() const {
 
 void ChunkMachine::ResetSlots() {
   std::fill(slots_.begin(), slots_.end(), Slot::kEmpty);
+  std::fill(has_grad_.begin(), has_grad_.end(), false);
+  std::fill(waiting_.begin(), waiting_.end(), false);
   full_slots_ = 0;
+  params_set_ = false;
+  noop_ = false;
+  partial_ready_ = false;
+  partial_ = 0.0;
+  commit_have_ = false;
+  commit_coef_ = 1.0f;
+  commit_skip_ = false;
+  running_skip_ = false;
 }
 
 // ---- Placement ----------------------------------------------------------------
@@ -123,10 +141,14 @@ Actions ChunkMachine::ApplyPlacement(uint64_t self, uint64_t primary, uint64_t b
   return out;
 }
 
-void ChunkMachine::Restored(uint64_t version) {
+void ChunkMachine::Restored(uint64_t version, uint64_t optimizer_steps, float last_lr) {
   if (retired()) return;
   version_ = version;
   first_version_ = version;
+  applied_ = optimizer_steps;
+  last_lr_ = last_lr;
+  last_valid_ = false;
+  last_commit_valid_ = false;
   seeded_ = role_ == Role::kBackup;
   backup_seeded_ = role_ == Role::kPrimary && backup_ != 0;
   ResetSlots();
@@ -142,6 +164,10 @@ Actions ChunkMachine::Retire(const absl::Status& why, ReplyHint hint) {
   capture_step_ = 0;
   for (const PullReply& p : parked_) out.refusals.push_back(Refusal{p.to, why, hint});
   parked_.clear();
+  for (uint32_t r = 0; r < world_size_; ++r) {
+    if (waiting_[r]) out.refusals.push_back(Refusal{waiters_[r], why, hint});
+    waiting_[r] = false;
+  }
   out.retired = true;
   return out;
 }
@@ -164,7 +190,7 @@ PushDecision ChunkMachine::InitRequested() {
   return Accept();
 }
 
-Actions ChunkMachine::InitLanded(bool ok) {
+Actions ChunkMachine::InitLanded(bool ok, uint64_t optimizer_steps, float last_lr) {
   Actions out;
   if (phase_ != Phase::kReceivingInit) return out;
   if (!ok) {
@@ -173,12 +199,16 @@ Actions ChunkMachine::InitLanded(bool ok) {
   }
   version_ = 1;
   first_version_ = 1;
+  applied_ = optimizer_steps;
+  last_lr_ = last_lr;
   phase_ = Phase::kCollecting;
   TakeParked(1, &out);
   return out;
 }
 
-PushDecision ChunkMachine::PushRequested(uint64_t step, uint32_t rank, bool resend) {
+PushDecision ChunkMachine::PushRequested(uint64_t step, uint32_t rank, bool resend,
+                                         const StepParams& params, bool has_grad,
+                                         Requester from) {
   if (retired() || role_ != Role::kPrimary) return Refuse(NotPrimary(self_, What()), RefreshMap());
   if (rank >= world_size_) {
     return Refuse(absl::InvalidArgumentError(
@@ -187,8 +217,21 @@ PushDecision ChunkMachine::PushRequested(uint64_t step, uint32_t rank, bool rese
   if (version_ == 0) {
     return Refuse(absl::FailedPreconditionError(absl::StrCat(What(), " has no initial values yet")));
   }
+  if (frozen_ && has_grad) {
+    return Refuse(absl::InvalidArgumentError(absl::StrCat(
+        "push with a gradient for ", What(), ", a frozen tensor: push it with no gradient")));
+  }
   // A push sent again after a failover whose step is already applied.
-  if (step < version_ && resend) return Duplicate();
+  if (step < version_ && resend) {
+    PushDecision d = Duplicate();
+    d.ack.to = from;
+    d.ack.duplicate = true;
+    if (commit_round_ && last_valid_ && step + 1 == version_) {
+      d.ack.has_partial = true;
+      d.ack.partial = last_partial_;
+    }
+    return d;
+  }
   if (step < version_) {
     return Refuse(absl::FailedPreconditionError(
         absl::StrCat("stale push: step ", step, " of ", What(),
@@ -201,9 +244,49 @@ PushDecision ChunkMachine::PushRequested(uint64_t step, uint32_t rank, bool rese
   }
   // The same (job, epoch, step, rank, chunk) again, or the step is already
   // being applied (e.g. a promoted backup applying the forwarded sum):
-  // pushes are idempotent.
-  if (phase_ != Phase::kCollecting || slots_[rank] != Slot::kEmpty) return Duplicate();
+  // pushes are idempotent. With the round, the answer carries the partial,
+  // so it waits for it.
+  if (phase_ != Phase::kCollecting || slots_[rank] != Slot::kEmpty) {
+    if (phase_ == Phase::kBackupSeeding || phase_ == Phase::kBackupStepping) {
+      // Promoted while the primary's last step lands here: that step's
+      // pushes are answered once it is applied (sent again by then).
+      return Refuse(absl::UnavailableError(absl::StrCat(What(), " is being seeded; retry")),
+                    RefreshMap());
+    }
+    PushDecision d = Duplicate();
+    d.ack.to = from;
+    d.ack.duplicate = true;
+    if (commit_round_) {
+      if (partial_ready_ || noop_) {
+        d.ack.has_partial = true;
+        d.ack.partial = partial_;
+      } else if (slots_[rank] == Slot::kFull && !waiting_[rank]) {
+        waiters_[rank] = from;
+        waiting_[rank] = true;
+        d.verdict = PushVerdict::kHeld;
+      } else if (slots_[rank] != Slot::kEmpty) {
+        // Still landing (or already waiting): the first copy's answer will
+        // carry the partial; this copy is refused so its sender asks again.
+        return Refuse(absl::UnavailableError(absl::StrCat(
+            "push for step ", step, " of ", What(), " from rank ", rank,
+            " is already landing; retry")), RefreshMap());
+      }
+    }
+    return d;
+  }
+  if (params_set_ && params != params_) {
+    return Refuse(absl::InvalidArgumentError(absl::StrCat(
+        "push for step ", step, " of ", What(), " from rank ", rank, " carries lr ", params.lr,
+        " and gradient multiplier ", params.grad_mult, ", but the step's other pushes carry lr ",
+        params_.lr, " and multiplier ", params_.grad_mult,
+        ": every rank must push the same learning rate and loss scale")));
+  }
+  params_set_ = true;
+  params_ = params;
   slots_[rank] = Slot::kReceiving;
+  has_grad_[rank] = has_grad;
+  waiters_[rank] = from;
+  waiting_[rank] = true;
   return Accept();
 }
 
@@ -217,7 +300,116 @@ Actions ChunkMachine::PushLanded(uint32_t rank, bool ok) {
     return out;
   }
   slots_[rank] = Slot::kFull;
-  if (++full_slots_ == world_size_) TryStartStep(&out);
+  if (!commit_round_) {
+    out.acks.push_back(Ack{waiters_[rank]});
+    waiting_[rank] = false;
+  }
+  if (++full_slots_ == world_size_) AllPushesIn(&out);
+  return out;
+}
+
+void ChunkMachine::AllPushesIn(Actions* out) {
+  noop_ = frozen_ || std::none_of(has_grad_.begin(), has_grad_.end(), [](bool b) { return b; });
+  if (!commit_round_) return TryStartStep(out);
+  if (noop_) {
+    // Nothing to clip or skip: the partial is 0 and the step needs no commit.
+    partial_ready_ = true;
+    partial_ = 0.0;
+    for (uint32_t r = 0; r < world_size_; ++r) {
+      if (!waiting_[r]) continue;
+      out->acks.push_back(Ack{waiters_[r], false, true, 0.0});
+      waiting_[r] = false;
+    }
+    return TryStartStep(out);
+  }
+  phase_ = Phase::kReducing;
+  out->reduce = true;
+}
+
+ReduceInputs ChunkMachine::GetReduceInputs() const {
+  ReduceInputs in;
+  if (phase_ != Phase::kReducing) return in;
+  in.run = true;
+  in.params = params_;
+  for (uint32_t r = 0; r < world_size_; ++r) {
+    if (has_grad_[r]) in.ranks.push_back(r);
+  }
+  return in;
+}
+
+Actions ChunkMachine::ReduceDone(double sum_squares) {
+  Actions out;
+  if (phase_ != Phase::kReducing) return out;
+  partial_ready_ = true;
+  partial_ = sum_squares;
+  for (uint32_t r = 0; r < world_size_; ++r) {
+    if (!waiting_[r]) continue;
+    out.acks.push_back(Ack{waiters_[r], false, true, partial_});
+    waiting_[r] = false;
+  }
+  phase_ = Phase::kAwaitingCommit;
+  if (commit_have_) TryStartStep(&out);
+  return out;
+}
+
+Actions ChunkMachine::CommitRequested(uint64_t step, float clip_coef, bool skip, Requester from) {
+  Actions out;
+  auto refuse = [&](absl::Status s, ReplyHint hint = {}) {
+    out.refusals.push_back(Refusal{from, std::move(s), hint});
+    return out;
+  };
+  if (retired() || role_ != Role::kPrimary) return refuse(NotPrimary(self_, What()), RefreshMap());
+  if (!commit_round_) {
+    return refuse(absl::FailedPreconditionError(absl::StrCat(
+        "commit for ", What(), ": the job neither clips nor skips non-finite steps")));
+  }
+  if (!(clip_coef > 0.0f) || clip_coef > 1.0f) {
+    return refuse(absl::InvalidArgumentError(
+        absl::StrCat("commit for step ", step, " of ", What(), " has clip coefficient ",
+                     clip_coef, "; it must be in (0, 1]")));
+  }
+  if (version_ == 0) {
+    return refuse(absl::FailedPreconditionError(absl::StrCat(What(), " has no initial values yet")));
+  }
+  auto disagree = [&](float coef, bool was_skip) {
+    return refuse(absl::InvalidArgumentError(absl::StrCat(
+        "commit for step ", step, " of ", What(), " says clip coefficient ", clip_coef,
+        skip ? " (skip)" : "", " but the step was committed with ", coef,
+        was_skip ? " (skip)" : "", ": workers disagree on the global gradient norm")));
+  };
+  if (step < version_) {
+    if (step + 1 == version_ && last_commit_valid_ &&
+        (last_coef_ != clip_coef || last_skip_ != skip)) {
+      return disagree(last_coef_, last_skip_);
+    }
+    out.acks.push_back(Ack{from, /*duplicate=*/true});
+    return out;
+  }
+  if (step > version_) {
+    return refuse(absl::OutOfRangeError(absl::StrCat("commit for step ", step, " of ", What(),
+                                                     " is ahead: the chunk is at step ",
+                                                     version_)));
+  }
+  if (commit_have_) {
+    if (commit_coef_ != clip_coef || commit_skip_ != skip) {
+      return disagree(commit_coef_, commit_skip_);
+    }
+    out.acks.push_back(Ack{from, /*duplicate=*/true});
+    return out;
+  }
+  const bool collecting = phase_ == Phase::kCollecting || phase_ == Phase::kReducing ||
+                          phase_ == Phase::kAwaitingCommit;
+  if (!collecting || noop_) {
+    // Under way without one (no rank had a gradient), or a promoted backup
+    // applying the primary's step: nothing to decide.
+    out.acks.push_back(Ack{from, /*duplicate=*/true});
+    return out;
+  }
+  commit_have_ = true;
+  commit_coef_ = clip_coef;
+  commit_skip_ = skip;
+  out.acks.push_back(Ack{from});
+  if (phase_ == Phase::kAwaitingCommit) TryStartStep(&out);
   return out;
 }
 
@@ -311,6 +503,15 @@ StepPlan ChunkMachine::BeginKernel() {
   forward_ = Forward::kNone;
   plan.run = true;
   plan.step = version_;
+  running_skip_ = noop_ || (commit_have_ && commit_skip_);
+  plan.skip = running_skip_;
+  plan.params = params_;
+  plan.clip_coef = commit_have_ ? commit_coef_ : 1.0f;
+  plan.optimizer_step = applied_ + 1;
+  plan.partial = partial_;
+  for (uint32_t r = 0; r < world_size_; ++r) {
+    if (has_grad_[r]) plan.ranks.push_back(r);
+  }
   if (backup_ != 0) {
     if (backup_seeded_ && has_sum_buffer_) {
       plan.forward_sum = true;
@@ -333,6 +534,10 @@ void ChunkMachine::SumNotForwarded() {
 Actions ChunkMachine::KernelDone() {
   Actions out;
   if (phase_ != Phase::kStepRunning) return out;
+  // The state arrays now hold the step (a seed sent before publication
+  // carries these counts).
+  if (!running_skip_) ++applied_;
+  if (params_set_) last_lr_ = params_.lr;
   phase_ = Phase::kAwaitingBackup;
   TryPublish(&out);
   return out;
@@ -364,6 +569,11 @@ void ChunkMachine::TryPublish(Actions* out) {
 void ChunkMachine::Publish(Actions* out) {
   ++version_;
   phase_ = Phase::kCollecting;
+  last_valid_ = partial_ready_;
+  last_partial_ = partial_;
+  last_commit_valid_ = commit_have_;
+  last_coef_ = commit_coef_;
+  last_skip_ = commit_skip_;
   ResetSlots();
   out->published = version_;
   // The state is exactly this version until the next step, which needs
@@ -449,7 +659,8 @@ CaptureDecision ChunkMachine::CaptureOrdered(uint64_t step, uint64_t checkpoint_
     return d;
   }
   const bool idle = phase_ == Phase::kCollecting || phase_ == Phase::kStepBlocked ||
-                    phase_ == Phase::kStepScheduled;
+                    phase_ == Phase::kStepScheduled || phase_ == Phase::kReducing ||
+                    phase_ == Phase::kAwaitingCommit;
   if (version_ > step || (version_ == step && (!idle || snapshot_copying_))) {
     d.verdict = CaptureVerdict::kMissed;
     d.error = absl::StrCat(What(), " already applied step ", step);
@@ -501,13 +712,18 @@ PushDecision ChunkMachine::SeedOffered(uint64_t version) {
   return Accept();
 }
 
-Actions ChunkMachine::SeedLanded(bool ok, uint64_t version) {
+Actions ChunkMachine::SeedLanded(bool ok, uint64_t version, uint64_t optimizer_steps,
+                                 float last_lr) {
   Actions out;
   if (phase_ != Phase::kBackupSeeding) return out;
   if (ok) {
     version_ = version;
     first_version_ = version;
     seeded_ = true;
+    applied_ = optimizer_steps;
+    last_lr_ = last_lr;
+    last_valid_ = false;
+    last_commit_valid_ = false;
   }
   ResetSlots();
   phase_ = IdlePhase();
@@ -516,7 +732,8 @@ Actions ChunkMachine::SeedLanded(bool ok, uint64_t version) {
   return out;
 }
 
-PushDecision ChunkMachine::SumOffered(uint64_t step, bool has_sum_buffer) {
+PushDecision ChunkMachine::SumOffered(uint64_t step, bool has_sum_buffer,
+                                      const ForwardedStep& f) {
   if (retired() || role_ != Role::kBackup) {
     return Refuse(absl::FailedPreconditionError(absl::StrCat(What(), " is not a backup here")));
   }
@@ -540,6 +757,7 @@ PushDecision ChunkMachine::SumOffered(uint64_t step, bool has_sum_buffer) {
                   h);
   }
   phase_ = Phase::kBackupStepping;
+  forwarded_ = f;
   return Accept();
 }
 
@@ -560,6 +778,11 @@ Actions ChunkMachine::ForwardedStepDone(bool ok) {
   if (ok) {
     ++version_;
     out.published = version_;
+    if (!forwarded_.skip) ++applied_;
+    last_lr_ = forwarded_.lr;
+    last_valid_ = true;
+    last_partial_ = forwarded_.partial;
+    last_commit_valid_ = false;
   }
   ResetSlots();
   phase_ = IdlePhase();
@@ -573,7 +796,8 @@ std::string ChunkMachine::DebugString() const {
                       " full_slots=", full_slots_, " forward=", static_cast<int>(forward_),
                       " backup=", backup_, " backup_seeded=", backup_seeded_ ? 1 : 0,
                       " seeded=", seeded_ ? 1 : 0, " sends=", sends_[0], "/", sends_[1],
-                      " parked=", parked_.size(), " copying=", snapshot_copying_ ? 1 : 0);
+                      " parked=", parked_.size(), " copying=", snapshot_copying_ ? 1 : 0,
+                      " applied=", applied_, " commit=", commit_have_ ? 1 : 0);
 }
 
 }  // namespace server

@@ -42,9 +42,14 @@ enum class Phase : uint8_t {
   kBackupSeeding = 8,   // Backup: the primary's whole state is landing.
   kBackupStepping = 9,  // Backup: a forwarded sum is landing or being applied.
   kRetired = 10,        // Left this shard (moved, fenced, job deleted): refuses all.
+  // The clipping round (jobs that clip or skip non-finite steps):
+  kReducing = 11,        // All W in; a step thread sums the squares of the
+                         // averaged gradient (the chunk's partial).
+  kAwaitingCommit = 12,  // Partial sent back with the push replies; waits for
+                         // a worker's commit (clip coefficient, skip).
 };
 const char* PhaseName(Phase phase);
-inline constexpr int kNumPhases = 11;
+inline constexpr int kNumPhases = 13;
 
 // Where a primary's forward of the pending step to its backup stands.
 enum class Forward : uint8_t {
@@ -87,6 +92,32 @@ struct Refusal {
   ReplyHint hint;
 };
 
+// What every push of one step carries; all W ranks' must be equal.
+struct StepParams {
+  float lr = 0.0f;         // The step's learning rate, before lr_mult (> 0).
+  float grad_mult = 1.0f;  // Multiplies the averaged gradient (1 / loss scale).
+  bool operator==(const StepParams& o) const {
+    return lr == o.lr && grad_mult == o.grad_mult;
+  }
+  bool operator!=(const StepParams& o) const { return !(*this == o); }
+};
+
+// An OK answer to a push or a commit. With the clipping round a push is
+// answered once the chunk's partial is known (has_partial).
+struct Ack {
+  Requester to;
+  bool duplicate = false;
+  bool has_partial = false;
+  double partial = 0.0;  // Sum of squares of the chunk's averaged gradient.
+};
+
+// A backup's copy of what the primary decided for a forwarded step.
+struct ForwardedStep {
+  bool skip = false;     // Advance the version only.
+  float lr = 0.0f;
+  double partial = 0.0;  // Answered to pushes sent again after a promotion.
+};
+
 // Send version `version` out of published[version % 2] (already counted in
 // the sends in flight: call SendDone(version) when the send completes).
 struct PullReply {
@@ -98,6 +129,10 @@ struct PullReply {
 // replies, then sends, then the rest.
 struct Actions {
   std::vector<Refusal> refusals;
+  std::vector<Ack> acks;
+  // The clipping round: compute the chunk's partial (ReduceInputs) on a
+  // step thread, then ReduceDone.
+  bool reduce = false;
   std::vector<PullReply> sends;
   // Run the step on a step thread (which calls BeginKernel).
   bool schedule_step = false;
@@ -138,6 +173,9 @@ struct Actions {
 // What a step thread does when BeginKernel lets it run.
 struct StepPlan {
   bool run = false;     // False: nothing to run (retired, or blocked).
+  // Leave master and moments alone (a non-finite step, or no rank had a
+  // gradient): copy the published version forward (and tell the backup).
+  bool skip = false;
   // Not run because a checkpoint copy began meanwhile; SnapshotDone
   // schedules it again.
   bool blocked_by_snapshot = false;
@@ -146,17 +184,37 @@ struct StepPlan {
   // (generation gen), and step from the sum; else the fused step over the slots.
   bool forward_sum = false;
   uint64_t gen = 0;
+  StepParams params;
+  float clip_coef = 1.0f;          // Multiplies the averaged gradient.
+  uint64_t optimizer_step = 0;     // t of the optimizer's bias corrections.
+  double partial = 0.0;            // The round's partial (forwarded to the backup).
+  std::vector<uint32_t> ranks;     // The ranks whose slots hold a gradient.
+};
+
+// What the reduce pass of the clipping round reads.
+struct ReduceInputs {
+  bool run = false;
+  StepParams params;
+  std::vector<uint32_t> ranks;
+};
+
+enum class CommitVerdict : uint8_t {
+  kOk = 0,
+  kRefuse = 1,
 };
 
 enum class PushVerdict : uint8_t {
-  kAccept = 0,     // Receive the payload into the rank's slot, then PushLanded.
-  kDuplicate = 1,  // Acknowledge with the duplicate hint; nothing changes.
+  kAccept = 0,     // Receive the payload into the rank's slot (none for a
+                   // push without gradient), then PushLanded.
+  kDuplicate = 1,  // Acknowledge (`ack`); nothing changes.
   kRefuse = 2,     // Answer with `error`; nothing changes.
+  kHeld = 3,       // A duplicate answered with the partial once it is known.
 };
 struct PushDecision {
   PushVerdict verdict = PushVerdict::kRefuse;
   absl::Status error;
   ReplyHint hint;
+  Ack ack;  // kDuplicate.
 };
 
 enum class PullVerdict : uint8_t {
@@ -194,6 +252,13 @@ class ChunkMachine {
   // A chunk just placed on this shard: no values, `role` under the map.
   ChunkMachine(ChunkName name, uint32_t world_size, Role role);
 
+  // The job's step rules: commit_round, every step waits for a worker's
+  // commit (the clipping round) after its partial is computed; frozen, the
+  // tensor takes no gradient (pushes carry none) and is never stepped.
+  void SetStepRules(bool commit_round, bool frozen) {
+    commit_round_ = commit_round;
+    frozen_ = frozen;
+  }
   // ---- Placement (maps) ----
   // The shard's shard id, the chunk's primary and backup (0: none) under a
   // newly applied map. A backup change starts a new backup generation: the
@@ -209,7 +274,7 @@ class ChunkMachine {
   // Values loaded from a checkpoint at `version`: both copies of a chunk
   // load the same files, so a backup is seeded and a primary's backup holds
   // its state.
-  void Restored(uint64_t version);
+  void Restored(uint64_t version, uint64_t optimizer_steps, float last_lr);
   // Leaves this shard: every parked pull is refused with `why` and `hint`;
   // later events do nothing (a step already running completes unseen).
   Actions Retire(const absl::Status& why, ReplyHint hint);
@@ -217,9 +282,20 @@ class ChunkMachine {
   // ---- Worker requests (primary) ----
   // Accept: receive the values, then InitLanded.
   PushDecision InitRequested();
-  Actions InitLanded(bool ok);
-  PushDecision PushRequested(uint64_t step, uint32_t rank, bool resend);
+  // optimizer_steps and last_lr: of an imported optimizer state (0 for
+  // plain initial values).
+  Actions InitLanded(bool ok, uint64_t optimizer_steps = 0, float last_lr = 0.0f);
+  // `params` resolved (lr > 0); has_grad false: this rank has no gradient
+  // (no payload: call PushLanded at once). `from` is answered through
+  // Actions.acks when the push is taken.
+  PushDecision PushRequested(uint64_t step, uint32_t rank, bool resend, const StepParams& params,
+                             bool has_grad, Requester from);
   Actions PushLanded(uint32_t rank, bool ok);
+  // ---- The clipping round (primary) ----
+  ReduceInputs GetReduceInputs() const;
+  Actions ReduceDone(double sum_squares);
+  // A worker's commit for `step`: answered in Actions (acks or refusals).
+  Actions CommitRequested(uint64_t step, float clip_coef, bool skip, Requester from);
   PullDecision PullRequested(uint64_t version, Requester from);
   Actions SendDone(uint64_t version);
 
@@ -243,8 +319,11 @@ class ChunkMachine {
   // SeedLanded / SumLanded. Otherwise the answer to send (need seed, retry).
   PushDecision SeedOffered(uint64_t version);
   // ok: the caller installed the state; version `version` is now held.
-  Actions SeedLanded(bool ok, uint64_t version);
-  PushDecision SumOffered(uint64_t step, bool has_sum_buffer);
+  Actions SeedLanded(bool ok, uint64_t version, uint64_t optimizer_steps = 0,
+                     float last_lr = 0.0f);
+  PushDecision SumOffered(uint64_t step, bool has_sum_buffer, const ForwardedStep& f);
+  bool forwarded_skip() const { return forwarded_.skip; }
+  float forwarded_lr() const { return forwarded_.lr; }
   // ok: the caller applies the forwarded step, then ForwardedStepDone.
   Actions SumLanded(bool ok);
   Actions ForwardedStepDone(bool ok);
@@ -266,6 +345,13 @@ class ChunkMachine {
   int sends_in_flight(int buffer) const { return sends_[buffer]; }
   bool snapshot_copying() const { return snapshot_copying_; }
   uint64_t capture_step() const { return capture_step_; }
+  // Optimizer steps applied to the state held (torch's 'step'), and the lr
+  // of the last step taken (0: none).
+  uint64_t optimizer_steps() const { return applied_; }
+  float last_lr() const { return last_lr_; }
+  bool frozen() const { return frozen_; }
+  bool partial_ready() const { return partial_ready_; }
+  bool has_commit() const { return commit_have_; }
   // One line for logs.
   std::string DebugString() const;
 
@@ -279,6 +365,9 @@ class ChunkMachine {
   void TryPublish(Actions* out);
   void Publish(Actions* out);
   void TakeParked(uint64_t version, Actions* out);
+  // All W pushes are in: reduce (the round), or step.
+  void AllPushesIn(Actions* out);
+  // Resets the slots and everything the step being collected carried.
   void ResetSlots();
   // The phase that holds version v with nothing in flight, for the role.
   Phase IdlePhase() const;
@@ -291,7 +380,32 @@ class ChunkMachine {
   uint64_t version_ = 0;
   uint64_t first_version_ = 1;
   std::vector<Slot> slots_;
+  std::vector<bool> has_grad_;
+  std::vector<Requester> waiters_;  // Per rank: the push to answer.
+  std::vector<bool> waiting_;       // waiters_[r] is unanswered.
   uint32_t full_slots_ = 0;
+  bool commit_round_ = false;
+  bool frozen_ = false;
+  // The step being collected / applied.
+  bool params_set_ = false;
+  StepParams params_;
+  bool noop_ = false;               // No rank had a gradient.
+  bool partial_ready_ = false;
+  double partial_ = 0.0;
+  bool commit_have_ = false;
+  float commit_coef_ = 1.0f;
+  bool commit_skip_ = false;
+  bool running_skip_ = false;       // The step under way leaves the state alone.
+  // The last step published, for answers to pushes and commits sent again.
+  bool last_valid_ = false;
+  double last_partial_ = 0.0;
+  bool last_commit_valid_ = false;
+  float last_coef_ = 1.0f;
+  bool last_skip_ = false;
+  // Optimizer steps applied and the last step's lr.
+  uint64_t applied_ = 0;
+  float last_lr_ = 0.0f;
+  ForwardedStep forwarded_;  // Backup: the step landing.
   int sends_[2] = {0, 0};
   std::vector<PullReply> parked_;
   bool snapshot_copying_ = false;

@@ -22,6 +22,10 @@ namespace optimus {
 namespace server {
 namespace {
 
+// What every push of these tests carries (the learning rate agreement has
+// its own tests).
+const StepParams kParams{1e-3f, 1.0f};
+
 constexpr uint64_t kSelf = 1;   // This shard.
 constexpr uint64_t kOther = 2;  // Another shard.
 constexpr uint64_t kThird = 3;
@@ -50,7 +54,7 @@ ChunkMachine NewBackup() {
 Actions FillSlots(ChunkMachine& m, uint64_t step) {
   Actions last;
   for (uint32_t r = 0; r < kWorld; ++r) {
-    EXPECT_EQ(m.PushRequested(step, r, false).verdict, PushVerdict::kAccept);
+    EXPECT_EQ(m.PushRequested(step, r, false, kParams, true, Requester{}).verdict, PushVerdict::kAccept);
     last = m.PushLanded(r, true);
   }
   return last;
@@ -72,7 +76,7 @@ ChunkMachine AtCollecting() {
 // Version 1 with a seeded backup on kOther (both loaded a checkpoint).
 ChunkMachine AtCollectingReplicated() {
   ChunkMachine m = NewPrimaryWith(kOther);
-  m.Restored(1);
+  m.Restored(1, 0, 0.0f);
   return m;
 }
 
@@ -123,7 +127,7 @@ ChunkMachine AtBlockedBySnapshot() {
 
 ChunkMachine AtBackupReady() {
   ChunkMachine m = NewBackup();
-  m.Restored(5);
+  m.Restored(5, 0, 0.0f);
   return m;
 }
 
@@ -141,7 +145,7 @@ ChunkMachine AtBackupSeedingSeeded() {
 
 ChunkMachine AtBackupStepping() {
   ChunkMachine m = AtBackupReady();
-  m.SumOffered(5, true);
+  m.SumOffered(5, true, ForwardedStep{});
   return m;
 }
 
@@ -193,7 +197,7 @@ std::vector<Row> Rows() {
        }},
       {"empty: restored as primary", NewPrimary,
        [](ChunkMachine& m) {
-         m.Restored(50);
+         m.Restored(50, 0, 0.0f);
          return Outcome{};
        },
        Phase::kCollecting,
@@ -203,7 +207,7 @@ std::vector<Row> Rows() {
        }},
       {"empty: restored as backup", NewBackup,
        [](ChunkMachine& m) {
-         m.Restored(50);
+         m.Restored(50, 0, 0.0f);
          return Outcome{};
        },
        Phase::kBackupReady,
@@ -368,7 +372,7 @@ std::vector<Row> Rows() {
       {"backup ready: sum offered", AtBackupReady,
        [](ChunkMachine& m) {
          Outcome o;
-         o.push = m.SumOffered(5, true);
+         o.push = m.SumOffered(5, true, ForwardedStep{});
          return o;
        },
        Phase::kBackupStepping,
@@ -525,7 +529,7 @@ TEST(ChunkMachineTest, RetiredIgnoresEveryEvent) {
   EXPECT_TRUE(m.RetryTimer(gen + 1).empty());
   EXPECT_TRUE(m.PushLanded(0, true).empty());
   EXPECT_TRUE(m.Retire(kGone, {}).empty());
-  EXPECT_EQ(m.PushRequested(1, 0, false).verdict, PushVerdict::kRefuse);
+  EXPECT_EQ(m.PushRequested(1, 0, false, kParams, true, Requester{}).verdict, PushVerdict::kRefuse);
   EXPECT_EQ(m.PullRequested(1, Req(1)).verdict, PullVerdict::kRefuse);
   EXPECT_EQ(m.InitRequested().verdict, PushVerdict::kRefuse);
   EXPECT_EQ(m.CaptureOrdered(5, kCkpt).verdict, CaptureVerdict::kRefuse);
@@ -536,35 +540,35 @@ TEST(ChunkMachineTest, RetiredIgnoresEveryEvent) {
 
 TEST(ChunkMachineTest, PushesAreCheckedAgainstTheStepAndDeduplicated) {
   ChunkMachine m = NewPrimary();
-  EXPECT_EQ(m.PushRequested(1, 0, false).error.code(), absl::StatusCode::kFailedPrecondition)
+  EXPECT_EQ(m.PushRequested(1, 0, false, kParams, true, Requester{}).error.code(), absl::StatusCode::kFailedPrecondition)
       << "no initial values yet";
   m = AtCollecting();
-  EXPECT_EQ(m.PushRequested(2, 0, false).error.code(), absl::StatusCode::kOutOfRange);
-  EXPECT_EQ(m.PushRequested(1, kWorld, false).error.code(), absl::StatusCode::kInvalidArgument);
-  ASSERT_EQ(m.PushRequested(1, 0, false).verdict, PushVerdict::kAccept);
+  EXPECT_EQ(m.PushRequested(2, 0, false, kParams, true, Requester{}).error.code(), absl::StatusCode::kOutOfRange);
+  EXPECT_EQ(m.PushRequested(1, kWorld, false, kParams, true, Requester{}).error.code(), absl::StatusCode::kInvalidArgument);
+  ASSERT_EQ(m.PushRequested(1, 0, false, kParams, true, Requester{}).verdict, PushVerdict::kAccept);
   // The same rank again while its payload lands, and after.
-  EXPECT_EQ(m.PushRequested(1, 0, false).verdict, PushVerdict::kDuplicate);
+  EXPECT_EQ(m.PushRequested(1, 0, false, kParams, true, Requester{}).verdict, PushVerdict::kDuplicate);
   m.PushLanded(0, true);
-  EXPECT_EQ(m.PushRequested(1, 0, false).verdict, PushVerdict::kDuplicate);
+  EXPECT_EQ(m.PushRequested(1, 0, false, kParams, true, Requester{}).verdict, PushVerdict::kDuplicate);
   EXPECT_EQ(m.full_slots(), 1u);
   // A failed receive frees the slot for a resend.
-  ASSERT_EQ(m.PushRequested(1, 1, false).verdict, PushVerdict::kAccept);
+  ASSERT_EQ(m.PushRequested(1, 1, false, kParams, true, Requester{}).verdict, PushVerdict::kAccept);
   EXPECT_TRUE(m.PushLanded(1, false).empty());
-  ASSERT_EQ(m.PushRequested(1, 1, false).verdict, PushVerdict::kAccept);
+  ASSERT_EQ(m.PushRequested(1, 1, false, kParams, true, Requester{}).verdict, PushVerdict::kAccept);
   EXPECT_TRUE(m.PushLanded(1, true).schedule_step);
   // During the step a push for it is a duplicate; after, it is stale unless resent.
-  EXPECT_EQ(m.PushRequested(1, 1, false).verdict, PushVerdict::kDuplicate);
+  EXPECT_EQ(m.PushRequested(1, 1, false, kParams, true, Requester{}).verdict, PushVerdict::kDuplicate);
   m.BeginKernel();
   m.KernelDone();
-  PushDecision stale = m.PushRequested(1, 0, false);
+  PushDecision stale = m.PushRequested(1, 0, false, kParams, true, Requester{});
   EXPECT_EQ(stale.error.code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_NE(std::string(stale.error.message()).find("stale push"), std::string::npos);
-  EXPECT_EQ(m.PushRequested(1, 0, /*resend=*/true).verdict, PushVerdict::kDuplicate);
+  EXPECT_EQ(m.PushRequested(1, 0, /*resend=*/true, kParams, true, Requester{}).verdict, PushVerdict::kDuplicate);
 }
 
 TEST(ChunkMachineTest, WorkerRequestsToABackupAskForTheMap) {
   ChunkMachine m = AtBackupReady();
-  EXPECT_TRUE(m.PushRequested(5, 0, false).hint.refresh_map);
+  EXPECT_TRUE(m.PushRequested(5, 0, false, kParams, true, Requester{}).hint.refresh_map);
   EXPECT_TRUE(m.PullRequested(5, Req(1)).hint.refresh_map);
   EXPECT_TRUE(m.InitRequested().hint.refresh_map);
 }
@@ -654,19 +658,19 @@ TEST(ChunkMachineTest, FailedBackupHoldsPublicationUntilAMapReplacesIt) {
 
 TEST(ChunkMachineTest, BackupRefusesSumsItCannotApply) {
   ChunkMachine fresh = NewBackup();
-  PushDecision d = fresh.SumOffered(1, true);
+  PushDecision d = fresh.SumOffered(1, true, ForwardedStep{});
   EXPECT_TRUE(d.hint.need_seed) << "not seeded";
   ChunkMachine m = AtBackupReady();  // Version 5.
-  d = m.SumOffered(4, true);
+  d = m.SumOffered(4, true, ForwardedStep{});
   EXPECT_TRUE(d.hint.need_seed) << "wrong version";
-  d = m.SumOffered(5, false);
+  d = m.SumOffered(5, false, ForwardedStep{});
   EXPECT_EQ(d.error.code(), absl::StatusCode::kInternal) << "no sum buffer";
-  ASSERT_EQ(m.SumOffered(5, true).verdict, PushVerdict::kAccept);
-  d = m.SumOffered(5, true);
+  ASSERT_EQ(m.SumOffered(5, true, ForwardedStep{}).verdict, PushVerdict::kAccept);
+  d = m.SumOffered(5, true, ForwardedStep{});
   EXPECT_TRUE(d.hint.retry) << "busy with a step";
   EXPECT_TRUE(m.SeedOffered(6).hint.retry) << "no seed over a running step";
   ChunkMachine primary = AtCollecting();
-  EXPECT_EQ(primary.SumOffered(1, true).verdict, PushVerdict::kRefuse);
+  EXPECT_EQ(primary.SumOffered(1, true, ForwardedStep{}).verdict, PushVerdict::kRefuse);
   EXPECT_EQ(primary.SeedOffered(1).verdict, PushVerdict::kRefuse);
 }
 
@@ -674,12 +678,12 @@ TEST(ChunkMachineTest, ReplicatedStepsKeepBothCopiesInStep) {
   // A primary and its backup, driven as the shards drive them.
   ChunkMachine p = AtCollectingReplicated();  // Version 1, backup seeded.
   ChunkMachine b = NewBackup();
-  b.Restored(1);
+  b.Restored(1, 0, 0.0f);
   for (uint64_t step = 1; step <= 3; ++step) {
     FillSlots(p, step);
     StepPlan plan = p.BeginKernel();
     ASSERT_TRUE(plan.forward_sum);
-    ASSERT_EQ(b.SumOffered(plan.step, true).verdict, PushVerdict::kAccept);
+    ASSERT_EQ(b.SumOffered(plan.step, true, ForwardedStep{}).verdict, PushVerdict::kAccept);
     EXPECT_TRUE(b.SumLanded(true).apply_forwarded);
     EXPECT_EQ(b.ForwardedStepDone(true).published, step + 1);
     EXPECT_EQ(p.KernelDone().published, 0u) << "not before the backup has it";

@@ -1,6 +1,7 @@
 #include "server/coordinator_link.h"
 
 #include <chrono>
+#include <cmath>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -44,6 +45,33 @@ absl::StatusOr<JobConfig> ConfigFromSpec(uint64_t job_id, const v1::JobSpec& spe
   if (auto s = kernels::FillDefaultsAndValidate(&c.hyper); !s.ok()) return s;
   c.grad_scale = o.grad_scale() > 0 ? o.grad_scale() : 1.0f / static_cast<float>(c.world_size);
   c.checkpoint_every_steps = spec.checkpoint_policy().every_steps();
+  c.commit_round = spec.max_grad_norm() > 0 || !spec.keep_nonfinite();
+  for (const v1::TensorSpec& t : spec.tensors()) {
+    JobConfig::Tensor tc;
+    tc.hyper = c.hyper;
+    tc.frozen = t.frozen();
+    if (spec.param_groups_size() == 0 ? t.group() != 0
+                                      : t.group() >= static_cast<uint32_t>(spec.param_groups_size())) {
+      return absl::InvalidArgumentError(absl::StrCat("tensor ", t.name(), " names group ",
+                                                     t.group(), " of ", spec.param_groups_size()));
+    }
+    if (spec.param_groups_size() > 0) {
+      const v1::ParamGroup& g = spec.param_groups(static_cast<int>(t.group()));
+      if (g.has_weight_decay()) tc.hyper.weight_decay = g.weight_decay();
+      if (g.has_beta1()) tc.hyper.beta1 = g.beta1();
+      if (g.has_beta2()) tc.hyper.beta2 = g.beta2();
+      if (g.has_momentum()) tc.hyper.momentum = g.momentum();
+      if (g.has_lr_mult()) tc.lr_mult = g.lr_mult();
+      if (!(tc.lr_mult > 0.0f) || !std::isfinite(tc.lr_mult)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("group ", t.group(), " has lr_mult ", tc.lr_mult));
+      }
+      if (auto s = kernels::FillDefaultsAndValidate(&tc.hyper); !s.ok()) {
+        return absl::Status(s.code(), absl::StrCat("group ", t.group(), ": ", s.message()));
+      }
+    }
+    c.tensors.push_back(tc);
+  }
   return c;
 }
 

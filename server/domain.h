@@ -35,7 +35,21 @@ struct JobConfig {
   // The policy's checkpoint boundary: every primary chunk snapshots version
   // S when it publishes it, for each S % every_steps == 0 (0: none).
   uint64_t checkpoint_every_steps = 0;
+  // The job's optimizer settings; hyper.lr is the default learning rate of
+  // a push that carries none.
   kernels::OptimizerHyper hyper;
+  // Per tensor (spec order): its parameter group's settings and whether it
+  // is frozen.
+  struct Tensor {
+    kernels::OptimizerHyper hyper;  // The job's, with the group's overrides.
+    float lr_mult = 1.0f;           // The step's lr times this (fp32).
+    bool frozen = false;
+  };
+  std::vector<Tensor> tensors;
+  // The clipping round: every chunk waits for a kCommit (clip coefficient,
+  // skip) before it steps. On when the job clips (max_grad_norm > 0) or
+  // skips non-finite steps.
+  bool commit_round = false;
 };
 
 struct ChunkPlacement {

@@ -92,6 +92,11 @@ absl::StatusOr<std::shared_ptr<Chunk>> Chunk::Create(const JobConfig& c,
                                                      const Registrar& registrar) {
   const ChunkName name{c.job_id, p.tensor, p.chunk};
   std::shared_ptr<Chunk> ch(new Chunk(name, p.offset_elems, p.num_elems, c.world_size, role));
+  {
+    absl::MutexLock lock(&ch->mu);
+    ch->machine.SetStepRules(c.commit_round,
+                             p.tensor < c.tensors.size() && c.tensors[p.tensor].frozen);
+  }
   const uint64_t n = p.num_elems;
   const std::string what = absl::StrCat("tensor ", p.tensor, " chunk ", p.chunk, " of job ",
                                         c.job_id, " (", n, " elements)");

@@ -53,13 +53,17 @@ transport::EndpointRef Shard::PeerEndpoint(uint64_t shard_id) {
 }
 
 void Shard::SendForward(const JobRef& job, const ChunkRef& chunk, uint64_t gen, uint64_t version,
-                        bool seed) {
+                        bool seed, const ForwardedStep& step) {
   if (closing_.load()) return;
   uint64_t backup;
+  uint64_t optimizer_steps;
+  float last_lr;
   {
     absl::MutexLock lock(&chunk->mu);
     if (chunk->machine.backup_gen() != gen) return;  // A newer map replaced the backup.
     backup = chunk->machine.backup_shard();
+    optimizer_steps = chunk->machine.optimizer_steps();
+    last_lr = chunk->machine.last_lr();
   }
   const transport::EndpointRef ep = PeerEndpoint(backup);
   if (!ep.valid()) {
@@ -86,6 +90,9 @@ void Shard::SendForward(const JobRef& job, const ChunkRef& chunk, uint64_t gen, 
     }
     payload = staging->data();
     bytes = staging->size() * 4;
+  } else if (step.skip) {
+    payload = nullptr;
+    bytes = 0;
   } else {
     payload = chunk->sum();
     bytes = n * 4;
@@ -101,6 +108,14 @@ void Shard::SendForward(const JobRef& job, const ChunkRef& chunk, uint64_t gen, 
   h.dtype = static_cast<uint8_t>(DType::kFp32);
   h.flags = seed ? wire::kReplicateState : wire::kReplicateSum;
   h.num_bytes = bytes;
+  if (seed) {
+    h.optimizer_steps = optimizer_steps;
+    h.lr = last_lr;
+  } else {
+    h.lr = step.lr;
+    h.grad_sum_squares = step.partial;
+    if (step.skip) h.step_flags |= wire::kStepSkip;
+  }
   const uint64_t id = next_forward_id_.fetch_add(1);
   h.request_id = id;
   {
@@ -224,7 +239,8 @@ void Shard::OnReplicate(transport::IncomingMessage& msg, const wire::RequestHead
   }
   const bool state = (h.flags & wire::kReplicateState) != 0;
   const size_t n = chunk->num_elems;
-  const uint64_t want = state ? job->layout().num_arrays * n * 4 : n * 4;
+  const bool skip = !state && (h.step_flags & wire::kStepSkip) != 0;
+  const uint64_t want = state ? job->layout().num_arrays * n * 4 : skip ? 0 : n * 4;
   if (h.dtype != static_cast<uint8_t>(DType::kFp32) || h.num_bytes != want ||
       msg.payload_size() != want || state == ((h.flags & wire::kReplicateSum) != 0)) {
     return refuse(absl::InvalidArgumentError(absl::StrCat(what, ": carries ", msg.payload_size(),
@@ -235,6 +251,8 @@ void Shard::OnReplicate(transport::IncomingMessage& msg, const wire::RequestHead
   }
   const uint64_t request_id = h.request_id;
   const uint64_t step = h.step;
+  const uint64_t optimizer_steps = h.optimizer_steps;
+  const float lr = h.lr;
   if (state) {
     PushDecision d;
     {
@@ -243,8 +261,8 @@ void Shard::OnReplicate(transport::IncomingMessage& msg, const wire::RequestHead
     }
     if (d.verdict != PushVerdict::kAccept) return refuse(d.error, d.hint);
     auto staging = std::make_shared<std::vector<float>>(job->layout().num_arrays * n);
-    msg.ReceiveInto(staging->data(), [this, from, request_id, step, job, chunk,
-                                      staging](absl::Status rs) {
+    msg.ReceiveInto(staging->data(), [this, from, request_id, step, job, chunk, staging,
+                                      optimizer_steps, lr](absl::Status rs) {
       if (rs.ok()) {
         // The chunk is being seeded: nothing else touches its buffers.
         const std::vector<float*> arrays = chunk->state_arrays();
@@ -257,7 +275,7 @@ void Shard::OnReplicate(transport::IncomingMessage& msg, const wire::RequestHead
       Actions a;
       {
         absl::MutexLock lock(&chunk->mu);
-        a = chunk->machine.SeedLanded(rs.ok(), step);
+        a = chunk->machine.SeedLanded(rs.ok(), step, optimizer_steps, lr);
       }
       if (rs.ok()) metrics_.seeds_received.fetch_add(1);
       Reply(from, request_id, rs);
@@ -269,10 +287,22 @@ void Shard::OnReplicate(transport::IncomingMessage& msg, const wire::RequestHead
   PushDecision d;
   {
     absl::MutexLock lock(&chunk->mu);
-    d = chunk->machine.SumOffered(step, sum != nullptr);
+    ForwardedStep f;
+    f.skip = skip;
+    f.lr = lr;
+    f.partial = h.grad_sum_squares;
+    d = chunk->machine.SumOffered(step, sum != nullptr, f);
     if (d.verdict == PushVerdict::kAccept) chunk->forward_from = Requester{from, request_id};
   }
   if (d.verdict != PushVerdict::kAccept) return refuse(d.error, d.hint);
+  if (skip) {
+    Actions a;
+    {
+      absl::MutexLock lock(&chunk->mu);
+      a = chunk->machine.SumLanded(true);
+    }
+    return Carry(job, chunk, std::move(a));
+  }
   msg.ReceiveInto(sum, [this, from, request_id, job, chunk](absl::Status rs) {
     Actions a;
     {

@@ -48,6 +48,19 @@ absl::Status CheckPayload(const transport::IncomingMessage& msg, const wire::Req
 
 }  // namespace
 
+void Shard::SendAck(const Ack& ack) {
+  if (closing_.load()) return;
+  uint32_t flags = 0;
+  if (ack.duplicate) flags |= wire::kReplyDuplicate;
+  if (ack.has_partial) flags |= wire::kReplyPartial;
+  std::string header =
+      wire::EncodeReply(ack.to.request_id, absl::OkStatus(), 0, flags, ack.partial);
+  worker_->Send(EndpointOf(ack.to.peer), wire::kAmReply,
+                absl::Span<const uint8_t>(reinterpret_cast<const uint8_t*>(header.data()),
+                                          header.size()),
+                nullptr, 0, [](absl::Status) {});
+}
+
 void Shard::Reply(uintptr_t peer, uint64_t request_id, const absl::Status& status,
                   const ReplyHint& hint) {
   if (closing_.load()) return;  // Completions cancelled by the worker's teardown.
@@ -114,6 +127,13 @@ void Shard::OnRequest(transport::IncomingMessage& msg) {
     case wire::Op::kPush: return OnPush(msg, h, job, chunk);
     case wire::Op::kPull: return OnPull(msg, h, job, chunk);
     case wire::Op::kInit: return OnInit(msg, h, job, chunk);
+    case wire::Op::kCommit:
+      if (msg.payload_size() != 0 || h.num_bytes != 0) {
+        return refuse(absl::InvalidArgumentError(absl::StrCat(
+            "commit for tensor ", h.tensor, " chunk ", h.chunk, " carries ", msg.payload_size(),
+            " bytes; a commit has no payload")));
+      }
+      return OnCommit(h, from, job, chunk);
     case wire::Op::kReplicate: return;  // Handled above.
   }
 }
@@ -122,11 +142,23 @@ void Shard::OnPush(transport::IncomingMessage& msg, const wire::RequestHeader& h
                    const JobRef& job, const ChunkRef& chunk) {
   const uintptr_t from = PeerOf(msg.reply_endpoint());
   const JobConfig& c = job->config;
-  absl::Status s = CheckPayload(msg, h, chunk->num_elems, c.grad_dtype, "push");
+  const bool has_grad = (h.step_flags & wire::kPushNoGrad) == 0;
+  absl::Status s;
+  if (has_grad) {
+    s = CheckPayload(msg, h, chunk->num_elems, c.grad_dtype, "push");
+  } else if (h.num_bytes != 0 || msg.payload_size() != 0) {
+    s = absl::InvalidArgumentError(absl::StrCat(
+        "push without gradient for tensor ", h.tensor, " chunk ", h.chunk, " carries ",
+        msg.payload_size(), " bytes; it must carry none"));
+  }
+  StepParams params;
+  params.lr = h.lr > 0.0f ? h.lr : c.hyper.lr;
+  params.grad_mult = h.grad_mult > 0.0f ? h.grad_mult : 1.0f;
   PushDecision d;
   if (s.ok()) {
     absl::MutexLock lock(&chunk->mu);
-    d = chunk->machine.PushRequested(h.step, h.rank, (h.flags & wire::kRequestResend) != 0);
+    d = chunk->machine.PushRequested(h.step, h.rank, (h.flags & wire::kRequestResend) != 0,
+                                     params, has_grad, Requester{from, h.request_id});
   } else {
     d.error = s;
   }
@@ -134,12 +166,22 @@ void Shard::OnPush(transport::IncomingMessage& msg, const wire::RequestHeader& h
     metrics_.requests_rejected.fetch_add(1);
     return Reply(from, h.request_id, d.error, d.hint);
   }
-  if (d.verdict == PushVerdict::kDuplicate) {
+  if (d.verdict == PushVerdict::kDuplicate || d.verdict == PushVerdict::kHeld) {
     metrics_.pushes_duplicate.fetch_add(1);
-    return Reply(from, h.request_id, absl::OkStatus(), d.hint);
+    if (d.verdict == PushVerdict::kDuplicate) SendAck(d.ack);
+    return;
   }
   const uint64_t request_id = h.request_id;
   const uint32_t rank = h.rank;
+  if (!has_grad) {
+    Actions a;
+    {
+      absl::MutexLock lock(&chunk->mu);
+      a = chunk->machine.PushLanded(rank, true);
+    }
+    metrics_.pushes_received.fetch_add(1);
+    return Carry(job, chunk, std::move(a));
+  }
   msg.ReceiveInto(chunk->slot(rank), [this, from, request_id, rank, job, chunk](absl::Status rs) {
     Actions a;
     {
@@ -152,9 +194,19 @@ void Shard::OnPush(transport::IncomingMessage& msg, const wire::RequestHeader& h
     }
     metrics_.pushes_received.fetch_add(1);
     metrics_.pushed_bytes.fetch_add(chunk->grad_bytes());
-    Reply(from, request_id, absl::OkStatus());
-    Carry(job, chunk, std::move(a));
+    Carry(job, chunk, std::move(a));  // Answers the push (now, or with the partial).
   });
+}
+
+void Shard::OnCommit(const wire::RequestHeader& h, uintptr_t from, const JobRef& job,
+                     const ChunkRef& chunk) {
+  Actions a;
+  {
+    absl::MutexLock lock(&chunk->mu);
+    a = chunk->machine.CommitRequested(h.step, h.clip_coef, (h.step_flags & wire::kStepSkip) != 0,
+                                       Requester{from, h.request_id});
+  }
+  Carry(job, chunk, std::move(a));
 }
 
 void Shard::OnPull(transport::IncomingMessage& msg, const wire::RequestHeader& h,
@@ -188,7 +240,15 @@ void Shard::OnPull(transport::IncomingMessage& msg, const wire::RequestHeader& h
 void Shard::OnInit(transport::IncomingMessage& msg, const wire::RequestHeader& h,
                    const JobRef& job, const ChunkRef& chunk) {
   const uintptr_t from = PeerOf(msg.reply_endpoint());
-  absl::Status s = CheckPayload(msg, h, chunk->num_elems, DType::kFp32, "init");
+  const bool with_state = (h.step_flags & wire::kInitState) != 0;
+  const uint32_t arrays = with_state ? job->layout().num_arrays : 1;
+  absl::Status s = CheckPayload(msg, h, chunk->num_elems * arrays, DType::kFp32,
+                                with_state ? "init with optimizer state" : "init");
+  if (s.ok() && job->config.tensors.size() > h.tensor && job->config.tensors[h.tensor].frozen && with_state && h.optimizer_steps != 0) {
+    s = absl::InvalidArgumentError(absl::StrCat("init of tensor ", h.tensor,
+                                                " (frozen) says it took ", h.optimizer_steps,
+                                                " optimizer steps; a frozen tensor takes none"));
+  }
   PushDecision d;
   if (s.ok()) {
     absl::MutexLock lock(&chunk->mu);
@@ -201,7 +261,10 @@ void Shard::OnInit(transport::IncomingMessage& msg, const wire::RequestHeader& h
     return Reply(from, h.request_id, d.error, d.hint);
   }
   const uint64_t request_id = h.request_id;
-  msg.ReceiveInto(chunk->master(), [this, from, request_id, job, chunk](absl::Status rs) {
+  const uint64_t optimizer_steps = with_state ? h.optimizer_steps : 0;
+  const float last_lr = with_state ? h.lr : 0.0f;
+  auto landed = [this, from, request_id, job, chunk, optimizer_steps, last_lr,
+                 staging = std::shared_ptr<std::vector<float>>()](absl::Status rs) {
     // The chunk is receiving its initial values: nothing else touches its
     // buffers until InitLanded.
     if (rs.ok()) {
@@ -211,10 +274,23 @@ void Shard::OnInit(transport::IncomingMessage& msg, const wire::RequestHeader& h
     Actions a;
     {
       absl::MutexLock lock(&chunk->mu);
-      a = chunk->machine.InitLanded(rs.ok());
+      a = chunk->machine.InitLanded(rs.ok(), optimizer_steps, last_lr);
     }
     Reply(from, request_id, rs);
     Carry(job, chunk, std::move(a));
+  };
+  if (!with_state) return msg.ReceiveInto(chunk->master(), std::move(landed));
+  // The arrays arrive back to back: land them in a staging buffer, then
+  // copy each into its own.
+  auto staging = std::make_shared<std::vector<float>>(chunk->num_elems * arrays);
+  msg.ReceiveInto(staging->data(), [staging, chunk, landed](absl::Status rs) mutable {
+    if (rs.ok()) {
+      const std::vector<float*> dst = chunk->state_arrays();
+      for (size_t a = 0; a < dst.size(); ++a) {
+        std::memcpy(dst[a], staging->data() + a * chunk->num_elems, chunk->num_elems * 4);
+      }
+    }
+    landed(rs);
   });
 }
 

@@ -77,6 +77,10 @@ class Shard : public ShardServer {
               const ChunkRef& chunk);
   void OnInit(transport::IncomingMessage& msg, const wire::RequestHeader& h, const JobRef& job,
               const ChunkRef& chunk);
+  void OnCommit(const wire::RequestHeader& h, uintptr_t from, const JobRef& job,
+                const ChunkRef& chunk);
+  // Answers a push or commit OK (with the partial of the clipping round).
+  void SendAck(const Ack& ack);
   // Answers a request (no payload), counting refusals by code.
   void Reply(uintptr_t peer, uint64_t request_id, const absl::Status& status,
              const ReplyHint& hint = {});
@@ -89,13 +93,22 @@ class Shard : public ShardServer {
   void Schedule(std::function<void()> task) ABSL_LOCKS_EXCLUDED(exec_mu_);
   void RunStep(const JobRef& job, const ChunkRef& chunk);
   void RunForwardedStep(const JobRef& job, const ChunkRef& chunk);
-  absl::Status StepKernel(const Job& job, const Chunk& chunk, uint64_t step,
-                          absl::Span<const void* const> grads, DType grad_dtype, float scale);
+  // The clipping round's pass: the chunk's partial sum of squares.
+  void RunReduce(const JobRef& job, const ChunkRef& chunk);
+  // One optimizer step of the chunk (state + published copy of step + 1)
+  // at the step's learning rate and optimizer step count.
+  absl::Status StepKernel(const Job& job, const Chunk& chunk, uint64_t step, float lr,
+                          uint64_t optimizer_step, absl::Span<const void* const> grads,
+                          DType grad_dtype, float scale);
+  // A skipped step: the published copy of step moves to step + 1.
+  void SkipKernel(const Job& job, const Chunk& chunk, uint64_t step);
 
   // ---- replication.cc ----
   // Primary side.
+  // A seed (the whole state), or the step's sum: `step` says what the
+  // backup applies with it (a skip sends no payload).
   void SendForward(const JobRef& job, const ChunkRef& chunk, uint64_t gen, uint64_t version,
-                   bool seed);
+                   bool seed, const ForwardedStep& step = {});
   void OnForwardReply(transport::IncomingMessage& msg);
   void FailForwardsTo(transport::EndpointRef ep, const absl::Status& why);
   void ForwardDone(uint64_t forward_id, const absl::Status& status, uint32_t flags);

@@ -1,8 +1,11 @@
 // Carrying out what a chunk's state machine asks for, and the step threads
 // that run the kernels: a primary's step (the fused sum-over-workers +
 // optimizer + cast pass, or the sum forwarded to a backup and a step from
-// it) and a backup's forwarded step.
+// it), the clipping round's reduce pass, and a backup's forwarded step.
+#include <cmath>
+#include <cstring>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "common/logging.h"
@@ -17,6 +20,22 @@ constexpr char kLog[] = "shard";
 // How long a forward answered "retry" waits before it is sent again (the
 // backup loads our map within a heartbeat; it is asked again meanwhile).
 constexpr absl::Duration kForwardRetryDelay = absl::Milliseconds(10);
+
+// The tensor's group settings (a config without per-tensor entries, as unit
+// tests build, uses the job's).
+JobConfig::Tensor RulesOf(const JobConfig& c, uint32_t tensor) {
+  if (tensor < c.tensors.size()) return c.tensors[tensor];
+  JobConfig::Tensor t;
+  t.hyper = c.hyper;
+  return t;
+}
+
+std::vector<const void*> SlotsOf(const Chunk& chunk, const std::vector<uint32_t>& ranks) {
+  std::vector<const void*> out;
+  out.reserve(ranks.size());
+  for (uint32_t r : ranks) out.push_back(chunk.grad_slots()[r]);
+  return out;
+}
 }  // namespace
 
 void Shard::Carry(const JobRef& job, const ChunkRef& chunk, Actions a) {
@@ -25,6 +44,8 @@ void Shard::Carry(const JobRef& job, const ChunkRef& chunk, Actions a) {
     metrics_.requests_rejected.fetch_add(1);
     Reply(r.to.peer, r.to.request_id, r.status, r.hint);
   }
+  for (const Ack& ack : a.acks) SendAck(ack);
+  if (a.reduce) Schedule([this, job, chunk] { RunReduce(job, chunk); });
   // Counted before any worker can see the version.
   if (a.published != 0) metrics_.steps_applied.fetch_add(1);
   // Workers first: the copy and the next step come after their pulls.
@@ -68,18 +89,59 @@ void Shard::Schedule(std::function<void()> task) {
   if (executor_ != nullptr) executor_->Schedule(std::move(task));
 }
 
-absl::Status Shard::StepKernel(const Job& job, const Chunk& chunk, uint64_t step,
-                               absl::Span<const void* const> grads, DType grad_dtype,
-                               float scale) {
+absl::Status Shard::StepKernel(const Job& job, const Chunk& chunk, uint64_t step, float lr,
+                               uint64_t optimizer_step, absl::Span<const void* const> grads,
+                               DType grad_dtype, float scale) {
+  const JobConfig::Tensor rules = RulesOf(job.config, chunk.name.tensor);
+  kernels::OptimizerHyper hyper = rules.hyper;
+  hyper.lr = lr * rules.lr_mult;
   kernels::StepInputs in;
   in.grads = grads;
   in.grad_dtype = grad_dtype;
   in.grad_scale = scale;
-  in.step = static_cast<int64_t>(step);
+  in.step = static_cast<int64_t>(optimizer_step);
   kernels::ChunkState state{chunk.master(), chunk.m(), chunk.v()};
-  return kernels::FusedStep(job.config.hyper, in, chunk.num_elems, state,
-                            chunk.published(step + 1), job.config.param_dtype,
-                            kernel_pool_.get());
+  return kernels::FusedStep(hyper, in, chunk.num_elems, state, chunk.published(step + 1),
+                            job.config.param_dtype, kernel_pool_.get());
+}
+
+void Shard::SkipKernel(const Job& job, const Chunk& chunk, uint64_t step) {
+  // The state is untouched, so version step + 1 publishes the same values.
+  std::memcpy(chunk.published(step + 1), chunk.published(step), chunk.published_bytes());
+  (void)job;
+}
+
+void Shard::RunReduce(const JobRef& job, const ChunkRef& chunk) {
+  ReduceInputs r;
+  {
+    absl::MutexLock lock(&chunk->mu);
+    r = chunk->machine.GetReduceInputs();
+  }
+  if (!r.run) return;
+  const JobConfig& c = job->config;
+  const std::vector<const void*> slots = SlotsOf(*chunk, r.ranks);
+  kernels::StepInputs in;
+  in.grads = absl::MakeConstSpan(slots);
+  in.grad_dtype = c.grad_dtype;
+  in.grad_scale = c.grad_scale * r.params.grad_mult;
+  // The gradient the step would apply, exactly (the same sum, the same
+  // scale), squared and added up in double.
+  std::vector<float> g(chunk->num_elems);
+  double sum_squares = 0.0;
+  absl::Status s = kernels::SumGradsToFp32(in, chunk->num_elems, g.data(), kernel_pool_.get());
+  if (s.ok()) {
+    for (float x : g) sum_squares += static_cast<double>(x) * static_cast<double>(x);
+  } else {
+    OPTIMUS_LOG(Error, kLog, "gradient norm pass failed for job ", c.job_id, " tensor ",
+                chunk->name.tensor, " chunk ", chunk->name.chunk, ": ", s.ToString());
+    sum_squares = std::nan("");  // The step is skipped everywhere.
+  }
+  Actions a;
+  {
+    absl::MutexLock lock(&chunk->mu);
+    a = chunk->machine.ReduceDone(sum_squares);
+  }
+  Carry(job, chunk, std::move(a));
 }
 
 void Shard::RunStep(const JobRef& job, const ChunkRef& chunk) {
@@ -94,29 +156,41 @@ void Shard::RunStep(const JobRef& job, const ChunkRef& chunk) {
   const size_t n = chunk->num_elems;
   const absl::Time start = absl::Now();
   absl::Status s;
-  if (plan.forward_sum) {
+  const std::vector<const void*> slots = SlotsOf(*chunk, plan.ranks);
+  // The averaged gradient times the step's multiplier and clip coefficient
+  // (exactly the job's grad_scale when both are 1).
+  const float scale = c.grad_scale * plan.params.grad_mult * plan.clip_coef;
+  ForwardedStep fwd;
+  fwd.skip = plan.skip;
+  fwd.lr = plan.params.lr;
+  fwd.partial = plan.partial;
+  if (plan.skip) {
+    SkipKernel(*job, *chunk, plan.step);
+    if (plan.forward_sum) SendForward(job, chunk, plan.gen, plan.step, /*seed=*/false, fwd);
+  } else if (plan.forward_sum) {
     // To a seeded backup: sum once (in rank order, scaled, exactly as
     // FusedStep sums), forward the sum, and step from it on both sides, so
     // primary and backup stay bitwise equal (and equal to the fused step,
     // which every other step uses: no extra pass without a backup to feed).
     float* sum = chunk->sum();
     kernels::StepInputs in;
-    in.grads = absl::MakeConstSpan(chunk->grad_slots());
+    in.grads = absl::MakeConstSpan(slots);
     in.grad_dtype = c.grad_dtype;
-    in.grad_scale = c.grad_scale;
-    in.step = static_cast<int64_t>(plan.step);
+    in.grad_scale = scale;
+    in.step = static_cast<int64_t>(plan.optimizer_step);
     s = kernels::SumGradsToFp32(in, n, sum, kernel_pool_.get());
     if (s.ok()) {
-      SendForward(job, chunk, plan.gen, plan.step, /*seed=*/false);
+      SendForward(job, chunk, plan.gen, plan.step, /*seed=*/false, fwd);
       const void* sum_ptr[1] = {sum};
-      s = StepKernel(*job, *chunk, plan.step, absl::MakeConstSpan(sum_ptr, 1), DType::kFp32, 1.0f);
+      s = StepKernel(*job, *chunk, plan.step, plan.params.lr, plan.optimizer_step,
+                     absl::MakeConstSpan(sum_ptr, 1), DType::kFp32, 1.0f);
     } else {
       absl::MutexLock lock(&chunk->mu);
       chunk->machine.SumNotForwarded();  // Seed the backup after the step.
     }
   } else {
-    s = StepKernel(*job, *chunk, plan.step, absl::MakeConstSpan(chunk->grad_slots()),
-                   c.grad_dtype, c.grad_scale);
+    s = StepKernel(*job, *chunk, plan.step, plan.params.lr, plan.optimizer_step,
+                   absl::MakeConstSpan(slots), c.grad_dtype, scale);
   }
   metrics_.step_latency.Observe(absl::ToDoubleSeconds(absl::Now() - start));
   metrics_.params_stepped.fetch_add(n);
@@ -135,13 +209,24 @@ void Shard::RunStep(const JobRef& job, const ChunkRef& chunk) {
 
 void Shard::RunForwardedStep(const JobRef& job, const ChunkRef& chunk) {
   uint64_t step;
+  bool skip;
+  float lr;
+  uint64_t optimizer_step;
   {
     absl::MutexLock lock(&chunk->mu);
     step = chunk->machine.version();  // SumOffered checked the step starts here.
+    skip = chunk->machine.forwarded_skip();
+    lr = chunk->machine.forwarded_lr();
+    optimizer_step = chunk->machine.optimizer_steps() + 1;
   }
   const void* sum_ptr[1] = {chunk->sum()};
-  const absl::Status s =
-      StepKernel(*job, *chunk, step, absl::MakeConstSpan(sum_ptr, 1), DType::kFp32, 1.0f);
+  absl::Status s;
+  if (skip) {
+    SkipKernel(*job, *chunk, step);
+  } else {
+    s = StepKernel(*job, *chunk, step, lr, optimizer_step, absl::MakeConstSpan(sum_ptr, 1),
+                   DType::kFp32, 1.0f);
+  }
   Requester from;
   Actions a;
   {
