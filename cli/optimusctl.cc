@@ -1,6 +1,7 @@
 // optimusctl: the operator's command line for an optimus cluster.
 //   optimusctl [--coordinator=HOST:PORT] [--timeout_ms=N] status [--json]
 //   optimusctl checkpoint create|list|restore|export JOB [options]
+//     (export --format=optimus|torch-optim)
 //   optimusctl drain SHARD_ID [--wait [--wait_s=N]]
 //   optimusctl job delete NAME [--force]
 //   optimusctl shard forget SHARD_ID
@@ -52,17 +53,21 @@ constexpr char kUsage[] =
     "                    verify checkpoint ID (default: the newest complete one) and\n"
     "                    create job NAME (default JOB) from it on the live shards;\n"
     "                    workers join NAME and resume at the checkpoint's step\n"
-    "  checkpoint export JOB [--checkpoint=ID] --out=FILE\n"
-    "  checkpoint export --path=CHECKPOINT_DIR --out=FILE\n"
-    "                    write a file torch.load reads: fp32 params and optimizer\n"
-    "                    state by tensor name (--path works without a coordinator)\n"
+    "  checkpoint export JOB [--checkpoint=ID] --out=FILE [--format=F]\n"
+    "  checkpoint export --path=CHECKPOINT_DIR --out=FILE [--format=F]\n"
+    "                    write a file torch.load reads (--path works without a\n"
+    "                    coordinator); F is optimus (default: fp32 params and\n"
+    "                    optimizer state by tensor name, groups, settings) or\n"
+    "                    torch-optim ({\"model\": state_dict, \"optimizer\": what\n"
+    "                    torch.optim's load_state_dict takes})\n"
     "\n"
     "flags:\n"
     "  --coordinator=HOST:PORT  coordinator address (default 127.0.0.1:7070)\n"
     "  --timeout_ms=N           give up on the coordinator after N ms (default 3000)\n"
     "  --json                   print one JSON object instead of tables\n"
     "  --wait_s=N               drain --wait gives up after N seconds (default 300)\n"
-    "  --force                  job delete: also while workers are joined\n";
+    "  --force                  job delete: also while workers are joined\n"
+    "  --format=F               checkpoint export: optimus (default) or torch-optim\n";
 
 int Usage(const std::string& error) {
   if (!error.empty()) std::cerr << "optimusctl: " << error << "\n\n";
@@ -78,7 +83,8 @@ int Fail(const absl::Status& s) {
 int Checkpoint(const std::string& coordinator, absl::Duration timeout,
                const std::vector<std::string>& positional, bool json, bool wait,
                uint64_t checkpoint_id, const std::string& as_name, uint64_t max_chunk_bytes,
-               const std::string& out_path, const std::string& ckpt_path) {
+               const std::string& out_path, const std::string& ckpt_path,
+               optimus::ExportFormat format) {
   if (positional.size() < 2) return Usage("checkpoint needs create, list, restore or export");
   const std::string& sub = positional[1];
   const bool export_by_path = sub == "export" && !ckpt_path.empty();
@@ -158,7 +164,9 @@ int Checkpoint(const std::string& coordinator, absl::Duration timeout,
                                : absl::StrCat("job ", job, " has no checkpoint ", checkpoint_id)));
       }
     }
-    if (absl::Status s = optimus::ExportCheckpointToTorch(dir, out_path); !s.ok()) return Fail(s);
+    if (absl::Status s = optimus::ExportCheckpointToTorch(dir, out_path, format); !s.ok()) {
+      return Fail(s);
+    }
     std::cout << "exported " << dir << " to " << out_path << "\n";
     return 0;
   }
@@ -258,6 +266,7 @@ int main(int argc, char** argv) {
   uint64_t checkpoint_id = 0;
   uint64_t max_chunk_bytes = 0;
   std::string as_name, out_path, ckpt_path;
+  std::string format_name;  // Empty: the default layout.
   std::vector<std::string> positional;
   for (int i = 1; i < argc; ++i) {
     std::string arg = argv[i];
@@ -314,6 +323,9 @@ int main(int argc, char** argv) {
     } else if (name == "-out") {
       if (!take_value() || value.empty()) return Usage("--out needs a file name");
       out_path = value;
+    } else if (name == "-format") {
+      if (!take_value() || value.empty()) return Usage("--format needs optimus or torch-optim");
+      format_name = value;
     } else if (name == "-path") {
       if (!take_value() || value.empty()) return Usage("--path needs a checkpoint folder");
       ckpt_path = value;
@@ -323,9 +335,18 @@ int main(int argc, char** argv) {
   }
   if (positional.empty()) return Usage("no command given");
   const std::string& command = positional[0];
+  optimus::ExportFormat format = optimus::ExportFormat::kOptimus;
+  if (!format_name.empty()) {
+    if (command != "checkpoint" || positional.size() < 2 || positional[1] != "export") {
+      return Usage("--format goes with checkpoint export only");
+    }
+    absl::StatusOr<optimus::ExportFormat> parsed = optimus::ParseExportFormat(format_name);
+    if (!parsed.ok()) return Usage(std::string(parsed.status().message()));
+    format = *parsed;
+  }
   if (command == "checkpoint") {
     return Checkpoint(coordinator, absl::Milliseconds(timeout_ms), positional, json, wait,
-                      checkpoint_id, as_name, max_chunk_bytes, out_path, ckpt_path);
+                      checkpoint_id, as_name, max_chunk_bytes, out_path, ckpt_path, format);
   }
   if (force && command != "job") return Usage("--force goes with job delete only");
   if (command == "job") {

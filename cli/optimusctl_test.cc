@@ -19,6 +19,8 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "cli/test_json.h"
+#include "cli/torch_pickle.h"
+#include "common/checkpoint_files.h"
 #include "coordinator/coordinator.h"
 #include "gmock/gmock.h"
 #include "grpcpp/grpcpp.h"
@@ -412,6 +414,45 @@ TEST(OptimusctlErrorsTest, UsageErrorsExitTwo) {
   r = RunOptimusctl("status --bogus");
   EXPECT_EQ(r.exit_code, 2);
   EXPECT_THAT(r.err, HasSubstr("unknown flag --bogus"));
+  r = RunOptimusctl("checkpoint export --path=/nonexistent --out=/tmp/x.pt --format=pickle");
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_THAT(r.err, HasSubstr("unknown export format \"pickle\" (optimus or torch-optim)"));
+  r = RunOptimusctl("status --format=torch-optim");
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_THAT(r.err, HasSubstr("--format goes with checkpoint export only"));
+}
+
+// `checkpoint export --path=DIR --format=...` needs no coordinator.
+TEST(OptimusctlExportTest, WritesTheLayoutItIsAskedFor) {
+  std::string dir = absl::StrCat(std::getenv("TEST_TMPDIR"), "/ckptXXXXXX");
+  ASSERT_NE(mkdtemp(dir.data()), nullptr);
+  v1::CheckpointManifest m;
+  m.set_job_name("j");
+  m.set_step(3);
+  v1::TensorSpec* w = m.mutable_spec()->add_tensors();
+  w->set_name("w");
+  w->add_shape(2);
+  m.mutable_spec()->mutable_optimizer()->set_kind(v1::OPTIMIZER_SGD);
+  m.mutable_spec()->mutable_optimizer()->set_lr(0.1f);
+  const float master[2] = {1, 2}, momentum[2] = {3, 4};
+  const float* arrays[] = {master, momentum};
+  absl::StatusOr<v1::CheckpointFile> f = ckpt::WriteDataFile(dir, "w0", 0, 0, 2, arrays);
+  ASSERT_TRUE(f.ok()) << f.status();
+  f->set_optimizer_steps(2);
+  *m.add_files() = *f;
+  ASSERT_TRUE(ckpt::WriteManifest(dir, m).ok());
+  for (const char* format : {"", "--format=optimus", "--format=torch-optim"}) {
+    const std::string out = absl::StrCat(dir, "/out", std::string(format).size(), ".pt");
+    const RunResult r = RunOptimusctl(
+        absl::StrCat("checkpoint export --path=", dir, " --out=", out, " ", format));
+    ASSERT_EQ(r.exit_code, 0) << format << ": " << r.err;
+    EXPECT_THAT(r.out, HasSubstr("exported " + dir + " to " + out));
+    absl::StatusOr<std::shared_ptr<PyValue>> root = LoadTorchFile(out);
+    ASSERT_TRUE(root.ok()) << root.status();
+    const bool torch_optim = std::string(format) == "--format=torch-optim";
+    EXPECT_EQ((*root)->Find("model") != nullptr, torch_optim) << format;
+    EXPECT_EQ((*root)->Find("params") != nullptr, !torch_optim) << format;
+  }
 }
 
 }  // namespace

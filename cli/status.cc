@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -88,6 +89,103 @@ class Table {
   std::vector<size_t> right_;
 };
 
+
+// A float for the table: shortest %g form ("0.001", "1e-08").
+std::string Num(float x) { return absl::StrCat(x); }
+
+// A float as a JSON number; null when not finite (JSON has no inf or NaN).
+std::string JsonNum(float x) { return std::isfinite(x) ? absl::StrCat(x) : "null"; }
+
+const char* OptimizerKindName(v1::OptimizerKind k) {
+  switch (k) {
+    case v1::OPTIMIZER_ADAMW: return "adamw";
+    case v1::OPTIMIZER_ADAM: return "adam";
+    case v1::OPTIMIZER_SGD: return "sgd";
+    case v1::OPTIMIZER_LION: return "lion";
+    default: return "unspecified";
+  }
+}
+
+bool HasBetas(v1::OptimizerKind k) { return k != v1::OPTIMIZER_SGD; }
+
+// A group's settings as it steps: its own where set, else the optimizer's.
+struct EffectiveGroup {
+  float lr_mult, weight_decay, beta1, beta2, momentum;
+  std::vector<std::string> overrides;  // The fields the group sets.
+};
+
+EffectiveGroup Effective(const v1::OptimizerConfig& opt, const v1::ParamGroup& g) {
+  EffectiveGroup e{1.0f, opt.weight_decay(), opt.beta1(), opt.beta2(), opt.momentum(), {}};
+  auto take = [&](bool set, float value, float* field, const char* name) {
+    if (!set) return;
+    *field = value;
+    e.overrides.push_back(name);
+  };
+  take(g.has_lr_mult(), g.lr_mult(), &e.lr_mult, "lr_mult");
+  take(g.has_weight_decay(), g.weight_decay(), &e.weight_decay, "weight_decay");
+  take(g.has_beta1(), g.beta1(), &e.beta1, "beta1");
+  take(g.has_beta2(), g.beta2(), &e.beta2, "beta2");
+  take(g.has_momentum(), g.momentum(), &e.momentum, "momentum");
+  return e;
+}
+
+// The OPTIMIZERS table: a row per parameter group, the job's own columns
+// (optimizer, lr, clipping, non-finite handling, frozen tensors) on its
+// first group's row. Jobs from a coordinator that does not report their
+// optimizer are left out.
+std::string RenderOptimizers(const v1::StatusResponse& status, int* num_jobs) {
+  Table t({"JOB", "OPTIMIZER", "LR", "CLIP", "NON-FINITE", "FROZEN", "GROUP", "TENSORS",
+           "PARAMS", "LR MULT", "WEIGHT DECAY", "BETAS/MOMENTUM"});
+  for (size_t c : {5, 7, 8, 9, 10}) t.RightAlign(c);
+  *num_jobs = 0;
+  for (const v1::JobStatus& j : status.jobs()) {
+    const v1::OptimizerConfig& opt = j.optimizer();
+    if (opt.kind() == v1::OPTIMIZER_UNSPECIFIED) continue;
+    ++*num_jobs;
+    for (int g = 0; g < j.param_groups_size(); ++g) {
+      const v1::ParamGroupStatus& pg = j.param_groups(g);
+      const EffectiveGroup e = Effective(opt, pg.group());
+      const bool first = g == 0;
+      t.Add({first ? j.name() : "", first ? OptimizerKindName(opt.kind()) : "",
+             first ? Num(opt.lr()) : "",
+             first ? (j.max_grad_norm() > 0 ? Num(j.max_grad_norm()) : "-") : "",
+             first ? (j.keep_nonfinite() ? "keep" : "skip") : "",
+             first ? absl::StrCat(j.frozen_tensors()) : "",
+             pg.group().name().empty() ? absl::StrCat(g) : absl::StrCat(g, " ", pg.group().name()),
+             absl::StrCat(pg.num_tensors()), absl::StrCat(pg.num_elems()), Num(e.lr_mult),
+             Num(e.weight_decay),
+             HasBetas(opt.kind()) ? absl::StrCat(Num(e.beta1), ", ", Num(e.beta2))
+                                  : absl::StrCat("momentum ", Num(e.momentum))});
+    }
+  }
+  return t.Render();
+}
+
+std::string OptimizerJson(const v1::JobStatus& j) {
+  const v1::OptimizerConfig& opt = j.optimizer();
+  std::vector<std::string> groups;
+  for (int g = 0; g < j.param_groups_size(); ++g) {
+    const v1::ParamGroupStatus& pg = j.param_groups(g);
+    const EffectiveGroup e = Effective(opt, pg.group());
+    std::vector<std::string> overrides;
+    for (const std::string& o : e.overrides) overrides.push_back(JsonQuote(o));
+    groups.push_back(absl::StrCat(
+        "{\"index\":", g, ",\"name\":", JsonQuote(pg.group().name()),
+        ",\"num_tensors\":", pg.num_tensors(), ",\"num_elems\":", pg.num_elems(),
+        ",\"lr_mult\":", JsonNum(e.lr_mult), ",\"weight_decay\":", JsonNum(e.weight_decay),
+        ",\"beta1\":", JsonNum(e.beta1), ",\"beta2\":", JsonNum(e.beta2),
+        ",\"momentum\":", JsonNum(e.momentum), ",\"overrides\":[",
+        absl::StrJoin(overrides, ","), "]}"));
+  }
+  return absl::StrCat(
+      ",\"optimizer\":{\"kind\":", JsonQuote(OptimizerKindName(opt.kind())),
+      ",\"lr\":", JsonNum(opt.lr()), ",\"beta1\":", JsonNum(opt.beta1()),
+      ",\"beta2\":", JsonNum(opt.beta2()), ",\"eps\":", JsonNum(opt.eps()),
+      ",\"weight_decay\":", JsonNum(opt.weight_decay()), ",\"momentum\":", JsonNum(opt.momentum()),
+      "},\"param_groups\":[", absl::StrJoin(groups, ","), "]",
+      ",\"frozen_tensors\":", j.frozen_tensors(), ",\"max_grad_norm\":", JsonNum(j.max_grad_norm()),
+      ",\"skip_nonfinite\":", j.keep_nonfinite() ? "false" : "true");
+}
 
 }  // namespace
 
@@ -181,6 +279,9 @@ std::string RenderStatusTable(const v1::StatusResponse& status) {
   }
   std::string out = absl::StrCat("SHARDS (", status.shards_size(), ")\n");
   absl::StrAppend(&out, shards.Render(), "\nJOBS (", status.jobs_size(), ")\n", jobs.Render());
+  int with_optimizer = 0;
+  const std::string optimizers = RenderOptimizers(status, &with_optimizer);
+  if (with_optimizer > 0) absl::StrAppend(&out, "\nOPTIMIZERS (", with_optimizer, ")\n", optimizers);
   return out;
 }
 
@@ -218,7 +319,7 @@ std::string RenderStatusJson(const v1::StatusResponse& status) {
                            ",\"state\":", JsonQuote(CkptStateName(j.last_checkpoint().state())),
                            ",\"error\":", JsonQuote(j.last_checkpoint().error()), "}")
             : "null",
-        "}"));
+        OptimizerJson(j), "}"));
   }
   return absl::StrCat("{\"shards\":[", absl::StrJoin(shards, ","), "],\"jobs\":[",
                       absl::StrJoin(jobs, ","), "]}\n");

@@ -24,7 +24,13 @@ absl::StatusOr<v1::StatusResponse> FetchStatus(const std::string& address,
 // units ("1.5 GiB"), lease age as "250ms" / "3.2s" / "5m07s". A shard's
 // STATE is UP, DRAINING or DOWN, CHUNKS counts primaries and backups and
 // BACKUPS the latter; a job's REPL is its replication and REPLICAS its
-// ReplicaHealth.
+// ReplicaHealth. Then OPTIMIZERS: a row per parameter group (a job without
+// param_groups has one, the implicit group "0"), the job's optimizer, lr,
+// CLIP (max_grad_norm, "-" for none), NON-FINITE ("skip" or "keep") and
+// FROZEN (tensors) on its first row; each group's TENSORS and PARAMS (frozen
+// ones included), and the LR MULT, WEIGHT DECAY and BETAS (or SGD's
+// momentum) it steps with: its own where it sets them, else the optimizer's.
+// Left out when no job reports an optimizer (an older coordinator).
 std::string RenderStatusTable(const v1::StatusResponse& status);
 
 // One JSON object {"shards":[...],"jobs":[...]} and a newline. Fields are
@@ -36,7 +42,12 @@ std::string RenderStatusTable(const v1::StatusResponse& status);
 // current_step, num_tensors, num_params, state_bytes, map_epoch,
 // replication, num_chunks, chunks_with_backup, backups_in_sync, replicas
 // (ReplicaHealthWord), last_checkpoint ({checkpoint_id, step, state, error}
-// or null).
+// or null), optimizer ({kind, lr, beta1, beta2, eps, weight_decay,
+// momentum}), param_groups ([{index, name, num_tensors, num_elems, lr_mult,
+// weight_decay, beta1, beta2, momentum, overrides}]: the values it steps
+// with, overrides naming those the group sets itself), frozen_tensors,
+// max_grad_norm (0: no clipping) and skip_nonfinite (bool). Floats are JSON
+// numbers (null if not finite).
 std::string RenderStatusJson(const v1::StatusResponse& status);
 
 // A job's replica health for people, K being backups_in_sync and N

@@ -213,6 +213,99 @@ TEST(RenderStatusTest, ShowsDrainingShardsBackupsAndReplicas) {
   EXPECT_EQ((*doc)["jobs"].array[1]["replicas"].string, "none");
 }
 
+// Two jobs as the coordinator reports them: "grouped" (AdamW, groups
+// "decay" with its own beta2 and "no_decay" with wd 0 and lr x0.5, one
+// frozen tensor, clipping at 1, non-finite steps kept) and "plain" (SGD
+// with momentum 0.9, the implicit group only, non-finite steps skipped).
+v1::StatusResponse WithOptimizers() {
+  v1::StatusResponse st;
+  v1::JobStatus* g = st.add_jobs();
+  g->set_job_id(1);
+  g->set_name("grouped");
+  v1::OptimizerConfig* opt = g->mutable_optimizer();
+  opt->set_kind(v1::OPTIMIZER_ADAMW);
+  opt->set_lr(3e-4f);
+  opt->set_beta1(0.9f);
+  opt->set_beta2(0.999f);
+  opt->set_eps(1e-8f);
+  opt->set_weight_decay(0.01f);
+  v1::ParamGroupStatus* decay = g->add_param_groups();
+  decay->mutable_group()->set_name("decay");
+  decay->mutable_group()->set_weight_decay(0.1f);
+  decay->mutable_group()->set_beta2(0.95f);
+  decay->set_num_tensors(3);
+  decay->set_num_elems(1000);
+  v1::ParamGroupStatus* no_decay = g->add_param_groups();
+  no_decay->mutable_group()->set_name("no_decay");
+  no_decay->mutable_group()->set_weight_decay(0);
+  no_decay->mutable_group()->set_lr_mult(0.5f);
+  no_decay->set_num_tensors(2);
+  no_decay->set_num_elems(24);
+  g->set_frozen_tensors(1);
+  g->set_max_grad_norm(1.0f);
+  g->set_keep_nonfinite(true);
+  v1::JobStatus* p = st.add_jobs();
+  p->set_job_id(2);
+  p->set_name("plain");
+  p->mutable_optimizer()->set_kind(v1::OPTIMIZER_SGD);
+  p->mutable_optimizer()->set_lr(0.1f);
+  p->mutable_optimizer()->set_momentum(0.9f);
+  v1::ParamGroupStatus* implicit = p->add_param_groups();
+  implicit->set_num_tensors(4);
+  implicit->set_num_elems(4096);
+  return st;
+}
+
+TEST(RenderStatusTest, ShowsParamGroupsFrozenTensorsClippingAndNonFinite) {
+  const std::string table = RenderStatusTable(WithOptimizers());
+  EXPECT_THAT(table, HasSubstr("OPTIMIZERS (2)"));
+  EXPECT_THAT(table, HasSubstr("BETAS/MOMENTUM"));
+  // grouped: the job's columns on its first group's row, then the group's
+  // own values (beta2 0.95, wd 0.1) and the optimizer's where unset (lr x1).
+  EXPECT_THAT(table, ::testing::ContainsRegex(
+                         "grouped +adamw +0.0003 +1 +keep +1 +0 decay +3 +1000 +1 +0.1 +0.9, 0.95"));
+  EXPECT_THAT(table, ::testing::ContainsRegex("\n +1 no_decay +2 +24 +0.5 +0 +0.9, 0.999\n"));
+  EXPECT_THAT(table, ::testing::ContainsRegex(
+                         "plain +sgd +0.1 +- +skip +0 +0 +4 +4096 +1 +0 +momentum 0.9"));
+  // A coordinator that reports no optimizer: no OPTIMIZERS section.
+  EXPECT_THAT(RenderStatusTable(Sample()), ::testing::Not(HasSubstr("OPTIMIZERS")));
+
+  absl::StatusOr<JsonValue> doc = ParseJson(RenderStatusJson(WithOptimizers()));
+  ASSERT_TRUE(doc.ok()) << doc.status();
+  const JsonValue& g = (*doc)["jobs"].array[0];
+  EXPECT_EQ(g["optimizer"]["kind"].string, "adamw");
+  EXPECT_EQ(g["optimizer"]["lr"].number_text, "0.0003");
+  EXPECT_EQ(g["frozen_tensors"].AsUint(), 1u);
+  EXPECT_EQ(g["max_grad_norm"].number_text, "1");
+  EXPECT_FALSE(g["skip_nonfinite"].boolean);
+  EXPECT_EQ(g["skip_nonfinite"].type, JsonValue::Type::kBool);
+  ASSERT_EQ(g["param_groups"].array.size(), 2u);
+  const JsonValue& decay = g["param_groups"].array[0];
+  EXPECT_EQ(decay["name"].string, "decay");
+  EXPECT_EQ(decay["num_tensors"].AsUint(), 3u);
+  EXPECT_EQ(decay["num_elems"].AsUint(), 1000u);
+  EXPECT_EQ(decay["weight_decay"].number_text, "0.1");
+  EXPECT_EQ(decay["beta2"].number_text, "0.95");
+  EXPECT_EQ(decay["lr_mult"].number_text, "1");
+  ASSERT_EQ(decay["overrides"].array.size(), 2u);
+  EXPECT_EQ(decay["overrides"].array[0].string, "weight_decay");
+  EXPECT_EQ(decay["overrides"].array[1].string, "beta2");
+  const JsonValue& no_decay = g["param_groups"].array[1];
+  EXPECT_EQ(no_decay["index"].AsUint(), 1u);
+  EXPECT_EQ(no_decay["lr_mult"].number_text, "0.5");
+  EXPECT_EQ(no_decay["weight_decay"].number_text, "0");
+  EXPECT_EQ(no_decay["beta2"].number_text, "0.999");
+  const JsonValue& p = (*doc)["jobs"].array[1];
+  EXPECT_EQ(p["optimizer"]["kind"].string, "sgd");
+  EXPECT_EQ(p["optimizer"]["momentum"].number_text, "0.9");
+  EXPECT_TRUE(p["skip_nonfinite"].boolean);
+  EXPECT_EQ(p["max_grad_norm"].number_text, "0");
+  ASSERT_EQ(p["param_groups"].array.size(), 1u);
+  EXPECT_EQ(p["param_groups"].array[0]["name"].string, "");
+  EXPECT_EQ(p["param_groups"].array[0]["num_elems"].AsUint(), 4096u);
+  EXPECT_TRUE(p["param_groups"].array[0]["overrides"].array.empty());
+}
+
 TEST(DrainProgressTest, DrainedOnlyWhileDrainingWithNoChunkLeft) {
   v1::StatusResponse st;
   v1::ShardStatus* s = st.add_shards();

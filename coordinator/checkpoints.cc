@@ -353,6 +353,9 @@ void CheckpointManager::WriteManifest(uint64_t job_id, uint64_t ticket) {
       for (const v1::CheckpointFile& f : r.files()) {
         *m.add_files() = f;
         size_bytes += f.size_bytes();
+        // The checkpoint's last step is the newest any range took: ranges
+        // that skipped it (frozen, no gradient) report an older lr or 0.
+        m.set_last_lr(std::max(m.last_lr(), f.last_lr()));
       }
     }
     m.set_created_unix_ms(ip->info.created_unix_ms());

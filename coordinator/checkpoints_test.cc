@@ -119,6 +119,38 @@ TEST(CheckpointManagerTest, ManifestOnlyWhenEveryShardIsDoneThenKeepsTheLastK) {
             absl::StatusCode::kInvalidArgument);
 }
 
+// The shards record per file the optimizer steps its range took and the lr
+// of its last one; the manifest keeps them, and its last_lr is the largest
+// (a range that skipped the last step, e.g. no gradient, has an older one),
+// which a restore hands to the workers.
+TEST(CheckpointManagerTest, ManifestKeepsOptimizerStepsAndTakesTheLargestLastLr) {
+  const std::string root = TempDir();
+  CheckpointManager m(root);
+  auto info = m.Create(View(10));
+  ASSERT_TRUE(info.ok()) << info.status();
+  auto orders = m.OnHeartbeat(1, Reports({}), {});
+  ASSERT_EQ(orders.size(), 1u);
+  v1::ShardCheckpointReport r1 = Done(orders[0], root, 0);
+  r1.mutable_files(0)->set_optimizer_steps(10);
+  r1.mutable_files(0)->set_last_lr(2.5e-4f);
+  v1::ShardCheckpointReport r2 = Done(orders[0], root, 2);
+  r2.mutable_files(0)->set_optimizer_steps(9);
+  r2.mutable_files(0)->set_last_lr(3e-4f);
+  m.OnHeartbeat(1, Reports({r1}), {});
+  m.OnHeartbeat(2, Reports({r2}), {});
+  m.WaitForFileWork();
+  auto manifest = ckpt::ReadManifest(info->path());
+  ASSERT_TRUE(manifest.ok()) << manifest.status();
+  ASSERT_EQ(manifest->files_size(), 2);
+  EXPECT_EQ(manifest->files(0).optimizer_steps(), 10u);
+  EXPECT_EQ(manifest->files(1).optimizer_steps(), 9u);
+  EXPECT_FLOAT_EQ(manifest->last_lr(), 3e-4f);
+  v1::CheckpointInfo restored;
+  auto src = m.PrepareRestore("j", 0, &restored);
+  ASSERT_TRUE(src.ok()) << src.status();
+  EXPECT_FLOAT_EQ(src->manifest().last_lr(), 3e-4f);
+}
+
 TEST(CheckpointManagerTest, MissedStepRetriesLaterAndErrorsFailAndCleanUp) {
   const std::string root = TempDir();
   CheckpointManager m(root);

@@ -6,6 +6,35 @@
 #include "coordinator/job_spec.h"
 
 namespace optimus {
+namespace {
+
+// The job's optimizer, groups (with the tensors and elements each holds),
+// frozen tensors, clipping and non-finite handling, from its spec.
+void FillOptimizerStatus(const v1::JobSpec& spec, v1::JobStatus* j) {
+  *j->mutable_optimizer() = spec.optimizer();
+  j->set_max_grad_norm(spec.max_grad_norm());
+  j->set_keep_nonfinite(spec.keep_nonfinite());
+  // The implicit group of a job without any: every field unset.
+  const int num_groups = std::max(1, spec.param_groups_size());
+  for (int g = 0; g < num_groups; ++g) {
+    v1::ParamGroupStatus* group = j->add_param_groups();
+    if (g < spec.param_groups_size()) *group->mutable_group() = spec.param_groups(g);
+  }
+  uint32_t frozen = 0;
+  for (const v1::TensorSpec& t : spec.tensors()) {
+    if (t.frozen()) ++frozen;
+    // The spec was checked at creation: the group exists.
+    if (t.group() >= static_cast<uint32_t>(num_groups)) continue;
+    uint64_t n = 1;
+    for (int64_t d : t.shape()) n *= static_cast<uint64_t>(d);
+    v1::ParamGroupStatus* group = j->mutable_param_groups(static_cast<int>(t.group()));
+    group->set_num_tensors(group->num_tensors() + 1);
+    group->set_num_elems(group->num_elems() + n);
+  }
+  j->set_frozen_tensors(frozen);
+}
+
+}  // namespace
 
 v1::ShardStatus Coordinator::ShardStatusLocked(const ShardRecord& shard,
                                                const std::map<uint64_t, ShardLoad>& planned,
@@ -59,6 +88,7 @@ v1::StatusResponse Coordinator::Status() {
     }
     j->set_chunks_with_backup(with_backup);
     j->set_backups_in_sync(in_sync);
+    FillOptimizerStatus(job.spec, j);
   }
   return resp;
 }

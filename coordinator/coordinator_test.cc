@@ -1,6 +1,7 @@
 #include "coordinator/coordinator.h"
 
 #include <chrono>
+#include <cmath>
 #include <memory>
 #include <string>
 #include <thread>
@@ -103,6 +104,21 @@ class CoordinatorTest : public ::testing::Test {
     spec.set_grad_dtype(v1::DTYPE_BF16);
     spec.set_param_dtype(v1::DTYPE_BF16);
     spec.set_max_chunk_bytes(max_chunk_bytes);
+    return spec;
+  }
+
+  // Gives `spec` groups "decay" (wd 0.1) and "no_decay" (wd 0, lr x0.5),
+  // "w" in the first and "b" in the second.
+  static v1::JobSpec& TwoGroups(v1::JobSpec& spec) {
+    v1::ParamGroup* decay = spec.add_param_groups();
+    decay->set_name("decay");
+    decay->set_weight_decay(0.1f);
+    v1::ParamGroup* no_decay = spec.add_param_groups();
+    no_decay->set_name("no_decay");
+    no_decay->set_weight_decay(0);
+    no_decay->set_lr_mult(0.5f);
+    spec.mutable_tensors(0)->set_group(0);
+    spec.mutable_tensors(1)->set_group(1);
     return spec;
   }
 
@@ -264,6 +280,38 @@ TEST_F(CoordinatorTest, CreateJobRejectsInvalidSpecsWithClearMessages) {
       {"no optimizer", [](v1::JobSpec& s) { s.mutable_optimizer()->clear_kind(); }, "optimizer.kind"},
       {"zero lr", [](v1::JobSpec& s) { s.mutable_optimizer()->set_lr(0); }, "optimizer.lr"},
       {"negative lr", [](v1::JobSpec& s) { s.mutable_optimizer()->set_lr(-1); }, "optimizer.lr"},
+      // Parameter groups (two: "decay" and "no_decay"), clipping.
+      {"group without groups", [](v1::JobSpec& s) { s.mutable_tensors(1)->set_group(1); },
+       "tensor \"b\" has group 1 but the job has no param_groups"},
+      {"group out of range",
+       [](v1::JobSpec& s) {
+         TwoGroups(s);
+         s.mutable_tensors(0)->set_group(2);
+       },
+       "tensor \"w\" has group 2 but the job has 2 param_groups"},
+      {"negative group weight decay",
+       [](v1::JobSpec& s) { TwoGroups(s).mutable_param_groups(1)->set_weight_decay(-0.5f); },
+       "param_groups[1].weight_decay must be >= 0"},
+      {"infinite group weight decay",
+       [](v1::JobSpec& s) { TwoGroups(s).mutable_param_groups(0)->set_weight_decay(INFINITY); },
+       "param_groups[0].weight_decay"},
+      {"zero lr_mult", [](v1::JobSpec& s) { TwoGroups(s).mutable_param_groups(1)->set_lr_mult(0); },
+       "param_groups[1].lr_mult must be positive"},
+      {"nan lr_mult", [](v1::JobSpec& s) { TwoGroups(s).mutable_param_groups(0)->set_lr_mult(NAN); },
+       "param_groups[0].lr_mult"},
+      {"beta1 of 1", [](v1::JobSpec& s) { TwoGroups(s).mutable_param_groups(0)->set_beta1(1); },
+       "param_groups[0].beta1 must be in [0, 1)"},
+      {"negative beta2", [](v1::JobSpec& s) { TwoGroups(s).mutable_param_groups(1)->set_beta2(-0.1f); },
+       "param_groups[1].beta2"},
+      {"momentum of 1.5",
+       [](v1::JobSpec& s) { TwoGroups(s).mutable_param_groups(1)->set_momentum(1.5f); },
+       "param_groups[1].momentum"},
+      {"duplicate group name",
+       [](v1::JobSpec& s) { TwoGroups(s).mutable_param_groups(1)->set_name("decay"); },
+       "param_groups[1].name \"decay\" is used twice"},
+      {"negative max_grad_norm", [](v1::JobSpec& s) { s.set_max_grad_norm(-1); }, "max_grad_norm"},
+      {"infinite max_grad_norm", [](v1::JobSpec& s) { s.set_max_grad_norm(INFINITY); },
+       "max_grad_norm"},
   };
   for (const Case& c : cases) {
     v1::JobSpec spec = Spec("job", 2);
@@ -398,6 +446,61 @@ TEST_F(CoordinatorTest, StatusReportsShardsAndJobs) {
   EXPECT_EQ(j.num_params(), 4100u);
   EXPECT_EQ(j.state_bytes(), 4100u * 12);
   EXPECT_EQ(j.map_epoch(), 1u);
+}
+
+TEST_F(CoordinatorTest, StatusShowsParamGroupsFrozenTensorsAndClipping) {
+  RegisterOk(Caps(v1::SHARD_KIND_DPU, 1 << 20));
+  v1::CreateJobResponse created;
+  v1::JobSpec plain = Spec("plain", 1, {8, 8});
+  plain.mutable_optimizer()->set_weight_decay(0.01f);
+  ASSERT_TRUE(Create(plain, &created).ok());
+  v1::JobSpec grouped = Spec("grouped", 1, {8, 8});
+  TwoGroups(grouped);
+  grouped.mutable_param_groups(0)->set_beta2(0.95f);
+  v1::TensorSpec* emb = grouped.add_tensors();
+  emb->set_name("emb");
+  emb->add_shape(10);
+  emb->set_group(1);
+  emb->set_frozen(true);
+  grouped.set_max_grad_norm(1.0f);
+  grouped.set_keep_nonfinite(true);
+  ASSERT_TRUE(Create(grouped, &created).ok());
+  // Unnamed groups may repeat; only names are unique.
+  v1::JobSpec unnamed = Spec("unnamed", 1);
+  TwoGroups(unnamed).mutable_param_groups(0)->clear_name();
+  unnamed.mutable_param_groups(1)->clear_name();
+  ASSERT_TRUE(Create(unnamed, &created).ok());
+
+  v1::StatusResponse st = GetStatus();
+  ASSERT_EQ(st.jobs_size(), 3);
+  const v1::JobStatus& p = st.jobs(0);
+  EXPECT_EQ(p.optimizer().kind(), v1::OPTIMIZER_ADAMW);
+  EXPECT_FLOAT_EQ(p.optimizer().weight_decay(), 0.01f);
+  EXPECT_FLOAT_EQ(p.optimizer().beta2(), 0.999f);  // Defaults filled.
+  ASSERT_EQ(p.param_groups_size(), 1);  // The implicit group holds everything.
+  EXPECT_FALSE(p.param_groups(0).group().has_weight_decay());
+  EXPECT_EQ(p.param_groups(0).num_tensors(), 2u);
+  EXPECT_EQ(p.param_groups(0).num_elems(), 64u + 4);
+  EXPECT_EQ(p.frozen_tensors(), 0u);
+  EXPECT_EQ(p.max_grad_norm(), 0.0f);
+  EXPECT_FALSE(p.keep_nonfinite());
+
+  const v1::JobStatus& g = st.jobs(1);
+  ASSERT_EQ(g.param_groups_size(), 2);
+  EXPECT_EQ(g.param_groups(0).group().name(), "decay");
+  EXPECT_FLOAT_EQ(g.param_groups(0).group().weight_decay(), 0.1f);
+  EXPECT_FLOAT_EQ(g.param_groups(0).group().beta2(), 0.95f);
+  EXPECT_FALSE(g.param_groups(0).group().has_lr_mult());
+  EXPECT_EQ(g.param_groups(0).num_tensors(), 1u);
+  EXPECT_EQ(g.param_groups(0).num_elems(), 64u);
+  EXPECT_EQ(g.param_groups(1).group().name(), "no_decay");
+  EXPECT_FLOAT_EQ(g.param_groups(1).group().lr_mult(), 0.5f);
+  EXPECT_EQ(g.param_groups(1).num_tensors(), 2u);  // "b" and the frozen "emb".
+  EXPECT_EQ(g.param_groups(1).num_elems(), 4u + 10);
+  EXPECT_EQ(g.frozen_tensors(), 1u);
+  EXPECT_FLOAT_EQ(g.max_grad_norm(), 1.0f);
+  EXPECT_TRUE(g.keep_nonfinite());
+  EXPECT_EQ(st.jobs(2).param_groups_size(), 2);
 }
 
 TEST_F(CoordinatorTest, WatchStreamsTheCurrentMapAndEndsOnShutdown) {

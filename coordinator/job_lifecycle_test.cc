@@ -404,6 +404,10 @@ TEST_F(JobLifecycleTest, ARestoreThatTakesOverAFailedJobsNameDeletesTheFailedJob
                                    absl::StrCat("t", c.offset_elems()), c.tensor(),
                                    c.offset_elems(), c.num_elems(), arrays);
       ASSERT_TRUE(f.ok()) << f.status();
+      // What the shards record since issue 11: shard b's ranges took the
+      // last step (lr 2e-3), shard a's skipped it.
+      f->set_optimizer_steps(shard == b ? 5 : 4);
+      f->set_last_lr(shard == b ? 2e-3f : 1e-3f);
       *r->add_files() = *f;
     }
     v1::HeartbeatResponse ignored;
@@ -423,6 +427,17 @@ TEST_F(JobLifecycleTest, ARestoreThatTakesOverAFailedJobsNameDeletesTheFailedJob
   EXPECT_EQ(st.jobs(0).name(), "llm");
   EXPECT_EQ(st.jobs(0).job_id(), restored.job_id());
   EXPECT_NE(restored.job_id(), old_id);
+  // Workers and shards get the manifest with the restored job: its last lr
+  // (the largest of its files') and each file's optimizer steps.
+  v1::GetJobRequest get;
+  get.set_job_id(restored.job_id());
+  v1::GetJobResponse job;
+  ASSERT_TRUE(stub_->GetJob(Ctx().get(), get, &job).ok());
+  EXPECT_FLOAT_EQ(job.restore().manifest().last_lr(), 2e-3f);
+  ASSERT_GT(job.restore().manifest().files_size(), 0);
+  for (const v1::CheckpointFile& f : job.restore().manifest().files()) {
+    EXPECT_GE(f.optimizer_steps(), 4u);
+  }
   // The FAILED job is gone: the shard holding it lets it go.
   EXPECT_THAT(Beat(a, true, {old_id}).released_jobs(), ElementsAre(old_id));
   EXPECT_EQ(core()->counters().jobs_deleted, 1u);

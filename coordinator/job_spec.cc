@@ -55,6 +55,45 @@ absl::Status CheckOptimizer(v1::OptimizerConfig& opt, uint32_t world_size) {
   return absl::OkStatus();
 }
 
+// Parameter groups: each in range (kernels::ValidateGroupOverrides), names
+// not repeated (an empty one may be), and every tensor naming one that exists.
+absl::Status CheckGroups(const v1::JobSpec& spec) {
+  std::set<std::string> names;
+  for (int g = 0; g < spec.param_groups_size(); ++g) {
+    const v1::ParamGroup& group = spec.param_groups(g);
+    const std::string where = absl::StrCat("param_groups[", g, "]");
+    if (!group.name().empty() && !names.insert(group.name()).second) {
+      return Invalid(absl::StrCat(where, ".name \"", group.name(), "\" is used twice"));
+    }
+    kernels::GroupOverrides o;
+    if (group.has_weight_decay()) o.weight_decay = group.weight_decay();
+    if (group.has_lr_mult()) o.lr_mult = group.lr_mult();
+    if (group.has_beta1()) o.beta1 = group.beta1();
+    if (group.has_beta2()) o.beta2 = group.beta2();
+    if (group.has_momentum()) o.momentum = group.momentum();
+    if (absl::Status s = kernels::ValidateGroupOverrides(o, where); !s.ok()) {
+      return Invalid(s.message());
+    }
+  }
+  for (const v1::TensorSpec& tensor : spec.tensors()) {
+    if (spec.param_groups_size() == 0 && tensor.group() != 0) {
+      return Invalid(absl::StrCat("tensor \"", tensor.name(), "\" has group ", tensor.group(),
+                                  " but the job has no param_groups (group must be 0)"));
+    }
+    if (spec.param_groups_size() > 0 &&
+        tensor.group() >= static_cast<uint32_t>(spec.param_groups_size())) {
+      return Invalid(absl::StrCat("tensor \"", tensor.name(), "\" has group ", tensor.group(),
+                                  " but the job has ", spec.param_groups_size(),
+                                  " param_groups"));
+    }
+  }
+  if (!(spec.max_grad_norm() >= 0) || !std::isfinite(spec.max_grad_norm())) {
+    return Invalid(absl::StrCat("max_grad_norm must be >= 0 and finite (0: no clipping), got ",
+                                spec.max_grad_norm()));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 uint64_t StateBytesPerElemOf(v1::OptimizerKind kind) {
@@ -107,6 +146,7 @@ absl::StatusOr<CheckedSpec> CheckAndFillSpec(v1::JobSpec& spec) {
   if (absl::Status s = CheckOptimizer(*spec.mutable_optimizer(), spec.world_size()); !s.ok()) {
     return s;
   }
+  if (absl::Status s = CheckGroups(spec); !s.ok()) return s;
   if (spec.max_chunk_bytes() == 0) spec.set_max_chunk_bytes(kDefaultMaxChunkBytes);
   if (spec.max_chunk_bytes() < 4) {
     return Invalid("max_chunk_bytes must be 0 (4 MiB) or at least 4 (one fp32 element)");

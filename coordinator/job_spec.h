@@ -33,8 +33,11 @@ struct CheckedSpec {
 // world_size is 0 or too large, replication is not 0 or 1, there is no
 // tensor, a tensor name is empty or repeated, a dimension is not positive,
 // the job is too large, a dtype or the optimizer kind is unset, lr is not
-// positive, another optimizer field is out of range, or the job would have
-// more than kMaxChunksPerJob chunks. Fills the optimizer's defaults for its
+// positive, another optimizer field is out of range, a param group's field
+// is out of range (kernels::ValidateGroupOverrides) or its non-empty name is
+// repeated, a tensor's group names no param group (with none, it must be
+// 0), max_grad_norm is negative or not finite, or the job would have more
+// than kMaxChunksPerJob chunks. Fills the optimizer's defaults for its
 // kind, grad_scale (1/world_size) and max_chunk_bytes (4 MiB).
 absl::StatusOr<CheckedSpec> CheckAndFillSpec(v1::JobSpec& spec);
 

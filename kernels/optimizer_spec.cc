@@ -83,6 +83,29 @@ absl::Status FillDefaultsAndValidate(OptimizerHyper* hyper) {
   return absl::OkStatus();
 }
 
+absl::Status ValidateGroupOverrides(const GroupOverrides& group, absl::string_view where) {
+  auto invalid = [&](absl::string_view field, float value, absl::string_view rule) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, ".", field, " must be ", rule, ", got ", value));
+  };
+  if (group.weight_decay.has_value() && !FiniteNonNegative(*group.weight_decay)) {
+    return invalid("weight_decay", *group.weight_decay, ">= 0 and finite");
+  }
+  if (group.lr_mult.has_value() && (!(*group.lr_mult > 0) || !std::isfinite(*group.lr_mult))) {
+    return invalid("lr_mult", *group.lr_mult, "positive and finite");
+  }
+  if (group.beta1.has_value() && !UnitInterval(*group.beta1)) {
+    return invalid("beta1", *group.beta1, "in [0, 1)");
+  }
+  if (group.beta2.has_value() && !UnitInterval(*group.beta2)) {
+    return invalid("beta2", *group.beta2, "in [0, 1)");
+  }
+  if (group.momentum.has_value() && !UnitInterval(*group.momentum)) {
+    return invalid("momentum", *group.momentum, "in [0, 1)");
+  }
+  return absl::OkStatus();
+}
+
 const StateLayout& LayoutOf(OptimizerKind kind) {
   switch (kind) {
     case OptimizerKind::kAdamW:

@@ -8,6 +8,7 @@
 
 #include <array>
 #include <cstdint>
+#include <optional>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -52,6 +53,22 @@ OptimizerHyper DefaultHyper(OptimizerKind kind);
 // naming the field when one is out of range (lr > 0 and finite, betas and
 // momentum in [0, 1), eps and weight decay >= 0 and finite).
 absl::Status FillDefaultsAndValidate(OptimizerHyper* hyper);
+
+// A parameter group's overrides of its job's settings, as torch.optim's
+// param_groups carry them; an unset field takes the job's value.
+struct GroupOverrides {
+  std::optional<float> weight_decay;
+  std::optional<float> lr_mult;  // The group's lr is the step's lr times this; unset: 1.
+  std::optional<float> beta1;
+  std::optional<float> beta2;
+  std::optional<float> momentum;
+};
+
+// Checks the set fields of `group` with FillDefaultsAndValidate's ranges
+// (weight decay >= 0 and finite, betas and momentum in [0, 1)) and lr_mult
+// > 0 and finite: INVALID_ARGUMENT naming the field as `where` + "." + its
+// name (e.g. "param_groups[1].beta2") and the bad value.
+absl::Status ValidateGroupOverrides(const GroupOverrides& group, absl::string_view where);
 
 // The fp32 arrays a shard keeps per element of a chunk for one optimizer:
 // the master weights first, then the moments, in this order in memory,

@@ -70,6 +70,36 @@ TEST(OptimizerSpecTest, OutOfRangeFieldsAreNamed) {
   }
 }
 
+TEST(OptimizerSpecTest, GroupOverridesAreCheckedOnlyWhenSet) {
+  EXPECT_TRUE(ValidateGroupOverrides(GroupOverrides{}, "param_groups[0]").ok());
+  GroupOverrides zeros;  // Explicit zeros are in range (lr_mult aside).
+  zeros.weight_decay = 0;
+  zeros.beta1 = 0;
+  zeros.beta2 = 0;
+  zeros.momentum = 0;
+  zeros.lr_mult = 0.5f;
+  EXPECT_TRUE(ValidateGroupOverrides(zeros, "param_groups[0]").ok());
+  struct Case {
+    void (*set)(GroupOverrides*);
+    const char* want;
+  } cases[] = {
+      {[](GroupOverrides* g) { g->weight_decay = -0.1f; }, "param_groups[2].weight_decay"},
+      {[](GroupOverrides* g) { g->weight_decay = INFINITY; }, "param_groups[2].weight_decay"},
+      {[](GroupOverrides* g) { g->lr_mult = 0; }, "param_groups[2].lr_mult"},
+      {[](GroupOverrides* g) { g->lr_mult = NAN; }, "param_groups[2].lr_mult"},
+      {[](GroupOverrides* g) { g->beta1 = 1.0f; }, "param_groups[2].beta1"},
+      {[](GroupOverrides* g) { g->beta2 = -0.5f; }, "param_groups[2].beta2"},
+      {[](GroupOverrides* g) { g->momentum = 1.0f; }, "param_groups[2].momentum"},
+  };
+  for (const Case& c : cases) {
+    GroupOverrides g;
+    c.set(&g);
+    absl::Status s = ValidateGroupOverrides(g, "param_groups[2]");
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << c.want;
+    EXPECT_NE(std::string(s.message()).find(c.want), std::string::npos) << s;
+  }
+}
+
 TEST(OptimizerSpecTest, LayoutNamesMatchTorchState) {
   EXPECT_EQ(LayoutOf(OptimizerKind::kAdamW).num_arrays, 3u);
   EXPECT_STREQ(LayoutOf(OptimizerKind::kAdamW).names[2], "exp_avg_sq");
