@@ -13,6 +13,7 @@ PACKAGES=(
   python3-kubernetes
   python3-torch
   clang
+  nlohmann-json3-dev
 )
 
 missing=()
