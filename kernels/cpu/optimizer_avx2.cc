@@ -1,5 +1,5 @@
-// AVX2 + FMA + F16C versions of the fused step, casts, gradient sum and
-// bandwidth-ceiling loop, 8 floats at a time. Same operation order as
+// AVX2 + FMA + F16C versions of the fused step, casts, gradient sum,
+// gradient sum of squares and bandwidth-ceiling loops, 8 floats at a time. Same operation order as
 // optimizer_scalar.cc and no fused multiply-add, so results are bit-identical
 // to it; heads and tails (< 8 elements) run the scalar code. Compiled with
 // -mavx2 -mfma -mf16c: only reached after run-time dispatch has checked the
@@ -356,6 +356,90 @@ void TouchDispatchOut(const StepArgs& a, uint32_t grad_mask, size_t begin, size_
   }
 }
 
+// Squares of the 8 fp32 values of g added, in double, to the lanes of
+// `lo` (g's elements 0-3) and `hi` (4-7).
+void AddSquares(__m256 g, __m256d* lo, __m256d* hi) {
+  const __m256d g_lo = _mm256_cvtps_pd(_mm256_castps256_ps128(g));
+  const __m256d g_hi = _mm256_cvtps_pd(_mm256_extractf128_ps(g, 1));
+  *lo = _mm256_add_pd(*lo, _mm256_mul_pd(g_lo, g_lo));
+  *hi = _mm256_add_pd(*hi, _mm256_mul_pd(g_hi, g_hi));
+}
+
+// The reduction of kNormBlockElems/kNormLanes (optimizer_internal.h): each
+// group of 32 elements is 4 vectors whose squares go to lanes 0-31 in 8
+// accumulators; the lanes go through FinishNormBlock with the block's tail.
+template <DType G>
+void GradSquaresLoop(const StepArgs& a, size_t begin, size_t end, double* block_sums) {
+  static_assert(kNormLanes == 4 * kLanes, "one group is 4 vectors");
+  const __m256 grad_scale = _mm256_set1_ps(a.grad_scale);
+  const size_t num_workers = a.num_workers;
+  const void* local_slots[kLocalSlots];
+  const void* const* slots = a.grads;
+  if (num_workers <= kLocalSlots) {
+    for (size_t w = 0; w < num_workers; ++w) local_slots[w] = a.grads[w];
+    slots = local_slots;
+  }
+  for (size_t block = begin; block < end; block += kNormBlockElems) {
+    const size_t block_end = end - block < kNormBlockElems ? end : block + kNormBlockElems;
+    __m256d acc0 = _mm256_setzero_pd(), acc1 = acc0, acc2 = acc0, acc3 = acc0,
+            acc4 = acc0, acc5 = acc0, acc6 = acc0, acc7 = acc0;
+    size_t i = block;
+    for (; i + kNormLanes <= block_end; i += kNormLanes) {
+      __m256 g0 = Load<G>(slots[0], i);
+      __m256 g1 = Load<G>(slots[0], i + kLanes);
+      __m256 g2 = Load<G>(slots[0], i + 2 * kLanes);
+      __m256 g3 = Load<G>(slots[0], i + 3 * kLanes);
+      for (size_t w = 1; w < num_workers; ++w) {
+        const void* slot = slots[w];
+        g0 = _mm256_add_ps(g0, Load<G>(slot, i));
+        g1 = _mm256_add_ps(g1, Load<G>(slot, i + kLanes));
+        g2 = _mm256_add_ps(g2, Load<G>(slot, i + 2 * kLanes));
+        g3 = _mm256_add_ps(g3, Load<G>(slot, i + 3 * kLanes));
+      }
+      AddSquares(_mm256_mul_ps(g0, grad_scale), &acc0, &acc1);
+      AddSquares(_mm256_mul_ps(g1, grad_scale), &acc2, &acc3);
+      AddSquares(_mm256_mul_ps(g2, grad_scale), &acc4, &acc5);
+      AddSquares(_mm256_mul_ps(g3, grad_scale), &acc6, &acc7);
+    }
+    double lanes[kNormLanes];
+    _mm256_storeu_pd(lanes, acc0);
+    _mm256_storeu_pd(lanes + 4, acc1);
+    _mm256_storeu_pd(lanes + 8, acc2);
+    _mm256_storeu_pd(lanes + 12, acc3);
+    _mm256_storeu_pd(lanes + 16, acc4);
+    _mm256_storeu_pd(lanes + 20, acc5);
+    _mm256_storeu_pd(lanes + 24, acc6);
+    _mm256_storeu_pd(lanes + 28, acc7);
+    block_sums[block / kNormBlockElems] = FinishNormBlock(a, block, i, block_end, lanes);
+  }
+}
+
+// GradSquaresLoop's reads alone: 32 elements of every slot per iteration,
+// OR-ed into one register.
+template <DType G>
+uint32_t ReadLoop(const StepArgs& a, size_t begin, size_t end) {
+  constexpr size_t kVectorsPerGroup = G == DType::kFp32 ? 4 : 2;  // 32 elements
+  constexpr size_t kElemBytes = G == DType::kFp32 ? 4 : 2;
+  __m256i bits = _mm256_setzero_si256();
+  size_t i = begin;
+  for (; i + kNormLanes <= end; i += kNormLanes) {
+    for (size_t w = 0; w < a.num_workers; ++w) {
+      const __m256i* p = reinterpret_cast<const __m256i*>(
+          static_cast<const uint8_t*>(a.grads[w]) + i * kElemBytes);
+      for (size_t v = 0; v < kVectorsPerGroup; ++v) {
+        bits = _mm256_or_si256(bits, _mm256_loadu_si256(p + v));
+      }
+    }
+  }
+  const __m128i half = _mm_or_si128(_mm256_castsi256_si128(bits),
+                                    _mm256_extracti128_si256(bits, 1));
+  const __m128i quarter = _mm_or_si128(half, _mm_srli_si128(half, 8));
+  const __m128i eighth = _mm_or_si128(quarter, _mm_srli_si128(quarter, 4));
+  uint32_t result = static_cast<uint32_t>(_mm_cvtsi128_si32(eighth));
+  if (G != DType::kFp32) result = (result | (result >> 16)) & 0xffff;
+  return result | ReadGradsScalar(a, i, end);
+}
+
 }  // namespace
 
 void StepRangeAvx2(const StepArgs& a, size_t begin, size_t end) {
@@ -404,6 +488,22 @@ void SumGradsAvx2(const StepArgs& a, size_t begin, size_t end, float* dst) {
     case DType::kFp16:
       return SumOut<DType::kFp16>(a, begin, end, dst);
   }
+}
+
+void GradSquaresAvx2(const StepArgs& a, size_t begin, size_t end, double* block_sums) {
+  switch (a.grad_dtype) {
+    case DType::kFp32:
+      return GradSquaresLoop<DType::kFp32>(a, begin, end, block_sums);
+    case DType::kBf16:
+      return GradSquaresLoop<DType::kBf16>(a, begin, end, block_sums);
+    case DType::kFp16:
+      return GradSquaresLoop<DType::kFp16>(a, begin, end, block_sums);
+  }
+}
+
+uint32_t ReadGradsAvx2(const StepArgs& a, size_t begin, size_t end) {
+  if (a.grad_dtype == DType::kFp32) return ReadLoop<DType::kFp32>(a, begin, end);
+  return ReadLoop<DType::kBf16>(a, begin, end);
 }
 
 void TouchAvx2(const StepArgs& a, uint32_t grad_mask, size_t begin, size_t end) {

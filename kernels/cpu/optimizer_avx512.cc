@@ -1,5 +1,5 @@
-// AVX-512 (F + BW) versions of the fused step, casts, gradient sum and
-// bandwidth-ceiling loop, 16 floats at a time. Same operation order as
+// AVX-512 (F + BW) versions of the fused step, casts, gradient sum,
+// gradient sum of squares and bandwidth-ceiling loops, 16 floats at a time. Same operation order as
 // optimizer_scalar.cc and no fused multiply-add, so results are bit-identical
 // to it; heads and tails (< 16 elements) run the scalar code. Compiled with
 // -mavx512f -mavx512bw: only reached after run-time dispatch has checked the
@@ -310,6 +310,86 @@ void TouchDispatchOut(const StepArgs& a, uint32_t grad_mask, size_t begin, size_
   }
 }
 
+// Squares of the 16 fp32 values of g added, in double, to the lanes of
+// `lo` (g's elements 0-7) and `hi` (8-15).
+void AddSquares(__m512 g, __m512d* lo, __m512d* hi) {
+  const __m512d g_lo = _mm512_cvtps_pd(_mm512_castps512_ps256(g));
+  // The upper 8 floats, with AVX-512F only (extractf32x8 would need DQ).
+  const __m512d g_hi = _mm512_cvtps_pd(
+      _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(g), 1)));
+  *lo = _mm512_add_pd(*lo, _mm512_mul_pd(g_lo, g_lo));
+  *hi = _mm512_add_pd(*hi, _mm512_mul_pd(g_hi, g_hi));
+}
+
+// Slot pointers copied to the stack for the loop (more workers than this
+// read them through StepArgs).
+constexpr size_t kLocalSlots = 64;
+
+// The reduction of kNormBlockElems/kNormLanes (optimizer_internal.h): each
+// group of 32 elements is 2 vectors whose squares go to lanes 0-31 in 4
+// accumulators; the lanes go through FinishNormBlock with the block's tail.
+template <DType G>
+void GradSquaresLoop(const StepArgs& a, size_t begin, size_t end, double* block_sums) {
+  static_assert(kNormLanes == 2 * kLanes, "one group is 2 vectors");
+  const __m512 grad_scale = _mm512_set1_ps(a.grad_scale);
+  const size_t num_workers = a.num_workers;
+  const void* local_slots[kLocalSlots];
+  const void* const* slots = a.grads;
+  if (num_workers <= kLocalSlots) {
+    for (size_t w = 0; w < num_workers; ++w) local_slots[w] = a.grads[w];
+    slots = local_slots;
+  }
+  for (size_t block = begin; block < end; block += kNormBlockElems) {
+    const size_t block_end = end - block < kNormBlockElems ? end : block + kNormBlockElems;
+    __m512d acc0 = _mm512_setzero_pd(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
+    size_t i = block;
+    for (; i + kNormLanes <= block_end; i += kNormLanes) {
+      __m512 g0 = Load<G>(slots[0], i);
+      __m512 g1 = Load<G>(slots[0], i + kLanes);
+      for (size_t w = 1; w < num_workers; ++w) {
+        const void* slot = slots[w];
+        g0 = _mm512_add_ps(g0, Load<G>(slot, i));
+        g1 = _mm512_add_ps(g1, Load<G>(slot, i + kLanes));
+      }
+      AddSquares(_mm512_mul_ps(g0, grad_scale), &acc0, &acc1);
+      AddSquares(_mm512_mul_ps(g1, grad_scale), &acc2, &acc3);
+    }
+    double lanes[kNormLanes];
+    _mm512_storeu_pd(lanes, acc0);
+    _mm512_storeu_pd(lanes + 8, acc1);
+    _mm512_storeu_pd(lanes + 16, acc2);
+    _mm512_storeu_pd(lanes + 24, acc3);
+    block_sums[block / kNormBlockElems] = FinishNormBlock(a, block, i, block_end, lanes);
+  }
+}
+
+// GradSquaresLoop's reads alone: 32 elements of every slot per iteration,
+// OR-ed into one register.
+template <DType G>
+uint32_t ReadLoop(const StepArgs& a, size_t begin, size_t end) {
+  constexpr size_t kVectorsPerGroup = G == DType::kFp32 ? 2 : 1;  // 32 elements
+  constexpr size_t kElemBytes = G == DType::kFp32 ? 4 : 2;
+  __m512i bits = _mm512_setzero_si512();
+  size_t i = begin;
+  for (; i + kNormLanes <= end; i += kNormLanes) {
+    for (size_t w = 0; w < a.num_workers; ++w) {
+      const uint8_t* p = static_cast<const uint8_t*>(a.grads[w]) + i * kElemBytes;
+      for (size_t v = 0; v < kVectorsPerGroup; ++v) {
+        bits = _mm512_or_si512(bits, _mm512_loadu_si512(p + 64 * v));
+      }
+    }
+  }
+  const __m256i half = _mm256_or_si256(_mm512_castsi512_si256(bits),
+                                       _mm512_extracti64x4_epi64(bits, 1));
+  const __m128i quarter = _mm_or_si128(_mm256_castsi256_si128(half),
+                                       _mm256_extracti128_si256(half, 1));
+  const __m128i eighth = _mm_or_si128(quarter, _mm_srli_si128(quarter, 8));
+  const __m128i sixteenth = _mm_or_si128(eighth, _mm_srli_si128(eighth, 4));
+  uint32_t result = static_cast<uint32_t>(_mm_cvtsi128_si32(sixteenth));
+  if (G != DType::kFp32) result = (result | (result >> 16)) & 0xffff;
+  return result | ReadGradsScalar(a, i, end);
+}
+
 }  // namespace
 
 void StepRangeAvx512(const StepArgs& a, size_t begin, size_t end) {
@@ -358,6 +438,23 @@ void SumGradsAvx512(const StepArgs& a, size_t begin, size_t end, float* dst) {
     case DType::kFp16:
       return SumOut<DType::kFp16>(a, begin, end, dst);
   }
+}
+
+void GradSquaresAvx512(const StepArgs& a, size_t begin, size_t end,
+                       double* block_sums) {
+  switch (a.grad_dtype) {
+    case DType::kFp32:
+      return GradSquaresLoop<DType::kFp32>(a, begin, end, block_sums);
+    case DType::kBf16:
+      return GradSquaresLoop<DType::kBf16>(a, begin, end, block_sums);
+    case DType::kFp16:
+      return GradSquaresLoop<DType::kFp16>(a, begin, end, block_sums);
+  }
+}
+
+uint32_t ReadGradsAvx512(const StepArgs& a, size_t begin, size_t end) {
+  if (a.grad_dtype == DType::kFp32) return ReadLoop<DType::kFp32>(a, begin, end);
+  return ReadLoop<DType::kBf16>(a, begin, end);
 }
 
 void TouchAvx512(const StepArgs& a, uint32_t grad_mask, size_t begin, size_t end) {
