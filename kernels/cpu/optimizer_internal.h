@@ -80,8 +80,11 @@ constexpr size_t kStreamMinElems = 4096;
 // or a separate multiply give the same sum.
 //
 // 32 lanes: 4 AVX-512, 8 AVX2 or 16 NEON accumulators, enough independent
-// adds to hide the latency of a double add (3-4 cycles) at memory speed.
-// 1024-element blocks: the fold (31 adds) costs ~3% of a block's work.
+// adds to hide the latency of a double add (3-4 cycles) at memory speed; a
+// vector path may hold the lanes in another order as long as it hands them
+// to the fold in this one. 1024-element blocks: a block's fixed costs (the
+// lanes stored, 31 adds, one block sum) are small next to its 32 groups of
+// 32 elements, and the caller's serial sum has one term per 1024 elements.
 constexpr size_t kNormLanes = 32;
 constexpr size_t kNormBlockElems = 1024;
 
