@@ -2,8 +2,9 @@
 // gradient slots in rank order in fp32, scale, apply the optimizer to the fp32
 // master weights and moments, and write the published low-precision copy, all
 // in one pass over memory. Elementwise and summation-order fixed, so results
-// do not depend on how a chunk is split or on the number of threads.
-// Stateless; safe from any thread as long as different calls touch disjoint
+// do not depend on how a chunk is split or on the number of threads. Also the
+// gradient-norm pass that global gradient clipping runs before the step
+// (GradSumOfSquares). Stateless; safe from any thread as long as different calls touch disjoint
 // state. The ThreadPool overload borrows the caller's pool.
 #ifndef OPTIMUS_KERNELS_CPU_OPTIMIZER_H_
 #define OPTIMUS_KERNELS_CPU_OPTIMIZER_H_
