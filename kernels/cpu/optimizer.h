@@ -4,8 +4,9 @@
 // in one pass over memory. Elementwise and summation-order fixed, so results
 // do not depend on how a chunk is split or on the number of threads. Also the
 // gradient-norm pass that global gradient clipping runs before the step
-// (GradSumOfSquares). Stateless; safe from any thread as long as different calls touch disjoint
-// state. The ThreadPool overload borrows the caller's pool.
+// (GradSumOfSquares). Stateless; safe from any thread as long as different
+// calls touch disjoint state. The ThreadPool overloads borrow the caller's
+// pool.
 #ifndef OPTIMUS_KERNELS_CPU_OPTIMIZER_H_
 #define OPTIMUS_KERNELS_CPU_OPTIMIZER_H_
 
