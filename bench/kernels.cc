@@ -10,6 +10,14 @@
 //                (a) a no-math pass with the fused pass's access pattern and
 //                (b) the best unfused pipeline: a vectorized pass summing the
 //                W slots into fp32, the fp32 step, then a vectorized cast.
+//   grad_norm    the gradient-norm pass of global clipping
+//                (kernels::GradSumOfSquares) over W bf16 slots (--norm_workers),
+//                against the bandwidth ceiling of reading the same bytes: a
+//                pass with the same reads, prefetches, split and order and no
+//                math (kernels::ReadGradsPass). Two headline lines: slots
+//                mapped as the shard server maps them ("slots": "mmap"), and
+//                slots from this file's aligned_alloc ("aligned_alloc"), a
+//                layout the pass is slower on; sweeps use "mmap".
 //
 // Each figure is the best of --reps timed runs after one warm-up run (the
 // best, because on a shared machine noise only ever adds time). Runs of the
@@ -19,10 +27,13 @@
 //
 // Usage: bazel run -c opt //bench:kernels -- [--params_mi=64] [--threads=N]
 //        [--reps=5] [--sizes=1,4,16,64,256] [--sweeps=true] [--libtorch=true]
+//        [--benches=adamw_fp32,server_step,grad_norm] [--norm_workers=3]
+#include <sys/mman.h>
 #include <torch/torch.h>
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -37,6 +48,7 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
 #include "common/dtype.h"
@@ -52,6 +64,9 @@ ABSL_FLAG(std::string, sizes, "1,4,16,64,256", "size sweep, Mi parameters each")
 ABSL_FLAG(std::string, workers, "1,2,4,8", "server_step worker counts");
 ABSL_FLAG(bool, sweeps, true, "also run the thread and size sweeps");
 ABSL_FLAG(bool, libtorch, true, "measure torch::optim::AdamW (slow at large sizes)");
+ABSL_FLAG(std::string, benches, "adamw_fp32,server_step,grad_norm",
+          "which benches to run (headline lines and sweeps)");
+ABSL_FLAG(int, norm_workers, 3, "grad_norm: number of bf16 gradient slots");
 
 namespace optimus {
 namespace bench {
@@ -76,6 +91,25 @@ Buffer<T> Alloc(size_t num_elems) {
   }
   return Buffer<T>(static_cast<T*>(p));
 }
+
+// A buffer mapped from the kernel, as the shard server maps its buffers of
+// 64 KiB and more (server/job_table.cc): page aligned, and adjacent maps of
+// one size lie a whole number of sizes apart. The pass over several slots is
+// sensitive to how the slots lie relative to each other (docs/benchmarks.md).
+struct Mapped {
+  void* data = nullptr;
+  size_t bytes = 0;
+  explicit Mapped(size_t n_bytes) : bytes(n_bytes) {
+    data = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (data == MAP_FAILED) {
+      std::fprintf(stderr, "bench/kernels: mmap of %zu bytes failed\n", bytes);
+      std::exit(1);
+    }
+  }
+  ~Mapped() { munmap(data, bytes); }
+  Mapped(const Mapped&) = delete;
+  Mapped& operator=(const Mapped&) = delete;
+};
 
 // Fills with small normal values (no denormals, no overflow over many steps),
 // split over the pool so pages are touched before timing.
@@ -250,6 +284,62 @@ void BenchServerStep(size_t n, int workers, int threads, int reps, const char* s
   std::fflush(stdout);
 }
 
+// ---- grad_norm -------------------------------------------------------------
+
+void BenchGradNorm(size_t n, int workers, int threads, int reps, bool mapped_slots,
+                   const char* sweep) {
+  kernels::ThreadPool pool(threads);
+  std::vector<Buffer<uint16_t>> allocated;
+  std::vector<std::unique_ptr<Mapped>> mapped;
+  std::vector<const void*> slot_ptrs;
+  {
+    Buffer<float> tmp = Alloc<float>(n);
+    for (int w = 0; w < workers; ++w) {
+      FillNormal(tmp.get(), n, 1e-2f, 10 + w, &pool);
+      void* slot;
+      if (mapped_slots) {
+        mapped.push_back(std::make_unique<Mapped>(2 * n));
+        slot = mapped.back()->data;
+      } else {
+        allocated.push_back(Alloc<uint16_t>(n));
+        slot = allocated.back().get();
+      }
+      kernels::CastFromFp32(tmp.get(), n, slot, DType::kBf16, &pool);
+      slot_ptrs.push_back(slot);
+    }
+  }
+  kernels::StepInputs in;
+  in.grads = absl::MakeConstSpan(slot_ptrs);
+  in.grad_dtype = DType::kBf16;
+  in.grad_scale = 1.0f / static_cast<float>(workers);
+
+  double sum_of_squares = 0;
+  uint32_t bits = 0;
+  auto norm = [&] {
+    absl::StatusOr<double> r = kernels::GradSumOfSquares(in, n, &pool);
+    Check(r.status(), "GradSumOfSquares");
+    sum_of_squares = *r;
+  };
+  auto ceiling = [&] {
+    absl::StatusOr<uint32_t> r = kernels::ReadGradsPass(in, n, &pool);
+    Check(r.status(), "ReadGradsPass");
+    bits |= *r;
+  };
+  const std::vector<double> t = BestTimes({norm, ceiling}, reps);
+  const double bytes = 2.0 * workers * static_cast<double>(n);  // W bf16 slots read
+  const double x = bytes / t[0] / 1e9, c = bytes / t[1] / 1e9;
+  std::printf(
+      "{\"bench\": \"grad_norm\", \"sweep\": \"%s\", \"isa\": \"%s\", \"workers\": %d, "
+      "\"grad_dtype\": \"bf16\", \"slots\": \"%s\", \"params\": %zu, \"threads\": %d, "
+      "\"gparams_per_s\": %.4f, "
+      "\"gbytes_per_s\": %.2f, \"ceiling_gbytes_per_s\": %.2f, \"ratio_to_ceiling\": %.3f, "
+      "\"grad_norm\": %.6g, \"read_bits\": %u}\n",
+      SweepName(sweep), std::string(kernels::ActiveIsa()).c_str(), workers,
+      mapped_slots ? "mmap" : "aligned_alloc", n, threads, n / t[0] / 1e9, x, c, x / c,
+      std::sqrt(sum_of_squares), bits);
+  std::fflush(stdout);
+}
+
 std::vector<int64_t> ParseList(const std::string& s, const char* flag) {
   std::vector<int64_t> out;
   for (absl::string_view part : absl::StrSplit(s, ',', absl::SkipEmpty())) {
@@ -278,18 +368,45 @@ int Main() {
                        : static_cast<size_t>(absl::GetFlag(FLAGS_params_mi)) << 20;
   const std::vector<int64_t> sizes = ParseList(absl::GetFlag(FLAGS_sizes), "sizes");
   const std::vector<int64_t> workers = ParseList(absl::GetFlag(FLAGS_workers), "workers");
+  const int norm_workers = absl::GetFlag(FLAGS_norm_workers);
+  if (norm_workers <= 0) {
+    std::fprintf(stderr, "bench/kernels: --norm_workers must be positive\n");
+    return 2;
+  }
+  bool adamw = false, server = false, norm = false;
+  for (absl::string_view b : absl::StrSplit(absl::GetFlag(FLAGS_benches), ',', absl::SkipEmpty())) {
+    if (b == "adamw_fp32") {
+      adamw = true;
+    } else if (b == "server_step") {
+      server = true;
+    } else if (b == "grad_norm") {
+      norm = true;
+    } else {
+      std::fprintf(stderr, "bench/kernels: --benches: unknown bench '%s'\n",
+                   std::string(b).c_str());
+      return 2;
+    }
+  }
 
-  BenchAdamWFp32(n, threads, reps, libtorch, "headline");
-  for (int64_t w : workers) BenchServerStep(n, static_cast<int>(w), threads, reps, "headline");
+  if (adamw) BenchAdamWFp32(n, threads, reps, libtorch, "headline");
+  if (server) {
+    for (int64_t w : workers) BenchServerStep(n, static_cast<int>(w), threads, reps, "headline");
+  }
+  if (norm) {
+    BenchGradNorm(n, norm_workers, threads, reps, /*mapped_slots=*/true, "headline");
+    BenchGradNorm(n, norm_workers, threads, reps, /*mapped_slots=*/false, "headline");
+  }
   if (!absl::GetFlag(FLAGS_sweeps)) return 0;
   for (int t = 1; t <= nproc; ++t) {
-    BenchAdamWFp32(n, t, reps, libtorch, "threads");
-    BenchServerStep(n, 4, t, reps, "threads");
+    if (adamw) BenchAdamWFp32(n, t, reps, libtorch, "threads");
+    if (server) BenchServerStep(n, 4, t, reps, "threads");
+    if (norm) BenchGradNorm(n, norm_workers, t, reps, /*mapped_slots=*/true, "threads");
   }
   for (int64_t mi : sizes) {
     const size_t sn = static_cast<size_t>(mi) << 20;
-    BenchAdamWFp32(sn, threads, reps, libtorch, "size");
-    BenchServerStep(sn, 4, threads, reps, "size");
+    if (adamw) BenchAdamWFp32(sn, threads, reps, libtorch, "size");
+    if (server) BenchServerStep(sn, 4, threads, reps, "size");
+    if (norm) BenchGradNorm(sn, norm_workers, threads, reps, /*mapped_slots=*/true, "size");
   }
   return 0;
 }

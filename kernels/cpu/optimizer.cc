@@ -1,10 +1,11 @@
 // Validation, per-step constants and run-time ISA dispatch for the fused
-// optimizer step, and the split of a chunk over a thread pool. The math
-// itself lives in optimizer_{scalar,avx2,avx512,neon}.cc.
+// optimizer step and the gradient-norm pass, and the split of a chunk over a
+// thread pool. The math itself lives in optimizer_{scalar,avx2,avx512,neon}.cc.
 #include "kernels/cpu/optimizer.h"
 
 #include <cmath>
 #include <cstddef>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -22,8 +23,9 @@ bool ValidDType(DType d) {
   return d == DType::kFp32 || d == DType::kBf16 || d == DType::kFp16;
 }
 
-absl::Status Invalid(absl::string_view what) {
-  return absl::InvalidArgumentError(absl::StrCat("FusedStep: ", what));
+absl::Status Invalid(absl::string_view what,
+                     absl::string_view caller = "FusedStep") {
+  return absl::InvalidArgumentError(absl::StrCat(caller, ": ", what));
 }
 
 absl::Status CheckNonNegativeFinite(const char* name, float value) {
@@ -45,17 +47,23 @@ absl::Status CheckBeta(const char* name, float value) {
 // threads write one line) and enough work to amortize the hand-off to a
 // pool thread (a few microseconds).
 constexpr size_t kSplitGrainElems = 16384;
+// So that every thread's range starts at a GradSumOfSquares block.
+static_assert(kSplitGrainElems % kNormBlockElems == 0,
+              "thread ranges must be made of whole norm blocks");
 
-const IsaKernels kScalarKernels = {"scalar", &StepRangeScalar,
-                                   &CastFromFp32Scalar, &CastToFp32Scalar,
-                                   &SumGradsScalar, &TouchScalar};
+const IsaKernels kScalarKernels = {
+    "scalar",           &StepRangeScalar, &CastFromFp32Scalar,
+    &CastToFp32Scalar,  &SumGradsScalar,  &TouchScalar,
+    &GradSquaresScalar, &ReadGradsScalar};
 
 #if defined(__x86_64__)
-const IsaKernels kAvx2Kernels = {"avx2", &StepRangeAvx2, &CastFromFp32Avx2,
-                                 &CastToFp32Avx2, &SumGradsAvx2, &TouchAvx2};
-const IsaKernels kAvx512Kernels = {"avx512", &StepRangeAvx512,
-                                   &CastFromFp32Avx512, &CastToFp32Avx512,
-                                   &SumGradsAvx512, &TouchAvx512};
+const IsaKernels kAvx2Kernels = {
+    "avx2",          &StepRangeAvx2,   &CastFromFp32Avx2, &CastToFp32Avx2,
+    &SumGradsAvx2,   &TouchAvx2,       &GradSquaresAvx2,  &ReadGradsAvx2};
+const IsaKernels kAvx512Kernels = {
+    "avx512",          &StepRangeAvx512, &CastFromFp32Avx512,
+    &CastToFp32Avx512, &SumGradsAvx512,  &TouchAvx512,
+    &GradSquaresAvx512, &ReadGradsAvx512};
 
 // __builtin_cpu_supports also checks that the OS saves the wider registers.
 bool CpuRunsAvx2() {
@@ -73,9 +81,10 @@ bool CpuRunsAvx512() {
 
 #if defined(__aarch64__)
 // Advanced SIMD is part of the AArch64 base architecture: no run-time check.
-// The bandwidth-ceiling loop is the scalar one (benchmarks run on x86).
-const IsaKernels kNeonKernels = {"neon", &StepRangeNeon, &CastFromFp32Neon,
-                                 &CastToFp32Neon, &SumGradsNeon, &TouchScalar};
+// The bandwidth-ceiling loops are the scalar ones (benchmarks run on x86).
+const IsaKernels kNeonKernels = {
+    "neon",         &StepRangeNeon, &CastFromFp32Neon, &CastToFp32Neon,
+    &SumGradsNeon,  &TouchScalar,   &GradSquaresNeon,  &ReadGradsScalar};
 #endif
 
 const IsaKernels* ChooseKernels() {
@@ -105,11 +114,57 @@ absl::Status RunStep(const IsaKernels& kernels, const OptimizerHyper& hyper,
   return absl::OkStatus();
 }
 
+absl::StatusOr<double> RunGradSumOfSquares(const IsaKernels& kernels,
+                                           const StepInputs& in,
+                                           size_t num_elems, ThreadPool* pool) {
+  StepArgs args;
+  absl::Status status = PrepareGrads("GradSumOfSquares", in, &args);
+  if (!status.ok()) return status;
+  // One slot per block, so that the ranges of a split write disjoint sums
+  // and the sums are added in one fixed order below whatever the split.
+  std::vector<double> block_sums((num_elems + kNormBlockElems - 1) / kNormBlockElems);
+  if (pool == nullptr || pool->num_threads() == 1) {
+    kernels.grad_squares(args, 0, num_elems, block_sums.data());
+  } else {
+    pool->ParallelFor(num_elems, kSplitGrainElems, [&](size_t begin, size_t end) {
+      kernels.grad_squares(args, begin, end, block_sums.data());
+    });
+  }
+  double total = 0.0;
+  for (const double block_sum : block_sums) total = total + block_sum;
+  return total;
+}
+
 }  // namespace
 
 const IsaKernels& ActiveKernels() {
   static const IsaKernels* const kernels = ChooseKernels();
   return *kernels;
+}
+
+absl::Status PrepareGrads(absl::string_view caller, const StepInputs& in,
+                          StepArgs* args) {
+  if (in.grads.empty()) return Invalid("no gradient slots (grads is empty)", caller);
+  for (size_t w = 0; w < in.grads.size(); ++w) {
+    if (in.grads[w] == nullptr) {
+      return Invalid(absl::StrCat("gradient slot of worker rank ", w, " is null"),
+                     caller);
+    }
+  }
+  if (!ValidDType(in.grad_dtype)) {
+    return Invalid(
+        absl::StrCat("invalid grad_dtype ", static_cast<int>(in.grad_dtype)),
+        caller);
+  }
+  if (!std::isfinite(in.grad_scale)) {
+    return Invalid(absl::StrCat("grad_scale must be finite, got ", in.grad_scale),
+                   caller);
+  }
+  args->grads = in.grads.data();
+  args->num_workers = in.grads.size();
+  args->grad_dtype = in.grad_dtype;
+  args->grad_scale = in.grad_scale;
+  return absl::OkStatus();
 }
 
 absl::Status PrepareStep(const OptimizerHyper& hyper, const StepInputs& in,
@@ -121,27 +176,16 @@ absl::Status PrepareStep(const OptimizerHyper& hyper, const StepInputs& in,
     return Invalid(absl::StrCat("unknown optimizer kind ",
                                 static_cast<int>(kind)));
   }
-  if (in.grads.empty()) return Invalid("no gradient slots (grads is empty)");
-  for (size_t w = 0; w < in.grads.size(); ++w) {
-    if (in.grads[w] == nullptr) {
-      return Invalid(absl::StrCat("gradient slot of worker rank ", w, " is null"));
-    }
-  }
-  if (!ValidDType(in.grad_dtype)) {
-    return Invalid(absl::StrCat("invalid grad_dtype ",
-                                static_cast<int>(in.grad_dtype)));
-  }
+  absl::Status status = PrepareGrads("FusedStep", in, args);
+  if (!status.ok()) return status;
   if (!ValidDType(out_dtype)) {
     return Invalid(absl::StrCat("invalid out_dtype ", static_cast<int>(out_dtype)));
-  }
-  if (!std::isfinite(in.grad_scale)) {
-    return Invalid(absl::StrCat("grad_scale must be finite, got ", in.grad_scale));
   }
   if (in.step < 1) {
     return Invalid(absl::StrCat("step must be >= 1 (1-based), got ", in.step));
   }
   if (state.master == nullptr) return Invalid("state.master is null");
-  absl::Status status = CheckNonNegativeFinite("lr", hyper.lr);
+  status = CheckNonNegativeFinite("lr", hyper.lr);
   if (!status.ok()) return status;
   status = CheckNonNegativeFinite("weight_decay", hyper.weight_decay);
   if (!status.ok()) return status;
@@ -201,10 +245,6 @@ absl::Status PrepareStep(const OptimizerHyper& hyper, const StepInputs& in,
     }
   }
 
-  args->grads = in.grads.data();
-  args->num_workers = in.grads.size();
-  args->grad_dtype = in.grad_dtype;
-  args->grad_scale = in.grad_scale;
   args->master = state.master;
   args->m = state.m;
   args->v = state.v;
@@ -242,6 +282,15 @@ absl::Status FusedStepWithIsa(absl::string_view isa,
                  /*pool=*/nullptr);
 }
 
+absl::StatusOr<double> GradSumOfSquaresWithIsa(absl::string_view isa,
+                                               const StepInputs& in,
+                                               size_t num_elems,
+                                               ThreadPool* pool) {
+  absl::StatusOr<const IsaKernels*> kernels = KernelsForIsa(isa);
+  if (!kernels.ok()) return kernels.status();
+  return RunGradSumOfSquares(**kernels, in, num_elems, pool);
+}
+
 }  // namespace internal
 
 absl::Status FusedStep(const OptimizerHyper& hyper, const StepInputs& in,
@@ -263,6 +312,12 @@ absl::Status FusedStepScalar(const OptimizerHyper& hyper, const StepInputs& in,
                              DType out_dtype) {
   return internal::RunStep(internal::kScalarKernels, hyper, in, num_elems,
                            state, out, out_dtype, /*pool=*/nullptr);
+}
+
+absl::StatusOr<double> GradSumOfSquares(const StepInputs& in, size_t num_elems,
+                                        ThreadPool* pool) {
+  return internal::RunGradSumOfSquares(internal::ActiveKernels(), in, num_elems,
+                                       pool);
 }
 
 void CastFromFp32(const float* src, size_t num_elems, void* dst,

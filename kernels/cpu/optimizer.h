@@ -2,9 +2,11 @@
 // gradient slots in rank order in fp32, scale, apply the optimizer to the fp32
 // master weights and moments, and write the published low-precision copy, all
 // in one pass over memory. Elementwise and summation-order fixed, so results
-// do not depend on how a chunk is split or on the number of threads.
-// Stateless; safe from any thread as long as different calls touch disjoint
-// state. The ThreadPool overload borrows the caller's pool.
+// do not depend on how a chunk is split or on the number of threads. Also the
+// gradient-norm pass that global gradient clipping runs before the step
+// (GradSumOfSquares). Stateless; safe from any thread as long as different
+// calls touch disjoint state. The ThreadPool overloads borrow the caller's
+// pool.
 #ifndef OPTIMUS_KERNELS_CPU_OPTIMIZER_H_
 #define OPTIMUS_KERNELS_CPU_OPTIMIZER_H_
 
@@ -12,6 +14,7 @@
 #include <cstdint>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
 #include "common/dtype.h"
@@ -67,6 +70,23 @@ absl::Status FusedStep(const OptimizerHyper& hyper, const StepInputs& in,
 absl::Status FusedStepScalar(const OptimizerHyper& hyper, const StepInputs& in,
                              size_t num_elems, ChunkState state, void* out,
                              DType out_dtype);
+
+// The clipping round's pass over one chunk: the gradient FusedStep would
+// apply (the fp32 sum of the W slots in rank order, times in.grad_scale,
+// bit for bit as FusedStep computes it), squared and summed in double.
+// Non-finite gradient values (an inf or NaN in a slot, or an fp32 sum over
+// the slots that overflows) make the result inf or NaN (a caller tests
+// std::isfinite); finite values cannot overflow the double sum.
+// Deterministic: the same bits for any thread count and any pool (fixed
+// blocks of 1024 elements, each summed in a fixed order, blocks added in
+// order), and for every ISA (avx512, avx2, neon and scalar compute the same
+// double; only the payload of a NaN result may differ between them).
+// in.step is ignored. `pool` is borrowed; null or a 1-thread pool runs on
+// the calling thread. Returns +0 for num_elems == 0. InvalidArgument for an
+// empty grads span, null pointers, a bad grad_dtype or a non-finite
+// grad_scale (FusedStep rejects those too).
+absl::StatusOr<double> GradSumOfSquares(const StepInputs& in, size_t num_elems,
+                                        ThreadPool* pool);
 
 // Converts num_elems fp32 values to dst_dtype (a vectorized cast).
 void CastFromFp32(const float* src, size_t num_elems, void* dst, DType dst_dtype);

@@ -1,5 +1,5 @@
-// AVX2 + FMA + F16C versions of the fused step, casts, gradient sum and
-// bandwidth-ceiling loop, 8 floats at a time. Same operation order as
+// AVX2 + FMA + F16C versions of the fused step, casts, gradient sum,
+// gradient sum of squares and bandwidth-ceiling loops, 8 floats at a time. Same operation order as
 // optimizer_scalar.cc and no fused multiply-add, so results are bit-identical
 // to it; heads and tails (< 8 elements) run the scalar code. Compiled with
 // -mavx2 -mfma -mf16c: only reached after run-time dispatch has checked the
@@ -356,6 +356,163 @@ void TouchDispatchOut(const StepArgs& a, uint32_t grad_mask, size_t begin, size_
   }
 }
 
+// Squares of the 8 fp32 values of g added, in double, to the lanes of
+// `lo` (g's elements 0-3) and `hi` (4-7).
+void AddSquares(__m256 g, __m256d* lo, __m256d* hi) {
+  const __m256d g_lo = _mm256_cvtps_pd(_mm256_castps256_ps128(g));
+  const __m256d g_hi = _mm256_cvtps_pd(_mm256_extractf128_ps(g, 1));
+  *lo = _mm256_add_pd(*lo, _mm256_mul_pd(g_lo, g_lo));
+  *hi = _mm256_add_pd(*hi, _mm256_mul_pd(g_hi, g_hi));
+}
+
+// GradSquaresLoop and ReadLoop prefetch each slot this far ahead: see the
+// AVX-512 file, where it was measured (this file's loops do the same work
+// per cache line, with half-width vectors).
+constexpr size_t kPrefetchBytes = 8192;
+
+// Lanes of a group of 32 elements in 8 accumulators of 4 doubles. fp32 and
+// fp16 load elements in order: accumulator k holds lanes 4k..4k+3. bf16
+// loads 16 elements per vector and splits even and odd elements (a shift
+// and a mask, no shuffle): accumulators 0-3 hold lanes 0, 2, 4, 6 / 8, 10,
+// 12, 14 / 16, .. / 24, .., 30, and 4-7 the odd lanes 1, 3, 5, 7 / ... / 25,
+// .., 31. (Its member functions are in an anonymous namespace, so no other
+// file can link to these AVX2 copies.)
+template <DType G>
+struct Group {
+  __m256d acc[8] = {_mm256_setzero_pd(), _mm256_setzero_pd(), _mm256_setzero_pd(),
+                    _mm256_setzero_pd(), _mm256_setzero_pd(), _mm256_setzero_pd(),
+                    _mm256_setzero_pd(), _mm256_setzero_pd()};
+
+  void Add(const void* const* slots, size_t num_workers, __m256 grad_scale, size_t i) {
+    __m256 g0, g1, g2, g3;
+    if constexpr (G == DType::kBf16) {
+      // g0, g1: even and odd of elements 0-15; g2, g3: of 16-31.
+      const __m256i high = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+      const uint16_t* s = static_cast<const uint16_t*>(slots[0]) + i;
+      __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s));
+      __m256i y = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 16));
+      g0 = _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
+      g1 = _mm256_castsi256_ps(_mm256_and_si256(x, high));
+      g2 = _mm256_castsi256_ps(_mm256_slli_epi32(y, 16));
+      g3 = _mm256_castsi256_ps(_mm256_and_si256(y, high));
+      for (size_t w = 1; w < num_workers; ++w) {
+        s = static_cast<const uint16_t*>(slots[w]) + i;
+        x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s));
+        y = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 16));
+        g0 = _mm256_add_ps(g0, _mm256_castsi256_ps(_mm256_slli_epi32(x, 16)));
+        g1 = _mm256_add_ps(g1, _mm256_castsi256_ps(_mm256_and_si256(x, high)));
+        g2 = _mm256_add_ps(g2, _mm256_castsi256_ps(_mm256_slli_epi32(y, 16)));
+        g3 = _mm256_add_ps(g3, _mm256_castsi256_ps(_mm256_and_si256(y, high)));
+      }
+      AddSquares(_mm256_mul_ps(g0, grad_scale), &acc[0], &acc[1]);
+      AddSquares(_mm256_mul_ps(g1, grad_scale), &acc[4], &acc[5]);
+      AddSquares(_mm256_mul_ps(g2, grad_scale), &acc[2], &acc[3]);
+      AddSquares(_mm256_mul_ps(g3, grad_scale), &acc[6], &acc[7]);
+    } else {
+      g0 = Load<G>(slots[0], i);
+      g1 = Load<G>(slots[0], i + kLanes);
+      g2 = Load<G>(slots[0], i + 2 * kLanes);
+      g3 = Load<G>(slots[0], i + 3 * kLanes);
+      for (size_t w = 1; w < num_workers; ++w) {
+        const void* slot = slots[w];
+        g0 = _mm256_add_ps(g0, Load<G>(slot, i));
+        g1 = _mm256_add_ps(g1, Load<G>(slot, i + kLanes));
+        g2 = _mm256_add_ps(g2, Load<G>(slot, i + 2 * kLanes));
+        g3 = _mm256_add_ps(g3, Load<G>(slot, i + 3 * kLanes));
+      }
+      AddSquares(_mm256_mul_ps(g0, grad_scale), &acc[0], &acc[1]);
+      AddSquares(_mm256_mul_ps(g1, grad_scale), &acc[2], &acc[3]);
+      AddSquares(_mm256_mul_ps(g2, grad_scale), &acc[4], &acc[5]);
+      AddSquares(_mm256_mul_ps(g3, grad_scale), &acc[6], &acc[7]);
+    }
+  }
+
+  // The 32 lanes in documented order.
+  void Store(double* lanes) const {
+    if constexpr (G == DType::kBf16) {
+      for (size_t k = 0; k < 4; ++k) {
+        // Even lanes e0 e1 e2 e3 and odd lanes o0 o1 o2 o3 of 8 elements.
+        const __m256d lo = _mm256_unpacklo_pd(acc[k], acc[k + 4]);  // e0 o0 e2 o2
+        const __m256d hi = _mm256_unpackhi_pd(acc[k], acc[k + 4]);  // e1 o1 e3 o3
+        _mm256_storeu_pd(lanes + 8 * k, _mm256_permute2f128_pd(lo, hi, 0x20));
+        _mm256_storeu_pd(lanes + 8 * k + 4, _mm256_permute2f128_pd(lo, hi, 0x31));
+      }
+    } else {
+      for (size_t k = 0; k < 8; ++k) _mm256_storeu_pd(lanes + 4 * k, acc[k]);
+    }
+  }
+};
+
+// The reduction of kNormBlockElems/kNormLanes (optimizer_internal.h): whole
+// groups of 32 elements in vectors (Group), then FinishNormBlock with the
+// block's tail.
+template <DType G>
+void GradSquaresLoop(const StepArgs& a, size_t begin, size_t end, double* block_sums) {
+  static_assert(kNormLanes == 4 * kLanes, "one group is 4 vectors");
+  const __m256 grad_scale = _mm256_set1_ps(a.grad_scale);
+  const size_t num_workers = a.num_workers;
+  const void* local_slots[kLocalSlots];
+  const void* const* slots = a.grads;
+  if (num_workers <= kLocalSlots) {
+    for (size_t w = 0; w < num_workers; ++w) local_slots[w] = a.grads[w];
+    slots = local_slots;
+  }
+  constexpr size_t kElemBytes = G == DType::kFp32 ? 4 : 2;
+  constexpr size_t kPrefetchElems = kPrefetchBytes / kElemBytes;
+  for (size_t block = begin; block < end; block += kNormBlockElems) {
+    const size_t block_end = end - block < kNormBlockElems ? end : block + kNormBlockElems;
+    Group<G> group;
+    size_t i = block;
+    for (; i + kNormLanes <= block_end; i += kNormLanes) {
+      if (i + kPrefetchElems + kNormLanes <= end) {  // never past the range
+        for (size_t w = 0; w < num_workers; ++w) {
+          // One group is 32 elements: one cache line of bf16/fp16, two of fp32.
+          const char* p = static_cast<const char*>(slots[w]) + (i + kPrefetchElems) * kElemBytes;
+          _mm_prefetch(p, _MM_HINT_T0);
+          if (kElemBytes == 4) _mm_prefetch(p + 64, _MM_HINT_T0);
+        }
+      }
+      group.Add(slots, num_workers, grad_scale, i);
+    }
+    double lanes[kNormLanes];
+    group.Store(lanes);
+    block_sums[block / kNormBlockElems] = FinishNormBlock(a, block, i, block_end, lanes);
+  }
+}
+
+// GradSquaresLoop's reads alone: 32 elements of every slot per iteration,
+// OR-ed into one register, with the same prefetches.
+template <DType G>
+uint32_t ReadLoop(const StepArgs& a, size_t begin, size_t end) {
+  constexpr size_t kVectorsPerGroup = G == DType::kFp32 ? 4 : 2;  // 32 elements
+  constexpr size_t kElemBytes = G == DType::kFp32 ? 4 : 2;
+  __m256i bits = _mm256_setzero_si256();
+  size_t i = begin;
+  for (; i + kNormLanes <= end; i += kNormLanes) {
+    if (i + kPrefetchBytes / kElemBytes + kNormLanes <= end) {  // as GradSquaresLoop
+      for (size_t w = 0; w < a.num_workers; ++w) {
+        const char* p = static_cast<const char*>(a.grads[w]) + i * kElemBytes + kPrefetchBytes;
+        _mm_prefetch(p, _MM_HINT_T0);
+        if (kElemBytes == 4) _mm_prefetch(p + 64, _MM_HINT_T0);
+      }
+    }
+    for (size_t w = 0; w < a.num_workers; ++w) {
+      const __m256i* p = reinterpret_cast<const __m256i*>(
+          static_cast<const uint8_t*>(a.grads[w]) + i * kElemBytes);
+      for (size_t v = 0; v < kVectorsPerGroup; ++v) {
+        bits = _mm256_or_si256(bits, _mm256_loadu_si256(p + v));
+      }
+    }
+  }
+  const __m128i half = _mm_or_si128(_mm256_castsi256_si128(bits),
+                                    _mm256_extracti128_si256(bits, 1));
+  const __m128i quarter = _mm_or_si128(half, _mm_srli_si128(half, 8));
+  const __m128i eighth = _mm_or_si128(quarter, _mm_srli_si128(quarter, 4));
+  uint32_t result = static_cast<uint32_t>(_mm_cvtsi128_si32(eighth));
+  if (G != DType::kFp32) result = (result | (result >> 16)) & 0xffff;
+  return result | ReadGradsScalar(a, i, end);
+}
+
 }  // namespace
 
 void StepRangeAvx2(const StepArgs& a, size_t begin, size_t end) {
@@ -404,6 +561,22 @@ void SumGradsAvx2(const StepArgs& a, size_t begin, size_t end, float* dst) {
     case DType::kFp16:
       return SumOut<DType::kFp16>(a, begin, end, dst);
   }
+}
+
+void GradSquaresAvx2(const StepArgs& a, size_t begin, size_t end, double* block_sums) {
+  switch (a.grad_dtype) {
+    case DType::kFp32:
+      return GradSquaresLoop<DType::kFp32>(a, begin, end, block_sums);
+    case DType::kBf16:
+      return GradSquaresLoop<DType::kBf16>(a, begin, end, block_sums);
+    case DType::kFp16:
+      return GradSquaresLoop<DType::kFp16>(a, begin, end, block_sums);
+  }
+}
+
+uint32_t ReadGradsAvx2(const StepArgs& a, size_t begin, size_t end) {
+  if (a.grad_dtype == DType::kFp32) return ReadLoop<DType::kFp32>(a, begin, end);
+  return ReadLoop<DType::kBf16>(a, begin, end);
 }
 
 void TouchAvx2(const StepArgs& a, uint32_t grad_mask, size_t begin, size_t end) {

@@ -69,6 +69,31 @@ struct StepArgs {
 // when a worker pulls it, and the fence would cost more than it saves).
 constexpr size_t kStreamMinElems = 4096;
 
+// GradSumOfSquares' reduction, fixed so that every ISA, split and thread
+// count computes the same double: the chunk is cut into blocks of
+// kNormBlockElems elements from its start; within a block, element i adds
+// g_i * g_i to lane (i - block start) % kNormLanes in index order (each lane
+// starts at +0); the lanes are then folded in halves (lane j += lane j + 16
+// for j < 16, then j += j + 8, j + 4, j + 2, j + 1) to the block's sum, and
+// the caller adds the block sums in block order. g_i * g_i is exact in
+// double (a float has 24 significant bits, its square at most 48), so an FMA
+// or a separate multiply give the same sum.
+//
+// 32 lanes: 4 AVX-512, 8 AVX2 or 16 NEON accumulators, enough independent
+// adds to hide the latency of a double add (3-4 cycles) at memory speed; a
+// vector path may hold the lanes in another order as long as it hands them
+// to the fold in this one. 1024-element blocks: a block's fixed costs (the
+// lanes stored, 31 adds, one block sum) are small next to its 32 groups of
+// 32 elements, and the caller's serial sum has one term per 1024 elements.
+constexpr size_t kNormLanes = 32;
+constexpr size_t kNormBlockElems = 1024;
+
+// Validates the gradient inputs (slots, dtype, grad_scale) and fills the
+// gradient fields of `args`; InvalidArgument, with `caller` in the message,
+// on bad input.
+absl::Status PrepareGrads(absl::string_view caller, const StepInputs& in,
+                          StepArgs* args);
+
 // Validates the inputs and fills `args`; InvalidArgument on bad input.
 absl::Status PrepareStep(const OptimizerHyper& hyper, const StepInputs& in,
                          ChunkState state, void* out, DType out_dtype,
@@ -92,6 +117,18 @@ using SumGradsFn = void (*)(const StepArgs& args, size_t begin, size_t end,
 // grad_mask of 0 (opaque to the compiler) leaves the state unchanged.
 using TouchFn = void (*)(const StepArgs& args, uint32_t grad_mask,
                          size_t begin, size_t end);
+// GradSumOfSquares' kernel over elements [begin, end) of the chunk of
+// args.grads (only the gradient fields of args are read): writes
+// block_sums[b] for every block b of kNormBlockElems that [begin, end)
+// covers. begin must be a multiple of kNormBlockElems, and end one too or
+// the chunk's end.
+using GradSquaresFn = void (*)(const StepArgs& args, size_t begin, size_t end,
+                               double* block_sums);
+// GradSumOfSquares' memory traffic with no arithmetic, for the benchmarks'
+// bandwidth ceiling: reads elements [begin, end) of every grad slot in the
+// same order and returns the OR of their bits (so no read can be dropped).
+using ReadGradsFn = uint32_t (*)(const StepArgs& args, size_t begin,
+                                 size_t end);
 
 void StepRangeScalar(const StepArgs& args, size_t begin, size_t end);
 void CastFromFp32Scalar(const float* src, size_t begin, size_t end, void* dst,
@@ -101,6 +138,15 @@ void CastToFp32Scalar(const void* src, DType src_dtype, size_t begin,
 void SumGradsScalar(const StepArgs& args, size_t begin, size_t end, float* dst);
 void TouchScalar(const StepArgs& args, uint32_t grad_mask, size_t begin,
                  size_t end);
+void GradSquaresScalar(const StepArgs& args, size_t begin, size_t end,
+                       double* block_sums);
+uint32_t ReadGradsScalar(const StepArgs& args, size_t begin, size_t end);
+// The end of one block of GradSquares for the vector paths: adds the squares
+// of elements [i, block_end) (the tail after the last whole vector group) to
+// lanes[(i - block_begin) % kNormLanes], folds the kNormLanes lanes (they
+// are overwritten) and returns the block's sum.
+double FinishNormBlock(const StepArgs& args, size_t block_begin, size_t i,
+                       size_t block_end, double* lanes);
 
 #if defined(__x86_64__)
 void StepRangeAvx2(const StepArgs& args, size_t begin, size_t end);
@@ -119,6 +165,12 @@ void TouchAvx2(const StepArgs& args, uint32_t grad_mask, size_t begin,
 void SumGradsAvx512(const StepArgs& args, size_t begin, size_t end, float* dst);
 void TouchAvx512(const StepArgs& args, uint32_t grad_mask, size_t begin,
                  size_t end);
+void GradSquaresAvx2(const StepArgs& args, size_t begin, size_t end,
+                     double* block_sums);
+uint32_t ReadGradsAvx2(const StepArgs& args, size_t begin, size_t end);
+void GradSquaresAvx512(const StepArgs& args, size_t begin, size_t end,
+                       double* block_sums);
+uint32_t ReadGradsAvx512(const StepArgs& args, size_t begin, size_t end);
 #endif
 
 #if defined(__aarch64__)
@@ -128,6 +180,8 @@ void CastFromFp32Neon(const float* src, size_t begin, size_t end, void* dst,
 void CastToFp32Neon(const void* src, DType src_dtype, size_t begin, size_t end,
                     float* dst);
 void SumGradsNeon(const StepArgs& args, size_t begin, size_t end, float* dst);
+void GradSquaresNeon(const StepArgs& args, size_t begin, size_t end,
+                     double* block_sums);
 #endif
 
 struct IsaKernels {
@@ -137,6 +191,8 @@ struct IsaKernels {
   CastToFp32Fn cast_to_fp32;
   SumGradsFn sum_grads;
   TouchFn touch;
+  GradSquaresFn grad_squares;
+  ReadGradsFn read_grads;
 };
 
 // The ISA kernels FusedStep uses on this CPU.
@@ -151,6 +207,12 @@ absl::Status FusedStepWithIsa(absl::string_view isa,
                               const OptimizerHyper& hyper,
                               const StepInputs& in, size_t num_elems,
                               ChunkState state, void* out, DType out_dtype);
+
+// GradSumOfSquares on an explicitly chosen ISA (for tests and benchmarks).
+absl::StatusOr<double> GradSumOfSquaresWithIsa(absl::string_view isa,
+                                               const StepInputs& in,
+                                               size_t num_elems,
+                                               ThreadPool* pool);
 
 }  // namespace internal
 }  // namespace kernels

@@ -1,5 +1,5 @@
-// AArch64 Advanced SIMD (NEON) versions of the fused step, casts and gradient
-// sum, for BlueField's Arm cores: 8 elements per iteration as two float32x4
+// AArch64 Advanced SIMD (NEON) versions of the fused step, casts, gradient
+// sum and gradient sum of squares, for BlueField's Arm cores: 8 elements per iteration as two float32x4
 // vectors. Same operation order as optimizer_scalar.cc and no fused
 // multiply-add (-ffp-contract=off; vdivq/vsqrtq round correctly), so results
 // are bit-identical to it; tails (< 8 elements) run the scalar code. Advanced
@@ -215,6 +215,53 @@ void SumLoop(const StepArgs& a, size_t begin, size_t end, float* dst) {
   SumGradsScalar(a, i, end, dst);
 }
 
+// Squares of the 8 fp32 values of g added, in double, to acc[0..3] (lanes
+// 0-1, 2-3, 4-5, 6-7 of g).
+void AddSquares(const F32x8& g, float64x2_t* acc) {
+  const float64x2_t d0 = vcvt_f64_f32(vget_low_f32(g.lo));
+  const float64x2_t d1 = vcvt_high_f64_f32(g.lo);
+  const float64x2_t d2 = vcvt_f64_f32(vget_low_f32(g.hi));
+  const float64x2_t d3 = vcvt_high_f64_f32(g.hi);
+  acc[0] = vaddq_f64(acc[0], vmulq_f64(d0, d0));
+  acc[1] = vaddq_f64(acc[1], vmulq_f64(d1, d1));
+  acc[2] = vaddq_f64(acc[2], vmulq_f64(d2, d2));
+  acc[3] = vaddq_f64(acc[3], vmulq_f64(d3, d3));
+}
+
+// The reduction of kNormBlockElems/kNormLanes (optimizer_internal.h): each
+// group of 32 elements is 4 F32x8 whose squares go to lanes 0-31 in 16
+// accumulators; the lanes go through FinishNormBlock with the block's tail.
+template <DType G>
+void GradSquaresLoop(const StepArgs& a, size_t begin, size_t end, double* block_sums) {
+  static_assert(kNormLanes == 4 * kLanes, "one group is 4 F32x8");
+  const float32x4_t grad_scale = vdupq_n_f32(a.grad_scale);
+  for (size_t block = begin; block < end; block += kNormBlockElems) {
+    const size_t block_end = end - block < kNormBlockElems ? end : block + kNormBlockElems;
+    float64x2_t acc[kNormLanes / 2];
+    for (float64x2_t& x : acc) x = vdupq_n_f64(0.0);
+    size_t i = block;
+    for (; i + kNormLanes <= block_end; i += kNormLanes) {
+      F32x8 g[4];
+      for (size_t k = 0; k < 4; ++k) g[k] = Load<G>(a.grads[0], i + k * kLanes);
+      for (size_t w = 1; w < a.num_workers; ++w) {
+        for (size_t k = 0; k < 4; ++k) {
+          const F32x8 gw = Load<G>(a.grads[w], i + k * kLanes);
+          g[k].lo = vaddq_f32(g[k].lo, gw.lo);
+          g[k].hi = vaddq_f32(g[k].hi, gw.hi);
+        }
+      }
+      for (size_t k = 0; k < 4; ++k) {
+        g[k].lo = vmulq_f32(g[k].lo, grad_scale);
+        g[k].hi = vmulq_f32(g[k].hi, grad_scale);
+        AddSquares(g[k], acc + 4 * k);
+      }
+    }
+    double lanes[kNormLanes];
+    for (size_t k = 0; k < kNormLanes / 2; ++k) vst1q_f64(lanes + 2 * k, acc[k]);
+    block_sums[block / kNormBlockElems] = FinishNormBlock(a, block, i, block_end, lanes);
+  }
+}
+
 }  // namespace
 
 void StepRangeNeon(const StepArgs& a, size_t begin, size_t end) {
@@ -262,6 +309,17 @@ void SumGradsNeon(const StepArgs& a, size_t begin, size_t end, float* dst) {
       return SumLoop<DType::kBf16>(a, begin, end, dst);
     case DType::kFp16:
       return SumLoop<DType::kFp16>(a, begin, end, dst);
+  }
+}
+
+void GradSquaresNeon(const StepArgs& a, size_t begin, size_t end, double* block_sums) {
+  switch (a.grad_dtype) {
+    case DType::kFp32:
+      return GradSquaresLoop<DType::kFp32>(a, begin, end, block_sums);
+    case DType::kBf16:
+      return GradSquaresLoop<DType::kBf16>(a, begin, end, block_sums);
+    case DType::kFp16:
+      return GradSquaresLoop<DType::kFp16>(a, begin, end, block_sums);
   }
 }
 

@@ -1,7 +1,8 @@
 // Tests of the NEON kernels for the aarch64 cross build run under qemu
 // (aarch64_qemu_test.sh): NEON against the scalar reference bit for bit, for
 // every optimizer, dtype, worker count and awkward size, plus the casts, the
-// gradient sum and a thread-pool split. A plain main with no gtest or abseil
+// gradient sum, the gradient sum of squares (GradSumOfSquares' kernel) and
+// thread-pool splits. A plain main with no gtest or abseil
 // libraries: only header-only abseil is used, as Debian has no arm64 abseil
 // or gtest without multiarch. Prints one line per group; exits 1 on failure.
 #include <cmath>
@@ -310,6 +311,95 @@ void TestCastsAndSum() {
   std::printf("casts and gradient sum: NEON vs scalar bit for bit\n");
 }
 
+bool SameDouble(double a, double b) {
+  return (std::isnan(a) && std::isnan(b)) || std::memcmp(&a, &b, 8) == 0;
+}
+
+// Block sums of GradSquares on `args` over n elements: NEON (split over the
+// pool's 16384-element ranges if pool is non-null) or scalar.
+std::vector<double> BlockSums(const StepArgs& args, size_t n, bool neon, ThreadPool* pool) {
+  std::vector<double> sums((n + kNormBlockElems - 1) / kNormBlockElems, -1.0);
+  if (!neon) {
+    GradSquaresScalar(args, 0, n, sums.data());
+  } else if (pool != nullptr) {
+    pool->ParallelFor(n, 16384, [&](size_t begin, size_t end) {
+      GradSquaresNeon(args, begin, end, sums.data());
+    });
+  } else {
+    GradSquaresNeon(args, 0, n, sums.data());
+  }
+  return sums;
+}
+
+void TestGradSquares() {
+  int cases = 0;
+  std::mt19937 rng(9);
+  for (DType d : kDTypes) {
+    for (size_t workers : {1, 2, 3, 4}) {
+      for (size_t n : {0, 1, 15, 31, 32, 33, 1000, 1023, 1024, 1025, 4099}) {
+        const size_t offset = n % 3;
+        // Grad() puts infinities and NaN in some blocks: those blocks must
+        // be non-finite on both paths, the others equal bit for bit.
+        std::vector<std::vector<uint8_t>> grads;
+        for (size_t w = 0; w < workers; ++w) grads.push_back(Grad(d, n + offset + 1, &rng));
+        std::vector<const void*> ptrs;
+        for (const auto& g : grads) ptrs.push_back(g.data() + offset * DTypeSize(d));
+        StepArgs args;
+        args.grads = ptrs.data();
+        args.num_workers = workers;
+        args.grad_dtype = d;
+        args.grad_scale = 0.3f;
+        const std::vector<double> neon = BlockSums(args, n, true, nullptr);
+        const std::vector<double> scalar = BlockSums(args, n, false, nullptr);
+        for (size_t b = 0; b < neon.size(); ++b) {
+          CHECK_OR_FAIL(SameDouble(neon[b], scalar[b]),
+                        "grad squares %s W=%zu n=%zu block %zu: %.17g vs %.17g",
+                        DTypeName(d).data(), workers, n, b, neon[b], scalar[b]);
+        }
+        ++cases;
+      }
+    }
+  }
+  // Clean data, several thread ranges: the blocks' sums, added in order,
+  // are the same bits on 1-3 threads and within rounding of a double sum.
+  const size_t n = 100003;
+  std::normal_distribution<float> dist(0.0f, 1.0f);
+  std::vector<std::vector<uint8_t>> grads(3, std::vector<uint8_t>(2 * n));
+  for (auto& g : grads) {
+    for (size_t i = 0; i < n; ++i) PutValue(&g, DType::kBf16, i, dist(rng));
+  }
+  const void* slots[] = {grads[0].data(), grads[1].data(), grads[2].data()};
+  StepArgs args;
+  args.grads = slots;
+  args.num_workers = 3;
+  args.grad_dtype = DType::kBf16;
+  args.grad_scale = 1.0f / 3;
+  double naive = 0.0;
+  for (size_t i = 0; i < n; ++i) {
+    float g = 0.0f;
+    for (const auto& slot : grads) {
+      uint16_t h;
+      std::memcpy(&h, slot.data() + 2 * i, 2);
+      g = g + Bf16ToFloat(h);  // 0 + x is x: the same as starting at slot 0
+    }
+    g = g * args.grad_scale;
+    naive += static_cast<double>(g) * g;
+  }
+  double want = 0.0;
+  for (double s : BlockSums(args, n, false, nullptr)) want = want + s;
+  CHECK_OR_FAIL(std::fabs(want - naive) <= n * 0x1p-53 * naive,
+                "grad squares: %.17g, double reference %.17g", want, naive);
+  for (int threads : {1, 2, 3}) {
+    ThreadPool pool(threads);
+    double got = 0.0;
+    for (double s : BlockSums(args, n, true, &pool)) got = got + s;
+    CHECK_OR_FAIL(SameDouble(got, want), "grad squares on %d threads: %.17g vs %.17g",
+                  threads, got, want);
+    ++cases;
+  }
+  std::printf("grad squares: %d cases, NEON vs scalar bit for bit\n", cases);
+}
+
 }  // namespace
 }  // namespace internal
 }  // namespace kernels
@@ -321,6 +411,7 @@ int main() {
   TestThreadSplitMatchesScalar();
   TestDoubleReference();
   TestCastsAndSum();
+  TestGradSquares();
   if (g_failures > 0) {
     std::printf("%d FAILED\n", g_failures);
     return 1;

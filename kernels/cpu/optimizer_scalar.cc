@@ -27,6 +27,16 @@ float LoadAsFloat(const void* src, DType dtype, size_t i) {
   return 0.0f;  // unreachable: dtypes are validated by PrepareStep
 }
 
+// The gradient FusedStep applies to element i: the slots summed in rank
+// order in fp32, then scaled (as in StepRangeScalar).
+float GradAt(const StepArgs& a, size_t i) {
+  float g = LoadAsFloat(a.grads[0], a.grad_dtype, i);
+  for (size_t w = 1; w < a.num_workers; ++w) {
+    g = g + LoadAsFloat(a.grads[w], a.grad_dtype, i);
+  }
+  return g * a.grad_scale;
+}
+
 void StoreFromFloat(float value, void* dst, DType dtype, size_t i) {
   switch (dtype) {
     case DType::kFp32:
@@ -163,6 +173,40 @@ void TouchScalar(const StepArgs& a, uint32_t grad_mask, size_t begin,
       static_cast<uint16_t*>(a.out)[i] = static_cast<uint16_t>(Bits(p));
     }
   }
+}
+
+double FinishNormBlock(const StepArgs& a, size_t block_begin, size_t i,
+                       size_t block_end, double* lanes) {
+  for (; i < block_end; ++i) {
+    const double g = GradAt(a, i);
+    double& lane = lanes[(i - block_begin) % kNormLanes];
+    lane = lane + g * g;
+  }
+  for (size_t half = kNormLanes / 2; half > 0; half /= 2) {
+    for (size_t j = 0; j < half; ++j) lanes[j] = lanes[j] + lanes[j + half];
+  }
+  return lanes[0];
+}
+
+void GradSquaresScalar(const StepArgs& a, size_t begin, size_t end,
+                       double* block_sums) {
+  for (size_t block = begin; block < end; block += kNormBlockElems) {
+    const size_t block_end = end - block < kNormBlockElems ? end : block + kNormBlockElems;
+    double lanes[kNormLanes] = {};
+    block_sums[block / kNormBlockElems] = FinishNormBlock(a, block, block, block_end, lanes);
+  }
+}
+
+uint32_t ReadGradsScalar(const StepArgs& a, size_t begin, size_t end) {
+  const bool half = a.grad_dtype != DType::kFp32;
+  uint32_t bits = 0;
+  for (size_t i = begin; i < end; ++i) {
+    for (size_t w = 0; w < a.num_workers; ++w) {
+      bits |= half ? static_cast<const uint16_t*>(a.grads[w])[i]
+                   : static_cast<const uint32_t*>(a.grads[w])[i];
+    }
+  }
+  return bits;
 }
 
 }  // namespace internal

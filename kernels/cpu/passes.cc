@@ -1,5 +1,6 @@
 #include "kernels/cpu/passes.h"
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 
@@ -73,6 +74,19 @@ absl::Status BandwidthCeilingPass(const StepInputs& in, size_t num_elems,
   const internal::IsaKernels& k = internal::ActiveKernels();
   Split(num_elems, pool, [&](size_t b, size_t e) { k.touch(args, grad_mask, b, e); });
   return absl::OkStatus();
+}
+
+absl::StatusOr<uint32_t> ReadGradsPass(const StepInputs& in, size_t num_elems,
+                                       ThreadPool* pool) {
+  internal::StepArgs args;
+  absl::Status status = FillArgs(in, &args);
+  if (!status.ok()) return status;
+  const internal::IsaKernels& k = internal::ActiveKernels();
+  std::atomic<uint32_t> bits{0};
+  Split(num_elems, pool, [&](size_t b, size_t e) {
+    bits.fetch_or(k.read_grads(args, b, e), std::memory_order_relaxed);
+  });
+  return bits.load(std::memory_order_relaxed);
 }
 
 }  // namespace kernels

@@ -1,6 +1,7 @@
 // The separate memory passes that benchmarks compare the fused step with: the
-// unfused pipeline's gradient sum and cast, and a no-arithmetic pass with the
-// fused step's exact memory traffic (the bandwidth ceiling). Stateless; the
+// unfused pipeline's gradient sum and cast, and no-arithmetic passes with the
+// exact memory traffic of the fused step and of GradSumOfSquares (bandwidth
+// ceilings). Stateless; the
 // pool is borrowed; safe from any thread on disjoint buffers.
 #ifndef OPTIMUS_KERNELS_CPU_PASSES_H_
 #define OPTIMUS_KERNELS_CPU_PASSES_H_
@@ -9,6 +10,7 @@
 #include <cstdint>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "common/dtype.h"
 #include "kernels/cpu/optimizer.h"
 #include "kernels/cpu/thread_pool.h"
@@ -34,6 +36,13 @@ void CastFromFp32(const float* src, size_t num_elems, void* dst,
 absl::Status BandwidthCeilingPass(const StepInputs& in, size_t num_elems,
                                   ChunkState state, void* out, DType out_dtype,
                                   uint32_t grad_mask, ThreadPool* pool);
+
+// Reads elements [0, num_elems) of every grad slot, in GradSumOfSquares'
+// order and split over the pool as it is, doing no arithmetic, and returns
+// the OR of all their bits (so that no read can be dropped). Same
+// validation of `in` as SumGradsToFp32.
+absl::StatusOr<uint32_t> ReadGradsPass(const StepInputs& in, size_t num_elems,
+                                       ThreadPool* pool);
 
 }  // namespace kernels
 }  // namespace optimus
