@@ -125,15 +125,14 @@ void Shard::RunReduce(const JobRef& job, const ChunkRef& chunk) {
   in.grad_dtype = c.grad_dtype;
   in.grad_scale = c.grad_scale * r.params.grad_mult;
   // The gradient the step would apply, exactly (the same sum, the same
-  // scale), squared and added up in double.
-  std::vector<float> g(chunk->num_elems);
-  double sum_squares = 0.0;
-  absl::Status s = kernels::SumGradsToFp32(in, chunk->num_elems, g.data(), kernel_pool_.get());
-  if (s.ok()) {
-    for (float x : g) sum_squares += static_cast<double>(x) * static_cast<double>(x);
+  // scale), squared and added up in double in a fixed order.
+  absl::StatusOr<double> sum = kernels::GradSumOfSquares(in, chunk->num_elems, kernel_pool_.get());
+  double sum_squares;
+  if (sum.ok()) {
+    sum_squares = *sum;
   } else {
     OPTIMUS_LOG(Error, kLog, "gradient norm pass failed for job ", c.job_id, " tensor ",
-                chunk->name.tensor, " chunk ", chunk->name.chunk, ": ", s.ToString());
+                chunk->name.tensor, " chunk ", chunk->name.chunk, ": ", sum.status().ToString());
     sum_squares = std::nan("");  // The step is skipped everywhere.
   }
   Actions a;
