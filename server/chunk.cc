@@ -88,6 +88,7 @@ void ChunkMachine::ResetSlots() {
   std::fill(slots_.begin(), slots_.end(), Slot::kEmpty);
   std::fill(has_grad_.begin(), has_grad_.end(), false);
   std::fill(waiting_.begin(), waiting_.end(), false);
+  held_.clear();
   full_slots_ = 0;
   params_set_ = false;
   noop_ = false;
@@ -168,6 +169,8 @@ Actions ChunkMachine::Retire(const absl::Status& why, ReplyHint hint) {
     if (waiting_[r]) out.refusals.push_back(Refusal{waiters_[r], why, hint});
     waiting_[r] = false;
   }
+  for (const Requester& h : held_) out.refusals.push_back(Refusal{h, why, hint});
+  held_.clear();
   out.retired = true;
   return out;
 }
@@ -260,16 +263,10 @@ PushDecision ChunkMachine::PushRequested(uint64_t step, uint32_t rank, bool rese
       if (partial_ready_ || noop_) {
         d.ack.has_partial = true;
         d.ack.partial = partial_;
-      } else if (slots_[rank] == Slot::kFull && !waiting_[rank]) {
-        waiters_[rank] = from;
-        waiting_[rank] = true;
+      } else {
+        // Answered with the partial, as the first copy is.
+        held_.push_back(from);
         d.verdict = PushVerdict::kHeld;
-      } else if (slots_[rank] != Slot::kEmpty) {
-        // Still landing (or already waiting): the first copy's answer will
-        // carry the partial; this copy is refused so its sender asks again.
-        return Refuse(absl::UnavailableError(absl::StrCat(
-            "push for step ", step, " of ", What(), " from rank ", rank,
-            " is already landing; retry")), RefreshMap());
       }
     }
     return d;
@@ -320,6 +317,8 @@ void ChunkMachine::AllPushesIn(Actions* out) {
       out->acks.push_back(Ack{waiters_[r], false, true, 0.0});
       waiting_[r] = false;
     }
+    for (const Requester& h : held_) out->acks.push_back(Ack{h, true, true, 0.0});
+    held_.clear();
     return TryStartStep(out);
   }
   phase_ = Phase::kReducing;
@@ -347,6 +346,8 @@ Actions ChunkMachine::ReduceDone(double sum_squares) {
     out.acks.push_back(Ack{waiters_[r], false, true, partial_});
     waiting_[r] = false;
   }
+  for (const Requester& h : held_) out.acks.push_back(Ack{h, true, true, partial_});
+  held_.clear();
   phase_ = Phase::kAwaitingCommit;
   if (commit_have_) TryStartStep(&out);
   return out;

@@ -383,6 +383,7 @@ class ChunkMachine {
   std::vector<bool> has_grad_;
   std::vector<Requester> waiters_;  // Per rank: the push to answer.
   std::vector<bool> waiting_;       // waiters_[r] is unanswered.
+  std::vector<Requester> held_;     // Copies of pushes, answered with the partial.
   uint32_t full_slots_ = 0;
   bool commit_round_ = false;
   bool frozen_ = false;

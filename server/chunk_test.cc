@@ -149,6 +149,35 @@ ChunkMachine AtBackupStepping() {
   return m;
 }
 
+// The clipping round: version 1 of a job that clips or skips non-finite
+// steps, waiting for step 1's pushes.
+ChunkMachine AtCollectingRound() {
+  ChunkMachine m = NewPrimary();
+  m.SetStepRules(/*commit_round=*/true, /*frozen=*/false);
+  m.InitRequested();
+  m.InitLanded(true);
+  return m;
+}
+
+// All W pushes of step 1 in (ranks' requests 100 + rank); the partial is
+// being computed.
+ChunkMachine AtReducing() {
+  ChunkMachine m = AtCollectingRound();
+  for (uint32_t r = 0; r < kWorld; ++r) {
+    EXPECT_EQ(m.PushRequested(1, r, false, kParams, true, Req(100 + r)).verdict,
+              PushVerdict::kAccept);
+    m.PushLanded(r, true);
+  }
+  return m;
+}
+
+// The partial (2.25) sent back with the pushes' answers; no commit yet.
+ChunkMachine AtAwaitingCommit() {
+  ChunkMachine m = AtReducing();
+  m.ReduceDone(2.25);
+  return m;
+}
+
 ChunkMachine AtRetired() {
   ChunkMachine m = AtCollecting();
   m.Retire(absl::CancelledError("gone"), {});
@@ -449,6 +478,93 @@ std::vector<Row> Rows() {
        }},
       {"stepping: retired", AtBackupStepping,
        [](ChunkMachine& m) { return A(m.Retire(kGone, {})); }, Phase::kRetired, nullptr},
+
+      // The clipping round.
+      {"collecting (round): last push lands", AtCollectingRound,
+       [](ChunkMachine& m) {
+         for (uint32_t r = 0; r + 1 < kWorld; ++r) {
+           m.PushRequested(1, r, false, kParams, true, Req(100 + r));
+           m.PushLanded(r, true);
+         }
+         m.PushRequested(1, kWorld - 1, false, kParams, true, Req(100 + kWorld - 1));
+         return A(m.PushLanded(kWorld - 1, true));
+       },
+       Phase::kReducing,
+       [](const ChunkMachine&, const Outcome& o) {
+         EXPECT_TRUE(o.actions.reduce);
+         EXPECT_FALSE(o.actions.schedule_step);
+         EXPECT_TRUE(o.actions.acks.empty());  // Answered with the partial.
+       }},
+      {"collecting (round): no rank has a gradient", AtCollectingRound,
+       [](ChunkMachine& m) {
+         Actions a;
+         for (uint32_t r = 0; r < kWorld; ++r) {
+           m.PushRequested(1, r, false, kParams, /*has_grad=*/false, Req(100 + r));
+           Actions x = m.PushLanded(r, true);
+           a.acks.insert(a.acks.end(), x.acks.begin(), x.acks.end());
+           a.schedule_step = a.schedule_step || x.schedule_step;
+         }
+         return A(a);
+       },
+       Phase::kStepScheduled,
+       [](const ChunkMachine&, const Outcome& o) {
+         // Nothing to clip: partial 0 and no commit needed.
+         EXPECT_TRUE(o.actions.schedule_step);
+         ASSERT_EQ(o.actions.acks.size(), kWorld);
+         EXPECT_TRUE(o.actions.acks[0].has_partial);
+         EXPECT_EQ(o.actions.acks[0].partial, 0.0);
+       }},
+      {"reducing: partial computed", AtReducing,
+       [](ChunkMachine& m) { return A(m.ReduceDone(2.25)); }, Phase::kAwaitingCommit,
+       [](const ChunkMachine&, const Outcome& o) {
+         ASSERT_EQ(o.actions.acks.size(), kWorld);
+         for (uint32_t r = 0; r < kWorld; ++r) {
+           EXPECT_EQ(o.actions.acks[r].to.request_id, 100 + r);
+           EXPECT_TRUE(o.actions.acks[r].has_partial);
+           EXPECT_EQ(o.actions.acks[r].partial, 2.25);
+         }
+       }},
+      {"reducing: a commit came first", AtReducing,
+       [](ChunkMachine& m) {
+         m.CommitRequested(1, 0.5f, false, Req(9));
+         return A(m.ReduceDone(2.25));
+       },
+       Phase::kStepScheduled,
+       [](const ChunkMachine&, const Outcome& o) { EXPECT_TRUE(o.actions.schedule_step); }},
+      {"reducing: commit in, a checkpoint copy under way", AtReducing,
+       [](ChunkMachine& m) {
+         EXPECT_EQ(m.CaptureOrdered(1, kCkpt).verdict, CaptureVerdict::kCopyNow);
+         m.CommitRequested(1, 0.5f, false, Req(9));
+         return A(m.ReduceDone(2.25));
+       },
+       Phase::kStepBlocked,
+       [](const ChunkMachine&, const Outcome& o) {
+         EXPECT_TRUE(o.actions.step_waits_for_snapshot);
+       }},
+      {"reducing: retired", AtReducing,
+       [](ChunkMachine& m) { return A(m.Retire(kGone, {})); }, Phase::kRetired,
+       [](const ChunkMachine&, const Outcome& o) {
+         EXPECT_EQ(o.actions.refusals.size(), kWorld);  // The held pushes.
+       }},
+      {"awaiting commit: commit", AtAwaitingCommit,
+       [](ChunkMachine& m) { return A(m.CommitRequested(1, 0.5f, false, Req(9))); },
+       Phase::kStepScheduled,
+       [](const ChunkMachine&, const Outcome& o) {
+         EXPECT_TRUE(o.actions.schedule_step);
+         ASSERT_EQ(o.actions.acks.size(), 1u);
+         EXPECT_EQ(o.actions.acks[0].to.request_id, 9u);
+       }},
+      {"awaiting commit: commit while a checkpoint copy runs", AtAwaitingCommit,
+       [](ChunkMachine& m) {
+         EXPECT_EQ(m.CaptureOrdered(1, kCkpt).verdict, CaptureVerdict::kCopyNow);
+         return A(m.CommitRequested(1, 1.0f, false, Req(9)));
+       },
+       Phase::kStepBlocked,
+       [](const ChunkMachine&, const Outcome& o) {
+         EXPECT_TRUE(o.actions.step_waits_for_snapshot);
+       }},
+      {"awaiting commit: retired", AtAwaitingCommit,
+       [](ChunkMachine& m) { return A(m.Retire(kGone, {})); }, Phase::kRetired, nullptr},
   };
 }
 
@@ -489,6 +605,14 @@ const std::set<std::pair<Phase, Phase>>& kTransitions() {
       {Phase::kBackupStepping, Phase::kBackupReady},
       {Phase::kBackupStepping, Phase::kCollecting},
       {Phase::kBackupStepping, Phase::kRetired},
+      {Phase::kCollecting, Phase::kReducing},
+      {Phase::kReducing, Phase::kAwaitingCommit},
+      {Phase::kReducing, Phase::kStepScheduled},
+      {Phase::kReducing, Phase::kStepBlocked},
+      {Phase::kReducing, Phase::kRetired},
+      {Phase::kAwaitingCommit, Phase::kStepScheduled},
+      {Phase::kAwaitingCommit, Phase::kStepBlocked},
+      {Phase::kAwaitingCommit, Phase::kRetired},
   };
   return *t;
 }
@@ -717,6 +841,8 @@ TEST(ChunkMachineTest, CaptureOrderAtEveryPhase) {
       {"backup seeding", AtBackupSeedingFresh, 0, CaptureVerdict::kRefuse},
       {"backup stepping", AtBackupStepping, 0, CaptureVerdict::kRefuse},
       {"retired", AtRetired, 0, CaptureVerdict::kRefuse},
+      {"reducing, at the step", AtReducing, 0, CaptureVerdict::kCopyNow},
+      {"awaiting a commit, at the step", AtAwaitingCommit, 0, CaptureVerdict::kCopyNow},
   };
   std::set<Phase> covered;
   for (const Case& c : cases) {
@@ -776,6 +902,145 @@ TEST(ChunkMachineTest, CancelledCaptureIsForgotten) {
   FillSlots(m, 1);
   m.BeginKernel();
   EXPECT_EQ(m.KernelDone().snapshot_checkpoint, 0u);
+}
+
+}  // namespace
+}  // namespace server
+}  // namespace optimus
+
+namespace optimus {
+namespace server {
+namespace {
+
+// ---- The clipping round and the training rules, event by event ------------------
+
+TEST(ChunkRoundTest, PushesOfOneStepMustAgreeOnLrAndMultiplier) {
+  ChunkMachine m = AtCollectingRound();
+  ASSERT_EQ(m.PushRequested(1, 0, false, kParams, true, Req(1)).verdict, PushVerdict::kAccept);
+  m.PushLanded(0, true);
+  const StepParams other_lr{2e-3f, 1.0f};
+  const StepParams other_scale{1e-3f, 0.5f};
+  for (const StepParams& p : {other_lr, other_scale}) {
+    PushDecision d = m.PushRequested(1, 1, false, p, true, Req(2));
+    EXPECT_EQ(d.verdict, PushVerdict::kRefuse);
+    EXPECT_EQ(d.error.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(d.error.message().find("same learning rate"), absl::string_view::npos) << d.error;
+  }
+  // Nothing changed: the agreeing push still completes the step.
+  EXPECT_EQ(m.full_slots(), 1u);
+  ASSERT_EQ(m.PushRequested(1, 1, false, kParams, true, Req(3)).verdict, PushVerdict::kAccept);
+  EXPECT_TRUE(m.PushLanded(1, true).reduce);
+}
+
+TEST(ChunkRoundTest, CommitsMustAgreeAndStepOnlyOnce) {
+  ChunkMachine m = AtAwaitingCommit();
+  Actions a = m.CommitRequested(1, 0.5f, false, Req(1));
+  EXPECT_TRUE(a.schedule_step);
+  // Another rank's identical commit: OK, nothing more to do.
+  a = m.CommitRequested(1, 0.5f, false, Req(2));
+  EXPECT_FALSE(a.schedule_step);
+  ASSERT_EQ(a.acks.size(), 1u);
+  // A disagreeing one is refused.
+  a = m.CommitRequested(1, 0.25f, false, Req(3));
+  ASSERT_EQ(a.refusals.size(), 1u);
+  EXPECT_EQ(a.refusals[0].status.code(), absl::StatusCode::kInvalidArgument);
+  // Out-of-range coefficients and future steps are refused.
+  EXPECT_EQ(m.CommitRequested(1, 1.5f, false, Req(4)).refusals.size(), 1u);
+  EXPECT_EQ(m.CommitRequested(1, 0.0f, false, Req(5)).refusals.size(), 1u);
+  EXPECT_EQ(m.CommitRequested(3, 0.5f, false, Req(6)).refusals[0].status.code(),
+            absl::StatusCode::kOutOfRange);
+  StepPlan plan = m.BeginKernel();
+  ASSERT_TRUE(plan.run);
+  EXPECT_EQ(plan.clip_coef, 0.5f);
+  EXPECT_FALSE(plan.skip);
+  EXPECT_EQ(plan.optimizer_step, 1u);
+  m.KernelDone();
+  EXPECT_EQ(m.version(), 2u);
+  EXPECT_EQ(m.optimizer_steps(), 1u);
+  EXPECT_EQ(m.last_lr(), kParams.lr);
+  // A commit for the step just applied, sent again: OK if it agrees.
+  EXPECT_EQ(m.CommitRequested(1, 0.5f, false, Req(7)).acks.size(), 1u);
+  EXPECT_EQ(m.CommitRequested(1, 0.75f, false, Req(8)).refusals.size(), 1u);
+}
+
+TEST(ChunkRoundTest, SkippedStepAdvancesTheVersionButNotTheOptimizerStep) {
+  ChunkMachine m = AtAwaitingCommit();
+  m.CommitRequested(1, 1.0f, /*skip=*/true, Req(1));
+  StepPlan plan = m.BeginKernel();
+  ASSERT_TRUE(plan.run);
+  EXPECT_TRUE(plan.skip);
+  m.KernelDone();
+  EXPECT_EQ(m.version(), 2u);
+  EXPECT_EQ(m.optimizer_steps(), 0u);
+  // The next real step is the optimizer's first.
+  for (uint32_t r = 0; r < kWorld; ++r) {
+    m.PushRequested(2, r, false, kParams, true, Req(10 + r));
+    m.PushLanded(r, true);
+  }
+  m.ReduceDone(1.0);
+  m.CommitRequested(2, 1.0f, false, Req(20));
+  EXPECT_EQ(m.BeginKernel().optimizer_step, 1u);
+}
+
+TEST(ChunkRoundTest, DuplicatePushIsAnsweredWithThePartial) {
+  ChunkMachine m = AtReducing();
+  // While reducing: held, answered with the others.
+  EXPECT_EQ(m.PushRequested(1, 0, false, kParams, true, Req(50)).verdict, PushVerdict::kHeld);
+  Actions a = m.ReduceDone(4.0);
+  EXPECT_EQ(a.acks.size(), kWorld + 1);  // Every push, and the copy.
+  // After: answered at once.
+  PushDecision d = m.PushRequested(1, 1, false, kParams, true, Req(51));
+  EXPECT_EQ(d.verdict, PushVerdict::kDuplicate);
+  EXPECT_TRUE(d.ack.has_partial);
+  EXPECT_EQ(d.ack.partial, 4.0);
+}
+
+TEST(ChunkRoundTest, FrozenTensorRefusesGradientsAndNeverSteps) {
+  ChunkMachine m = NewPrimary();
+  m.SetStepRules(/*commit_round=*/true, /*frozen=*/true);
+  m.InitRequested();
+  m.InitLanded(true);
+  PushDecision d = m.PushRequested(1, 0, false, kParams, /*has_grad=*/true, Req(1));
+  EXPECT_EQ(d.verdict, PushVerdict::kRefuse);
+  EXPECT_EQ(d.error.code(), absl::StatusCode::kInvalidArgument);
+  Actions last;
+  for (uint32_t r = 0; r < kWorld; ++r) {
+    ASSERT_EQ(m.PushRequested(1, r, false, kParams, false, Req(2 + r)).verdict,
+              PushVerdict::kAccept);
+    last = m.PushLanded(r, true);
+  }
+  EXPECT_TRUE(last.schedule_step);  // No reduce, no commit.
+  StepPlan plan = m.BeginKernel();
+  EXPECT_TRUE(plan.skip);
+  m.KernelDone();
+  EXPECT_EQ(m.version(), 2u);
+  EXPECT_EQ(m.optimizer_steps(), 0u);
+}
+
+TEST(ChunkRoundTest, StepCountsTravelWithSeedsAndRestores) {
+  ChunkMachine backup = NewBackup();
+  ASSERT_EQ(backup.SeedOffered(7).verdict, PushVerdict::kAccept);
+  backup.SeedLanded(true, 7, /*optimizer_steps=*/4, /*last_lr=*/0.25f);
+  EXPECT_EQ(backup.optimizer_steps(), 4u);
+  EXPECT_EQ(backup.last_lr(), 0.25f);
+  // A forwarded skip keeps the count; a forwarded step adds one.
+  ForwardedStep skip;
+  skip.skip = true;
+  skip.lr = 0.5f;
+  ASSERT_EQ(backup.SumOffered(7, true, skip).verdict, PushVerdict::kAccept);
+  backup.SumLanded(true);
+  backup.ForwardedStepDone(true);
+  EXPECT_EQ(backup.optimizer_steps(), 4u);
+  EXPECT_EQ(backup.last_lr(), 0.5f);
+  ASSERT_EQ(backup.SumOffered(8, true, ForwardedStep{false, 0.75f, 1.0}).verdict,
+            PushVerdict::kAccept);
+  backup.SumLanded(true);
+  backup.ForwardedStepDone(true);
+  EXPECT_EQ(backup.optimizer_steps(), 5u);
+  ChunkMachine restored = NewPrimary();
+  restored.Restored(30, 12, 0.125f);
+  EXPECT_EQ(restored.optimizer_steps(), 12u);
+  EXPECT_EQ(restored.last_lr(), 0.125f);
 }
 
 }  // namespace
