@@ -293,6 +293,8 @@ class ClientImpl : public Client {
       frozen.push_back(t.frozen());
       TensorInfo info;
       info.name = t.name();
+      info.group = t.group();
+      info.frozen = t.frozen();
       info.num_elems = 1;
       for (int64_t d : t.shape()) {
         info.shape.push_back(d);
@@ -318,6 +320,13 @@ class ClientImpl : public Client {
     max_grad_norm_ = spec.max_grad_norm();
     skip_nonfinite_ = !spec.keep_nonfinite();
     num_arrays_ = kernels::LayoutOf(*kind).num_arrays;
+    num_groups_ = static_cast<uint32_t>(spec.param_groups_size());
+    switch (*kind) {
+      case kernels::OptimizerKind::kAdamW: optimizer_ = Optimizer::kAdamW; break;
+      case kernels::OptimizerKind::kAdam: optimizer_ = Optimizer::kAdam; break;
+      case kernels::OptimizerKind::kSgd: optimizer_ = Optimizer::kSgd; break;
+      case kernels::OptimizerKind::kLion: optimizer_ = Optimizer::kLion; break;
+    }
     default_lr_ = spec.optimizer().lr();
     frozen_ = std::move(frozen);
     grad_dtype_ = *gd;
@@ -359,6 +368,8 @@ class ClientImpl : public Client {
   DType param_dtype() const override { return param_dtype_; }
   uint64_t resume_step() const override { return resume_step_; }
   float resume_lr() const override { return resume_lr_; }
+  Optimizer optimizer() const override { return optimizer_; }
+  uint32_t num_param_groups() const override { return num_groups_; }
   uint64_t job_id() const override { return job_id_; }
   uint64_t map_epoch() const override {
     absl::MutexLock lock(&mu_);
@@ -973,6 +984,8 @@ class ClientImpl : public Client {
   float max_grad_norm_ = 0.0f;
   bool skip_nonfinite_ = true;
   uint32_t num_arrays_ = 1;
+  uint32_t num_groups_ = 0;
+  Optimizer optimizer_ = Optimizer::kAdamW;
   float default_lr_ = 0.0f;
   std::vector<bool> frozen_;
   DType grad_dtype_ = DType::kBf16;

@@ -169,6 +169,8 @@ struct TensorInfo {
   std::vector<int64_t> shape;
   uint64_t num_elems = 0;
   uint32_t num_chunks = 0;
+  uint32_t group = 0;     // Index into the job's parameter groups.
+  bool frozen = false;
 };
 
 class Client {
@@ -205,6 +207,10 @@ class Client {
   virtual uint32_t world_size() const = 0;
   virtual DType grad_dtype() const = 0;
   virtual DType param_dtype() const = 0;
+  // The joined job's optimizer and how many parameter groups it has (0: the
+  // implicit one).
+  virtual Optimizer optimizer() const = 0;
+  virtual uint32_t num_param_groups() const = 0;
   // The first step to run after Join: 1 for a new job (rank 0 calls
   // InitTensor first), S for a job restored from a checkpoint of step S
   // (its values are loaded: pull version S, push step S, no InitTensor).

@@ -4,6 +4,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "cli/torch_optim.h"
+#include "kernels/optimizer_spec.h"
+#include "proto/optimus.pb.h"
 
 namespace optimus {
 namespace client {
@@ -39,6 +42,7 @@ std::vector<TensorDef> TensorDefsFromModule(const torch::nn::Module& module) {
   for (const auto& item : module.named_parameters(/*recurse=*/true)) {
     TensorDef d;
     d.name = item.key();
+    d.frozen = !item.value().requires_grad();
     for (int64_t s : item.value().sizes()) d.shape.push_back(s);
     defs.push_back(std::move(d));
   }
@@ -94,20 +98,51 @@ absl::Status ModuleSync::InitFromModule() {
   return absl::OkStatus();
 }
 
-absl::Status ModuleSync::PushGrads(uint64_t step, absl::Duration timeout) {
+absl::Status ModuleSync::InitFromTorchOptimFile(const std::string& path) {
+  // The job's spec as far as the reader needs it: names, shapes, groups,
+  // frozen tensors, the optimizer (its state's names).
+  v1::JobSpec spec;
+  for (const TensorInfo& t : client_->tensors()) {
+    v1::TensorSpec* ts = spec.add_tensors();
+    ts->set_name(t.name);
+    for (int64_t d : t.shape) ts->add_shape(d);
+    ts->set_group(t.group);
+    ts->set_frozen(t.frozen);
+  }
+  for (uint32_t g = 0; g < client_->num_param_groups(); ++g) spec.add_param_groups();
+  // client::Optimizer lists the kinds in proto order, from 1.
+  spec.mutable_optimizer()->set_kind(
+      static_cast<v1::OptimizerKind>(static_cast<int>(client_->optimizer()) + 1));
+  absl::StatusOr<ImportedOptimizerState> state = ReadTorchOptimFile(path, spec);
+  if (!state.ok()) return state.status();
+  for (uint32_t t = 0; t < state->tensors.size(); ++t) {
+    const ImportedTensorState& it = state->tensors[t];
+    TensorState ts;
+    ts.master = it.master.data();
+    ts.m = it.moments.size() > 0 ? it.moments[0].data() : nullptr;
+    ts.v = it.moments.size() > 1 ? it.moments[1].data() : nullptr;
+    ts.steps = it.optimizer_steps;
+    absl::Status s = client_->InitTensorState(t, ts, it.master.size());
+    if (!s.ok()) return s;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ModuleSync::PushGrads(uint64_t step, absl::Duration timeout,
+                                   const PushOptions& options) {
   std::vector<Ticket> tickets;
   absl::Status first;
   try {
     torch::NoGradGuard no_grad;
     for (size_t i = 0; i < params_.size(); ++i) {
       const torch::Tensor& g = params_[i].grad();
+      const void* src = nullptr;
       if (g.defined()) {
         grad_staging_[i].copy_(g);  // Casts with round-to-nearest-even.
-      } else {
-        grad_staging_[i].zero_();
+        src = grad_staging_[i].data_ptr();
       }
-      auto t = client_->Push(index_[i], step, grad_staging_[i].data_ptr(),
-                             static_cast<size_t>(grad_staging_[i].numel()));
+      auto t = client_->Push(index_[i], step, src,
+                             static_cast<size_t>(grad_staging_[i].numel()), options);
       if (!t.ok()) {
         first = t.status();
         break;

@@ -37,10 +37,22 @@ class ModuleSync {
   // Sends the module's current values as version 1 (call on one rank only).
   absl::Status InitFromModule();
 
+  // Starts the job from an optimizer state saved by PyTorch in the
+  // torch-optim layout (torch.save({"model": model.state_dict(),
+  // "optimizer": optimizer.state_dict()}), or what `optimusctl checkpoint
+  // export --format=torch-optim` writes): master values, moments and step
+  // counts, instead of InitFromModule (one rank only). The module's own
+  // values are not used.
+  absl::Status InitFromTorchOptimFile(const std::string& path);
+
   // Pushes every parameter's gradient for `step`, cast to the job's grad
-  // dtype, and waits until the shards hold them. A parameter with no
-  // gradient is pushed as zeros so the step can complete.
-  absl::Status PushGrads(uint64_t step, absl::Duration timeout);
+  // dtype, with the step's learning rate and gradient multiplier, and waits
+  // until the shards hold them. A parameter whose .grad is undefined is
+  // pushed without one: it is left alone this step (as torch.optim does),
+  // unless another rank has one. The step's StepReport (clipping, found_inf)
+  // is then client->StepResult(step).
+  absl::Status PushGrads(uint64_t step, absl::Duration timeout,
+                         const PushOptions& options = PushOptions{});
 
   // Pulls every parameter at `version` and writes it into the module.
   absl::Status PullParams(uint64_t version, absl::Duration timeout);
