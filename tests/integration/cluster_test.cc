@@ -404,6 +404,10 @@ TEST_P(ClusterTest, MetricsMoveAsTrainingRuns) {
   JobDef def = MakeJob("metrics", DType::kBf16, DType::kBf16);
   ASSERT_OK(cluster_->CreateJob(def));
   ASSERT_OK(cluster_->Train(1, 2));
+  // Train returns once step 2 is pushed; a chunk publishes it a little
+  // later (after the clipping round's commit): wait for version 3 before
+  // counting steps.
+  for (uint32_t t = 0; t < def.tensors.size(); ++t) ASSERT_OK(cluster_->PullFp32(t, 3).status());
   auto total = [&](const std::string& name, const std::string& match = "") {
     double sum = 0;
     for (size_t i = 0; i < cluster_->num_shards(); ++i) {
@@ -422,6 +426,7 @@ TEST_P(ClusterTest, MetricsMoveAsTrainingRuns) {
   EXPECT_GT(total("optimus_shard_memory_used_bytes"), 0);
   EXPECT_EQ(total("optimus_shard_chunks_owned"), 6);
   ASSERT_OK(cluster_->Train(3, 5));
+  for (uint32_t t = 0; t < def.tensors.size(); ++t) ASSERT_OK(cluster_->PullFp32(t, 6).status());
   // A stale push shows up as an error of its kind.
   {
     std::vector<uint8_t> g(37 * 2);

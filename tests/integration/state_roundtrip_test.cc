@@ -38,8 +38,10 @@ struct Small : torch::nn::Module {
 };
 
 // Every rank: pull version `version0 + i`, push the harness gradient of
-// step `grad_step0 + i` as step `version0 + i`, for i < n.
-absl::Status TrainShifted(Cluster& c, uint64_t version0, uint64_t grad_step0, uint64_t n) {
+// step `grad_step0 + i` as step `version0 + i`, for i < n, at learning rate
+// lr0 * (i + 1) (lr0 0: the job's).
+absl::Status TrainShifted(Cluster& c, uint64_t version0, uint64_t grad_step0, uint64_t n,
+                          float lr0 = 0.0f) {
   std::vector<absl::Status> st(kWorkers);
   std::vector<std::thread> th;
   for (uint32_t r = 0; r < kWorkers; ++r) {
@@ -55,7 +57,9 @@ absl::Status TrainShifted(Cluster& c, uint64_t version0, uint64_t grad_step0, ui
             return;
           }
           push[t] = c.GradientBytes(r, t, *p, grad_step0 + i);
-          auto tk = w->Push(t, version0 + i, push[t].data(), p->size());
+          client::PushOptions opts;
+          opts.lr = lr0 * static_cast<float>(i + 1);
+          auto tk = w->Push(t, version0 + i, push[t].data(), p->size(), opts);
           if (!tk.ok()) {
             st[r] = tk.status();
             return;
@@ -154,6 +158,34 @@ TEST(StateRoundTripTest, ExportedStateResumesBitForBit) {
                        client::ModuleSync::Create(c.worker(0), &module));
   EXPECT_FALSE(sgd_sync->InitFromTorchOptimFile(file).ok());
   EXPECT_FALSE(sgd_sync->InitFromTorchOptimFile(dir + "/missing.pt").ok());
+}
+
+// The schedule resumes where it was: a checkpoint records the last step's
+// learning rate and a restored job hands it to its workers.
+TEST(StateRoundTripTest, RestoreHandsTheLastLearningRateToWorkers) {
+  ASSERT_OK_AND_ASSIGN(std::string dir, harness::NewTempDir("resume-lr"));
+  harness::ClusterOptions o;
+  o.num_shards = 2;
+  o.num_workers = kWorkers;
+  o.checkpoint_dir = dir;
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Cluster> cluster, Cluster::Start(o));
+  Cluster& c = *cluster;
+  client::JobDef def = harness::SmallJob("sched", kWorkers);
+  ASSERT_OK(c.CreateJob(def));
+  EXPECT_EQ(c.worker(0)->resume_lr(), 0.0f);  // A new job.
+  // Steps 1..3 at lr 0.25, 0.5, 0.75.
+  ASSERT_OK(TrainShifted(c, 1, 1, 3, 0.25f));
+  ASSERT_OK(c.WaitApplied("sched", 3));
+  ASSERT_OK_AND_ASSIGN(v1::CheckpointInfo ck, c.CreateCheckpoint("sched"));
+  ASSERT_OK_AND_ASSIGN(v1::CheckpointInfo done, c.WaitCheckpoint("sched", ck.checkpoint_id()));
+  ASSERT_EQ(done.state(), v1::CHECKPOINT_STATE_COMPLETE) << done.error();
+  ASSERT_OK(c.LeaveJob());
+  ASSERT_OK(c.RestoreCheckpoint("sched", done.checkpoint_id(), "sched-again").status());
+  ASSERT_OK(c.JoinJob("sched-again"));
+  for (uint32_t r = 0; r < kWorkers; ++r) {
+    EXPECT_EQ(c.worker(r)->resume_step(), 4u);
+    EXPECT_EQ(c.worker(r)->resume_lr(), 0.75f);
+  }
 }
 
 }  // namespace
