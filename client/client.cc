@@ -747,7 +747,10 @@ class ClientImpl : public Client {
     const Ticket ticket = it->second.ticket;
     pending_.erase(it);
     if (ticket == 0) {
-      if (!s.ok()) OPTIMUS_LOG(Warning, kLog, "resent push failed: ", s.ToString());
+      if (!s.ok()) {
+        OPTIMUS_LOG(Warning, kLog, "background request (a resent push or a commit) failed: ",
+                    s.ToString());
+      }
       return;
     }
     auto& t = tickets_[ticket];
