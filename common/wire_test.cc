@@ -1,6 +1,7 @@
 #include "common/wire.h"
 
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -72,6 +73,62 @@ TEST(WireTest, ReplyCarriesStatus) {
   EXPECT_FALSE(ParseReply(absl::Span<const uint8_t>(reinterpret_cast<const uint8_t*>(enc.data()),
                                                     enc.size()))
                    .ok());
+}
+
+}  // namespace
+}  // namespace wire
+}  // namespace optimus
+
+namespace optimus {
+namespace wire {
+namespace {
+
+// Version 2's step fields: carried as sent, and a value no step can use is
+// refused before anything reads it; a version-1 peer is told why.
+TEST(WireTest, StepFieldsRoundTripAndBadOnesAreRefused) {
+  RequestHeader h;
+  h.op = static_cast<uint16_t>(Op::kPush);
+  h.dtype = static_cast<uint8_t>(DType::kBf16);
+  h.lr = 3e-4f;
+  h.grad_mult = 1.0f / 65536;
+  h.step_flags = kPushNoGrad;
+  h.optimizer_steps = 12;
+  auto parsed = ParseRequestHeader(AsBytes(h));
+  ASSERT_TRUE(parsed.ok()) << parsed.status();
+  EXPECT_EQ(parsed->lr, 3e-4f);
+  EXPECT_EQ(parsed->grad_mult, 1.0f / 65536);
+  EXPECT_EQ(parsed->step_flags, static_cast<uint32_t>(kPushNoGrad));
+  EXPECT_EQ(parsed->optimizer_steps, 12u);
+  for (float v : {-1.0f, std::numeric_limits<float>::quiet_NaN(),
+                  std::numeric_limits<float>::infinity()}) {
+    RequestHeader bad = h;
+    bad.lr = v;
+    EXPECT_EQ(ParseRequestHeader(AsBytes(bad)).status().code(),
+              absl::StatusCode::kInvalidArgument);
+    bad = h;
+    bad.grad_mult = v;
+    EXPECT_EQ(ParseRequestHeader(AsBytes(bad)).status().code(),
+              absl::StatusCode::kInvalidArgument);
+    bad = h;
+    bad.op = static_cast<uint16_t>(Op::kCommit);
+    bad.clip_coef = v;
+    EXPECT_EQ(ParseRequestHeader(AsBytes(bad)).status().code(),
+              absl::StatusCode::kInvalidArgument);
+  }
+  RequestHeader old = h;
+  old.version = 1;
+  absl::Status s = ParseRequestHeader(AsBytes(old)).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("unsupported wire version 1"), absl::string_view::npos) << s;
+}
+
+TEST(WireTest, ReplyCarriesThePartial) {
+  std::string enc = EncodeReply(9, absl::OkStatus(), 0, kReplyPartial, 2.5e-3);
+  auto r = ParseReply(absl::Span<const uint8_t>(reinterpret_cast<const uint8_t*>(enc.data()),
+                                                enc.size()));
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->header.flags, kReplyPartial);
+  EXPECT_EQ(r->header.grad_sum_squares, 2.5e-3);
 }
 
 }  // namespace
