@@ -68,37 +68,6 @@ float BaseLr(const v1::CheckpointManifest& m) {
   return m.last_lr() > 0 ? m.last_lr() : m.spec().optimizer().lr();
 }
 
-// The optimizer steps of each tensor: every file of a tensor must agree.
-absl::StatusOr<std::vector<uint64_t>> StepsOf(const std::string& dir,
-                                              const v1::CheckpointManifest& m) {
-  const int n = m.spec().tensors_size();
-  std::vector<uint64_t> steps(n, 0);
-  std::vector<const v1::CheckpointFile*> first(n, nullptr);
-  bool any = false;
-  for (const v1::CheckpointFile& f : m.files()) {
-    if (f.tensor() >= static_cast<uint32_t>(n)) {
-      return absl::DataLossError(absl::StrCat(dir, ": file ", f.name(), " names tensor ",
-                                              f.tensor(), " of ", n));
-    }
-    any = any || f.optimizer_steps() > 0;
-    const v1::CheckpointFile*& seen = first[f.tensor()];
-    if (seen == nullptr) {
-      seen = &f;
-      steps[f.tensor()] = f.optimizer_steps();
-    } else if (seen->optimizer_steps() != f.optimizer_steps()) {
-      return absl::DataLossError(absl::StrCat(
-          dir, ": tensor \"", m.spec().tensors(f.tensor()).name(), "\" has files with ",
-          seen->optimizer_steps(), " optimizer steps (", seen->name(), ") and ",
-          f.optimizer_steps(), " (", f.name(), ")"));
-    }
-  }
-  // Written before shards recorded optimizer_steps: every tensor took every
-  // step, as the export counted them then.
-  if (!any && m.step() > 1) {
-    for (int t = 0; t < n; ++t) steps[t] = m.spec().tensors(t).frozen() ? 0 : m.step() - 1;
-  }
-  return steps;
-}
 
 absl::StatusOr<Loaded> Load(const std::string& dir) {
   Loaded out;
@@ -113,7 +82,7 @@ absl::StatusOr<Loaded> Load(const std::string& dir) {
         absl::StrCat(dir, ": the manifest's spec names no known optimizer"));
   }
   out.kind = *kind;
-  absl::StatusOr<std::vector<uint64_t>> steps = StepsOf(dir, out.m);
+  absl::StatusOr<std::vector<uint64_t>> steps = ckpt::OptimizerStepsOf(dir, out.m);
   if (!steps.ok()) return steps.status();
   out.steps = *std::move(steps);
   const kernels::StateLayout& layout = kernels::LayoutOf(out.kind);

@@ -22,7 +22,7 @@ namespace optimus {
 namespace {
 
 std::string TempDir() {
-  std::string tmpl = absl::StrCat(std::getenv("TEST_TMPDIR"), "/exportXXXXXX");
+  std::string tmpl = ::testing::TempDir() + "exportXXXXXX";
   EXPECT_NE(mkdtemp(tmpl.data()), nullptr);
   return tmpl;
 }

@@ -424,7 +424,7 @@ TEST(OptimusctlErrorsTest, UsageErrorsExitTwo) {
 
 // `checkpoint export --path=DIR --format=...` needs no coordinator.
 TEST(OptimusctlExportTest, WritesTheLayoutItIsAskedFor) {
-  std::string dir = absl::StrCat(std::getenv("TEST_TMPDIR"), "/ckptXXXXXX");
+  std::string dir = ::testing::TempDir() + "ckptXXXXXX";
   ASSERT_NE(mkdtemp(dir.data()), nullptr);
   v1::CheckpointManifest m;
   m.set_job_name("j");

@@ -90,7 +90,7 @@ class TorchOptimTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
     if (std::system("/usr/bin/python3 -c 'import torch' 2>/dev/null") != 0) return;
-    std::string tmpl = absl::StrCat(std::getenv("TEST_TMPDIR"), "/pyfilesXXXXXX");
+    std::string tmpl = ::testing::TempDir() + "pyfilesXXXXXX";
     ASSERT_NE(mkdtemp(tmpl.data()), nullptr);
     const std::string script = tmpl + "/make.py";
     std::ofstream(script) << kMakeFiles;

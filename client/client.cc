@@ -557,10 +557,8 @@ class ClientImpl : public Client {
     // the job's value agree.
     proto.lr = options.lr > 0.0f ? options.lr : default_lr_;
     proto.grad_mult = options.grad_mult > 0.0f ? options.grad_mult : 1.0f;
-    {
-      absl::MutexLock lock(&mu_);
-      if (tensor < frozen_.size() && frozen_[tensor]) grad = nullptr;
-    }
+    // Fixed by Join (read without the lock, as tensors_).
+    if (tensor < frozen_.size() && frozen_[tensor]) grad = nullptr;
     if (grad == nullptr) proto.step_flags |= wire::kPushNoGrad;
     return Issue(wire::Op::kPush, tensor, step, grad, nullptr, num_elems, grad_dtype_, proto);
   }

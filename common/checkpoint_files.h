@@ -85,6 +85,15 @@ absl::Status ReadTensorRange(const std::string& dir, const v1::CheckpointManifes
                              uint32_t tensor, uint64_t offset_elems, uint64_t num_elems,
                              absl::Span<float* const> dst);
 
+// The optimizer steps each tensor's values have seen (torch's per-parameter
+// 'step'), from the files' optimizer_steps, in spec order: DATA_LOSS when
+// two files of a tensor disagree or a file names no tensor of the spec. A
+// checkpoint written before files recorded them (all 0, step > 1) had every
+// tensor but frozen ones take every step: step - 1. `dir` names the
+// checkpoint in errors.
+absl::StatusOr<std::vector<uint64_t>> OptimizerStepsOf(const std::string& dir,
+                                                       const v1::CheckpointManifest& manifest);
+
 // Writes `dir`/MANIFEST atomically (text format + checksum line).
 absl::Status WriteManifest(const std::string& dir, const v1::CheckpointManifest& manifest);
 // NOT_FOUND when there is none (an incomplete checkpoint); DATA_LOSS naming

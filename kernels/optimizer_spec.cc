@@ -106,6 +106,14 @@ absl::Status ValidateGroupOverrides(const GroupOverrides& group, absl::string_vi
   return absl::OkStatus();
 }
 
+OptimizerHyper WithGroupOverrides(OptimizerHyper base, const GroupOverrides& group) {
+  if (group.weight_decay) base.weight_decay = *group.weight_decay;
+  if (group.beta1) base.beta1 = *group.beta1;
+  if (group.beta2) base.beta2 = *group.beta2;
+  if (group.momentum) base.momentum = *group.momentum;
+  return base;
+}
+
 const StateLayout& LayoutOf(OptimizerKind kind) {
   switch (kind) {
     case OptimizerKind::kAdamW:

@@ -70,6 +70,10 @@ struct GroupOverrides {
 // name (e.g. "param_groups[1].beta2") and the bad value.
 absl::Status ValidateGroupOverrides(const GroupOverrides& group, absl::string_view where);
 
+// `base` (a job's validated settings) with the set fields of `group`.
+// The group's lr_mult is not part of it (it scales each step's lr).
+OptimizerHyper WithGroupOverrides(OptimizerHyper base, const GroupOverrides& group);
+
 // The fp32 arrays a shard keeps per element of a chunk for one optimizer:
 // the master weights first, then the moments, in this order in memory,
 // in checkpoint files and in the export.

@@ -105,12 +105,8 @@ void Shard::FinishSnapshot(const JobRef& job, const ChunkRef& chunk, uint64_t ch
       snap.optimizer_steps = chunk->machine.optimizer_steps();
       snap.last_lr = chunk->machine.last_lr();
     }
-    const std::vector<float*> arrays = chunk->state_arrays();
-    snap.num_arrays = static_cast<uint32_t>(arrays.size());
-    snap.data.resize(arrays.size() * chunk->num_elems);
-    for (size_t a = 0; a < arrays.size(); ++a) {
-      std::memcpy(snap.data.data() + a * chunk->num_elems, arrays[a], chunk->num_elems * 4);
-    }
+    snap.num_arrays = job->layout().num_arrays;
+    snap.data = chunk->PackState();
     ckpt_writer_->Add(std::move(snap));
   }
   Actions a;

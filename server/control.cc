@@ -169,20 +169,13 @@ absl::StatusOr<ChunkRef> Shard::PlaceChunk(const Job& job, const ChunkPlacement&
     (*chunk)->machine.SetCheckpointEvery(job.config.checkpoint_every_steps);
   }
   if (restore != nullptr) {
-    // Every file of a tensor records the same optimizer step count; a
-    // checkpoint written before they were recorded (all 0) had every
-    // tensor step with the job.
-    uint64_t steps = 0;
     float last_lr = 0.0f;
-    bool any_counts = false;
     for (const v1::CheckpointFile& f : restore->manifest.files()) {
-      any_counts = any_counts || f.optimizer_steps() != 0;
-      if (f.tensor() == p.tensor) {
-        steps = f.optimizer_steps();
-        last_lr = f.last_lr();
-      }
+      if (f.tensor() == p.tensor) last_lr = f.last_lr();
     }
-    if (!any_counts) steps = restore->step > 0 ? restore->step - 1 : 0;
+    const uint64_t steps = restore->optimizer_steps.size() > p.tensor
+                               ? restore->optimizer_steps[p.tensor]
+                               : 0;
     (*chunk)->machine.Restored(restore->step, steps, last_lr);
   }
   return chunk;

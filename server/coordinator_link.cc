@@ -1,10 +1,10 @@
 #include "server/coordinator_link.h"
 
 #include <chrono>
-#include <cmath>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "common/checkpoint_files.h"
 #include "common/grpc_status.h"
 #include "grpcpp/grpcpp.h"
 #include "proto/optimus.grpc.pb.h"
@@ -57,18 +57,19 @@ absl::StatusOr<JobConfig> ConfigFromSpec(uint64_t job_id, const v1::JobSpec& spe
     }
     if (spec.param_groups_size() > 0) {
       const v1::ParamGroup& g = spec.param_groups(static_cast<int>(t.group()));
-      if (g.has_weight_decay()) tc.hyper.weight_decay = g.weight_decay();
-      if (g.has_beta1()) tc.hyper.beta1 = g.beta1();
-      if (g.has_beta2()) tc.hyper.beta2 = g.beta2();
-      if (g.has_momentum()) tc.hyper.momentum = g.momentum();
-      if (g.has_lr_mult()) tc.lr_mult = g.lr_mult();
-      if (!(tc.lr_mult > 0.0f) || !std::isfinite(tc.lr_mult)) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("group ", t.group(), " has lr_mult ", tc.lr_mult));
+      kernels::GroupOverrides o;
+      if (g.has_weight_decay()) o.weight_decay = g.weight_decay();
+      if (g.has_lr_mult()) o.lr_mult = g.lr_mult();
+      if (g.has_beta1()) o.beta1 = g.beta1();
+      if (g.has_beta2()) o.beta2 = g.beta2();
+      if (g.has_momentum()) o.momentum = g.momentum();
+      if (absl::Status s = kernels::ValidateGroupOverrides(
+              o, absl::StrCat("param_groups[", t.group(), "]"));
+          !s.ok()) {
+        return s;
       }
-      if (auto s = kernels::FillDefaultsAndValidate(&tc.hyper); !s.ok()) {
-        return absl::Status(s.code(), absl::StrCat("group ", t.group(), ": ", s.message()));
-      }
+      tc.hyper = kernels::WithGroupOverrides(c.hyper, o);
+      tc.lr_mult = o.lr_mult.value_or(1.0f);
     }
     c.tensors.push_back(tc);
   }
@@ -190,7 +191,11 @@ class GrpcCoordinatorLink : public CoordinatorLink {
     d.config = *std::move(config);
     d.map = MapFromProto(resp.map());
     if (resp.has_restore()) {
-      d.restore = RestoreSource{resp.restore().path(), resp.restore().manifest(), resp.resume_step()};
+      absl::StatusOr<std::vector<uint64_t>> steps =
+          ckpt::OptimizerStepsOf(resp.restore().path(), resp.restore().manifest());
+      if (!steps.ok()) return steps.status();
+      d.restore = RestoreSource{resp.restore().path(), resp.restore().manifest(),
+                                resp.resume_step(), *std::move(steps)};
     }
     return d;
   }

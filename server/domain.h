@@ -77,6 +77,9 @@ struct RestoreSource {
   std::string path;  // Relative to the shard's checkpoint folder.
   v1::CheckpointManifest manifest;
   uint64_t step = 0;  // Version the restored values are.
+  // Per tensor: the optimizer steps its values have seen
+  // (ckpt::OptimizerStepsOf, read once at the edge).
+  std::vector<uint64_t> optimizer_steps;
 };
 
 struct JobDescription {

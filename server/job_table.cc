@@ -141,6 +141,22 @@ std::vector<float*> Chunk::state_arrays() const {
   return out;
 }
 
+std::vector<float> Chunk::PackState() const {
+  const std::vector<float*> arrays = state_arrays();
+  std::vector<float> out(arrays.size() * num_elems);
+  for (size_t a = 0; a < arrays.size(); ++a) {
+    std::memcpy(out.data() + a * num_elems, arrays[a], num_elems * 4);
+  }
+  return out;
+}
+
+void Chunk::UnpackState(const float* packed) const {
+  const std::vector<float*> arrays = state_arrays();
+  for (size_t a = 0; a < arrays.size(); ++a) {
+    std::memcpy(arrays[a], packed + a * num_elems, num_elems * 4);
+  }
+}
+
 uint8_t* Chunk::slot(uint32_t rank) const { return slots_->data() + rank * grad_bytes_; }
 
 float* Chunk::sum() const {

@@ -100,6 +100,11 @@ class Chunk {
   float* v() const { return v_ ? v_->floats() : nullptr; }
   // The state arrays in layout order (master, m[, v]).
   std::vector<float*> state_arrays() const;
+  // The state arrays back to back, as seeds, inits with optimizer state
+  // and checkpoint files carry them; and the way back. Only in the phases
+  // the machine reserves for reading / writing the state.
+  std::vector<float> PackState() const;
+  void UnpackState(const float* packed) const;
   // Worker r's gradient slot (grad dtype), rank order.
   const std::vector<const void*>& grad_slots() const { return grad_slots_; }
   uint8_t* slot(uint32_t rank) const;

@@ -83,11 +83,7 @@ void Shard::SendForward(const JobRef& job, const ChunkRef& chunk, uint64_t gen, 
   if (seed) {
     // The state after the kernel: the machine holds the chunk unpublished
     // (and so unchanged) until the backup answers.
-    const std::vector<float*> arrays = chunk->state_arrays();
-    staging = std::make_shared<std::vector<float>>(arrays.size() * n);
-    for (size_t a = 0; a < arrays.size(); ++a) {
-      std::memcpy(staging->data() + a * n, arrays[a], n * 4);
-    }
+    staging = std::make_shared<std::vector<float>>(chunk->PackState());
     payload = staging->data();
     bytes = staging->size() * 4;
   } else if (step.skip) {
@@ -265,10 +261,7 @@ void Shard::OnReplicate(transport::IncomingMessage& msg, const wire::RequestHead
                                       optimizer_steps, lr](absl::Status rs) {
       if (rs.ok()) {
         // The chunk is being seeded: nothing else touches its buffers.
-        const std::vector<float*> arrays = chunk->state_arrays();
-        for (size_t a = 0; a < arrays.size(); ++a) {
-          std::memcpy(arrays[a], staging->data() + a * chunk->num_elems, chunk->num_elems * 4);
-        }
+        chunk->UnpackState(staging->data());
         kernels::CastFromFp32(chunk->master(), chunk->num_elems, chunk->published(step),
                               job->config.param_dtype);
       }

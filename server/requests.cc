@@ -263,8 +263,7 @@ void Shard::OnInit(transport::IncomingMessage& msg, const wire::RequestHeader& h
   const uint64_t request_id = h.request_id;
   const uint64_t optimizer_steps = with_state ? h.optimizer_steps : 0;
   const float last_lr = with_state ? h.lr : 0.0f;
-  auto landed = [this, from, request_id, job, chunk, optimizer_steps, last_lr,
-                 staging = std::shared_ptr<std::vector<float>>()](absl::Status rs) {
+  auto landed = [this, from, request_id, job, chunk, optimizer_steps, last_lr](absl::Status rs) {
     // The chunk is receiving its initial values: nothing else touches its
     // buffers until InitLanded.
     if (rs.ok()) {
@@ -284,12 +283,7 @@ void Shard::OnInit(transport::IncomingMessage& msg, const wire::RequestHeader& h
   // copy each into its own.
   auto staging = std::make_shared<std::vector<float>>(chunk->num_elems * arrays);
   msg.ReceiveInto(staging->data(), [staging, chunk, landed](absl::Status rs) mutable {
-    if (rs.ok()) {
-      const std::vector<float*> dst = chunk->state_arrays();
-      for (size_t a = 0; a < dst.size(); ++a) {
-        std::memcpy(dst[a], staging->data() + a * chunk->num_elems, chunk->num_elems * 4);
-      }
-    }
+    if (rs.ok()) chunk->UnpackState(staging->data());
     landed(rs);
   });
 }

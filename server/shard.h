@@ -101,7 +101,7 @@ class Shard : public ShardServer {
                           uint64_t optimizer_step, absl::Span<const void* const> grads,
                           DType grad_dtype, float scale);
   // A skipped step: the published copy of step moves to step + 1.
-  void SkipKernel(const Job& job, const Chunk& chunk, uint64_t step);
+  static void SkipKernel(const Chunk& chunk, uint64_t step);
 
   // ---- replication.cc ----
   // Primary side.

@@ -105,10 +105,9 @@ absl::Status Shard::StepKernel(const Job& job, const Chunk& chunk, uint64_t step
                             job.config.param_dtype, kernel_pool_.get());
 }
 
-void Shard::SkipKernel(const Job& job, const Chunk& chunk, uint64_t step) {
+void Shard::SkipKernel(const Chunk& chunk, uint64_t step) {
   // The state is untouched, so version step + 1 publishes the same values.
   std::memcpy(chunk.published(step + 1), chunk.published(step), chunk.published_bytes());
-  (void)job;
 }
 
 void Shard::RunReduce(const JobRef& job, const ChunkRef& chunk) {
@@ -164,7 +163,7 @@ void Shard::RunStep(const JobRef& job, const ChunkRef& chunk) {
   fwd.lr = plan.params.lr;
   fwd.partial = plan.partial;
   if (plan.skip) {
-    SkipKernel(*job, *chunk, plan.step);
+    SkipKernel(*chunk, plan.step);
     if (plan.forward_sum) SendForward(job, chunk, plan.gen, plan.step, /*seed=*/false, fwd);
   } else if (plan.forward_sum) {
     // To a seeded backup: sum once (in rank order, scaled, exactly as
@@ -221,7 +220,7 @@ void Shard::RunForwardedStep(const JobRef& job, const ChunkRef& chunk) {
   const void* sum_ptr[1] = {chunk->sum()};
   absl::Status s;
   if (skip) {
-    SkipKernel(*job, *chunk, step);
+    SkipKernel(*chunk, step);
   } else {
     s = StepKernel(*job, *chunk, step, lr, optimizer_step, absl::MakeConstSpan(sum_ptr, 1),
                    DType::kFp32, 1.0f);

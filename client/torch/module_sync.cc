@@ -98,21 +98,21 @@ absl::Status ModuleSync::InitFromModule() {
   return absl::OkStatus();
 }
 
-absl::Status ModuleSync::InitFromTorchOptimFile(const std::string& path) {
+absl::Status InitFromTorchOptimFile(Client* client, const std::string& path) {
   // The job's spec as far as the reader needs it: names, shapes, groups,
   // frozen tensors, the optimizer (its state's names).
   v1::JobSpec spec;
-  for (const TensorInfo& t : client_->tensors()) {
+  for (const TensorInfo& t : client->tensors()) {
     v1::TensorSpec* ts = spec.add_tensors();
     ts->set_name(t.name);
     for (int64_t d : t.shape) ts->add_shape(d);
     ts->set_group(t.group);
     ts->set_frozen(t.frozen);
   }
-  for (uint32_t g = 0; g < client_->num_param_groups(); ++g) spec.add_param_groups();
+  for (uint32_t g = 0; g < client->num_param_groups(); ++g) spec.add_param_groups();
   // client::Optimizer lists the kinds in proto order, from 1.
   spec.mutable_optimizer()->set_kind(
-      static_cast<v1::OptimizerKind>(static_cast<int>(client_->optimizer()) + 1));
+      static_cast<v1::OptimizerKind>(static_cast<int>(client->optimizer()) + 1));
   absl::StatusOr<ImportedOptimizerState> state = ReadTorchOptimFile(path, spec);
   if (!state.ok()) return state.status();
   for (uint32_t t = 0; t < state->tensors.size(); ++t) {
@@ -122,7 +122,7 @@ absl::Status ModuleSync::InitFromTorchOptimFile(const std::string& path) {
     ts.m = it.moments.size() > 0 ? it.moments[0].data() : nullptr;
     ts.v = it.moments.size() > 1 ? it.moments[1].data() : nullptr;
     ts.steps = it.optimizer_steps;
-    absl::Status s = client_->InitTensorState(t, ts, it.master.size());
+    absl::Status s = client->InitTensorState(t, ts, it.master.size());
     if (!s.ok()) return s;
   }
   return absl::OkStatus();

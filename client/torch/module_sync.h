@@ -27,6 +27,15 @@ std::vector<TensorDef> TensorDefsFromModule(const torch::nn::Module& module);
 // for libtorch errors).
 absl::Status FromTorchException(const std::exception& e, absl::string_view what);
 
+// Starts the joined job from an optimizer state saved by PyTorch in the
+// torch-optim layout (torch.save({"model": model.state_dict(), "optimizer":
+// optimizer.state_dict()}), or what `optimusctl checkpoint export
+// --format=torch-optim` writes): master values, moments and per-tensor step
+// counts, sent with Client::InitTensorState instead of InitTensor (one rank
+// only). Tensors are matched by name, state by index as load_state_dict
+// does; a file for another optimizer, shape or set of tensors is refused.
+absl::Status InitFromTorchOptimFile(Client* client, const std::string& path);
+
 class ModuleSync {
  public:
   // Checks that the joined job has exactly the module's parameters (names,
@@ -42,8 +51,10 @@ class ModuleSync {
   // "optimizer": optimizer.state_dict()}), or what `optimusctl checkpoint
   // export --format=torch-optim` writes): master values, moments and step
   // counts, instead of InitFromModule (one rank only). The module's own
-  // values are not used.
-  absl::Status InitFromTorchOptimFile(const std::string& path);
+  // values are not used. (The free function above, for this client.)
+  absl::Status InitFromTorchOptimFile(const std::string& path) {
+    return client::InitFromTorchOptimFile(client_, path);
+  }
 
   // Pushes every parameter's gradient for `step`, cast to the job's grad
   // dtype, with the step's learning rate and gradient multiplier, and waits

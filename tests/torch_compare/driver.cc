@@ -10,7 +10,6 @@
 //
 // Exit 0 when the case ran (whether its numbers are right is the Python
 // side's call), 1 with the reason on stderr otherwise.
-#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <cstdio>
@@ -26,12 +25,10 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 #include "cli/export.h"
-#include "cli/torch_optim.h"
 #include "common/checkpoint_files.h"
-#include "grpcpp/grpcpp.h"
 #include "client/client.h"
+#include "client/torch/module_sync.h"
 #include "common/dtype.h"
-#include "kernels/optimizer_spec.h"
 #include "nlohmann/json.hpp"
 #include "tests/harness/cluster.h"
 
@@ -302,28 +299,9 @@ absl::Status Run(const std::string& case_dir, const std::string& out_dir) {
   }
   client::Client* w0 = cluster.worker(0);
   if (c.init_state) {
-    // Start from a torch optimizer's state, read as the import path reads
-    // it, for the job's spec as the coordinator holds it.
-    v1::GetJobRequest req;
-    req.set_job_id(w0->job_id());
-    v1::GetJobResponse job;
-    grpc::ClientContext ctx;
-    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
-    if (grpc::Status gs = cluster.stub()->GetJob(&ctx, req, &job); !gs.ok()) {
-      return absl::InternalError(absl::StrCat("GetJob: ", gs.error_message()));
-    }
-    const v1::JobSpec& spec = job.spec();
-    absl::StatusOr<ImportedOptimizerState> imported =
-        ReadTorchOptimFile(case_dir + "/init_state.pt", spec);
-    if (!imported.ok()) return imported.status();
-    for (uint32_t t = 0; t < c.def.tensors.size(); ++t) {
-      const ImportedTensorState& it = imported->tensors[t];
-      client::TensorState ts;
-      ts.master = it.master.data();
-      ts.m = it.moments.size() > 0 ? it.moments[0].data() : nullptr;
-      ts.v = it.moments.size() > 1 ? it.moments[1].data() : nullptr;
-      ts.steps = it.optimizer_steps;
-      if (absl::Status s = w0->InitTensorState(t, ts, c.numel[t]); !s.ok()) return s;
+    // Start from a torch optimizer's state, as a trainer would.
+    if (absl::Status s = client::InitFromTorchOptimFile(w0, case_dir + "/init_state.pt"); !s.ok()) {
+      return s;
     }
   } else {
     for (uint32_t t = 0; t < c.def.tensors.size(); ++t) {
@@ -390,16 +368,11 @@ absl::Status Run(const std::string& case_dir, const std::string& out_dir) {
   }
   res["resume_step"] = w0->resume_step();
   // The optimizer steps each tensor's checkpoint files record.
-  std::vector<uint64_t> counts(c.def.tensors.size(), 0);
-  res["optimizer_steps"] = json::array();
-  {
-    absl::StatusOr<v1::CheckpointManifest> m = ckpt::ReadManifest(done->path());
-    if (!m.ok()) return m.status();
-    for (const v1::CheckpointFile& f : m->files()) {
-      if (f.tensor() < counts.size()) counts[f.tensor()] = f.optimizer_steps();
-    }
-  }
-  for (uint64_t n : counts) res["optimizer_steps"].push_back(n);
+  absl::StatusOr<v1::CheckpointManifest> m = ckpt::ReadManifest(done->path());
+  if (!m.ok()) return m.status();
+  absl::StatusOr<std::vector<uint64_t>> counts = ckpt::OptimizerStepsOf(done->path(), *m);
+  if (!counts.ok()) return counts.status();
+  res["optimizer_steps"] = *counts;
   return WriteFile(out_dir + "/result.json", res.dump(1));
 }
 
