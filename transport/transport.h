@@ -20,6 +20,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <utility>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -111,9 +112,41 @@ class IncomingMessage {
   // received is dropped when the handler returns and its sender's Send
   // still completes OK.
   virtual void ReceiveInto(void* dst, DoneCallback done) = 0;
+  // Same, with `region` (nullable) a registration covering dst. The default
+  // ignores it.
+  virtual void ReceiveInto(void* dst, const MemoryRegion* region, DoneCallback done) {
+    (void)region;
+    ReceiveInto(dst, std::move(done));
+  }
+  // Instead of ReceiveInto, from inside the handler: keeps the payload to be
+  // received later (see PendingPayload), or null when it cannot (payload
+  // already received, or none). At most once. The PendingPayload must be
+  // received or destroyed before the Worker is destroyed.
+  virtual std::unique_ptr<PendingPayload> Keep() { return nullptr; }
 };
 
 using Handler = std::function<void(IncomingMessage& msg)>;
+
+class MemoryRegion;
+
+// A payload kept at its sender (or, when it came eagerly, copied aside) by
+// IncomingMessage::Keep, to be received later: lets a receiver that has no
+// buffer free yet make the sender wait (as rendezvous allows) instead of
+// refusing the message. Thread-safe to hand to another thread.
+class PendingPayload {
+ public:
+  // Drops the payload if it was never received (the sender's Send then
+  // completes OK, as for a payload the handler did not take).
+  virtual ~PendingPayload() = default;
+  virtual size_t size() const = 0;
+  // Receives the payload into dst (at least size() bytes), from any thread,
+  // at most once (a second call fails with FAILED_PRECONDITION). `done` runs
+  // on the progress thread when the payload has landed (with an error if the
+  // sender went away or the worker is shutting down). `region`, when not
+  // null, is a registration covering dst (saves the transport registering
+  // dst for this transfer). dst must stay valid until `done` runs.
+  virtual void ReceiveInto(void* dst, const MemoryRegion* region, DoneCallback done) = 0;
+};
 
 // Keeps a buffer registered (so rendezvous lands in it without a bounce
 // buffer) until destroyed. May be destroyed on any thread, the progress
@@ -169,6 +202,20 @@ class Worker {
   // destroyed.
   virtual void Send(EndpointRef ep, uint16_t am_id, absl::Span<const uint8_t> header,
                     const void* payload, size_t payload_size, DoneCallback done) = 0;
+  // Same, with `region` (nullable) a registration (RegisterMemory) covering
+  // the payload: the transport uses it instead of registering the payload
+  // for this transfer. The default ignores it.
+  virtual void Send(EndpointRef ep, uint16_t am_id, absl::Span<const uint8_t> header,
+                    const void* payload, size_t payload_size, const MemoryRegion* region,
+                    DoneCallback done) {
+    (void)region;
+    Send(ep, am_id, header, payload, payload_size, std::move(done));
+  }
+
+  // The transports this worker's endpoints use so far, e.g. "sysv,cma" or
+  // "tcp" ("loopback" for the in-process fabric; empty before any endpoint
+  // has been used). For logs and status.
+  virtual std::string transports_in_use() const { return ""; }
 
   // Registers [data, data + size_bytes) for rendezvous. Thread-safe. A no-op
   // region on loopback.
