@@ -168,8 +168,12 @@ absl::StatusOr<CheckedSpec> CheckAndFillSpec(v1::JobSpec& spec) {
                                 kMaxChunksPerJob, "; raise max_chunk_bytes"));
   }
   const kernels::OptimizerKind kind = *kernels::OptimizerKindFromInt(spec.optimizer().kind());
+  // A step that waits for a worker's commit (clipping, or skipping
+  // non-finite steps) holds every chunk's gradients until then.
+  const bool holds_grads = spec.max_grad_norm() > 0 || !spec.keep_nonfinite();
   out.bytes_per_elem = kernels::ShardBytesPerElem(kind, spec.world_size(), *grad, *param,
-                                                  /*replicated=*/spec.replication() > 0);
+                                                  /*replicated=*/spec.replication() > 0,
+                                                  holds_grads);
   out.state_bytes_per_elem = kernels::LayoutOf(kind).bytes_per_elem();
   return out;
 }

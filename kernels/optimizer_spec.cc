@@ -124,12 +124,20 @@ const StateLayout& LayoutOf(OptimizerKind kind) {
   return kAdamLayout;
 }
 
+bool FoldsGradients(uint32_t world_size, DType grad_dtype) {
+  return uint64_t{world_size} * DTypeSize(grad_dtype) > 4;
+}
+
+uint64_t GradHoldBytesPerElem(uint32_t world_size, DType grad_dtype) {
+  return FoldsGradients(world_size, grad_dtype) ? 4 : uint64_t{world_size} * DTypeSize(grad_dtype);
+}
+
 uint64_t ShardBytesPerElem(OptimizerKind kind, uint32_t world_size, DType grad_dtype,
-                           DType param_dtype, bool replicated) {
+                           DType param_dtype, bool replicated, bool holds_grads) {
   return LayoutOf(kind).bytes_per_elem() +
-         uint64_t{world_size} * DTypeSize(grad_dtype) /* one gradient slot per worker */ +
          2 * DTypeSize(param_dtype) /* published versions v and v+1 */ +
-         (replicated ? 4 : 0) /* fp32 gradient sum forwarded to the backup */;
+         (replicated ? 4 : 0) /* fp32 gradient sum forwarded to the backup */ +
+         (holds_grads ? GradHoldBytesPerElem(world_size, grad_dtype) : 0);
 }
 
 }  // namespace kernels

@@ -85,12 +85,22 @@ struct StateLayout {
 };
 const StateLayout& LayoutOf(OptimizerKind kind);
 
-// Bytes a shard holds per element of a chunk of a job: the optimizer state,
-// one gradient slot per worker, two published versions, and (for a chunk
-// with a backup, replicated on both copies) the fp32 gradient sum the
-// primary forwards. The coordinator plans with it, the shard allocates it.
+// A chunk's W gradients on a shard, once all have landed: the W slots as
+// pushed, or (when W slots cost more than 4 B per element) one fp32 running
+// sum that the slots are folded into as they land (server/staging.h).
+bool FoldsGradients(uint32_t world_size, DType grad_dtype);
+uint64_t GradHoldBytesPerElem(uint32_t world_size, DType grad_dtype);
+
+// Bytes a shard holds per element of a chunk of a job, for as long as the
+// job lives: the optimizer state, two published versions, for a chunk with
+// a backup (replicated on both copies) the fp32 gradient sum the primary
+// forwards, and, for a job whose steps wait for a worker's commit (clipping
+// or skipping non-finite steps: every chunk holds its gradients until the
+// whole job's norm is known), GradHoldBytesPerElem. Gradients of other jobs
+// land in the shard's staging pool, sized for the chunks in flight, not per
+// element. The coordinator plans with it, the shard allocates it.
 uint64_t ShardBytesPerElem(OptimizerKind kind, uint32_t world_size, DType grad_dtype,
-                           DType param_dtype, bool replicated);
+                           DType param_dtype, bool replicated, bool holds_grads);
 
 }  // namespace kernels
 }  // namespace optimus

@@ -111,12 +111,29 @@ TEST(OptimizerSpecTest, LayoutNamesMatchTorchState) {
 }
 
 TEST(OptimizerSpecTest, ShardBytesPerElement) {
-  // AdamW, 4 workers pushing bf16, bf16 published: 12 + 4*2 + 2*2 = 24.
-  EXPECT_EQ(ShardBytesPerElem(OptimizerKind::kAdamW, 4, DType::kBf16, DType::kBf16, false), 24u);
+  // AdamW, bf16 published, gradients in the staging pool: 12 + 2*2 = 16,
+  // whatever the number of workers.
+  for (uint32_t w : {1u, 4u, 8u, 64u}) {
+    EXPECT_EQ(ShardBytesPerElem(OptimizerKind::kAdamW, w, DType::kBf16, DType::kBf16, false, false),
+              16u);
+  }
   // The same replicated: + the 4 B fp32 gradient sum.
-  EXPECT_EQ(ShardBytesPerElem(OptimizerKind::kAdamW, 4, DType::kBf16, DType::kBf16, true), 28u);
-  // SGD, 1 worker, fp32 everywhere: 8 + 4 + 8 = 20.
-  EXPECT_EQ(ShardBytesPerElem(OptimizerKind::kSgd, 1, DType::kFp32, DType::kFp32, false), 20u);
+  EXPECT_EQ(ShardBytesPerElem(OptimizerKind::kAdamW, 4, DType::kBf16, DType::kBf16, true, false),
+            20u);
+  // Holding gradients until the commit: W=2 bf16 slots (4 B), or one fp32
+  // sum from W=3 on (4 B, not 6).
+  EXPECT_EQ(ShardBytesPerElem(OptimizerKind::kAdamW, 2, DType::kBf16, DType::kBf16, false, true),
+            20u);
+  EXPECT_EQ(ShardBytesPerElem(OptimizerKind::kAdamW, 8, DType::kBf16, DType::kBf16, false, true),
+            20u);
+  EXPECT_EQ(ShardBytesPerElem(OptimizerKind::kAdamW, 1, DType::kBf16, DType::kBf16, false, true),
+            18u);
+  // SGD, 1 worker, fp32 everywhere, holding: 8 + 8 + 4 = 20.
+  EXPECT_EQ(ShardBytesPerElem(OptimizerKind::kSgd, 1, DType::kFp32, DType::kFp32, false, true),
+            20u);
+  EXPECT_FALSE(FoldsGradients(2, DType::kBf16));
+  EXPECT_TRUE(FoldsGradients(3, DType::kBf16));
+  EXPECT_TRUE(FoldsGradients(2, DType::kFp32));
 }
 
 TEST(OptimizerSpecTest, KindFromInt) {

@@ -329,6 +329,7 @@ ReduceInputs ChunkMachine::GetReduceInputs() const {
   ReduceInputs in;
   if (phase_ != Phase::kReducing) return in;
   in.run = true;
+  in.step = version_;
   in.params = params_;
   for (uint32_t r = 0; r < world_size_; ++r) {
     if (has_grad_[r]) in.ranks.push_back(r);

@@ -194,6 +194,7 @@ struct StepPlan {
 // What the reduce pass of the clipping round reads.
 struct ReduceInputs {
   bool run = false;
+  uint64_t step = 0;  // The step whose gradients are reduced.
   StepParams params;
   std::vector<uint32_t> ranks;
 };

@@ -38,7 +38,9 @@ absl::Status Shard::Register() {
   r.arch = "unknown";
 #endif
   r.cores = std::max(1u, std::thread::hardware_concurrency());
-  r.memory_limit_bytes = options_.memory_limit_bytes;
+  // What the coordinator may plan jobs' state into: the budget less the
+  // staging pool (gradients in flight).
+  r.memory_limit_bytes = options_.memory_limit_bytes - options_.staging_bytes;
   r.data_address = worker_->address();
   char host[256] = {0};
   gethostname(host, sizeof(host) - 1);
@@ -156,7 +158,8 @@ absl::StatusOr<ChunkRef> Shard::PlaceChunk(const Job& job, const ChunkPlacement&
   // chunk that a map gives a backup (a drain of an unreplicated job).
   const bool with_sum = job.config.replication > 0 || p.backup != 0;
   absl::StatusOr<ChunkRef> chunk =
-      Chunk::Create(job.config, p, role, with_sum, table_.memory(), MakeRegistrar());
+      Chunk::Create(job.config, p, role, with_sum, table_.memory(), MakeRegistrar(),
+                    staging_pool_);
   if (!chunk.ok()) return chunk.status();
   if (restore != nullptr) {
     if (absl::Status s = RestoreChunk(job, chunk->get(), *restore); !s.ok()) return s;

@@ -4,9 +4,11 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <thread>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "server/staging.h"
 
 namespace optimus {
 namespace server {
@@ -89,7 +91,8 @@ absl::StatusOr<std::shared_ptr<Chunk>> Chunk::Create(const JobConfig& c,
                                                      const ChunkPlacement& p, Role role,
                                                      bool with_sum,
                                                      std::shared_ptr<MemoryAccount> account,
-                                                     const Registrar& registrar) {
+                                                     const Registrar& registrar,
+                                                     std::shared_ptr<StagingPool> pool) {
   const ChunkName name{c.job_id, p.tensor, p.chunk};
   std::shared_ptr<Chunk> ch(new Chunk(name, p.offset_elems, p.num_elems, c.world_size, role));
   {
@@ -118,16 +121,20 @@ absl::StatusOr<std::shared_ptr<Chunk>> Chunk::Create(const JobConfig& c,
     ch->v_ = *std::move(v);
   }
   ch->grad_bytes_ = n * DTypeSize(c.grad_dtype);
-  auto slots = alloc(ch->grad_bytes_ * c.world_size, true);
-  if (!slots.ok()) return slots.status();
-  ch->slots_ = *std::move(slots);
+  if (pool == nullptr) {
+    // Tests of one chunk: a pool that holds this chunk's step.
+    pool = StagingPool::Create(
+        n * (kernels::GradHoldBytesPerElem(c.world_size, c.grad_dtype) + DTypeSize(c.grad_dtype)),
+        account, registrar, [](std::function<void()> fn) { std::thread(std::move(fn)).detach(); });
+  }
+  auto staging = ChunkStaging::Create(c.world_size, c.grad_dtype, n, c.commit_round,
+                                      std::move(pool), account, registrar, what);
+  if (!staging.ok()) return staging.status();
+  ch->staging_ = *std::move(staging);
   for (int i = 0; i < 2; ++i) {
     auto pub = alloc(n * DTypeSize(c.param_dtype), true);
     if (!pub.ok()) return pub.status();
     ch->published_[i] = *std::move(pub);
-  }
-  for (uint32_t r = 0; r < c.world_size; ++r) {
-    ch->grad_slots_.push_back(ch->slots_->data() + r * ch->grad_bytes_);
   }
   if (with_sum) {
     if (absl::Status s = ch->AddSumBuffer(account, registrar); !s.ok()) return s;
@@ -156,8 +163,6 @@ void Chunk::UnpackState(const float* packed) const {
     std::memcpy(arrays[a], packed + a * num_elems, num_elems * 4);
   }
 }
-
-uint8_t* Chunk::slot(uint32_t rank) const { return slots_->data() + rank * grad_bytes_; }
 
 float* Chunk::sum() const {
   absl::MutexLock lock(&mu);

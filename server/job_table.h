@@ -65,6 +65,8 @@ class Buffer {
   uint8_t* data() const { return data_; }
   size_t size_bytes() const { return size_bytes_; }
   float* floats() const { return reinterpret_cast<float*>(data_); }
+  // Its registration with the data plane (null without a registrar).
+  const transport::MemoryRegion* region() const { return region_.get(); }
 
  private:
   Buffer() = default;
@@ -77,17 +79,23 @@ class Buffer {
 };
 
 class Job;
+class ChunkStaging;  // server/staging.h
+class StagingPool;
 
 // One chunk on this shard: its buffers and its state machine.
 class Chunk {
  public:
   // Allocates the chunk's buffers for `job` (the gradient-sum buffer only
-  // when `with_sum`): RESOURCE_EXHAUSTED when they do not fit the budget.
+  // when `with_sum`; the gradients' own buffers when the job's steps wait
+  // for a commit, else they come from `pool` per step): RESOURCE_EXHAUSTED
+  // when they do not fit the budget, or the chunk's step would not fit the
+  // staging pool.
   static absl::StatusOr<std::shared_ptr<Chunk>> Create(const JobConfig& config,
                                                        const ChunkPlacement& placement, Role role,
                                                        bool with_sum,
                                                        std::shared_ptr<MemoryAccount> account,
-                                                       const Registrar& registrar);
+                                                       const Registrar& registrar,
+                                                       std::shared_ptr<StagingPool> pool);
   ~Chunk();
 
   const ChunkName name;
@@ -105,9 +113,8 @@ class Chunk {
   // the machine reserves for reading / writing the state.
   std::vector<float> PackState() const;
   void UnpackState(const float* packed) const;
-  // Worker r's gradient slot (grad dtype), rank order.
-  const std::vector<const void*>& grad_slots() const { return grad_slots_; }
-  uint8_t* slot(uint32_t rank) const;
+  // Where the step's pushed gradients land and are summed (staging.h).
+  ChunkStaging& staging() const { return *staging_; }
   // The published copy of version v (param dtype).
   uint8_t* published(uint64_t version) const { return published_[version % 2]->data(); }
   size_t published_bytes() const { return published_[0]->size_bytes(); }
@@ -132,11 +139,11 @@ class Chunk {
  private:
   Chunk(ChunkName n, uint64_t offset, uint64_t elems, uint32_t world_size, Role role);
 
-  std::unique_ptr<Buffer> master_, m_, v_, slots_, published_[2];
+  std::unique_ptr<Buffer> master_, m_, v_, published_[2];
+  std::shared_ptr<ChunkStaging> staging_;
   std::unique_ptr<Buffer> sum_ ABSL_GUARDED_BY(mu);
   float* sum_ptr_ ABSL_GUARDED_BY(mu) = nullptr;
-  std::vector<const void*> grad_slots_;
-  size_t grad_bytes_ = 0;  // One slot.
+  size_t grad_bytes_ = 0;  // One rank's push.
 };
 
 // One job's chunks on this shard, and what it knows of the job's map.

@@ -42,22 +42,31 @@ TEST(MemoryAccountTest, RefusesWhatDoesNotFitWithTheNumbers) {
   EXPECT_TRUE(a.Reserve(1000, "all").ok());
 }
 
-// The shard allocates exactly what the coordinator plans per element.
+// The shard allocates exactly what the coordinator plans per element: the
+// gradients too when the job's steps wait for a commit, else nothing for
+// them until a push lands (the staging pool).
 TEST(ChunkTest, CostsWhatShardBytesPerElemSays) {
   for (auto kind : {kernels::OptimizerKind::kAdamW, kernels::OptimizerKind::kSgd,
                     kernels::OptimizerKind::kLion}) {
     for (uint32_t replication : {0u, 1u}) {
-      auto account = std::make_shared<MemoryAccount>(1 << 30);
-      const JobConfig c = Config(4, kind, replication);
-      auto chunk = Chunk::Create(c, Placement(1000), Role::kPrimary, replication > 0, account, {});
-      ASSERT_TRUE(chunk.ok()) << chunk.status();
-      EXPECT_EQ(account->used(),
-                1000 * kernels::ShardBytesPerElem(kind, 4, DType::kBf16, DType::kBf16,
-                                                  replication > 0))
-          << kernels::OptimizerName(kind) << " replication " << replication;
-      EXPECT_EQ((*chunk)->state_arrays().size(), kernels::LayoutOf(kind).num_arrays);
-      chunk->reset();
-      EXPECT_EQ(account->used(), 0u);
+      for (bool round : {false, true}) {
+        for (uint32_t w : {1u, 2u, 4u}) {
+          auto account = std::make_shared<MemoryAccount>(1 << 30);
+          JobConfig c = Config(w, kind, replication);
+          c.commit_round = round;
+          auto chunk = Chunk::Create(c, Placement(1000), Role::kPrimary, replication > 0,
+                                     account, {}, nullptr);
+          ASSERT_TRUE(chunk.ok()) << chunk.status();
+          EXPECT_EQ(account->used(),
+                    1000 * kernels::ShardBytesPerElem(kind, w, DType::kBf16, DType::kBf16,
+                                                      replication > 0, round))
+              << kernels::OptimizerName(kind) << " replication " << replication << " round "
+              << round << " W " << w;
+          EXPECT_EQ((*chunk)->state_arrays().size(), kernels::LayoutOf(kind).num_arrays);
+          chunk->reset();
+          EXPECT_EQ(account->used(), 0u);
+        }
+      }
     }
   }
 }
@@ -65,7 +74,7 @@ TEST(ChunkTest, CostsWhatShardBytesPerElemSays) {
 TEST(ChunkTest, DoesNotFitAndLeavesNothingAllocated) {
   const JobConfig c = Config(2, kernels::OptimizerKind::kAdamW);
   auto account = std::make_shared<MemoryAccount>(1000 * 12);  // Room for master/m/v only.
-  auto chunk = Chunk::Create(c, Placement(1000), Role::kPrimary, false, account, {});
+  auto chunk = Chunk::Create(c, Placement(1000), Role::kPrimary, false, account, {}, nullptr);
   EXPECT_EQ(chunk.status().code(), absl::StatusCode::kResourceExhausted);
   EXPECT_EQ(account->used(), 0u);
 }
@@ -74,7 +83,7 @@ TEST(ChunkTest, MemoryIsFreedWhenTheLastHolderLetsGo) {
   auto account = std::make_shared<MemoryAccount>(1 << 30);
   JobTable table(1 << 30);
   auto job = std::make_shared<Job>(Config(2, kernels::OptimizerKind::kAdamW));
-  auto chunk = Chunk::Create(job->config, Placement(100), Role::kPrimary, false, account, {});
+  auto chunk = Chunk::Create(job->config, Placement(100), Role::kPrimary, false, account, {}, nullptr);
   ASSERT_TRUE(chunk.ok());
   {
     absl::MutexLock lock(&job->mu);
@@ -101,7 +110,7 @@ TEST(ChunkTest, MemoryIsFreedWhenTheLastHolderLetsGo) {
 TEST(ChunkTest, SumBufferIsAddedOnceAndAccounted) {
   auto account = std::make_shared<MemoryAccount>(1 << 30);
   const JobConfig c = Config(1, kernels::OptimizerKind::kSgd);
-  auto chunk = Chunk::Create(c, Placement(64), Role::kPrimary, false, account, {});
+  auto chunk = Chunk::Create(c, Placement(64), Role::kPrimary, false, account, {}, nullptr);
   ASSERT_TRUE(chunk.ok());
   EXPECT_EQ((*chunk)->sum(), nullptr);
   const uint64_t before = account->used();

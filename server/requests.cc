@@ -173,7 +173,10 @@ void Shard::OnPush(transport::IncomingMessage& msg, const wire::RequestHeader& h
   }
   const uint64_t request_id = h.request_id;
   const uint32_t rank = h.rank;
+  const uint64_t step = h.step;
+  ChunkStaging& staging = chunk->staging();
   if (!has_grad) {
+    staging.NoGrad(step, rank);
     Actions a;
     {
       absl::MutexLock lock(&chunk->mu);
@@ -182,7 +185,8 @@ void Shard::OnPush(transport::IncomingMessage& msg, const wire::RequestHeader& h
     metrics_.pushes_received.fetch_add(1);
     return Carry(job, chunk, std::move(a));
   }
-  msg.ReceiveInto(chunk->slot(rank), [this, from, request_id, rank, job, chunk](absl::Status rs) {
+  auto landed = [this, from, request_id, rank, step, job, chunk](absl::Status rs) {
+    const bool fold = chunk->staging().Landed(step, rank, rs.ok());
     Actions a;
     {
       absl::MutexLock lock(&chunk->mu);
@@ -194,7 +198,23 @@ void Shard::OnPush(transport::IncomingMessage& msg, const wire::RequestHeader& h
     }
     metrics_.pushes_received.fetch_add(1);
     metrics_.pushed_bytes.fetch_add(chunk->grad_bytes());
+    if (fold) ScheduleFold(chunk);
     Carry(job, chunk, std::move(a));  // Answers the push (now, or with the partial).
+  };
+  const ChunkStaging::Landing place = staging.Land(step, rank);
+  if (place.dst != nullptr) return msg.ReceiveInto(place.dst, place.region, std::move(landed));
+  // No room in the staging pool yet: the payload stays at the worker (a
+  // rendezvous) until a buffer frees up.
+  std::shared_ptr<transport::PendingPayload> kept = msg.Keep();
+  if (kept == nullptr) {
+    // The transport cannot hold it (an eager payload it could not copy).
+    landed(absl::ResourceExhaustedError(absl::StrCat(
+        "no staging buffer free for tensor ", h.tensor, " chunk ", h.chunk, " of job ", h.job_id,
+        " on shard ", shard_id_.load(), "; push it again")));
+    return;
+  }
+  staging.Wait(step, rank, [kept, landed](ChunkStaging::Landing l) {
+    kept->ReceiveInto(l.dst, l.region, landed);
   });
 }
 

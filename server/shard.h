@@ -46,6 +46,7 @@
 #include "server/job_table.h"
 #include "server/shard_metrics.h"
 #include "server/shard_server.h"
+#include "server/staging.h"
 #include "server/step_executor.h"
 #include "transport/transport.h"
 
@@ -92,6 +93,8 @@ class Shard : public ShardServer {
   void Carry(const JobRef& job, const ChunkRef& chunk, Actions actions);
   void Schedule(std::function<void()> task) ABSL_LOCKS_EXCLUDED(exec_mu_);
   void RunStep(const JobRef& job, const ChunkRef& chunk);
+  // Folds a chunk's landed gradients into its running sum (staging.h).
+  void ScheduleFold(const ChunkRef& chunk);
   void RunForwardedStep(const JobRef& job, const ChunkRef& chunk);
   // The clipping round's pass: the chunk's partial sum of squares.
   void RunReduce(const JobRef& job, const ChunkRef& chunk);
@@ -158,6 +161,8 @@ class Shard : public ShardServer {
   std::unique_ptr<CheckpointWriter> ckpt_writer_;  // Null without a checkpoint folder.
   std::unique_ptr<CoordinatorLink> link_;
   std::unique_ptr<transport::Worker> worker_;
+  // Gradients in flight (set in Start, before any job loads).
+  std::shared_ptr<StagingPool> staging_pool_;
   std::atomic<bool> closing_{false};  // Set just before worker_ is destroyed.
   std::unique_ptr<HttpServer> http_;
 

@@ -10,6 +10,9 @@ std::string RenderShardMetrics(const ShardMetrics& s, const ShardGauges& g) {
   const MetricLabels id = {{"shard_id", absl::StrCat(g.shard_id)}};
   s.step_latency.Render(&m, "optimus_shard_step_seconds",
                         "Latency of one fused optimizer step over one chunk.");
+  s.publish_tail.Render(&m, "optimus_shard_publish_tail_seconds",
+                        "From the last push of a chunk's step landing to the version being "
+                        "pullable.");
   m.Counter("optimus_shard_steps_total", "Chunk steps applied.", s.steps_applied.load(), id);
   m.Counter("optimus_shard_optimizer_params_total",
             "Parameters updated by the optimizer (rate = optimizer throughput).",
@@ -33,6 +36,17 @@ std::string RenderShardMetrics(const ShardMetrics& s, const ShardGauges& g) {
           static_cast<double>(g.memory_used_bytes), id);
   m.Gauge("optimus_shard_memory_limit_bytes", "State budget of this shard.",
           static_cast<double>(g.memory_limit_bytes), id);
+  m.Gauge("optimus_shard_staging_limit_bytes",
+          "Budget of the gradient staging pool (pushes in flight).",
+          static_cast<double>(g.staging_limit_bytes), id);
+  m.Gauge("optimus_shard_staging_in_use_bytes", "Staging buffers holding gradients now.",
+          static_cast<double>(g.staging_in_use_bytes), id);
+  m.Gauge("optimus_shard_staging_held_bytes", "Staging buffers allocated (in use or kept).",
+          static_cast<double>(g.staging_held_bytes), id);
+  m.Counter("optimus_shard_staging_waits_total",
+            "Times a push or a step waited for room in the staging pool.", g.staging_waits, id);
+  m.Counter("optimus_shard_folds_total", "Passes folding landed gradients into a running sum.",
+            s.folds.load(), id);
   m.Gauge("optimus_shard_chunks_owned", "Chunks held for all jobs.", g.chunks_owned, id);
   m.Gauge("optimus_shard_jobs", "Jobs with state on this shard.", g.jobs, id);
   m.Gauge("optimus_shard_lease_age_seconds", "Time since the last accepted heartbeat.",

@@ -32,6 +32,11 @@ struct ShardMetrics {
   static constexpr int kNumCodes = 17;          // absl::StatusCode values 0..16.
   std::array<std::atomic<uint64_t>, kNumCodes> errors{};  // Replies by error code.
   Histogram step_latency;                       // One chunk's fused step.
+  // From the last push of a chunk's step landing to the version being
+  // pullable (the fold of the last push, the optimizer pass and the cast;
+  // steps published without waiting for a backup).
+  Histogram publish_tail;
+  std::atomic<uint64_t> folds{0};               // Fold passes (staging.h).
 
   void CountError(const absl::Status& status) {
     const int code = static_cast<int>(status.code());
@@ -47,6 +52,10 @@ struct ShardGauges {
   uint32_t chunks_owned = 0;
   uint32_t jobs = 0;
   double lease_age_seconds = 0;
+  uint64_t staging_limit_bytes = 0;
+  uint64_t staging_in_use_bytes = 0;
+  uint64_t staging_held_bytes = 0;
+  uint64_t staging_waits = 0;
 };
 
 std::string RenderShardMetrics(const ShardMetrics& m, const ShardGauges& g);

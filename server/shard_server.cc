@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <thread>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -17,13 +18,27 @@ namespace optimus {
 namespace server {
 namespace {
 constexpr char kLog[] = "shard";
+
+int CoresOr(int n) {
+  if (n > 0) return n;
+  const unsigned cores = std::thread::hardware_concurrency();
+  return cores > 0 ? static_cast<int>(cores) : 1;
+}
+
+ShardServerOptions Resolved(ShardServerOptions o) {
+  o.step_threads = CoresOr(o.step_threads);
+  o.kernel_threads = CoresOr(o.kernel_threads);
+  if (o.staging_bytes == 0) o.staging_bytes = o.memory_limit_bytes / 8;
+  o.staging_bytes = std::min(o.staging_bytes, o.memory_limit_bytes);
+  return o;
+}
 }  // namespace
 
 Shard::Shard(const ShardServerOptions& options, std::unique_ptr<CoordinatorLink> link)
-    : options_(options),
-      table_(options.memory_limit_bytes),
-      kernel_pool_(std::make_unique<kernels::ThreadPool>(options.kernel_threads)),
-      executor_(std::make_unique<StepExecutor>(options.step_threads)),
+    : options_(Resolved(options)),
+      table_(options_.memory_limit_bytes),
+      kernel_pool_(std::make_unique<kernels::ThreadPool>(options_.kernel_threads)),
+      executor_(std::make_unique<StepExecutor>(options_.step_threads)),
       link_(std::move(link)) {
   if (!options.checkpoint_dir.empty()) {
     ckpt_writer_ = std::make_unique<CheckpointWriter>(options.checkpoint_max_bytes_per_second);
@@ -45,6 +60,12 @@ absl::Status Shard::Start() {
   worker_->SetHandler(wire::kAmReply,
                       [this](transport::IncomingMessage& msg) { OnForwardReply(msg); });
   if (absl::Status s = worker_->Start(); !s.ok()) return s;
+  staging_pool_ = StagingPool::Create(options_.staging_bytes, table_.memory(), MakeRegistrar(),
+                                      [this](std::function<void()> fn) { Schedule(std::move(fn)); });
+  OPTIMUS_LOG(Info, kLog, "memory budget ", options_.memory_limit_bytes >> 20, " MiB (",
+              options_.staging_bytes >> 20, " MiB of it for gradients in flight), ",
+              options_.step_threads, " step threads, ", options_.kernel_threads,
+              " kernel threads");
   if (absl::Status s = Register(); !s.ok()) return s;
   heartbeat_thread_ = std::thread([this] { HeartbeatLoop(); });
   if (!options_.metrics_address.empty()) {
@@ -57,6 +78,12 @@ absl::Status Shard::Start() {
             g.shard_id = st.shard_id;
             g.memory_used_bytes = st.memory_used_bytes;
             g.memory_limit_bytes = options_.memory_limit_bytes;
+            g.staging_limit_bytes = st.staging_limit_bytes;
+            g.staging_in_use_bytes = st.staging_in_use_bytes;
+            if (staging_pool_ != nullptr) {
+              g.staging_held_bytes = staging_pool_->held();
+              g.staging_waits = staging_pool_->waits();
+            }
             g.chunks_owned = st.chunks_owned;
             g.jobs = st.jobs;
             g.lease_age_seconds = absl::ToDoubleSeconds(
@@ -96,6 +123,8 @@ ShardServerStats Shard::stats() const {
   // Every byte still allocated, including chunks that retired but are
   // still referenced by an operation in flight.
   s.memory_used_bytes = table_.memory()->used();
+  s.staging_limit_bytes = options_.staging_bytes;
+  if (staging_pool_ != nullptr) s.staging_in_use_bytes = staging_pool_->in_use();
   for (const JobRef& job : table_.All()) {
     ++s.jobs;
     s.chunks_owned += static_cast<uint32_t>(job->num_chunks());

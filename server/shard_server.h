@@ -27,12 +27,18 @@ struct ShardServerOptions {
   bool is_dpu = false;
   // Budget for all jobs' state on this shard. Default 1 GiB.
   uint64_t memory_limit_bytes = uint64_t{1} << 30;
-  // Threads that run optimizer steps. Default 1 (the progress thread is extra).
-  int step_threads = 1;
+  // Bytes of the budget kept for gradients in flight (server/staging.h):
+  // pushes land and are summed there; the rest of the budget is offered to
+  // the coordinator for jobs' state. 0: an eighth of memory_limit_bytes.
+  uint64_t staging_bytes = 0;
+  // Threads that run optimizer steps and fold landed gradients, one chunk
+  // each (the progress thread is extra). 0: one per core.
+  int step_threads = 0;
   // Threads that split one chunk's fused step into ranges (a pool the server
   // owns, shared by all step threads; results are bitwise the same for any
-  // count). Default 1: no split. On a DPU set it to its core count.
-  int kernel_threads = 1;
+  // count), so the last chunk of a step is not left to one core. 0: one per
+  // core.
+  int kernel_threads = 0;
   // How often to heartbeat; 0 means a third of the lease the coordinator grants.
   absl::Duration heartbeat_interval = absl::ZeroDuration();
   // UCX settings for the data plane.
@@ -54,7 +60,9 @@ struct ShardServerOptions {
 
 struct ShardServerStats {
   uint64_t shard_id = 0;
-  uint64_t memory_used_bytes = 0;
+  uint64_t memory_used_bytes = 0;   // State, published copies and staging buffers.
+  uint64_t staging_limit_bytes = 0;
+  uint64_t staging_in_use_bytes = 0;
   uint32_t chunks_owned = 0;
   uint64_t steps_applied = 0;       // Chunk steps, summed over chunks.
   uint64_t pushes_received = 0;

@@ -30,13 +30,14 @@ JobConfig::Tensor RulesOf(const JobConfig& c, uint32_t tensor) {
   return t;
 }
 
-std::vector<const void*> SlotsOf(const Chunk& chunk, const std::vector<uint32_t>& ranks) {
-  std::vector<const void*> out;
-  out.reserve(ranks.size());
-  for (uint32_t r : ranks) out.push_back(chunk.grad_slots()[r]);
-  return out;
-}
 }  // namespace
+
+void Shard::ScheduleFold(const ChunkRef& chunk) {
+  Schedule([this, chunk] {
+    metrics_.folds.fetch_add(1);
+    chunk->staging().Fold(kernel_pool_.get());
+  });
+}
 
 void Shard::Carry(const JobRef& job, const ChunkRef& chunk, Actions a) {
   if (a.empty()) return;
@@ -77,6 +78,7 @@ void Shard::Carry(const JobRef& job, const ChunkRef& chunk, Actions a) {
   }
   if (a.beat_now) BeatNow();
   if (a.retired) {
+    chunk->staging().Abandon();  // Waiting pushes dropped, buffers back.
     // Out of the job's table; freed when the last operation lets go.
     absl::MutexLock lock(&job->mu);
     auto it = job->chunks.find(ChunkKey(chunk->name.tensor, chunk->name.chunk));
@@ -118,14 +120,21 @@ void Shard::RunReduce(const JobRef& job, const ChunkRef& chunk) {
   }
   if (!r.run) return;
   const JobConfig& c = job->config;
-  const std::vector<const void*> slots = SlotsOf(*chunk, r.ranks);
+  ChunkStaging& staging = chunk->staging();
+  const ChunkStaging::Inputs staged =
+      staging.Use(r.step, r.ranks, kernel_pool_.get());
   kernels::StepInputs in;
-  in.grads = absl::MakeConstSpan(slots);
-  in.grad_dtype = c.grad_dtype;
+  in.grads = absl::MakeConstSpan(staged.grads);
+  in.grad_dtype = staged.dtype;
   in.grad_scale = c.grad_scale * r.params.grad_mult;
   // The gradient the step would apply, exactly (the same sum, the same
   // scale), squared and added up in double in a fixed order.
-  absl::StatusOr<double> sum = kernels::GradSumOfSquares(in, chunk->num_elems, kernel_pool_.get());
+  absl::StatusOr<double> sum = !staged.status.ok() ? absl::StatusOr<double>(staged.status)
+                               : staged.grads.empty()
+                                   ? absl::StatusOr<double>(0.0)
+                                   : kernels::GradSumOfSquares(in, chunk->num_elems,
+                                                               kernel_pool_.get());
+  staging.Unuse();
   double sum_squares;
   if (sum.ok()) {
     sum_squares = *sum;
@@ -154,7 +163,19 @@ void Shard::RunStep(const JobRef& job, const ChunkRef& chunk) {
   const size_t n = chunk->num_elems;
   const absl::Time start = absl::Now();
   absl::Status s;
-  const std::vector<const void*> slots = SlotsOf(*chunk, plan.ranks);
+  ChunkStaging& staging = chunk->staging();
+  // The step's gradients: the W slots, or the running sum they were folded
+  // into (the last one folded now); the same bits either way.
+  const ChunkStaging::Inputs staged =
+      plan.skip ? ChunkStaging::Inputs{} : staging.Use(plan.step, plan.ranks, kernel_pool_.get());
+  if (!staged.status.ok()) {
+    OPTIMUS_LOG(Error, kLog, "job ", c.job_id, " tensor ", chunk->name.tensor, " chunk ",
+                chunk->name.chunk, " step ", plan.step, ": ", staged.status.ToString(),
+                "; the step is skipped");
+    plan.skip = true;
+  }
+  const std::vector<const void*>& slots = staged.grads;
+  const DType slots_dtype = staged.dtype;
   // The averaged gradient times the step's multiplier and clip coefficient
   // (exactly the job's grad_scale when both are 1).
   const float scale = c.grad_scale * plan.params.grad_mult * plan.clip_coef;
@@ -173,7 +194,7 @@ void Shard::RunStep(const JobRef& job, const ChunkRef& chunk) {
     float* sum = chunk->sum();
     kernels::StepInputs in;
     in.grads = absl::MakeConstSpan(slots);
-    in.grad_dtype = c.grad_dtype;
+    in.grad_dtype = slots_dtype;
     in.grad_scale = scale;
     in.step = static_cast<int64_t>(plan.optimizer_step);
     s = kernels::SumGradsToFp32(in, n, sum, kernel_pool_.get());
@@ -188,8 +209,11 @@ void Shard::RunStep(const JobRef& job, const ChunkRef& chunk) {
     }
   } else {
     s = StepKernel(*job, *chunk, plan.step, plan.params.lr, plan.optimizer_step,
-                   absl::MakeConstSpan(slots), c.grad_dtype, scale);
+                   absl::MakeConstSpan(slots), slots_dtype, scale);
   }
+  // The gradients are spent: their buffers go back to the pool before the
+  // version is published (the next step's pushes may need them).
+  staging.StepDone(plan.step);
   metrics_.step_latency.Observe(absl::ToDoubleSeconds(absl::Now() - start));
   metrics_.params_stepped.fetch_add(n);
   if (!s.ok()) {
@@ -201,6 +225,9 @@ void Shard::RunStep(const JobRef& job, const ChunkRef& chunk) {
   {
     absl::MutexLock lock(&chunk->mu);
     a = chunk->machine.KernelDone();
+  }
+  if (a.published != 0 && staged.all_landed != absl::Time()) {
+    metrics_.publish_tail.Observe(absl::ToDoubleSeconds(absl::Now() - staged.all_landed));
   }
   Carry(job, chunk, std::move(a));
 }

@@ -89,6 +89,9 @@ struct WorkerOptions {
 // operation the Worker's destruction cancels, on the destroying thread).
 using DoneCallback = std::function<void(absl::Status)>;
 
+class MemoryRegion;    // Below.
+class PendingPayload;  // Below.
+
 // One received active message, valid only during the handler call.
 class IncomingMessage {
  public:
@@ -126,8 +129,6 @@ class IncomingMessage {
 };
 
 using Handler = std::function<void(IncomingMessage& msg)>;
-
-class MemoryRegion;
 
 // A payload kept at its sender (or, when it came eagerly, copied aside) by
 // IncomingMessage::Keep, to be received later: lets a receiver that has no

@@ -1,0 +1,428 @@
+#include "server/staging.h"
+
+#include <algorithm>
+#include <iterator>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "common/logging.h"
+#include "kernels/cpu/passes.h"
+#include "kernels/optimizer_spec.h"
+
+namespace optimus {
+namespace server {
+
+// ---- StagingPool ---------------------------------------------------------------
+
+std::shared_ptr<StagingPool> StagingPool::Create(uint64_t limit_bytes,
+                                                 std::shared_ptr<MemoryAccount> account,
+                                                 Registrar registrar, RunLater run_later) {
+  return std::shared_ptr<StagingPool>(
+      new StagingPool(limit_bytes, std::move(account), std::move(registrar), std::move(run_later)));
+}
+
+StagingPool::Lease::~Lease() { pool_->Release(std::move(buffer_)); }
+
+std::unique_ptr<StagingPool::Lease> StagingPool::TryAcquire(size_t bytes, uint64_t keep_free) {
+  std::unique_ptr<Buffer> buffer;
+  {
+    absl::MutexLock lock(&mu_);
+    if (bytes > limit_ || in_use_ + bytes > limit_ || limit_ - in_use_ - bytes < keep_free) {
+      ++waits_;
+      return nullptr;
+    }
+    auto it = kept_.find(bytes);
+    if (it != kept_.end()) {
+      buffer = std::move(it->second);
+      kept_.erase(it);
+      kept_bytes_ -= bytes;
+    } else {
+      // Make room among the kept buffers of other sizes (largest first).
+      while (in_use_ + kept_bytes_ + bytes > limit_ && !kept_.empty()) {
+        auto last = std::prev(kept_.end());
+        kept_bytes_ -= last->first;
+        kept_.erase(last);  // Freed (and deregistered) here: rare, small.
+      }
+    }
+    in_use_ += bytes;
+  }
+  if (buffer == nullptr) {
+    auto made = Buffer::Allocate(bytes, account_, registrar_, "gradient staging");
+    if (!made.ok()) {
+      // The shard's budget is shared with the jobs' state; say why once in
+      // a while and let the caller wait like for a full pool.
+      OPTIMUS_LOG(Warning, "shard", "staging buffer of ", bytes, " bytes: ",
+                  made.status().message());
+      absl::MutexLock lock(&mu_);
+      in_use_ -= bytes;
+      ++waits_;
+      return nullptr;
+    }
+    buffer = *std::move(made);
+  }
+  return std::unique_ptr<Lease>(new Lease(shared_from_this(), std::move(buffer)));
+}
+
+void StagingPool::Release(std::unique_ptr<Buffer> buffer) {
+  std::vector<std::function<void()>> wake;
+  {
+    absl::MutexLock lock(&mu_);
+    const size_t bytes = buffer->size_bytes();
+    in_use_ -= bytes;
+    kept_bytes_ += bytes;
+    kept_.emplace(bytes, std::move(buffer));
+    wake.swap(waiters_);
+  }
+  for (auto& fn : wake) run_later_(std::move(fn));
+}
+
+void StagingPool::WhenReleased(std::function<void()> fn) {
+  absl::MutexLock lock(&mu_);
+  waiters_.push_back(std::move(fn));
+}
+
+absl::Status StagingPool::Admit(uint64_t hold_bytes, uint64_t landing_bytes,
+                                absl::string_view what) {
+  absl::MutexLock lock(&mu_);
+  const uint64_t reserve = std::max(reserve_, landing_bytes);
+  if (hold_bytes + reserve > limit_ || landing_bytes > limit_) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        what, " needs ", hold_bytes + reserve, " bytes of gradient staging in flight (",
+        hold_bytes, " for its gradients, ", reserve,
+        " kept for landing pushes in rank order); this shard's staging pool has ", limit_,
+        ": raise the shard's --staging_mb or lower the job's chunk size"));
+  }
+  reserve_ = reserve;
+  return absl::OkStatus();
+}
+
+uint64_t StagingPool::reserve() const {
+  absl::MutexLock lock(&mu_);
+  return reserve_;
+}
+
+uint64_t StagingPool::in_use() const {
+  absl::MutexLock lock(&mu_);
+  return in_use_;
+}
+
+uint64_t StagingPool::held() const {
+  absl::MutexLock lock(&mu_);
+  return in_use_ + kept_bytes_;
+}
+
+uint64_t StagingPool::waits() const {
+  absl::MutexLock lock(&mu_);
+  return waits_;
+}
+
+// ---- ChunkStaging -------------------------------------------------------------
+
+ChunkStaging::ChunkStaging(uint32_t world_size, DType grad_dtype, size_t num_elems,
+                           bool permanent, std::shared_ptr<StagingPool> pool)
+    : world_size_(world_size),
+      grad_dtype_(grad_dtype),
+      num_elems_(num_elems),
+      permanent_(permanent),
+      folds_(kernels::FoldsGradients(world_size, grad_dtype)),
+      landing_bytes_(num_elems * DTypeSize(grad_dtype)),
+      hold_bytes_(num_elems * kernels::GradHoldBytesPerElem(world_size, grad_dtype)),
+      pool_(std::move(pool)),
+      ranks_(world_size) {}
+
+absl::StatusOr<std::shared_ptr<ChunkStaging>> ChunkStaging::Create(
+    uint32_t world_size, DType grad_dtype, size_t num_elems, bool permanent,
+    std::shared_ptr<StagingPool> pool, std::shared_ptr<MemoryAccount> account,
+    const Registrar& registrar, absl::string_view what) {
+  std::shared_ptr<ChunkStaging> s(
+      new ChunkStaging(world_size, grad_dtype, num_elems, permanent, std::move(pool)));
+  if (absl::Status st = s->pool_->Admit(s->hold_bytes(), s->folds_ ? s->landing_bytes_ : 0, what);
+      !st.ok()) {
+    return st;
+  }
+  if (permanent) {
+    auto hold = Buffer::Allocate(s->hold_bytes_, std::move(account), registrar,
+                                 absl::StrCat("the gradients of ", what));
+    if (!hold.ok()) return hold.status();
+    absl::MutexLock lock(&s->mu_);
+    s->permanent_hold_ = *std::move(hold);
+  }
+  return s;
+}
+
+uint8_t* ChunkStaging::HoldData() const {
+  if (permanent_hold_ != nullptr) return permanent_hold_->data();
+  return hold_ != nullptr ? hold_->data() : nullptr;
+}
+
+const transport::MemoryRegion* ChunkStaging::HoldRegion() const {
+  if (permanent_hold_ != nullptr) return permanent_hold_->region();
+  return hold_ != nullptr ? hold_->region() : nullptr;
+}
+
+void ChunkStaging::BeginStep(uint64_t step) {
+  if (active_ && step_ == step) return;
+  // An earlier step that never reached its kernel (a failover reset the
+  // chunk's slots): drop it. Its readers are done (busy_ ends quickly).
+  mu_.Await(absl::Condition(
+      +[](bool* busy) { return !*busy; }, &busy_));
+  if (active_) FreeStep();
+  active_ = true;
+  step_ = step;
+}
+
+void ChunkStaging::FreeStep() {
+  hold_.reset();
+  for (Rank& r : ranks_) r = Rank();
+  known_ = 0;
+  folded_ = 0;
+  sum_started_ = false;
+  used_ = false;
+  fold_failed_ = false;
+  active_ = false;
+}
+
+bool ChunkStaging::TakeHold() {
+  if (HoldData() != nullptr) return true;
+  hold_ = pool_->TryAcquire(hold_bytes_, pool_->reserve());
+  return hold_ != nullptr;
+}
+
+uint32_t ChunkStaging::NextNeeded() const {
+  for (uint32_t r = folded_; r < world_size_; ++r) {
+    if (!ranks_[r].known) return r;
+  }
+  return world_size_;
+}
+
+bool ChunkStaging::Place(uint32_t rank, Landing* out) {
+  if (!TakeHold()) return false;
+  if (!folds_) {
+    out->dst = HoldData() + rank * landing_bytes_;
+    out->region = HoldRegion();
+    return true;
+  }
+  // In rank order, a landing may use the pool's reserve: it is folded and
+  // freed without waiting for any other push.
+  const bool in_order = rank == NextNeeded();
+  auto lease = pool_->TryAcquire(landing_bytes_, in_order ? 0 : pool_->reserve());
+  if (lease == nullptr) return false;
+  out->dst = lease->data();
+  out->region = lease->region();
+  ranks_[rank].landing = std::move(lease);
+  return true;
+}
+
+ChunkStaging::Landing ChunkStaging::Land(uint64_t step, uint32_t rank) {
+  absl::MutexLock lock(&mu_);
+  Landing l;
+  if (abandoned_ || rank >= world_size_) return l;
+  BeginStep(step);
+  // Pushes already waiting go first (rank order decides among them).
+  for (const Rank& r : ranks_) {
+    if (r.waiting) return l;
+  }
+  Place(rank, &l);
+  return l;
+}
+
+void ChunkStaging::Wait(uint64_t step, uint32_t rank, std::function<void(Landing)> go) {
+  std::vector<std::pair<std::function<void(Landing)>, Landing>> ready;
+  {
+    absl::MutexLock lock(&mu_);
+    if (abandoned_ || rank >= world_size_) return;
+    BeginStep(step);
+    ranks_[rank].waiting = true;
+    ranks_[rank].go = std::move(go);
+    ready = Unblock();  // Room may have appeared since Land.
+  }
+  RunUnblocked(std::move(ready));
+}
+
+std::vector<std::pair<std::function<void(ChunkStaging::Landing)>, ChunkStaging::Landing>>
+ChunkStaging::Unblock() {
+  std::vector<std::pair<std::function<void(Landing)>, Landing>> ready;
+  if (abandoned_ || !active_) return ready;
+  bool any_waiting = false;
+  // The next rank in order first: it may use the reserve.
+  std::vector<uint32_t> order;
+  const uint32_t next = NextNeeded();
+  if (next < world_size_) order.push_back(next);
+  for (uint32_t r = 0; r < world_size_; ++r) {
+    if (r != next) order.push_back(r);
+  }
+  for (uint32_t r : order) {
+    Rank& rk = ranks_[r];
+    if (!rk.waiting) continue;
+    Landing l;
+    if (!Place(r, &l)) {
+      any_waiting = true;
+      continue;
+    }
+    rk.waiting = false;
+    ready.emplace_back(std::move(rk.go), l);
+    rk.go = nullptr;
+  }
+  if (any_waiting && !pool_callback_) {
+    pool_callback_ = true;
+    std::weak_ptr<ChunkStaging> weak = weak_from_this();
+    pool_->WhenReleased([weak] {
+      std::shared_ptr<ChunkStaging> self = weak.lock();
+      if (self == nullptr) return;
+      std::vector<std::pair<std::function<void(Landing)>, Landing>> again;
+      {
+        absl::MutexLock lock(&self->mu_);
+        self->pool_callback_ = false;
+        again = self->Unblock();
+      }
+      self->RunUnblocked(std::move(again));
+    });
+  }
+  return ready;
+}
+
+void ChunkStaging::RunUnblocked(
+    std::vector<std::pair<std::function<void(Landing)>, Landing>> ready) {
+  for (auto& [go, landing] : ready) go(landing);
+}
+
+void ChunkStaging::NoGrad(uint64_t step, uint32_t rank) {
+  absl::MutexLock lock(&mu_);
+  if (abandoned_ || rank >= world_size_) return;
+  BeginStep(step);
+  Rank& r = ranks_[rank];
+  if (r.known) return;
+  r.known = true;
+  r.has_grad = false;
+  if (++known_ == world_size_) all_landed_ = absl::Now();
+}
+
+bool ChunkStaging::Landed(uint64_t step, uint32_t rank, bool ok) {
+  absl::MutexLock lock(&mu_);
+  if (abandoned_ || !active_ || step_ != step || rank >= world_size_) return false;
+  Rank& r = ranks_[rank];
+  if (r.known) return false;
+  if (!ok) {
+    r.landing.reset();  // A push sent again lands anew.
+    return false;
+  }
+  r.known = true;
+  r.has_grad = true;
+  if (++known_ == world_size_) {
+    all_landed_ = absl::Now();
+    return false;  // The step folds the rest itself.
+  }
+  return Foldable();
+}
+
+bool ChunkStaging::Foldable() const {
+  return folds_ && active_ && !busy_ && !used_ && !abandoned_ && HoldData() != nullptr &&
+         folded_ < world_size_ && ranks_[folded_].known;
+}
+
+void ChunkStaging::FoldRun(kernels::ThreadPool* pool) {
+  uint32_t end = folded_;
+  std::vector<const void*> slots;
+  while (end < world_size_ && ranks_[end].known) {
+    if (ranks_[end].has_grad) slots.push_back(ranks_[end].landing->data());
+    ++end;
+  }
+  if (end == folded_) return;
+  float* sum = reinterpret_cast<float*>(HoldData());
+  const bool start = !sum_started_;
+  absl::Status s;
+  if (!slots.empty()) {
+    busy_ = true;
+    mu_.Unlock();
+    s = kernels::AccumulateGrads(sum, start, absl::MakeConstSpan(slots), grad_dtype_,
+                                 num_elems_, pool);
+    mu_.Lock();
+    busy_ = false;
+  }
+  if (!s.ok()) {
+    // Our own invariant: the buffers are the job's sizes. Skip the step.
+    OPTIMUS_LOG(Error, "shard", "folding gradients failed: ", s.ToString());
+    fold_failed_ = true;
+  }
+  if (!slots.empty()) sum_started_ = true;
+  for (uint32_t r = folded_; r < end; ++r) ranks_[r].landing.reset();
+  folded_ = end;
+  if (abandoned_) FreeStep();
+}
+
+void ChunkStaging::Fold(kernels::ThreadPool* pool) {
+  std::vector<std::pair<std::function<void(Landing)>, Landing>> ready;
+  {
+    absl::MutexLock lock(&mu_);
+    while (Foldable()) FoldRun(pool);
+    ready = Unblock();  // Freed landings may let waiting pushes in.
+  }
+  RunUnblocked(std::move(ready));
+}
+
+ChunkStaging::Inputs ChunkStaging::Use(uint64_t step, const std::vector<uint32_t>& ranks,
+                                       kernels::ThreadPool* pool) {
+  absl::MutexLock lock(&mu_);
+  Inputs in;
+  mu_.Await(absl::Condition(
+      +[](bool* busy) { return !*busy; }, &busy_));
+  in.all_landed = all_landed_;
+  if (ranks.empty()) return in;  // Nothing to read (a step with no gradient).
+  if (abandoned_ || !active_ || step_ != step || HoldData() == nullptr) {
+    in.status = absl::InternalError(absl::StrCat(
+        "the gradients of step ", step, " are not staged (holding step ", step_,
+        active_ ? "" : ", inactive", abandoned_ ? ", abandoned" : "", ")"));
+    return in;
+  }
+  used_ = true;
+  if (!folds_) {
+    for (uint32_t r : ranks) in.grads.push_back(HoldData() + r * landing_bytes_);
+    in.dtype = grad_dtype_;
+  } else {
+    while (folded_ < world_size_ && ranks_[folded_].known) FoldRun(pool);
+    if (folded_ < world_size_) {
+      in.status = absl::InternalError(absl::StrCat("rank ", folded_, " of step ", step,
+                                                   " has not landed"));
+      return in;
+    }
+    if (fold_failed_) {
+      in.status = absl::InternalError("folding the gradients failed");
+      return in;
+    }
+    if (sum_started_) in.grads.push_back(HoldData());
+    in.dtype = DType::kFp32;
+  }
+  busy_ = true;  // Until Unuse or StepDone.
+  return in;
+}
+
+void ChunkStaging::Unuse() {
+  absl::MutexLock lock(&mu_);
+  busy_ = false;
+  if (abandoned_) FreeStep();
+}
+
+void ChunkStaging::StepDone(uint64_t step) {
+  absl::MutexLock lock(&mu_);
+  busy_ = false;
+  if (abandoned_ || (active_ && step_ == step)) FreeStep();
+}
+
+void ChunkStaging::Abandon() {
+  std::vector<std::function<void(Landing)>> dropped;
+  {
+    absl::MutexLock lock(&mu_);
+    abandoned_ = true;
+    for (Rank& r : ranks_) {
+      if (r.go) dropped.push_back(std::move(r.go));
+      r.go = nullptr;
+      r.waiting = false;
+    }
+    if (!busy_) FreeStep();
+  }
+  // Destroyed outside the lock: they may hold kept payloads.
+  dropped.clear();
+}
+
+}  // namespace server
+}  // namespace optimus

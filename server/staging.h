@@ -1,0 +1,248 @@
+// Where pushed gradients land on a shard, and how a chunk's W gradients are
+// summed as they arrive.
+//
+// StagingPool: one byte budget per shard (--staging_mb) for the gradient
+// buffers of the chunk-steps in flight. Buffers are registered with the
+// data plane once and kept for reuse (no registration per transfer); a
+// push that finds no room waits for one (its payload stays at the worker,
+// as rendezvous allows) instead of failing.
+//
+// ChunkStaging: one chunk's gradients for the step it is collecting. Two
+// ways to hold W gradients (kernels::FoldsGradients decides, per job):
+//  - slots: W slots of the grad dtype (W x 2 B <= 4 B per element, so at
+//    most W = 2 for bf16); the step sums them itself (FusedStep);
+//  - fold: an fp32 running sum. Rank r's push lands in a landing buffer
+//    and is folded into the sum (kernels::AccumulateGrads) once ranks
+//    0..r-1 are, on a step thread, and its buffer goes back to the pool. The
+//    sum is in rank order, so the step from it is bit for bit the step over
+//    the W slots: replicas, checkpoints and the torch comparisons see no
+//    difference. When the last push lands, its add and the optimizer pass
+//    are what remain.
+// The sum (or the W slots) is taken from the pool when a step's first
+// gradient arrives and given back when the step's kernel is done; jobs
+// whose steps wait for a worker's commit (clipping, skipping non-finite
+// steps) hold every chunk's gradients until the commit, so theirs is
+// allocated with the chunk instead (kernels::ShardBytesPerElem counts it).
+//
+// No deadlock by construction: a chunk-step that holds its sum can always
+// finish, because the pool keeps `reserve` bytes that only the landing of a
+// chunk's next rank in order (which is folded and freed at once) may take;
+// a sum, and landings out of rank order, are granted only with the reserve
+// left free. Pushes of a chunk-step not yet granted its sum wait.
+//
+// Thread-safety: both classes are thread-safe. ChunkStaging::mu_ is a leaf
+// lock (nothing else is taken while it is held; callbacks run after it is
+// released), and it is never held by the caller of a ChunkMachine event.
+#ifndef OPTIMUS_SERVER_STAGING_H_
+#define OPTIMUS_SERVER_STAGING_H_
+
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "common/dtype.h"
+#include "kernels/cpu/thread_pool.h"
+#include "server/job_table.h"
+#include "transport/transport.h"
+
+namespace optimus {
+namespace server {
+
+class StagingPool : public std::enable_shared_from_this<StagingPool> {
+ public:
+  // Runs a closure later on a thread that holds no lock (the shard's step
+  // executor); used to wake waiting pushes after a release.
+  using RunLater = std::function<void(std::function<void()>)>;
+
+  // limit_bytes: the most bytes of buffers held, in use or kept for reuse.
+  // Buffers are accounted in `account` while they exist.
+  static std::shared_ptr<StagingPool> Create(uint64_t limit_bytes,
+                                             std::shared_ptr<MemoryAccount> account,
+                                             Registrar registrar, RunLater run_later);
+
+  // A buffer from the pool; goes back to it when destroyed.
+  class Lease {
+   public:
+    ~Lease();
+    Lease(const Lease&) = delete;
+    Lease& operator=(const Lease&) = delete;
+    uint8_t* data() const { return buffer_->data(); }
+    size_t size_bytes() const { return buffer_->size_bytes(); }
+    const transport::MemoryRegion* region() const { return buffer_->region(); }
+
+   private:
+    friend class StagingPool;
+    Lease(std::shared_ptr<StagingPool> pool, std::unique_ptr<Buffer> buffer)
+        : pool_(std::move(pool)), buffer_(std::move(buffer)) {}
+    std::shared_ptr<StagingPool> pool_;
+    std::unique_ptr<Buffer> buffer_;
+  };
+
+  // A buffer of exactly `bytes` (zeroed only when newly made) if, once
+  // granted, at least `keep_free` bytes of the budget stay unused; else
+  // null (the caller waits: WhenReleased). A buffer of that size kept from
+  // earlier is reused, registration included.
+  std::unique_ptr<Lease> TryAcquire(size_t bytes, uint64_t keep_free) ABSL_LOCKS_EXCLUDED(mu_);
+  // Runs fn (through run_later) once after the next release.
+  void WhenReleased(std::function<void()> fn) ABSL_LOCKS_EXCLUDED(mu_);
+
+  // The bytes kept for in-order landings: raised to `bytes` (a job's
+  // landing buffer) if smaller. OK when the budget can hold a chunk's sum
+  // and its landing with it; RESOURCE_EXHAUSTED (what to raise) otherwise.
+  absl::Status Admit(uint64_t hold_bytes, uint64_t landing_bytes, absl::string_view what)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  uint64_t reserve() const ABSL_LOCKS_EXCLUDED(mu_);
+
+  uint64_t limit() const { return limit_; }
+  uint64_t in_use() const ABSL_LOCKS_EXCLUDED(mu_);
+  uint64_t held() const ABSL_LOCKS_EXCLUDED(mu_);  // In use + kept for reuse.
+  uint64_t waits() const ABSL_LOCKS_EXCLUDED(mu_);  // TryAcquire calls that found no room.
+
+ private:
+  StagingPool(uint64_t limit_bytes, std::shared_ptr<MemoryAccount> account, Registrar registrar,
+              RunLater run_later)
+      : limit_(limit_bytes),
+        account_(std::move(account)),
+        registrar_(std::move(registrar)),
+        run_later_(std::move(run_later)) {}
+  void Release(std::unique_ptr<Buffer> buffer) ABSL_LOCKS_EXCLUDED(mu_);
+
+  const uint64_t limit_;
+  const std::shared_ptr<MemoryAccount> account_;
+  const Registrar registrar_;
+  const RunLater run_later_;
+  mutable absl::Mutex mu_;
+  uint64_t in_use_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t kept_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t reserve_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t waits_ ABSL_GUARDED_BY(mu_) = 0;
+  std::multimap<size_t, std::unique_ptr<Buffer>> kept_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::function<void()>> waiters_ ABSL_GUARDED_BY(mu_);
+};
+
+class ChunkStaging : public std::enable_shared_from_this<ChunkStaging> {
+ public:
+  // `permanent`: the gradients are held for the chunk's life (jobs with the
+  // commit round), allocated now in `account`.
+  static absl::StatusOr<std::shared_ptr<ChunkStaging>> Create(
+      uint32_t world_size, DType grad_dtype, size_t num_elems, bool permanent,
+      std::shared_ptr<StagingPool> pool, std::shared_ptr<MemoryAccount> account,
+      const Registrar& registrar, absl::string_view what);
+
+  bool folds() const { return folds_; }
+  size_t landing_bytes() const { return landing_bytes_; }
+  // Bytes taken from the pool while a step is in flight (the sum or the W
+  // slots; 0 when permanent).
+  size_t hold_bytes() const { return permanent_ ? 0 : hold_bytes_; }
+
+  // Where rank `rank`'s gradient for `step` lands.
+  struct Landing {
+    uint8_t* dst = nullptr;
+    const transport::MemoryRegion* region = nullptr;
+  };
+  // A landing place now, or none: then the caller keeps the payload and
+  // calls Wait. The machine accepted the push (one landing per rank and
+  // step).
+  Landing Land(uint64_t step, uint32_t rank) ABSL_LOCKS_EXCLUDED(mu_);
+  // `go` runs once, with no lock held, when the rank has a landing place
+  // (from a step thread or the thread that freed it), or never if the chunk
+  // is abandoned first.
+  void Wait(uint64_t step, uint32_t rank, std::function<void(Landing)> go)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // Rank pushed no gradient for `step`.
+  void NoGrad(uint64_t step, uint32_t rank) ABSL_LOCKS_EXCLUDED(mu_);
+  // The payload landed (ok) or did not (its landing buffer is freed; a
+  // push sent again lands anew). True: call Fold on a step thread.
+  bool Landed(uint64_t step, uint32_t rank, bool ok) ABSL_LOCKS_EXCLUDED(mu_);
+  // Folds the ranks that can be folded (in rank order), on a step thread.
+  void Fold(kernels::ThreadPool* pool) ABSL_LOCKS_EXCLUDED(mu_);
+
+  // What a step reads: called once every rank of `step` has landed (the
+  // machine said so). Waits for a fold in progress, folds the rest, and
+  // keeps the gradients until StepDone (a reduce pass and the step after it
+  // read the same). `ranks`: the ranks with a gradient, in order.
+  struct Inputs {
+    std::vector<const void*> grads;  // Empty when no rank had a gradient.
+    DType dtype = DType::kFp32;
+    absl::Status status;             // Not OK: the fold failed (say so, skip).
+    absl::Time all_landed;           // When the last push of the step landed.
+  };
+  Inputs Use(uint64_t step, const std::vector<uint32_t>& ranks, kernels::ThreadPool* pool)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // The reader of Use is done (the reduce pass), the gradients stay.
+  void Unuse() ABSL_LOCKS_EXCLUDED(mu_);
+  // The step's kernel is done: everything of `step` goes back to the pool.
+  void StepDone(uint64_t step) ABSL_LOCKS_EXCLUDED(mu_);
+  // The chunk left the shard: waiting pushes are dropped and buffers go
+  // back once no reader uses them.
+  void Abandon() ABSL_LOCKS_EXCLUDED(mu_);
+
+ private:
+  ChunkStaging(uint32_t world_size, DType grad_dtype, size_t num_elems, bool permanent,
+               std::shared_ptr<StagingPool> pool);
+
+  struct Rank {
+    bool known = false;    // Landed, or pushed without a gradient.
+    bool has_grad = false;
+    bool waiting = false;  // Accepted, waiting for a landing place.
+    std::unique_ptr<StagingPool::Lease> landing;  // Fold: where it landed.
+    std::function<void(Landing)> go;              // While waiting.
+  };
+
+  // Starts tracking `step` (dropping what an abandoned earlier step left).
+  void BeginStep(uint64_t step) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Takes the sum / slots from the pool if not held. False: no room.
+  bool TakeHold() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  uint8_t* HoldData() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  const transport::MemoryRegion* HoldRegion() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The lowest rank not folded and not known yet (world_size_: none).
+  uint32_t NextNeeded() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A landing place for `rank` if the rules allow one now.
+  bool Place(uint32_t rank, Landing* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Waiting ranks that can land now, with their places (run after unlock);
+  // asks the pool to call back when none can and some wait.
+  std::vector<std::pair<std::function<void(Landing)>, Landing>> Unblock()
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void RunUnblocked(std::vector<std::pair<std::function<void(Landing)>, Landing>> ready);
+  bool Foldable() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Folds ranks [folded_, end) that are known, outside the lock (busy).
+  void FoldRun(kernels::ThreadPool* pool) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void FreeStep() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  const uint32_t world_size_;
+  const DType grad_dtype_;
+  const size_t num_elems_;
+  const bool permanent_;
+  const bool folds_;
+  const size_t landing_bytes_;  // One rank's gradient.
+  const size_t hold_bytes_;     // The fp32 sum, or the W slots.
+  const std::shared_ptr<StagingPool> pool_;
+
+  mutable absl::Mutex mu_;
+  std::unique_ptr<Buffer> permanent_hold_ ABSL_GUARDED_BY(mu_);
+  std::unique_ptr<StagingPool::Lease> hold_ ABSL_GUARDED_BY(mu_);
+  uint64_t step_ ABSL_GUARDED_BY(mu_) = 0;
+  bool active_ ABSL_GUARDED_BY(mu_) = false;  // Tracking step_.
+  std::vector<Rank> ranks_ ABSL_GUARDED_BY(mu_);
+  uint32_t known_ ABSL_GUARDED_BY(mu_) = 0;
+  uint32_t folded_ ABSL_GUARDED_BY(mu_) = 0;   // Ranks [0, folded_) are in the sum.
+  bool sum_started_ ABSL_GUARDED_BY(mu_) = false;  // Some rank's gradient is in it.
+  bool busy_ ABSL_GUARDED_BY(mu_) = false;     // A fold or a reader uses the buffers.
+  bool used_ ABSL_GUARDED_BY(mu_) = false;     // Use() called: no more folds.
+  bool fold_failed_ ABSL_GUARDED_BY(mu_) = false;
+  bool abandoned_ ABSL_GUARDED_BY(mu_) = false;
+  bool pool_callback_ ABSL_GUARDED_BY(mu_) = false;  // WhenReleased pending.
+  absl::Time all_landed_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace server
+}  // namespace optimus
+
+#endif  // OPTIMUS_SERVER_STAGING_H_
