@@ -200,8 +200,10 @@ TEST_F(OptimusctlTest, StatusJsonDescribesTheCluster) {
   EXPECT_EQ(shards.array[1]["kind"].string, "host");
   EXPECT_EQ(shards.array[0]["state"].string, "up");
   EXPECT_EQ(shards.array[0]["memory_limit_bytes"].AsUint(), uint64_t{1} << 30);
-  // 64064 elements at 12 + 4*2 + 2*2 = 24 bytes each fit on the DPU alone.
-  EXPECT_EQ(shards.array[0]["memory_planned_bytes"].AsUint(), 64064u * 24);
+  // 64064 elements at 12 (AdamW) + 2*2 (published) + 4 (the fp32 sum the
+  // 4 workers' gradients fold into, held until the commit) = 20 bytes each
+  // fit on the DPU alone.
+  EXPECT_EQ(shards.array[0]["memory_planned_bytes"].AsUint(), 64064u * 20);
   EXPECT_EQ(shards.array[1]["memory_planned_bytes"].AsUint(), 0u);
   const JsonValue& jobs = (*doc)["jobs"];
   ASSERT_EQ(jobs.array.size(), 1u);
@@ -327,9 +329,9 @@ TEST_F(OptimusctlTest, JobDeleteEndsAJobAndIsRefusedWhileWorkersAreJoined) {
 
   r = RunOptimusctl(absl::StrCat(coord, " job delete gpt-small --force"));
   ASSERT_EQ(r.exit_code, 0) << r.err;
-  // 64064 elements at 24 bytes on the one shard.
+  // 64064 elements at 20 bytes on the one shard.
   EXPECT_THAT(r.out, HasSubstr("job gpt-small (id 1, "));
-  EXPECT_THAT(r.out, HasSubstr(") deleted: 1.5 MiB of shard memory freed"));
+  EXPECT_THAT(r.out, HasSubstr(") deleted: 1.2 MiB of shard memory freed"));
   EXPECT_THAT(r.out, HasSubstr("1 workers were still joined"));
   r = RunOptimusctl(absl::StrCat(coord, " status --json"));
   doc = ParseJson(r.out);

@@ -17,8 +17,13 @@
 ABSL_FLAG(std::string, coordinator, "127.0.0.1:7070", "optimus-coord gRPC address host:port");
 ABSL_FLAG(std::string, kind, "host", "dpu (BlueField Arm cores) or host (CPU fallback)");
 ABSL_FLAG(int64_t, memory_limit_mb, 1024, "state budget for all jobs on this shard, MiB");
-ABSL_FLAG(int, step_threads, 1, "threads running optimizer steps (one chunk each)");
-ABSL_FLAG(int, kernel_threads, 1, "threads splitting one chunk's optimizer step (use the core count)");
+ABSL_FLAG(int64_t, staging_mb, 0,
+          "MiB of the memory budget kept for gradients in flight (pushes land and are summed "
+          "there); 0: an eighth of --memory_limit_mb");
+ABSL_FLAG(int, step_threads, 0,
+          "threads running optimizer steps and gradient folds (one chunk each); 0: one per core");
+ABSL_FLAG(int, kernel_threads, 0,
+          "threads splitting one chunk's optimizer step; 0: one per core");
 ABSL_FLAG(std::string, transports, "tcp,sm,self", "UCX transports (UCX_TLS syntax)");
 ABSL_FLAG(std::string, net_devices, "all", "UCX network devices (lo keeps traffic local)");
 ABSL_FLAG(int, metrics_port, 0, "HTTP port for /metrics and /healthz on all interfaces; 0: off");
@@ -55,10 +60,19 @@ int main(int argc, char** argv) {
   options.memory_limit_bytes = static_cast<uint64_t>(absl::GetFlag(FLAGS_memory_limit_mb)) << 20;
   options.step_threads = absl::GetFlag(FLAGS_step_threads);
   options.kernel_threads = absl::GetFlag(FLAGS_kernel_threads);
-  if (options.step_threads < 1 || options.kernel_threads < 1) {
-    std::fprintf(stderr, "optimus-shard: --step_threads and --kernel_threads must be >= 1\n");
+  if (options.step_threads < 0 || options.kernel_threads < 0) {
+    std::fprintf(stderr,
+                 "optimus-shard: --step_threads and --kernel_threads must be >= 0 (0: one per core)\n");
     return 2;
   }
+  const int64_t staging_mb = absl::GetFlag(FLAGS_staging_mb);
+  if (staging_mb < 0 || staging_mb >= absl::GetFlag(FLAGS_memory_limit_mb)) {
+    std::fprintf(stderr,
+                 "optimus-shard: --staging_mb must be >= 0 and below --memory_limit_mb (the rest "
+                 "holds the jobs' state)\n");
+    return 2;
+  }
+  options.staging_bytes = static_cast<uint64_t>(staging_mb) << 20;
   options.checkpoint_dir = absl::GetFlag(FLAGS_checkpoint_dir);
   if (absl::GetFlag(FLAGS_checkpoint_max_mb_per_s) < 0) {
     std::fprintf(stderr, "optimus-shard: --checkpoint_max_mb_per_s must be >= 0\n");

@@ -128,6 +128,7 @@ prometheus.io/path: /metrics
 --coordinator={{ include "optimus.coordinatorAddress" .root }}
 --kind={{ .kind }}
 --memory_limit_mb={{ int64 .values.memoryLimitMb }}
+--staging_mb={{ int64 (.values.stagingMb | default 0) }}
 --step_threads={{ int .values.stepThreads }}
 --kernel_threads={{ int .values.kernelThreads }}
 --transports={{ .values.transports | default $s.transports }}
