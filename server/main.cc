@@ -20,6 +20,9 @@ ABSL_FLAG(int64_t, memory_limit_mb, 1024, "state budget for all jobs on this sha
 ABSL_FLAG(int64_t, staging_mb, 0,
           "MiB of the memory budget kept for gradients in flight (pushes land and are summed "
           "there); 0: an eighth of --memory_limit_mb");
+ABSL_FLAG(bool, fold_gradients, true,
+          "fold pushed gradients into a running sum as they land; false: hold W slots per chunk "
+          "step (a benchmark baseline)");
 ABSL_FLAG(int, step_threads, 0,
           "threads running optimizer steps and gradient folds (one chunk each); 0: one per core");
 ABSL_FLAG(int, kernel_threads, 0,
@@ -73,6 +76,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   options.staging_bytes = static_cast<uint64_t>(staging_mb) << 20;
+  options.fold_gradients = absl::GetFlag(FLAGS_fold_gradients);
   options.checkpoint_dir = absl::GetFlag(FLAGS_checkpoint_dir);
   if (absl::GetFlag(FLAGS_checkpoint_max_mb_per_s) < 0) {
     std::fprintf(stderr, "optimus-shard: --checkpoint_max_mb_per_s must be >= 0\n");

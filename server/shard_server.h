@@ -31,6 +31,11 @@ struct ShardServerOptions {
   // pushes land and are summed there; the rest of the budget is offered to
   // the coordinator for jobs' state. 0: an eighth of memory_limit_bytes.
   uint64_t staging_bytes = 0;
+  // Fold pushed gradients into a running sum as they land (staging.h).
+  // false: every chunk-step holds W slots, as before the staging pool (a
+  // benchmark baseline; jobs with the commit round then need more memory
+  // than the coordinator plans). Default true.
+  bool fold_gradients = true;
   // Threads that run optimizer steps and fold landed gradients, one chunk
   // each (the progress thread is extra). 0: one per core.
   int step_threads = 0;

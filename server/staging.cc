@@ -124,9 +124,9 @@ ChunkStaging::ChunkStaging(uint32_t world_size, DType grad_dtype, size_t num_ele
       grad_dtype_(grad_dtype),
       num_elems_(num_elems),
       permanent_(permanent),
-      folds_(kernels::FoldsGradients(world_size, grad_dtype)),
+      folds_(pool->fold() && kernels::FoldsGradients(world_size, grad_dtype)),
       landing_bytes_(num_elems * DTypeSize(grad_dtype)),
-      hold_bytes_(num_elems * kernels::GradHoldBytesPerElem(world_size, grad_dtype)),
+      hold_bytes_(folds_ ? num_elems * 4 : num_elems * world_size * DTypeSize(grad_dtype)),
       pool_(std::move(pool)),
       ranks_(world_size) {}
 

@@ -100,6 +100,12 @@ class StagingPool : public std::enable_shared_from_this<StagingPool> {
       ABSL_LOCKS_EXCLUDED(mu_);
   uint64_t reserve() const ABSL_LOCKS_EXCLUDED(mu_);
 
+  // False: chunk-steps hold W slots and never fold (the layout before the
+  // pool, kept as the benchmarks' baseline: --fold_gradients=false). Set
+  // before any chunk is created.
+  void set_fold(bool fold) { fold_ = fold; }
+  bool fold() const { return fold_; }
+
   uint64_t limit() const { return limit_; }
   uint64_t in_use() const ABSL_LOCKS_EXCLUDED(mu_);
   uint64_t held() const ABSL_LOCKS_EXCLUDED(mu_);  // In use + kept for reuse.
@@ -118,6 +124,7 @@ class StagingPool : public std::enable_shared_from_this<StagingPool> {
   const std::shared_ptr<MemoryAccount> account_;
   const Registrar registrar_;
   const RunLater run_later_;
+  bool fold_ = true;
   mutable absl::Mutex mu_;
   uint64_t in_use_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t kept_bytes_ ABSL_GUARDED_BY(mu_) = 0;
