@@ -125,7 +125,10 @@ ShardServerStats Shard::stats() const {
   // still referenced by an operation in flight.
   s.memory_used_bytes = table_.memory()->used();
   s.staging_limit_bytes = options_.staging_bytes;
-  if (staging_pool_ != nullptr) s.staging_in_use_bytes = staging_pool_->in_use();
+  if (staging_pool_ != nullptr) {
+    s.staging_in_use_bytes = staging_pool_->in_use();
+    s.staging_waits = staging_pool_->waits();
+  }
   for (const JobRef& job : table_.All()) {
     ++s.jobs;
     s.chunks_owned += static_cast<uint32_t>(job->num_chunks());

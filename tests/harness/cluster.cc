@@ -198,6 +198,8 @@ absl::StatusOr<size_t> Cluster::AddShard() {
   s.coordinator_address = coord_->address();
   s.memory_limit_bytes = options_.shard_memory_limit_bytes;
   s.kernel_threads = options_.kernel_threads;
+  s.step_threads = options_.step_threads;
+  s.staging_bytes = options_.staging_bytes;
   s.heartbeat_interval = options_.heartbeat_interval;
   s.transport = TransportOptions(absl::StrCat("shard", shards_.size()));
   s.checkpoint_dir = options_.checkpoint_dir;

@@ -81,6 +81,10 @@ struct ClusterOptions {
   uint64_t shard_memory_limit_bytes = uint64_t{256} << 20;
   // Threads each shard splits one chunk's step over. Default 1.
   int kernel_threads = 1;
+  // Each shard's step threads (0: one per core) and staging pool for
+  // gradients in flight (0: an eighth of its budget). Default 0 and 0.
+  int step_threads = 0;
+  uint64_t staging_bytes = 0;
   // Shards' heartbeat period and the coordinator's lease and sweep period:
   // short, so that jobs get READY and dead shards are noticed quickly
   // (a dead shard is DOWN after lease + sweep_interval).
