@@ -247,7 +247,7 @@ std::string HumanBytes(uint64_t size_bytes) {
 }
 
 std::string RenderStatusTable(const v1::StatusResponse& status) {
-  Table shards({"ID", "KIND", "ARCH", "HOST", "STATE", "MEM USED/LIMIT", "PLANNED", "CHUNKS",
+  Table shards({"ID", "KIND", "ARCH", "HOST", "STATE", "MEM USED/LIMIT +STAGING", "PLANNED", "CHUNKS",
                 "BACKUPS", "LEASE AGE"});
   shards.RightAlign(0);
   shards.RightAlign(7);
@@ -258,7 +258,10 @@ std::string RenderStatusTable(const v1::StatusResponse& status) {
                 caps.arch().empty() ? "-" : caps.arch(),
                 caps.hostname().empty() ? "-" : caps.hostname(), Upper(ShardStateName(s.state())),
                 absl::StrCat(HumanBytes(s.memory_used_bytes()), " / ",
-                             HumanBytes(caps.memory_limit_bytes())),
+                             HumanBytes(caps.memory_limit_bytes()),
+                             caps.staging_bytes() > 0
+                                 ? absl::StrCat(" +", HumanBytes(caps.staging_bytes()))
+                                 : ""),
                 HumanBytes(s.memory_planned_bytes()), absl::StrCat(s.chunks_owned()),
                 absl::StrCat(s.backup_chunks()), HumanAge(s.lease_age_ms())});
   }
@@ -297,6 +300,7 @@ std::string RenderStatusJson(const v1::StatusResponse& status) {
         ",\"memory_used_bytes\":", s.memory_used_bytes(),
         ",\"memory_planned_bytes\":", s.memory_planned_bytes(),
         ",\"memory_limit_bytes\":", caps.memory_limit_bytes(),
+        ",\"staging_bytes\":", caps.staging_bytes(),
         ",\"chunks_owned\":", s.chunks_owned(), ",\"backup_chunks\":", s.backup_chunks(),
         ",\"lease_age_ms\":", s.lease_age_ms(), "}"));
   }

@@ -41,6 +41,7 @@ absl::Status Shard::Register() {
   // What the coordinator may plan jobs' state into: the budget less the
   // staging pool (gradients in flight).
   r.memory_limit_bytes = options_.memory_limit_bytes - options_.staging_bytes;
+  r.staging_bytes = options_.staging_bytes;
   r.data_address = worker_->address();
   char host[256] = {0};
   gethostname(host, sizeof(host) - 1);

@@ -118,6 +118,7 @@ class GrpcCoordinatorLink : public CoordinatorLink {
     caps->set_arch(r.arch);
     caps->set_cores(r.cores);
     caps->set_memory_limit_bytes(r.memory_limit_bytes);
+    caps->set_staging_bytes(r.staging_bytes);
     caps->set_data_address(r.data_address);
     caps->set_hostname(r.hostname);
     caps->set_checkpoints(r.checkpoints);

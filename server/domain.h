@@ -93,6 +93,7 @@ struct ShardRegistration {
   std::string arch;
   uint32_t cores = 1;
   uint64_t memory_limit_bytes = 0;
+  uint64_t staging_bytes = 0;
   std::string data_address;
   std::string hostname;
   bool checkpoints = false;  // Has a checkpoint folder.
