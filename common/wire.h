@@ -149,6 +149,18 @@ std::string EncodeReply(uint64_t request_id, const absl::Status& status,
                         uint64_t param_version, uint32_t flags,
                         double grad_sum_squares = 0.0);
 
+// An OK reply needs no message: its header is the whole reply, built on the
+// stack (the servers' common path: no allocation per reply).
+inline ReplyHeader OkReplyHeader(uint64_t request_id, uint64_t param_version, uint32_t flags,
+                                 double grad_sum_squares = 0.0) {
+  ReplyHeader h;
+  h.grad_sum_squares = grad_sum_squares;
+  h.request_id = request_id;
+  h.param_version = param_version;
+  h.flags = flags;
+  return h;
+}
+
 struct Reply {
   ReplyHeader header;
   absl::Status status;
@@ -158,6 +170,9 @@ struct Reply {
 absl::StatusOr<Reply> ParseReply(absl::Span<const uint8_t> bytes);
 
 inline absl::Span<const uint8_t> AsBytes(const RequestHeader& h) {
+  return absl::Span<const uint8_t>(reinterpret_cast<const uint8_t*>(&h), sizeof(h));
+}
+inline absl::Span<const uint8_t> AsBytes(const ReplyHeader& h) {
   return absl::Span<const uint8_t>(reinterpret_cast<const uint8_t*>(&h), sizeof(h));
 }
 

@@ -118,6 +118,9 @@ class Chunk {
   // The published copy of version v (param dtype).
   uint8_t* published(uint64_t version) const { return published_[version % 2]->data(); }
   size_t published_bytes() const { return published_[0]->size_bytes(); }
+  const transport::MemoryRegion* published_region(uint64_t version) const {
+    return published_[version % 2]->region();
+  }
   size_t grad_bytes() const { return grad_bytes_; }
 
   // The fp32 summed gradient of the step being applied (replication);

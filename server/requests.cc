@@ -53,12 +53,9 @@ void Shard::SendAck(const Ack& ack) {
   uint32_t flags = 0;
   if (ack.duplicate) flags |= wire::kReplyDuplicate;
   if (ack.has_partial) flags |= wire::kReplyPartial;
-  std::string header =
-      wire::EncodeReply(ack.to.request_id, absl::OkStatus(), 0, flags, ack.partial);
-  worker_->Send(EndpointOf(ack.to.peer), wire::kAmReply,
-                absl::Span<const uint8_t>(reinterpret_cast<const uint8_t*>(header.data()),
-                                          header.size()),
-                nullptr, 0, [](absl::Status) {});
+  const wire::ReplyHeader header = wire::OkReplyHeader(ack.to.request_id, 0, flags, ack.partial);
+  worker_->Send(EndpointOf(ack.to.peer), wire::kAmReply, wire::AsBytes(header), nullptr, 0,
+                [](absl::Status) {});
 }
 
 void Shard::Reply(uintptr_t peer, uint64_t request_id, const absl::Status& status,
@@ -310,13 +307,11 @@ void Shard::OnInit(transport::IncomingMessage& msg, const wire::RequestHeader& h
 
 void Shard::SendVersion(const JobRef& job, const ChunkRef& chunk, const PullReply& p) {
   if (closing_.load()) return;
-  std::string header = wire::EncodeReply(p.to.request_id, absl::OkStatus(), p.version, 0);
+  const wire::ReplyHeader header = wire::OkReplyHeader(p.to.request_id, p.version, 0);
   const size_t bytes = chunk->published_bytes();
   const uint64_t version = p.version;
-  worker_->Send(EndpointOf(p.to.peer), wire::kAmReply,
-                absl::Span<const uint8_t>(reinterpret_cast<const uint8_t*>(header.data()),
-                                          header.size()),
-                chunk->published(version), bytes,
+  worker_->Send(EndpointOf(p.to.peer), wire::kAmReply, wire::AsBytes(header),
+                chunk->published(version), bytes, chunk->published_region(version),
                 [this, job, chunk, version, bytes](absl::Status s) {
                   if (!s.ok()) {
                     OPTIMUS_LOG(Warning, "shard", "pull reply failed: ", s.ToString());
