@@ -27,7 +27,7 @@ absl::StatusOr<RequestHeader> ParseRequestHeader(absl::Span<const uint8_t> bytes
     return absl::InvalidArgumentError(
         absl::StrCat("unsupported wire version ", h.version, " (this shard speaks ", kVersion, ")"));
   }
-  if (h.op < static_cast<uint16_t>(Op::kPush) || h.op > static_cast<uint16_t>(Op::kCommit)) {
+  if (h.op < static_cast<uint16_t>(Op::kPush) || h.op > static_cast<uint16_t>(Op::kBatch)) {
     return absl::InvalidArgumentError(absl::StrCat("unknown request op ", h.op));
   }
   if (auto d = DTypeFromInt(h.dtype); !d.ok()) return d.status();

@@ -43,7 +43,17 @@ enum class Op : uint16_t {
   // Every rank sends it; the chunk steps at the first and checks the rest
   // agree.
   kCommit = 5,
+  // Worker -> shard: several requests in one message (many small chunks:
+  // one message per shard instead of one per chunk). `step` is the number
+  // of requests (1..kMaxBatch); the payload is their RequestHeaders back to
+  // back, then their payloads back to back in the same order (num_bytes of
+  // each push or init; none for pulls and commits); `num_bytes` is the
+  // total. Each request is handled and answered (its own request_id) as if
+  // it had come alone; a batch holds no batch and no kReplicate.
+  kBatch = 6,
 };
+// Most requests in one kBatch.
+constexpr uint64_t kMaxBatch = 4096;
 
 // RequestHeader.step_flags bits.
 enum StepFlags : uint32_t {

@@ -80,6 +80,150 @@ void Shard::OnRequest(transport::IncomingMessage& msg) {
   }
   const wire::RequestHeader& h = *parsed;
   if (static_cast<wire::Op>(h.op) == wire::Op::kReplicate) return OnReplicate(msg, h);
+  if (static_cast<wire::Op>(h.op) == wire::Op::kBatch) return OnBatch(msg, h);
+  Dispatch(msg, h);
+}
+
+namespace {
+
+// A payload inside a batch, kept for later: the batch's buffer stays alive
+// with it (no copy).
+class BatchPayload : public transport::PendingPayload {
+ public:
+  BatchPayload(std::shared_ptr<std::vector<uint8_t>> batch, const uint8_t* data, size_t size)
+      : batch_(std::move(batch)), data_(data), size_(size) {}
+  size_t size() const override { return size_; }
+  void ReceiveInto(void* dst, const transport::MemoryRegion*, transport::DoneCallback done) override {
+    if (received_) return done(absl::FailedPreconditionError("payload already received"));
+    received_ = true;
+    if (size_ > 0) std::memcpy(dst, data_, size_);
+    done(absl::OkStatus());
+  }
+
+ private:
+  std::shared_ptr<std::vector<uint8_t>> batch_;
+  const uint8_t* data_;
+  size_t size_;
+  bool received_ = false;
+};
+
+// One request of a batch, handled as if it had come alone.
+class BatchItem : public transport::IncomingMessage {
+ public:
+  BatchItem(std::shared_ptr<std::vector<uint8_t>> batch, const uint8_t* header,
+            const uint8_t* payload, size_t payload_size, transport::EndpointRef from)
+      : batch_(std::move(batch)),
+        header_(header),
+        payload_(payload),
+        size_(payload_size),
+        from_(from) {}
+  uint16_t am_id() const override { return wire::kAmRequest; }
+  absl::Span<const uint8_t> header() const override {
+    return absl::Span<const uint8_t>(header_, sizeof(wire::RequestHeader));
+  }
+  size_t payload_size() const override { return size_; }
+  bool is_rendezvous() const override { return false; }
+  transport::EndpointRef reply_endpoint() const override { return from_; }
+  void ReceiveInto(void* dst, transport::DoneCallback done) override {
+    if (taken_) return done(absl::FailedPreconditionError("payload already received"));
+    taken_ = true;
+    if (size_ > 0) std::memcpy(dst, payload_, size_);
+    done(absl::OkStatus());
+  }
+  std::unique_ptr<transport::PendingPayload> Keep() override {
+    if (taken_ || size_ == 0) return nullptr;
+    taken_ = true;
+    return std::make_unique<BatchPayload>(batch_, payload_, size_);
+  }
+
+ private:
+  std::shared_ptr<std::vector<uint8_t>> batch_;
+  const uint8_t* header_;
+  const uint8_t* payload_;
+  size_t size_;
+  transport::EndpointRef from_;
+  bool taken_ = false;
+};
+
+}  // namespace
+
+void Shard::OnBatch(transport::IncomingMessage& msg, const wire::RequestHeader& h) {
+  const uintptr_t from = PeerOf(msg.reply_endpoint());
+  const uint64_t count = h.step;
+  const size_t size = msg.payload_size();
+  absl::Status s;
+  if (count == 0 || count > wire::kMaxBatch) {
+    s = absl::InvalidArgumentError(absl::StrCat("batch of ", count, " requests (1..",
+                                                wire::kMaxBatch, " allowed)"));
+  } else if (h.num_bytes != size || size < count * sizeof(wire::RequestHeader)) {
+    s = absl::InvalidArgumentError(absl::StrCat("batch of ", count, " requests carries ", size,
+                                                " bytes (header says ", h.num_bytes,
+                                                "); its headers alone take ",
+                                                count * sizeof(wire::RequestHeader)));
+  }
+  if (!s.ok()) {
+    metrics_.requests_rejected.fetch_add(1);
+    return Reply(from, h.request_id, s);
+  }
+  metrics_.batches_received.fetch_add(1);
+  auto batch = std::make_shared<std::vector<uint8_t>>(size);
+  const transport::EndpointRef ep = msg.reply_endpoint();
+  const uint64_t batch_id = h.request_id;
+  msg.ReceiveInto(batch->data(), [this, batch, count, ep, from, batch_id](absl::Status rs) {
+    if (!rs.ok()) {
+      metrics_.requests_rejected.fetch_add(1);
+      return Reply(from, batch_id, rs);
+    }
+    // Check the whole batch before handling any of it: a malformed batch
+    // changes nothing.
+    const uint8_t* headers = batch->data();
+    const size_t header_bytes = count * sizeof(wire::RequestHeader);
+    std::vector<wire::RequestHeader> items;
+    items.reserve(count);
+    uint64_t payload_bytes = 0;
+    absl::Status bad;
+    for (uint64_t i = 0; i < count && bad.ok(); ++i) {
+      auto item = wire::ParseRequestHeader(absl::Span<const uint8_t>(
+          headers + i * sizeof(wire::RequestHeader), sizeof(wire::RequestHeader)));
+      if (!item.ok()) {
+        bad = absl::InvalidArgumentError(
+            absl::StrCat("request ", i, " of a batch: ", item.status().message()));
+        break;
+      }
+      const auto op = static_cast<wire::Op>(item->op);
+      if (op == wire::Op::kBatch || op == wire::Op::kReplicate) {
+        bad = absl::InvalidArgumentError(
+            absl::StrCat("request ", i, " of a batch is a ",
+                         op == wire::Op::kBatch ? "batch" : "replication message",
+                         "; a batch holds pushes, pulls, inits and commits"));
+        break;
+      }
+      if (op == wire::Op::kPush || op == wire::Op::kInit) payload_bytes += item->num_bytes;
+      items.push_back(*item);
+    }
+    if (bad.ok() && header_bytes + payload_bytes != batch->size()) {
+      bad = absl::InvalidArgumentError(absl::StrCat(
+          "batch of ", count, " requests: headers and payloads take ", header_bytes + payload_bytes,
+          " bytes, the batch carries ", batch->size()));
+    }
+    if (!bad.ok()) {
+      metrics_.requests_rejected.fetch_add(1);
+      return Reply(from, batch_id, bad);
+    }
+    const uint8_t* payload = headers + header_bytes;
+    for (uint64_t i = 0; i < count; ++i) {
+      const wire::RequestHeader& item = items[i];
+      const auto op = static_cast<wire::Op>(item.op);
+      const size_t n = (op == wire::Op::kPush || op == wire::Op::kInit) ? item.num_bytes : 0;
+      BatchItem sub(batch, headers + i * sizeof(wire::RequestHeader), payload, n, ep);
+      Dispatch(sub, item);
+      payload += n;
+    }
+  });
+}
+
+void Shard::Dispatch(transport::IncomingMessage& msg, const wire::RequestHeader& h) {
+  const uintptr_t from = PeerOf(msg.reply_endpoint());
   auto refuse = [&](const absl::Status& s, ReplyHint hint = {}) {
     metrics_.requests_rejected.fetch_add(1);
     Reply(from, h.request_id, s, hint);
@@ -131,7 +275,9 @@ void Shard::OnRequest(transport::IncomingMessage& msg) {
             " bytes; a commit has no payload")));
       }
       return OnCommit(h, from, job, chunk);
-    case wire::Op::kReplicate: return;  // Handled above.
+    case wire::Op::kReplicate:  // Handled by OnRequest.
+    case wire::Op::kBatch:
+      return;
   }
 }
 

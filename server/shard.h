@@ -72,6 +72,10 @@ class Shard : public ShardServer {
  private:
   // ---- requests.cc ----
   void OnRequest(transport::IncomingMessage& msg);
+  // A push, pull, init or commit (alone, or one of a batch).
+  void Dispatch(transport::IncomingMessage& msg, const wire::RequestHeader& h);
+  // Several requests in one message (wire::Op::kBatch).
+  void OnBatch(transport::IncomingMessage& msg, const wire::RequestHeader& h);
   void OnPush(transport::IncomingMessage& msg, const wire::RequestHeader& h, const JobRef& job,
               const ChunkRef& chunk);
   void OnPull(transport::IncomingMessage& msg, const wire::RequestHeader& h, const JobRef& job,

@@ -45,6 +45,9 @@ std::string RenderShardMetrics(const ShardMetrics& s, const ShardGauges& g) {
           static_cast<double>(g.staging_held_bytes), id);
   m.Counter("optimus_shard_staging_waits_total",
             "Times a push or a step waited for room in the staging pool.", g.staging_waits, id);
+  m.Counter("optimus_shard_batches_total",
+            "Messages carrying several requests (small chunks batched per shard).",
+            s.batches_received.load(), id);
   m.Counter("optimus_shard_folds_total", "Passes folding landed gradients into a running sum.",
             s.folds.load(), id);
   m.Gauge("optimus_shard_chunks_owned", "Chunks held for all jobs.", g.chunks_owned, id);

@@ -37,6 +37,7 @@ struct ShardMetrics {
   // steps published without waiting for a backup).
   Histogram publish_tail;
   std::atomic<uint64_t> folds{0};               // Fold passes (staging.h).
+  std::atomic<uint64_t> batches_received{0};    // wire::Op::kBatch messages.
 
   void CountError(const absl::Status& status) {
     const int code = static_cast<int>(status.code());

@@ -280,6 +280,86 @@ TEST_F(ShardServerTest, ServesTheStepTorchWouldComputeAndRefusesBadRequests) {
   EXPECT_EQ(shard_->stats().pushes_duplicate, 1u);
 }
 
+// Several requests in one message (small chunks batched per shard): each is
+// answered with its own id as if it had come alone, in the batch's order;
+// a malformed batch is refused whole and changes nothing.
+TEST_F(ShardServerTest, ABatchIsHandledAsItsRequestsAndABadBatchChangesNothing) {
+  Load(OneChunkJob(link_->shard_id()));
+  Peer peer(fabric_, shard_->data_address());
+  const std::vector<float> init = Ramp(0.01f);
+  const std::vector<float> g0 = Ramp(0.002f), g1 = Ramp(-0.003f);
+  auto batch = [&](std::vector<std::pair<wire::RequestHeader, const std::vector<float>*>> items,
+                   uint64_t id) {
+    std::vector<uint8_t> bytes;
+    for (auto& [h, payload] : items) {
+      if (payload != nullptr) h.num_bytes = payload->size() * 4;
+      const auto hb = wire::AsBytes(h);
+      bytes.insert(bytes.end(), hb.begin(), hb.end());
+    }
+    for (auto& [h, payload] : items) {
+      if (payload == nullptr) continue;
+      const auto* p = reinterpret_cast<const uint8_t*>(payload->data());
+      bytes.insert(bytes.end(), p, p + payload->size() * 4);
+    }
+    wire::RequestHeader b = Header(wire::Op::kBatch, items.size(), id);
+    b.num_bytes = bytes.size();
+    auto owned = std::make_shared<std::vector<uint8_t>>(std::move(bytes));
+    peer.Post(b, owned->data(), owned->size());
+    return owned;  // Kept by the caller until the answers are in.
+  };
+  // Init, a pull of version 2 (parked), both ranks' pushes: one message.
+  wire::RequestHeader push1 = Header(wire::Op::kPush, 1, 4);
+  push1.rank = 1;
+  auto b1 = batch({{Header(wire::Op::kInit, 1, 1), &init},
+                   {Header(wire::Op::kPull, 2, 2), nullptr},
+                   {Header(wire::Op::kPush, 1, 3), &g0},
+                   {push1, &g1}},
+                  100);
+  for (uint64_t id : {1, 3, 4}) {
+    EXPECT_TRUE(peer.Await(id).reply.status.ok()) << "request " << id;
+  }
+  Peer::Answer v2 = peer.Await(2);
+  ASSERT_TRUE(v2.reply.status.ok()) << v2.reply.status;
+  ASSERT_EQ(v2.payload.size(), kElems * 4);
+  std::vector<float> master = init, m(kElems), v(kElems), want(kElems);
+  const void* grads[] = {g0.data(), g1.data()};
+  kernels::StepInputs in;
+  in.grads = absl::MakeConstSpan(grads, 2);
+  in.grad_dtype = DType::kFp32;
+  in.grad_scale = 1.0f / kWorld;
+  in.step = 1;
+  ASSERT_TRUE(kernels::FusedStep(OneChunkJob(1).config.hyper, in, kElems,
+                                 {master.data(), m.data(), v.data()}, want.data(), DType::kFp32)
+                  .ok());
+  EXPECT_EQ(std::memcmp(v2.payload.data(), want.data(), kElems * 4), 0) << "not bitwise";
+  EXPECT_EQ(peer.Await(100, absl::Milliseconds(50)).reply.status.code(), absl::StatusCode::kUnknown)
+      << "a good batch is answered per request, not as a whole";
+
+  // Bad batches: refused with the batch's id; step 2's pushes are not taken.
+  wire::RequestHeader nested = Header(wire::Op::kBatch, 1, 11);
+  nested.num_bytes = 0;
+  auto b2 = batch({{Header(wire::Op::kPush, 2, 10), &g0}, {nested, nullptr}}, 200);
+  Peer::Answer refused = peer.Await(200);
+  EXPECT_EQ(refused.reply.status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(refused.reply.status.message().find("request 1 of a batch is a batch"),
+            std::string::npos)
+      << refused.reply.status;
+  wire::RequestHeader short_push = Header(wire::Op::kPush, 2, 12);
+  auto b3 = batch({{short_push, &g0}}, 300);
+  (void)b3;
+  wire::RequestHeader wrong = Header(wire::Op::kBatch, 2, 301);  // Says 2, carries 1.
+  std::vector<uint8_t> one(wire::AsBytes(short_push).begin(), wire::AsBytes(short_push).end());
+  wrong.num_bytes = one.size();
+  EXPECT_EQ(peer.Call(wrong, one.data(), one.size()).reply.status.code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(peer.Await(10, absl::Milliseconds(50)).reply.status.code(),
+            absl::StatusCode::kUnknown);
+  // b3 was well formed: its push is taken and answered; the refused
+  // batches took nothing (request 10 was never answered above).
+  EXPECT_TRUE(peer.Await(12).reply.status.ok());
+  EXPECT_EQ(shard_->stats().steps_applied, 1u);
+}
+
 TEST_F(ShardServerTest, DeletedJobGivesEveryByteBackAndAnswersItsParkedPulls) {
   const uint64_t baseline = shard_->stats().memory_used_bytes;
   Load(OneChunkJob(link_->shard_id()));
