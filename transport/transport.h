@@ -30,6 +30,8 @@ namespace optimus {
 namespace transport {
 
 class LoopbackFabric;  // transport/loopback.h
+class MemoryRegion;
+class PendingPayload;
 
 // A connected peer. Copyable and cheap; valid until the Worker that made it
 // (by Connect, or as a message's reply endpoint) is destroyed, even after the
@@ -126,8 +128,6 @@ class IncomingMessage {
 };
 
 using Handler = std::function<void(IncomingMessage& msg)>;
-
-class MemoryRegion;
 
 // A payload kept at its sender (or, when it came eagerly, copied aside) by
 // IncomingMessage::Keep, to be received later: lets a receiver that has no
