@@ -177,6 +177,7 @@ class ClientImpl : public Client {
     spec->set_grad_dtype(static_cast<v1::DType>(def.grad_dtype));
     spec->set_param_dtype(static_cast<v1::DType>(def.param_dtype));
     spec->set_max_chunk_bytes(def.max_chunk_bytes);
+    spec->set_chunk_payload_bytes(def.chunk_payload_bytes);
     spec->mutable_checkpoint_policy()->set_every_steps(def.checkpoint.every_steps);
     spec->mutable_checkpoint_policy()->set_every_seconds(def.checkpoint.every_seconds);
     spec->mutable_checkpoint_policy()->set_keep_last(def.checkpoint.keep_last);

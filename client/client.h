@@ -103,7 +103,11 @@ struct JobDef {
   OptimizerSpec optimizer;
   DType grad_dtype = DType::kBf16;
   DType param_dtype = DType::kBf16;
-  // Chunk size limit in bytes of fp32 state; 0 means the coordinator's 4 MiB.
+  // Chunk size in bytes of one chunk's gradient push; 0 means the
+  // coordinator's 4 MiB. Used when max_chunk_bytes is 0.
+  uint64_t chunk_payload_bytes = 0;
+  // Chunk size limit in bytes of fp32 state (overrides chunk_payload_bytes);
+  // 0: from chunk_payload_bytes.
   uint64_t max_chunk_bytes = 0;
   CheckpointPolicy checkpoint;
   // Backups per chunk: 0, or 1 (each chunk also lives on a second shard,

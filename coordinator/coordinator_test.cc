@@ -344,7 +344,9 @@ TEST_F(CoordinatorTest, CreateJobFillsDefaults) {
   EXPECT_FLOAT_EQ(got.spec().optimizer().beta2(), 0.999f);
   EXPECT_FLOAT_EQ(got.spec().optimizer().eps(), 1e-8f);
   EXPECT_FLOAT_EQ(got.spec().optimizer().grad_scale(), 0.25f);
-  EXPECT_EQ(got.spec().max_chunk_bytes(), 4u << 20);
+  // 4 MiB of bf16 payload: 2 Mi elements, 8 MiB of fp32 state.
+  EXPECT_EQ(got.spec().chunk_payload_bytes(), 4u << 20);
+  EXPECT_EQ(got.spec().max_chunk_bytes(), 8u << 20);
   EXPECT_EQ(got.map().chunks_size(), 2);  // One chunk per (small) tensor.
 }
 

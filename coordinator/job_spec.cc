@@ -147,9 +147,18 @@ absl::StatusOr<CheckedSpec> CheckAndFillSpec(v1::JobSpec& spec) {
     return s;
   }
   if (absl::Status s = CheckGroups(spec); !s.ok()) return s;
-  if (spec.max_chunk_bytes() == 0) spec.set_max_chunk_bytes(kDefaultMaxChunkBytes);
+  if (spec.max_chunk_bytes() == 0) {
+    // Sized for the wire: chunk_payload_bytes of pushed gradient.
+    if (spec.chunk_payload_bytes() == 0) spec.set_chunk_payload_bytes(kDefaultChunkPayloadBytes);
+    const uint64_t elems = spec.chunk_payload_bytes() / DTypeSize(*grad);
+    if (elems == 0) {
+      return Invalid(absl::StrCat("chunk_payload_bytes must be 0 (4 MiB) or at least ",
+                                  DTypeSize(*grad), " (one ", DTypeName(*grad), " element)"));
+    }
+    spec.set_max_chunk_bytes(elems * 4);
+  }
   if (spec.max_chunk_bytes() < 4) {
-    return Invalid("max_chunk_bytes must be 0 (4 MiB) or at least 4 (one fp32 element)");
+    return Invalid("max_chunk_bytes must be 0 (from chunk_payload_bytes) or at least 4 (one fp32 element)");
   }
   const uint64_t max_chunk_elems = spec.max_chunk_bytes() / 4;
   uint64_t num_chunks = 0;

@@ -35,10 +35,11 @@ struct ChunkSpec {
   uint64_t backup_shard_id = 0;
 };
 
-// Default chunk size: 4 MiB of fp32 state, i.e. 1 Mi elements. Large enough
-// that per-message overheads vanish, small enough that a layer's push
-// pipelines over several shards.
-inline constexpr uint64_t kDefaultMaxChunkBytes = uint64_t{4} << 20;
+// A job's default chunk: 4 MiB of gradient payload per push (JobSpec
+// chunk_payload_bytes; 2 Mi elements of bf16). Large enough that per-message
+// overheads vanish and the transport reaches its plateau (bench/dataplane),
+// small enough that a layer's push pipelines over several shards.
+inline constexpr uint64_t kDefaultChunkPayloadBytes = uint64_t{4} << 20;
 
 // Cuts each tensor into contiguous chunks of at most max_chunk_elems
 // elements (all full-size except possibly the last of each tensor), in

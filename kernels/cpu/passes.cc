@@ -52,6 +52,50 @@ absl::Status SumGradsToFp32(const StepInputs& in, size_t num_elems, float* dst,
   return absl::OkStatus();
 }
 
+absl::Status AccumulateGrads(float* acc, bool start, absl::Span<const void* const> slots,
+                             DType dtype, size_t num_elems, ThreadPool* pool) {
+  if (acc == nullptr) return absl::InvalidArgumentError("AccumulateGrads: acc is null");
+  for (const void* slot : slots) {
+    if (slot == nullptr) return absl::InvalidArgumentError("AccumulateGrads: null slot");
+  }
+  if (dtype != DType::kFp32 && dtype != DType::kBf16 && dtype != DType::kFp16) {
+    return absl::InvalidArgumentError("AccumulateGrads: invalid dtype");
+  }
+  const internal::IsaKernels& k = internal::ActiveKernels();
+  const size_t elem = DTypeSize(dtype);
+  Split(num_elems, pool, [&](size_t b, size_t e) {
+    // Block by block: the ISA cast widens a block of one slot into `wide`
+    // (fp32 slots are read in place), then a plain loop adds it, which the
+    // compiler vectorizes; an fp32 add is the same one rounding in any ISA.
+    constexpr size_t kBlock = 1024;
+    alignas(64) float wide[kBlock];
+    for (size_t i = b; i < e; i += kBlock) {
+      const size_t n = e - i < kBlock ? e - i : kBlock;
+      float* a = acc + i;
+      size_t first = 0;
+      if (start) {
+        if (slots.empty()) {
+          for (size_t j = 0; j < n; ++j) a[j] = 0.0f;
+          continue;
+        }
+        k.cast_to_fp32(static_cast<const uint8_t*>(slots[0]) + i * elem, dtype, 0, n, a);
+        first = 1;
+      }
+      for (size_t w = first; w < slots.size(); ++w) {
+        const float* src;
+        if (dtype == DType::kFp32) {
+          src = static_cast<const float*>(slots[w]) + i;
+        } else {
+          k.cast_to_fp32(static_cast<const uint8_t*>(slots[w]) + i * elem, dtype, 0, n, wide);
+          src = wide;
+        }
+        for (size_t j = 0; j < n; ++j) a[j] = a[j] + src[j];
+      }
+    }
+  });
+  return absl::OkStatus();
+}
+
 void CastFromFp32(const float* src, size_t num_elems, void* dst,
                   DType dst_dtype, ThreadPool* pool) {
   const internal::IsaKernels& k = internal::ActiveKernels();

@@ -24,6 +24,17 @@ namespace kernels {
 absl::Status SumGradsToFp32(const StepInputs& in, size_t num_elems, float* dst,
                             ThreadPool* pool);
 
+// Folds gradient slots into an fp32 running sum, in rank order, exactly as
+// FusedStep sums them: with `start` true, acc = s0 + s1 + ... (acc's old
+// contents ignored); else acc = acc + s0 + s1 + ..., each add one fp32
+// rounding, left to right. So folding ranks 0..k-1 and then k..W-1 (in as
+// many calls as wanted) and stepping from acc (one fp32 slot, same
+// grad_scale) reproduces FusedStep over the W slots bit for bit. No scale is
+// applied. `slots` may be empty (acc unchanged, or zeroed when `start`).
+// InvalidArgument for a null acc or slot or a bad dtype.
+absl::Status AccumulateGrads(float* acc, bool start, absl::Span<const void* const> slots,
+                             DType dtype, size_t num_elems, ThreadPool* pool);
+
 // CastFromFp32 split over `pool` (null: the calling thread).
 void CastFromFp32(const float* src, size_t num_elems, void* dst,
                   DType dst_dtype, ThreadPool* pool);
