@@ -380,6 +380,7 @@ class ClientImpl : public Client {
     absl::MutexLock lock(&mu_);
     return resent_;
   }
+  std::string transports_in_use() const override { return worker_->transports_in_use(); }
 
   absl::Status CheckTensor(uint32_t tensor, size_t num_elems) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {

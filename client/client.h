@@ -229,6 +229,10 @@ class Client {
   virtual uint64_t map_epoch() const = 0;
   // Requests sent again after a failover or map change, so far.
   virtual uint64_t requests_resent() const = 0;
+  // The transports the data plane's endpoints use so far, as the transport
+  // names them (e.g. "tcp", "sysv,cma"; empty before any request or when
+  // the transport does not say). For logs and benchmarks.
+  virtual std::string transports_in_use() const = 0;
 
   // Sends the initial fp32 values of a tensor (num_elems floats); they become
   // version 1. One rank (by convention 0) does this; the others Pull version
