@@ -11,17 +11,21 @@
 //                goodput of pushing (or pulling) one bf16 tensor cut into
 //                chunks of msg_bytes of payload (the job's
 //                chunk_payload_bytes): bytes moved by all W workers together
-//                / wall time, in GB/s (1e9 bytes/s). Baseline: ucx_perftest
-//                -t ucp_am_bw, one client and one server process, same
-//                UCX_TLS and message size, run right before the case
-//                (median of --perftest_repeats). Push phases time only the
-//                pushes of a step (a worker sends every chunk, the shards
-//                answer as each lands), then pull the next version untimed
-//                (the shards must have applied the step before the next
-//                push); pull phases pull the published version over and
-//                over. Also: the shards' memory_used and RSS, the step
-//                tail from /metrics when the shard exports it, allocations
-//                per message in this (the workers') process.
+//                / wall time, in GB/s (1e9 bytes/s). Push phases time only
+//                the pushes of a step (every worker sends every chunk, the
+//                shards answer as each lands), then pull the next version
+//                untimed (the shards must have applied the step before the
+//                next push); pull phases pull the published version over and
+//                over. Each iteration runs from the first worker's start to
+//                the last worker's end; optimus_gbps is the median
+//                iteration. Baseline: ucx_perftest -t ucp_am_bw, one client
+//                and one server process, same UCX_TLS and message size, run
+//                right before the case, the median of --perftest_repeats
+//                runs; ratio = optimus_gbps / ucx_perftest_gbps, and the
+//                same for the best iteration and the best run (ratio_best).
+//                Also: the shards' memory_used and RSS, the step tail from
+//                /metrics when the shard exports it, allocations per
+//                message in this (the workers') process.
 //   small_tensors  steps per second (pull every tensor, push every tensor)
 //                of a job of --small_tensors tensors of --small_elems
 //                elements, against a job of one tensor of the same bytes
@@ -104,7 +108,7 @@ ABSL_FLAG(int, small_workers, 2, "small_tensors: workers");
 ABSL_FLAG(int, small_shards, 2, "small_tensors: shards");
 ABSL_FLAG(std::string, small_tls, "tcp", "small_tensors: UCX_TLS");
 ABSL_FLAG(std::string, ucx_perftest, "ucx_perftest", "ucx_perftest binary (PATH is searched)");
-ABSL_FLAG(int, perftest_repeats, 3, "ucx_perftest runs per case; the median is the baseline");
+ABSL_FLAG(int, perftest_repeats, 5, "ucx_perftest runs per case; the median is the baseline");
 ABSL_FLAG(int64_t, perftest_mib, 256, "MiB each ucx_perftest run sends");
 ABSL_FLAG(int, shard_memory_mb, 3072, "each shard's --memory_limit_mb");
 ABSL_FLAG(std::string, shard_args, "", "extra optimus-shard flags, space-separated");
@@ -143,6 +147,13 @@ namespace bench {
 namespace {
 
 uint64_t Allocations() { return g_allocations.load(std::memory_order_relaxed); }
+
+}  // namespace
+
+// Where the JSON lines go (set by main).
+FILE* g_out = stdout;
+
+namespace {
 
 // ---- Child processes ----
 
@@ -616,7 +627,8 @@ std::string TransportsInUse(const std::vector<std::unique_ptr<client::Client>>& 
 // ---- ucx_perftest ----
 
 struct Perftest {
-  double gbps = 0;  // Median of the runs.
+  double gbps = 0;       // Median of the runs.
+  double best_gbps = 0;  // Best run.
   std::vector<double> runs_gbps;
   std::string server_cmd, client_cmd;
   absl::Status status;
@@ -698,14 +710,31 @@ Perftest RunPerftest(const std::string& dir, const std::string& tls, uint64_t ms
   std::vector<double> sorted = p.runs_gbps;
   std::sort(sorted.begin(), sorted.end());
   p.gbps = sorted[sorted.size() / 2];
+  p.best_gbps = sorted.back();
   return p;
 }
 
 // ---- Goodput cases ----
 
+// Goodputs of a phase's iterations, GB/s.
+struct Figures {
+  double median = 0, mean = 0, best = 0;
+  int iterations = 0;
+};
+
+Figures FiguresOf(std::vector<double> v) {
+  Figures f;
+  if (v.empty()) return f;
+  std::sort(v.begin(), v.end());
+  f.iterations = static_cast<int>(v.size());
+  f.median = v[v.size() / 2];
+  f.best = v.back();
+  for (double x : v) f.mean += x / v.size();
+  return f;
+}
+
 struct Goodput {
-  double push_gbps = 0, pull_gbps = 0;
-  int push_steps = 0, pull_iters = 0;
+  Figures push, pull;
   double step_ms = 0;            // Push + step + pull of the next version.
   double push_allocs_per_msg = 0, pull_allocs_per_msg = 0;
   uint32_t chunks = 0;
@@ -781,16 +810,33 @@ absl::StatusOr<Goodput> RunGoodput(const ProcCluster& c, const std::string& name
       static_cast<int>(seconds / std::max(1e-6, absl::ToDoubleSeconds(pull_one))), 3, 2000);
   const int push_steps = std::clamp(
       static_cast<int>(seconds / std::max(1e-6, absl::ToDoubleSeconds(push_one))), 3, 500);
-  // Pull phase: version 2 over and over.
-  std::vector<absl::Time> start(workers), end(workers);
+  // An iteration of a phase runs from the first worker's start to the last
+  // worker's end: its goodput is every worker's bytes over that time.
+  auto goodputs = [&](const std::vector<std::vector<absl::Time>>& st,
+                      const std::vector<std::vector<absl::Time>>& en, int iters) {
+    std::vector<double> out;
+    for (int i = 0; i < iters; ++i) {
+      absl::Time s0 = st[0][i], e0 = en[0][i];
+      for (int r = 1; r < workers; ++r) {
+        s0 = std::min(s0, st[r][i]);
+        e0 = std::max(e0, en[r][i]);
+      }
+      out.push_back(static_cast<double>(g.tensor_bytes) * workers /
+                    absl::ToDoubleSeconds(e0 - s0) / 1e9);
+    }
+    return out;
+  };
+  // Pull phase: version 2 over and over, all workers at once.
+  std::vector<std::vector<absl::Time>> ps(workers, std::vector<absl::Time>(pull_iters)),
+      pe(workers, std::vector<absl::Time>(pull_iters));
   uint64_t allocs0 = Allocations();
   if (auto s = OnWorkers(workers, [&](int r) {
-        barrier.Wait();
-        start[r] = absl::Now();
         for (int i = 0; i < pull_iters; ++i) {
+          barrier.Wait();
+          ps[r][i] = absl::Now();
           if (auto s = pull(r, 2); !s.ok()) return s;
+          pe[r][i] = absl::Now();
         }
-        end[r] = absl::Now();
         return absl::OkStatus();
       });
       !s.ok()) {
@@ -798,15 +844,12 @@ absl::StatusOr<Goodput> RunGoodput(const ProcCluster& c, const std::string& name
   }
   g.pull_allocs_per_msg = static_cast<double>(Allocations() - allocs0) /
                           (static_cast<double>(pull_iters) * workers * g.chunks);
-  const double pull_s = absl::ToDoubleSeconds(*std::max_element(end.begin(), end.end()) -
-                                              *std::min_element(start.begin(), start.end()));
-  g.pull_iters = pull_iters;
-  g.pull_gbps = static_cast<double>(g.tensor_bytes) * workers * pull_iters / pull_s / 1e9;
+  g.pull = FiguresOf(goodputs(ps, pe, pull_iters));
   // Push phase: steps 2..; each step's pushes timed from the first worker's
   // start to the last worker's last answer; the pull of the next version
   // (the step applied) untimed.
-  std::vector<std::vector<absl::Time>> ps(workers, std::vector<absl::Time>(push_steps)),
-      pe(workers, std::vector<absl::Time>(push_steps));
+  ps.assign(workers, std::vector<absl::Time>(push_steps));
+  pe.assign(workers, std::vector<absl::Time>(push_steps));
   allocs0 = Allocations();
   const absl::Time loop0 = absl::Now();
   if (auto s = OnWorkers(workers, [&](int r) {
@@ -826,17 +869,7 @@ absl::StatusOr<Goodput> RunGoodput(const ProcCluster& c, const std::string& name
   const absl::Duration loop = absl::Now() - loop0;
   g.push_allocs_per_msg = static_cast<double>(Allocations() - allocs0) /
                           (2.0 * push_steps * workers * g.chunks);
-  double push_s = 0;
-  for (int i = 0; i < push_steps; ++i) {
-    absl::Time s0 = ps[0][i], e0 = pe[0][i];
-    for (int r = 1; r < workers; ++r) {
-      s0 = std::min(s0, ps[r][i]);
-      e0 = std::max(e0, pe[r][i]);
-    }
-    push_s += absl::ToDoubleSeconds(e0 - s0);
-  }
-  g.push_steps = push_steps;
-  g.push_gbps = static_cast<double>(g.tensor_bytes) * workers * push_steps / push_s / 1e9;
+  g.push = FiguresOf(goodputs(ps, pe, push_steps));
   g.step_ms = absl::ToDoubleMilliseconds(loop) / push_steps;
   const std::vector<Metrics> after = ScrapeShards(c);
   for (size_t i = 0; i < c.shards.size(); ++i) {
@@ -857,19 +890,21 @@ void PrintGoodput(const std::string& tls, uint64_t msg_bytes, int workers, int s
                   const Goodput& g, const Perftest& p, int cluster_id) {
   for (const char* kase : {"push", "pull"}) {
     const bool is_push = std::strcmp(kase, "push") == 0;
-    const double gbps = is_push ? g.push_gbps : g.pull_gbps;
-    std::printf(
+    const Figures& f = is_push ? g.push : g.pull;
+    std::fprintf(g_out, 
         "{\"bench\": \"dataplane\", \"case\": \"%s\", \"transport\": %s, \"msg_bytes\": %llu, "
         "\"workers\": %d, \"shards\": %d, \"optimus_gbps\": %.3f, \"ucx_perftest_gbps\": %.3f, "
-        "\"ratio\": %.3f, \"unit\": \"GB/s (1e9 bytes/s)\", \"chunks\": %u, "
-        "\"transports_in_use\": %s, \"tensor_bytes\": %llu, \"%s\": %d, \"step_ms\": %.2f, \"allocs_per_msg\": %.2f, "
+        "\"ratio\": %.3f, \"unit\": \"GB/s (1e9 bytes/s), medians\", \"optimus_mean_gbps\": %.3f, "
+        "\"optimus_best_gbps\": %.3f, \"ucx_perftest_best_gbps\": %.3f, \"ratio_best\": %.3f, "
+        "\"chunks\": %u, \"transports_in_use\": %s, \"tensor_bytes\": %llu, \"iterations\": %d, "
+        "\"step_ms\": %.2f, \"allocs_per_msg\": %.2f, "
         "\"ucx_perftest_runs_gbps\": [%s], \"shard_memory_used_bytes\": %s, "
         "\"shard_rss_bytes\": %s, \"step_tail\": [%s], \"cluster\": %d, "
         "\"ucx_perftest_server_cmd\": %s, \"ucx_perftest_client_cmd\": %s}\n",
         kase, JsonQuote(tls).c_str(), static_cast<unsigned long long>(msg_bytes), workers,
-        shards, gbps, p.gbps, p.gbps > 0 ? gbps / p.gbps : 0.0, g.chunks,
-        JsonQuote(g.in_use).c_str(), static_cast<unsigned long long>(g.tensor_bytes), is_push ? "steps" : "iters",
-        is_push ? g.push_steps : g.pull_iters, g.step_ms,
+        shards, f.median, p.gbps, p.gbps > 0 ? f.median / p.gbps : 0.0, f.mean, f.best, p.best_gbps,
+        p.best_gbps > 0 ? f.best / p.best_gbps : 0.0, g.chunks, JsonQuote(g.in_use).c_str(),
+        static_cast<unsigned long long>(g.tensor_bytes), f.iterations, g.step_ms,
         is_push ? g.push_allocs_per_msg : g.pull_allocs_per_msg,
         absl::StrJoin(p.runs_gbps, ", ",
                       [](std::string* out, double v) { absl::StrAppend(out, v); })
@@ -877,29 +912,35 @@ void PrintGoodput(const std::string& tls, uint64_t msg_bytes, int workers, int s
         U64List(g.memory_used).c_str(), U64List(g.rss).c_str(),
         absl::StrJoin(g.step_tail, ", ").c_str(), cluster_id, JsonQuote(p.server_cmd).c_str(),
         JsonQuote(p.client_cmd).c_str());
-    std::fflush(stdout);
+    std::fflush(g_out);
   }
 }
 
+// A case that could not run; with the baseline when it was measured.
 void PrintError(const std::string& kase, const std::string& tls, uint64_t msg_bytes,
-                int workers, int shards, const absl::Status& s) {
-  std::printf("{\"bench\": \"dataplane\", \"case\": %s, \"transport\": %s, \"msg_bytes\": %llu, "
-              "\"workers\": %d, \"shards\": %d, \"error\": %s}\n",
+                int workers, int shards, const absl::Status& s, const Perftest* p = nullptr) {
+  std::string baseline;
+  if (p != nullptr && p->status.ok() && p->gbps > 0) {
+    baseline = absl::StrCat(", \"optimus_gbps\": null, \"ucx_perftest_gbps\": ", p->gbps,
+                            ", \"ucx_perftest_client_cmd\": ", JsonQuote(p->client_cmd));
+  }
+  std::fprintf(g_out, "{\"bench\": \"dataplane\", \"case\": %s, \"transport\": %s, \"msg_bytes\": %llu, "
+              "\"workers\": %d, \"shards\": %d%s, \"error\": %s}\n",
               JsonQuote(kase).c_str(), JsonQuote(tls).c_str(),
-              static_cast<unsigned long long>(msg_bytes), workers, shards,
+              static_cast<unsigned long long>(msg_bytes), workers, shards, baseline.c_str(),
               JsonQuote(s.ToString()).c_str());
-  std::fflush(stdout);
+  std::fflush(g_out);
 }
 
 void PrintCluster(int id, const ProcCluster& c, int shards) {
   std::vector<std::string> quoted;
   for (const auto& cmd : c.commands) quoted.push_back(JsonQuote(cmd));
-  std::printf("{\"bench\": \"dataplane\", \"event\": \"cluster\", \"cluster\": %d, "
+  std::fprintf(g_out, "{\"bench\": \"dataplane\", \"event\": \"cluster\", \"cluster\": %d, "
               "\"transport\": %s, \"shards\": %d, \"workers_in\": \"this process, one "
               "liboptimus client per thread, WorkerOptions.transports = transport, "
               "net_devices = lo\", \"commands\": [%s]}\n",
               id, JsonQuote(c.tls).c_str(), shards, absl::StrJoin(quoted, ", ").c_str());
-  std::fflush(stdout);
+  std::fflush(g_out);
 }
 
 // ---- Many small tensors ----
@@ -1051,7 +1092,7 @@ void RunSmallTensors(const std::string& root, const std::string& dir) {
     const double big = jobs[1].total_steps / jobs[1].total_s;
     std::vector<uint64_t> rss;
     for (pid_t p : c.shards) rss.push_back(RssBytes(p));
-    std::printf(
+    std::fprintf(g_out, 
         "{\"bench\": \"dataplane\", \"case\": \"small_tensors\", \"transport\": %s, "
         "\"workers\": %d, \"shards\": %d, \"tensors\": %d, \"elems_per_tensor\": %lld, "
         "\"bytes_per_step_per_worker\": %lld, \"steps\": %d, \"steps_per_s\": %.3f, "
@@ -1069,7 +1110,7 @@ void RunSmallTensors(const std::string& root, const std::string& dir) {
         jobs[0].worker_cpu_s * 1e6 / (jobs[0].messages_per_step * jobs[0].total_steps),
         jobs[0].shard_cpu_s * 1e6 / (jobs[0].messages_per_step * jobs[0].total_steps),
         U64List(rss).c_str());
-    std::fflush(stdout);
+    std::fflush(g_out);
   }
   for (Job& j : jobs) j.clients.clear();
   StopCluster(&c);
@@ -1145,23 +1186,27 @@ int Main(const char* argv0) {
           continue;
         }
         PrintCluster(cluster_id, c, shards);
+        // A transport optimus cannot use here fails every case alike: after
+        // the first failure only the baseline is measured.
+        absl::Status unusable;
         for (uint64_t msg : sizes) {
           const Perftest p = RunPerftest(dir, tls, msg);
           if (!p.status.ok()) PrintError("ucx_perftest", tls, msg, 1, 0, p.status);
-          bool failed = false;
           for (int w : workers) {
+            if (!unusable.ok()) {
+              PrintError("push+pull", tls, msg, w, shards, unusable, &p);
+              continue;
+            }
             const std::string name = absl::StrCat("dp-", job++);
             auto g = RunGoodput(c, name, msg, w, shards);
             if (!g.ok()) {
-              PrintError("push+pull", tls, msg, w, shards, g.status());
+              unusable = g.status();
+              PrintError("push+pull", tls, msg, w, shards, unusable, &p);
               (void)DeleteJob(c, name);
-              failed = true;
-              break;
+              continue;
             }
             PrintGoodput(tls, msg, w, shards, *g, p, cluster_id);
           }
-          // A transport optimus cannot use here fails every case alike.
-          if (failed) break;
         }
         StopCluster(&c);
       }
@@ -1179,5 +1224,11 @@ int Main(const char* argv0) {
 
 int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
+  // The JSON lines go to the original stdout; whatever else writes to
+  // stdout (UCX logs there by default) goes to stderr.
+  const int json_fd = dup(1);
+  dup2(2, 1);
+  optimus::bench::g_out = fdopen(json_fd, "w");
+  if (optimus::bench::g_out == nullptr) return 1;
   return optimus::bench::Main(argv[0]);
 }
