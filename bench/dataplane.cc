@@ -742,6 +742,7 @@ struct Goodput {
   std::vector<uint64_t> memory_used, rss;
   std::vector<std::string> step_tail;
   std::string in_use;
+  uint64_t registrations = 0;  // All workers', over the whole case.
 };
 
 absl::StatusOr<Goodput> RunGoodput(const ProcCluster& c, const std::string& name,
@@ -878,7 +879,10 @@ absl::StatusOr<Goodput> RunGoodput(const ProcCluster& c, const std::string& name
     g.rss.push_back(RssBytes(c.shards[i]));
     g.step_tail.push_back(StepTailJson(before[i], after[i]));
   }
-  for (auto& client : cl) (void)client->Leave();
+  for (auto& client : cl) {
+    g.registrations += client->registration_stats().registrations;
+    (void)client->Leave();
+  }
   cl.clear();
   if (auto s = DeleteJob(c, name); !s.ok()) return s;
   return g;
@@ -897,7 +901,7 @@ void PrintGoodput(const std::string& tls, uint64_t msg_bytes, int workers, int s
         "\"ratio\": %.3f, \"unit\": \"GB/s (1e9 bytes/s), medians\", \"optimus_mean_gbps\": %.3f, "
         "\"optimus_best_gbps\": %.3f, \"ucx_perftest_best_gbps\": %.3f, \"ratio_best\": %.3f, "
         "\"chunks\": %u, \"transports_in_use\": %s, \"tensor_bytes\": %llu, \"iterations\": %d, "
-        "\"step_ms\": %.2f, \"allocs_per_msg\": %.2f, "
+        "\"step_ms\": %.2f, \"allocs_per_msg\": %.2f, \"registrations\": %llu, "
         "\"ucx_perftest_runs_gbps\": [%s], \"shard_memory_used_bytes\": %s, "
         "\"shard_rss_bytes\": %s, \"step_tail\": [%s], \"cluster\": %d, "
         "\"ucx_perftest_server_cmd\": %s, \"ucx_perftest_client_cmd\": %s}\n",
@@ -906,6 +910,7 @@ void PrintGoodput(const std::string& tls, uint64_t msg_bytes, int workers, int s
         p.best_gbps > 0 ? f.best / p.best_gbps : 0.0, g.chunks, JsonQuote(g.in_use).c_str(),
         static_cast<unsigned long long>(g.tensor_bytes), f.iterations, g.step_ms,
         is_push ? g.push_allocs_per_msg : g.pull_allocs_per_msg,
+        static_cast<unsigned long long>(g.registrations),
         absl::StrJoin(p.runs_gbps, ", ",
                       [](std::string* out, double v) { absl::StrAppend(out, v); })
             .c_str(),

@@ -1,5 +1,6 @@
 #include "client/client.h"
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cmath>
