@@ -1,5 +1,7 @@
 #include "client/client.h"
 
+#include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -8,7 +10,6 @@
 #include <utility>
 
 #include "absl/base/thread_annotations.h"
-#include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "common/grpc_status.h"
@@ -24,6 +25,8 @@ namespace {
 
 constexpr char kLog[] = "client";
 
+using Lease = RegistrationCache::Lease;
+
 struct ChunkRoute {
   uint32_t chunk = 0;
   uint64_t offset_elems = 0;
@@ -32,7 +35,11 @@ struct ChunkRoute {
   transport::EndpointRef ep;
 };
 
+// One Push, Pull or Init until Wait consumes it. A ticket is its slot's
+// index in the low 32 bits and the slot's generation in the high ones.
 struct TicketState {
+  Ticket id = 0;  // 0: the slot is free.
+  uint32_t gen = 0;
   uint32_t remaining = 0;
   absl::Status status;  // First error seen.
   wire::Op op = wire::Op::kPush;
@@ -40,9 +47,9 @@ struct TicketState {
   uint64_t step = 0;
 };
 
-// One chunk request in flight (or waiting to be sent again).
+// One chunk request: what its header is built from and where its payload is.
 struct Pending {
-  Ticket ticket = 0;            // 0: a background resend nobody waits for.
+  Ticket ticket = 0;            // 0: a background resend or commit nobody waits for.
   wire::Op op = wire::Op::kPush;
   uint32_t tensor = 0;
   uint32_t route = 0;           // Index into the tensor's routes.
@@ -51,6 +58,7 @@ struct Pending {
   void* dst = nullptr;          // Pull: the whole tensor's buffer.
   DType dtype = DType::kFp32;
   uint8_t flags = 0;            // wire::RequestFlags.
+  bool receiving = false;       // Pull: the reply's payload is being received.
   uint32_t step_flags = 0;      // wire::StepFlags.
   float lr = 0.0f;              // Push: the step's lr; init with state: the last lr.
   float grad_mult = 0.0f;       // Push.
@@ -61,11 +69,149 @@ struct Pending {
   uint64_t offset_bytes = 0;    // Of the chunk in the tensor's buffer.
   void* ep = nullptr;           // The shard's endpoint, to fail it if the shard dies.
   uint64_t epoch = 0;           // Map epoch it was sent under.
-  // Waiting to be sent again: the map epoch needed first, since when, why.
+  Lease lease;                  // The registration covering src or dst, if any.
+};
+
+// A request waiting for a newer shard map before it is sent again.
+struct Stalled {
+  Pending p;
   uint64_t min_epoch = 0;
-  absl::Time stalled_since;
+  absl::Time since;
   absl::Status why;
 };
+
+// A chunk request in flight lives in a slot from Issue until it is answered
+// and the transport is done with its payload. A request id is the slot's
+// index in the low 32 bits and the slot's generation (bumped at every reuse)
+// in the high ones, so an answer to a reused slot's old request is not
+// taken for the new one's.
+struct Slot {
+  // Guarded by ClientImpl::mu_.
+  uint64_t id = 0;   // The live request's id; 0: none (free, or answered).
+  uint32_t gen = 0;
+  uint32_t index = 0;
+  Pending p;
+  // Parties still using the slot: the request until it is answered (or
+  // stalled), and its Send until the transport's done callback (payload and
+  // registration must stay until then). The last one to let go frees the
+  // slot; a send completing OK lets go without the client's lock.
+  std::atomic<uint32_t> holds{0};
+};
+
+// Slots in blocks that never move (a send's completion finds its slot
+// without the client's lock); a free list reuses them, so the common path
+// allocates nothing once the table has grown to the number of requests in
+// flight. Take/Give/Reserve/size under the client's lock; At from any
+// thread for an index handed out before.
+class SlotTable {
+ public:
+  static constexpr uint32_t kBlockBits = 10;
+  static constexpr uint32_t kBlockSize = 1u << kBlockBits;
+  // 16 Mi requests in flight at most: a bound no training loop reaches.
+  static constexpr uint32_t kMaxBlocks = 1u << 14;
+
+  SlotTable() : blocks_(new std::atomic<Slot*>[kMaxBlocks]) {
+    for (uint32_t i = 0; i < kMaxBlocks; ++i) blocks_[i].store(nullptr, std::memory_order_relaxed);
+  }
+  SlotTable(const SlotTable&) = delete;
+  SlotTable& operator=(const SlotTable&) = delete;
+
+  Slot* At(uint32_t index) const {
+    const uint32_t b = index >> kBlockBits;
+    if (b >= kMaxBlocks) return nullptr;
+    Slot* block = blocks_[b].load(std::memory_order_acquire);
+    return block == nullptr ? nullptr : &block[index & (kBlockSize - 1)];
+  }
+  // A free slot's index; false when the table is full.
+  bool Take(uint32_t* index) {
+    if (free_.empty() && !Grow()) return false;
+    *index = free_.back();
+    free_.pop_back();
+    return true;
+  }
+  void Give(uint32_t index) { free_.push_back(index); }
+  // Grows to at least n slots.
+  void Reserve(size_t n) {
+    while (size_ < n && Grow()) {
+    }
+  }
+  uint32_t size() const { return size_; }
+
+ private:
+  bool Grow() {
+    const uint32_t b = size_ >> kBlockBits;
+    if (b >= kMaxBlocks) return false;
+    owned_.emplace_back(new Slot[kBlockSize]);
+    Slot* block = owned_.back().get();
+    free_.reserve(free_.size() + kBlockSize);
+    for (uint32_t i = kBlockSize; i-- > 0;) {
+      block[i].index = size_ + i;
+      free_.push_back(size_ + i);
+    }
+    blocks_[b].store(block, std::memory_order_release);
+    size_ += kBlockSize;
+    return true;
+  }
+
+  std::unique_ptr<std::atomic<Slot*>[]> blocks_;
+  std::vector<std::unique_ptr<Slot[]>> owned_;
+  std::vector<uint32_t> free_;
+  uint32_t size_ = 0;
+};
+
+uint32_t SlotIndex(uint64_t id) { return static_cast<uint32_t>(id & 0xffffffffu); }
+
+// A message ready to go: built under the client's lock, sent after it.
+struct OutMsg {
+  wire::RequestHeader h;
+  transport::EndpointRef ep;
+  const void* payload = nullptr;
+  size_t payload_bytes = 0;
+  const transport::MemoryRegion* region = nullptr;
+  uint64_t id = 0;
+};
+
+// The messages one call sends once it has let go of the lock. Reuses one
+// vector per thread and nesting depth (a send's callback may send again on
+// the same thread), so that sending allocates nothing once warm.
+constexpr int kOutboxDepths = 4;
+thread_local std::vector<OutMsg> tls_outboxes[kOutboxDepths];
+thread_local int tls_outbox_depth = 0;
+
+class Outbox {
+ public:
+  Outbox()
+      : msgs_(tls_outbox_depth < kOutboxDepths ? &tls_outboxes[tls_outbox_depth] : &own_) {
+    ++tls_outbox_depth;
+    msgs_->clear();
+  }
+  ~Outbox() {
+    msgs_->clear();
+    --tls_outbox_depth;
+  }
+  Outbox(const Outbox&) = delete;
+  Outbox& operator=(const Outbox&) = delete;
+  OutMsg* Add() {
+    msgs_->emplace_back();
+    return &msgs_->back();
+  }
+  const std::vector<OutMsg>& msgs() const { return *msgs_; }
+
+ private:
+  std::vector<OutMsg>* msgs_;
+  std::vector<OutMsg> own_;
+};
+
+// A pull reply's payload received under the client's lock (eager payloads):
+// the transport runs the done callback before ReceiveInto returns, and the
+// callback leaves the status here instead of taking the lock again.
+struct SyncReceive {
+  bool active = false;
+  uint64_t id = 0;
+  bool done = false;
+  absl::Status status;
+};
+thread_local SyncReceive tls_sync_receive;
 
 // A push kept until the pull of the next version of its tensor completes,
 // to send again if its chunk's shard changes.
@@ -76,13 +222,24 @@ struct Retained {
   uint32_t step_flags = 0;
   float lr = 0.0f;
   float grad_mult = 0.0f;
+  Lease lease;
+};
+
+// Every chunk's partial sum of squares of one step, by chunk, tensor-major
+// (ClientImpl::chunk_base_).
+struct Partials {
+  std::vector<double> sums;
+  std::vector<uint8_t> have;
 };
 
 // The clipping round of one step on this client: every chunk's partial sum
-// of squares (from the push replies), then the decision it commits.
+// of squares (from the push replies), then the decision it commits. Rounds
+// sit in a ring of the last kRoundsKept steps (their reports); the partials
+// of the few undecided ones in reused buffers, so a step allocates nothing
+// once warm.
 struct Round {
-  std::vector<std::vector<double>> partials;  // [tensor][route]
-  std::vector<std::vector<bool>> have;
+  uint64_t step = 0;  // 0: unused.
+  int partials = -1;  // Index into ClientImpl::partials_ while undecided.
   uint64_t missing = 0;
   bool decided = false;
   StepReport report;
@@ -105,11 +262,30 @@ class ClientImpl : public Client {
   ~ClientImpl() override {
     {
       absl::MutexLock lock(&mu_);
-      stopping_ = true;
+      stopping_ = true;  // Failed requests are answered, no longer stalled.
     }
     if (recovery_.joinable()) recovery_.join();
-    // Joins the progress thread: no reply handler runs after this.
-    worker_.reset();
+    // Registrations must not outlive the worker: let go of those no
+    // transfer uses (the transport keeps none of a request waiting only for
+    // its reply), then destroy the worker, whose cancelled transfers let go
+    // of theirs on the way.
+    {
+      absl::MutexLock lock(&mu_);
+      for (Retained& r : retained_) r.lease.reset();
+      stalled_.clear();
+      for (uint32_t i = 0; i < slots_.size(); ++i) {
+        Slot* s = slots_.At(i);
+        if (s->id != 0 && !s->p.receiving && s->holds.load(std::memory_order_acquire) == 1) {
+          s->p.lease.reset();
+        }
+      }
+    }
+    if (cache_ != nullptr) cache_->Clear();
+    // Joins the progress thread: no reply handler runs after this. Handlers
+    // still running while it is destroyed may send (their sends fail), so
+    // worker_ keeps pointing at it until it is gone.
+    delete worker_.get();
+    (void)worker_.release();
   }
 
   absl::Status Init() {
@@ -119,11 +295,18 @@ class ClientImpl : public Client {
     wopts.on_peer_failure = [this](transport::EndpointRef ep, const absl::Status& why) {
       OnPeerFailure(ep, why);
     };
-    auto worker = transport::Worker::Create(wopts);
+    auto worker = options_.make_worker ? options_.make_worker(wopts)
+                                       : transport::Worker::Create(wopts);
     if (!worker.ok()) return worker.status();
     worker_ = std::move(*worker);
     worker_->SetHandler(wire::kAmReply, [this](transport::IncomingMessage& m) { OnReply(m); });
     if (auto s = worker_->Start(); !s.ok()) return s;
+    RegistrationCache::Options copts;
+    copts.capacity_bytes = options_.registration_cache_bytes;
+    copts.min_bytes = options_.registration_min_bytes;
+    transport::Worker* w = worker_.get();
+    cache_ = std::make_unique<RegistrationCache>(
+        [w](void* data, size_t bytes) { return w->RegisterMemory(data, bytes); }, copts);
     channel_ = grpc::CreateChannel(options_.coordinator_address,
                                    grpc::InsecureChannelCredentials());
     stub_ = v1::Coordinator::NewStub(channel_);
@@ -335,7 +518,14 @@ class ClientImpl : public Client {
     tensors_ = std::move(tensors);
     routes_ = *std::move(routes);
     retained_.assign(tensors_.size(), Retained{});
+    chunk_base_.assign(1, 0);
+    for (const auto& r : routes_) chunk_base_.push_back(chunk_base_.back() + r.size());
+    // Room for every chunk's push, pull and commit in flight at once.
+    const uint64_t chunks = chunk_base_.back();
+    slots_.Reserve(std::min<uint64_t>(3 * chunks + 64, uint64_t{1} << 20));
+    tickets_.reserve(2 * tensors_.size() + 64);
     joined_ = true;
+    joined_flag_.store(true, std::memory_order_release);
     OPTIMUS_LOG(Debug, kLog, "joined job ", job_id_, " as rank ", rank_, " of ", world_size_);
     return absl::OkStatus();
   }
@@ -380,10 +570,20 @@ class ClientImpl : public Client {
     absl::MutexLock lock(&mu_);
     return resent_;
   }
+  std::string transports_in_use() const override { return worker_->transports_in_use(); }
 
-  absl::Status CheckTensor(uint32_t tensor, size_t num_elems) const
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    if (!joined_) return absl::FailedPreconditionError("join a job first");
+  // ---- Requests, tickets and their slots --------------------------------------
+  // The common path of a request takes the client's lock once when it is
+  // issued (for all chunks of the tensor), once when its reply comes (an
+  // eager pull payload is copied under that same lock), and not at all when
+  // its send completes; it allocates nothing once the tables have grown.
+
+  // Checks a tensor index and size against the joined job (fixed by Join,
+  // read without the lock once joined_flag_ is set).
+  absl::Status CheckTensor(uint32_t tensor, size_t num_elems) const {
+    if (!joined_flag_.load(std::memory_order_acquire)) {
+      return absl::FailedPreconditionError("join a job first");
+    }
     if (tensor >= tensors_.size()) {
       return absl::InvalidArgumentError(
           absl::StrCat("tensor index ", tensor, " out of range (job has ", tensors_.size(), ")"));
@@ -396,62 +596,187 @@ class ClientImpl : public Client {
     return absl::OkStatus();
   }
 
-  // Registers one chunk request under the current map; the caller sends it
-  // with SendPending after dropping the lock.
-  uint64_t AddPendingLocked(Pending p) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+  Ticket NewTicketLocked(wire::Op op, uint32_t tensor, uint64_t step, uint32_t chunks)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    uint32_t index;
+    if (!free_tickets_.empty()) {
+      index = free_tickets_.back();
+      free_tickets_.pop_back();
+    } else {
+      index = static_cast<uint32_t>(tickets_.size());
+      tickets_.emplace_back();
+    }
+    TicketState& t = tickets_[index];
+    t.gen = t.gen == 0xffffffffu ? 1 : t.gen + 1;
+    t.id = (static_cast<uint64_t>(t.gen) << 32) | index;
+    t.remaining = chunks;
+    t.status = absl::OkStatus();
+    t.op = op;
+    t.tensor = tensor;
+    t.step = step;
+    return t.id;
+  }
+
+  TicketState* FindTicketLocked(Ticket ticket) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    const uint32_t index = static_cast<uint32_t>(ticket & 0xffffffffu);
+    if (ticket == 0 || index >= tickets_.size() || tickets_[index].id != ticket) return nullptr;
+    return &tickets_[index];
+  }
+
+  void FreeTicketLocked(TicketState* t) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    free_tickets_.push_back(static_cast<uint32_t>(t->id & 0xffffffffu));
+    t->id = 0;
+    t->status = absl::OkStatus();
+  }
+
+  // Registers one chunk request under the current map and builds its
+  // message into `out`, to be sent once the lock is released (SendAll).
+  // 0 when no slot is left (16 Mi requests in flight).
+  uint64_t AddLocked(Pending p, Outbox* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    uint32_t index;
+    if (!slots_.Take(&index)) return 0;
     const ChunkRoute& r = routes_[p.tensor][p.route];
     p.ep = r.ep.ep;
     p.epoch = epoch_;
     p.expected_bytes = p.op == wire::Op::kPull ? r.num_elems * DTypeSize(p.dtype) : 0;
     p.offset_bytes = r.offset_elems * DTypeSize(p.dtype) * p.arrays;
-    const uint64_t id = next_request_++;
-    pending_[id] = p;
-    return id;
+    Slot& s = *slots_.At(index);
+    s.gen = s.gen == 0xffffffffu ? 1 : s.gen + 1;
+    s.id = (static_cast<uint64_t>(s.gen) << 32) | index;
+    s.p = std::move(p);
+    s.holds.store(2, std::memory_order_relaxed);  // The request and its send.
+    Build(s, r, out->Add());
+    return s.id;
   }
 
-  // Sends pending request `id` (registered by AddPendingLocked).
-  void SendPending(uint64_t id) {
-    wire::RequestHeader h;
-    const void* payload = nullptr;
-    size_t payload_bytes = 0;
-    transport::EndpointRef ep;
-    {
-      absl::MutexLock lock(&mu_);
-      auto it = pending_.find(id);
-      if (it == pending_.end()) return;
-      const Pending& p = it->second;
-      const ChunkRoute& r = routes_[p.tensor][p.route];
-      const size_t elem_bytes = DTypeSize(p.dtype);
-      h.op = static_cast<uint16_t>(p.op);
-      h.job_id = job_id_;
-      h.map_epoch = p.epoch;
-      h.tensor = p.tensor;
-      h.chunk = r.chunk;
-      h.step = p.step;
-      h.rank = rank_;
-      h.dtype = static_cast<uint8_t>(p.dtype);
-      h.flags = p.flags;
-      h.step_flags = p.step_flags;
-      h.lr = p.lr;
-      h.grad_mult = p.grad_mult;
-      h.clip_coef = p.clip_coef;
-      h.optimizer_steps = p.optimizer_steps;
-      h.num_bytes = r.num_elems * elem_bytes * p.arrays;
-      h.request_id = id;
-      const bool no_payload = p.op == wire::Op::kPull || p.op == wire::Op::kCommit ||
-                              (p.step_flags & wire::kPushNoGrad) != 0;
-      if (no_payload) {
-        if (p.op != wire::Op::kPull) h.num_bytes = 0;
-      } else {
-        payload = static_cast<const uint8_t*>(p.src) + r.offset_elems * elem_bytes * p.arrays;
-        payload_bytes = r.num_elems * elem_bytes * p.arrays;
-      }
-      ep.ep = p.ep;
+  // The message of the request in slot `s` (under the lock).
+  void Build(const Slot& s, const ChunkRoute& r, OutMsg* m) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    const Pending& p = s.p;
+    const size_t elem_bytes = DTypeSize(p.dtype);
+    wire::RequestHeader& h = m->h;
+    h.op = static_cast<uint16_t>(p.op);
+    h.job_id = job_id_;
+    h.map_epoch = p.epoch;
+    h.tensor = p.tensor;
+    h.chunk = r.chunk;
+    h.step = p.step;
+    h.rank = rank_;
+    h.dtype = static_cast<uint8_t>(p.dtype);
+    h.flags = p.flags;
+    h.step_flags = p.step_flags;
+    h.lr = p.lr;
+    h.grad_mult = p.grad_mult;
+    h.clip_coef = p.clip_coef;
+    h.optimizer_steps = p.optimizer_steps;
+    h.num_bytes = r.num_elems * elem_bytes * p.arrays;
+    h.request_id = s.id;
+    const bool no_payload = p.op == wire::Op::kPull || p.op == wire::Op::kCommit ||
+                            (p.step_flags & wire::kPushNoGrad) != 0;
+    if (no_payload) {
+      if (p.op != wire::Op::kPull) h.num_bytes = 0;
+      m->payload = nullptr;
+      m->payload_bytes = 0;
+      m->region = nullptr;
+    } else {
+      m->payload = static_cast<const uint8_t*>(p.src) + p.offset_bytes;
+      m->payload_bytes = r.num_elems * elem_bytes * p.arrays;
+      m->region = p.lease.region();
     }
-    worker_->Send(ep, wire::kAmRequest, wire::AsBytes(h), payload, payload_bytes,
-                  [this, id](absl::Status s) {
-                    if (!s.ok()) Failed(id, s, /*peer_failed=*/true, 0);
-                  });
+    m->ep.ep = p.ep;
+    m->id = s.id;
+  }
+
+  // Sends what AddLocked built; called without the lock. A slot's payload
+  // and registration stay until its send's done callback (the slot's send
+  // hold).
+  void SendAll(const Outbox& out) {
+    for (const OutMsg& m : out.msgs()) {
+      worker_->Send(m.ep, wire::kAmRequest, wire::AsBytes(m.h), m.payload, m.payload_bytes,
+                    m.region, [this, id = m.id](absl::Status s) { OnSent(id, std::move(s)); });
+    }
+  }
+
+  void OnSent(uint64_t id, absl::Status s) {
+    Slot* slot = slots_.At(SlotIndex(id));
+    if (s.ok()) {
+      if (slot->holds.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+        absl::MutexLock lock(&mu_);
+        FreeLocked(slot);
+      }
+      return;
+    }
+    absl::MutexLock lock(&mu_);
+    // A pull whose payload is being received was sent: its receive answers.
+    if (slot->id == id && !slot->p.receiving) FailedLocked(slot, s, /*peer_failed=*/true, 0);
+    ReleaseLocked(slot);
+  }
+
+  void ReleaseLocked(Slot* s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (s->holds.fetch_sub(1, std::memory_order_acq_rel) == 1) FreeLocked(s);
+  }
+
+  void FreeLocked(Slot* s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    s->id = 0;
+    s->p = Pending{};  // Lets go of its registration.
+    slots_.Give(s->index);
+  }
+
+  // The request in slot `s` is answered with `status` (its last chunk
+  // completes its ticket).
+  void AnswerLocked(Slot* s, const absl::Status& status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    s->id = 0;
+    FinishLocked(s->p, status);
+    ReleaseLocked(s);
+  }
+
+  // One chunk of p's ticket is done; the first error wins.
+  void FinishLocked(const Pending& p, const absl::Status& status)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (p.ticket == 0) {
+      if (!status.ok()) {
+        OPTIMUS_LOG(Warning, kLog, "background request (a resent push or a commit) failed: ",
+                    status.ToString());
+      }
+      return;
+    }
+    TicketState* t = FindTicketLocked(p.ticket);
+    if (t == nullptr) return;
+    if (!status.ok() && t->status.ok()) t->status = status;
+    if (--t->remaining == 0 && t->status.ok() && t->op == wire::Op::kPull) {
+      // The next version of this tensor is in hand: its push is applied.
+      Retained& r = retained_[t->tensor];
+      if (r.valid && r.step + 1 <= t->step) {
+        r.valid = false;
+        r.lease.reset();
+      }
+    }
+  }
+
+  // The request in slot `s` failed. When its shard was lost or said the map
+  // moved on, it waits for a newer map and is sent again; otherwise its
+  // ticket fails.
+  void FailedLocked(Slot* s, const absl::Status& why, bool peer_failed, uint32_t reply_flags)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    const bool refresh = (reply_flags & wire::kReplyRefreshMap) != 0;
+    // A lost peer is judged by the coordinator: a replica takes over or a
+    // drain moved the chunk (a newer map: send again), or the job FAILED
+    // (the recovery thread fails the ticket then, as soon as it is known).
+    if ((!refresh && !peer_failed) || stopping_) return AnswerLocked(s, why);
+    // A shard that has not loaded our (newer) map yet: send again under the
+    // same map. Otherwise wait for a map newer than the one it was sent under.
+    const bool shard_behind = refresh && why.code() == absl::StatusCode::kUnavailable;
+    Stalled st;
+    st.p = s->p;
+    st.p.receiving = false;
+    st.min_epoch = shard_behind ? s->p.epoch : s->p.epoch + 1;
+    st.since = absl::Now();
+    st.why = why;
+    OPTIMUS_LOG(Debug, kLog, "request ", s->id, " waits for map epoch ", st.min_epoch, ": ",
+                why.ToString());
+    stalled_.emplace(next_stalled_++, std::move(st));
+    s->id = 0;
+    ReleaseLocked(s);
   }
 
   // Sends one request per chunk of `tensor` and returns the ticket.
@@ -459,37 +784,56 @@ class ClientImpl : public Client {
   absl::StatusOr<Ticket> Issue(wire::Op op, uint32_t tensor, uint64_t step, const void* src,
                                void* dst, size_t num_elems, DType dtype,
                                const Pending& proto = Pending{}) {
+    if (auto s = CheckTensor(tensor, num_elems); !s.ok()) return s;
+    // The buffer's registration: a user's Push/Pull buffer through the
+    // cache; an Init's one-off buffer only if it lies in a registered range.
+    const void* buf = src != nullptr ? src : dst;
+    const size_t bytes = num_elems * DTypeSize(dtype) * proto.arrays;
+    Lease lease;
+    if (buf != nullptr && op != wire::Op::kInit) {
+      auto l = cache_->Acquire(buf, bytes);
+      if (l.ok()) {
+        lease = *std::move(l);
+      } else if (!registration_warned_.exchange(true)) {
+        OPTIMUS_LOG(Warning, kLog, "sending without a registration (the transport registers "
+                    "per transfer): ", l.status().ToString());
+      }
+    } else if (buf != nullptr) {
+      lease = cache_->Lookup(buf, bytes);
+    }
+    Outbox out;
     Ticket ticket;
-    std::vector<uint64_t> ids;
     {
       absl::MutexLock lock(&mu_);
-      if (auto s = CheckTensor(tensor, num_elems); !s.ok()) return s;
       if (op == wire::Op::kPush && round_) StartRoundLocked(step);
-      ticket = next_ticket_++;
       const uint32_t n = static_cast<uint32_t>(routes_[tensor].size());
-      TicketState& ts = tickets_[ticket];
-      ts.remaining = n;
-      ts.op = op;
-      ts.tensor = tensor;
-      ts.step = step;
+      ticket = NewTicketLocked(op, tensor, step, n);
+      Pending p = proto;
+      p.ticket = ticket;
+      p.op = op;
+      p.tensor = tensor;
+      p.step = step;
+      p.src = src;
+      p.dst = dst;
+      p.dtype = dtype;
+      p.lease = lease;
       for (uint32_t i = 0; i < n; ++i) {
-        Pending p = proto;
-        p.ticket = ticket;
-        p.op = op;
-        p.tensor = tensor;
         p.route = i;
-        p.step = step;
-        p.src = src;
-        p.dst = dst;
-        p.dtype = dtype;
-        ids.push_back(AddPendingLocked(p));
+        if (AddLocked(p, &out) == 0) {
+          TicketState* t = FindTicketLocked(ticket);
+          t->remaining -= n - i;
+          if (t->status.ok()) {
+            t->status = absl::ResourceExhaustedError("too many requests in flight");
+          }
+          break;
+        }
       }
       if (op == wire::Op::kPush) {
         retained_[tensor] =
-            Retained{true, step, src, proto.step_flags, proto.lr, proto.grad_mult};
+            Retained{true, step, src, proto.step_flags, proto.lr, proto.grad_mult, lease};
       }
     }
-    for (uint64_t id : ids) SendPending(id);
+    SendAll(out);
     return ticket;
   }
 
@@ -501,12 +845,8 @@ class ClientImpl : public Client {
 
   absl::Status InitTensorState(uint32_t tensor, const TensorState& state,
                                size_t num_elems) override {
-    uint32_t arrays;
-    {
-      absl::MutexLock lock(&mu_);
-      if (auto s = CheckTensor(tensor, num_elems); !s.ok()) return s;
-      arrays = num_arrays_;
-    }
+    if (auto s = CheckTensor(tensor, num_elems); !s.ok()) return s;
+    const uint32_t arrays = num_arrays_;  // Fixed by Join.
     const float* src[3] = {state.master, state.m, state.v};
     for (uint32_t a = 0; a < arrays; ++a) {
       if (src[a] == nullptr) {
@@ -566,39 +906,57 @@ class ClientImpl : public Client {
 
   // ---- The clipping round ----------------------------------------------------
 
+  Round* FindRoundLocked(uint64_t step) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    Round& r = rounds_[step % kRoundsKept];
+    return r.step == step ? &r : nullptr;
+  }
+
+  // Starts step's round unless it has one; a step older than the one in its
+  // place of the ring gets none (as one forgotten).
   void StartRoundLocked(uint64_t step) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    if (rounds_.count(step) != 0) return;
-    Round& r = rounds_[step];
-    r.partials.resize(routes_.size());
-    r.have.resize(routes_.size());
-    for (size_t t = 0; t < routes_.size(); ++t) {
-      r.partials[t].assign(routes_[t].size(), 0.0);
-      r.have[t].assign(routes_[t].size(), false);
-      r.missing += routes_[t].size();
+    Round& r = rounds_[step % kRoundsKept];
+    if (r.step >= step) return;
+    ReleasePartialsLocked(&r);
+    const size_t chunks = chunk_base_.back();
+    if (free_partials_.empty()) {
+      free_partials_.push_back(static_cast<int>(partials_.size()));
+      partials_.emplace_back();
     }
-    while (rounds_.size() > kRoundsKept) rounds_.erase(rounds_.begin());
+    r.partials = free_partials_.back();
+    free_partials_.pop_back();
+    Partials& p = partials_[r.partials];
+    p.sums.assign(chunks, 0.0);
+    p.have.assign(chunks, 0);
+    r.step = step;
+    r.missing = chunks;
+    r.decided = false;
+    r.report = StepReport{};
+  }
+
+  void ReleasePartialsLocked(Round* r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (r->partials < 0) return;
+    free_partials_.push_back(r->partials);
+    r->partials = -1;
   }
 
   // A chunk's partial for `step` arrived. When it was the last one, decides
-  // the step and returns the commits to send.
-  std::vector<uint64_t> RecordPartialLocked(uint32_t tensor, uint32_t route, uint64_t step,
-                                            double partial) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    std::vector<uint64_t> commits;
-    auto it = rounds_.find(step);
-    if (it == rounds_.end()) return commits;
-    Round& r = it->second;
-    if (tensor >= r.have.size() || route >= r.have[tensor].size() || r.have[tensor][route]) {
-      return commits;
-    }
-    r.have[tensor][route] = true;
-    r.partials[tensor][route] = partial;
-    if (--r.missing != 0) return commits;
-    // Every rank adds the same partials in the same order: the same norm
-    // and the same decision on every rank.
+  // the step and adds the commits to `out`.
+  void RecordPartialLocked(uint32_t tensor, uint32_t route, uint64_t step, double partial,
+                           Outbox* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    Round* round = FindRoundLocked(step);
+    if (round == nullptr || round->partials < 0 || tensor + 1 >= chunk_base_.size()) return;
+    Round& r = *round;
+    Partials& p = partials_[r.partials];
+    const uint64_t c = chunk_base_[tensor] + route;
+    if (c >= chunk_base_[tensor + 1] || p.have[c]) return;
+    p.have[c] = 1;
+    p.sums[c] = partial;
+    if (--r.missing != 0) return;
+    // Every rank adds the same partials in the same order (tensor, then
+    // chunk): the same norm and the same decision on every rank.
     double total = 0.0;
-    for (const auto& per : r.partials) {
-      for (double x : per) total += x;
-    }
+    for (double x : p.sums) total += x;
+    ReleasePartialsLocked(&r);
     r.report.grad_norm = std::sqrt(total);
     r.report.found_inf = !std::isfinite(total);
     r.report.skipped = r.report.found_inf && skip_nonfinite_;
@@ -610,12 +968,14 @@ class ClientImpl : public Client {
     }
     r.report.clip_coef = coef;
     r.decided = true;
+    if (stopping_) return;  // The client is being destroyed: nobody to commit for.
     for (uint32_t t = 0; t < routes_.size(); ++t) {
       for (uint32_t i = 0; i < routes_[t].size(); ++i) {
-        commits.push_back(AddPendingLocked(CommitFor(t, i, step, r.report)));
+        if (AddLocked(CommitFor(t, i, step, r.report), out) == 0) {
+          OPTIMUS_LOG(Error, kLog, "step ", step, ": no slot left for a commit");
+        }
       }
     }
-    return commits;
   }
 
   Pending CommitFor(uint32_t tensor, uint32_t route, uint64_t step, const StepReport& rep) const {
@@ -630,9 +990,9 @@ class ClientImpl : public Client {
     return p;
   }
 
-  bool RoundDecided(uint64_t step) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    auto it = rounds_.find(step);
-    return it == rounds_.end() || it->second.decided;
+  bool RoundDecided(uint64_t step) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    const Round* r = FindRoundLocked(step);
+    return r == nullptr || r->decided;
   }
 
   absl::StatusOr<StepReport> StepResult(uint64_t step, absl::Duration timeout) override {
@@ -642,12 +1002,12 @@ class ClientImpl : public Client {
       return absl::FailedPreconditionError(
           "the job neither clips (max_grad_norm) nor skips non-finite steps: no step report");
     }
-    if (rounds_.count(step) == 0) {
+    if (FindRoundLocked(step) == nullptr) {
       return absl::NotFoundError(absl::StrCat("no pushes of step ", step, " on this client (or "
                                               "too long ago: the last ", kRoundsKept, " are kept)"));
     }
     struct Args {
-      const ClientImpl* self;
+      ClientImpl* self;
       uint64_t step;
     } args{this, step};
     const bool done = mu_.AwaitWithTimeout(
@@ -655,15 +1015,15 @@ class ClientImpl : public Client {
             +[](Args* a) ABSL_NO_THREAD_SAFETY_ANALYSIS { return a->self->RoundDecided(a->step); },
             &args),
         timeout);
-    auto it = rounds_.find(step);
-    if (it == rounds_.end()) return absl::NotFoundError(absl::StrCat("step ", step, " forgotten"));
+    const Round* r = FindRoundLocked(step);
+    if (r == nullptr) return absl::NotFoundError(absl::StrCat("step ", step, " forgotten"));
     if (!done) {
       return absl::DeadlineExceededError(absl::StrCat(
-          "step ", step, ": ", it->second.missing,
+          "step ", step, ": ", r->missing,
           " chunks have not answered this rank's pushes yet (every tensor must be pushed, by "
           "every rank) after ", absl::FormatDuration(timeout)));
     }
-    return it->second.report;
+    return r->report;
   }
 
   absl::StatusOr<Ticket> Pull(uint32_t tensor, uint64_t version, void* dst,
@@ -672,19 +1032,19 @@ class ClientImpl : public Client {
     return Issue(wire::Op::kPull, tensor, version, nullptr, dst, num_elems, param_dtype_);
   }
 
-  bool TicketDone(Ticket t) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    auto it = tickets_.find(t);
-    return it == tickets_.end() || it->second.remaining == 0;
+  bool TicketDone(Ticket t) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    const TicketState* ts = FindTicketLocked(t);
+    return ts == nullptr || ts->remaining == 0;
   }
 
   absl::Status Wait(Ticket ticket, absl::Duration timeout) override {
     absl::MutexLock lock(&mu_);
-    if (tickets_.find(ticket) == tickets_.end()) {
+    if (FindTicketLocked(ticket) == nullptr) {
       return absl::NotFoundError(absl::StrCat("unknown ticket ", ticket,
                                               " (never issued, or already waited for)"));
     }
     struct Args {
-      const ClientImpl* self;
+      ClientImpl* self;
       Ticket t;
     } args{this, ticket};
     const bool done = mu_.AwaitWithTimeout(
@@ -692,80 +1052,54 @@ class ClientImpl : public Client {
             +[](Args* a) ABSL_NO_THREAD_SAFETY_ANALYSIS { return a->self->TicketDone(a->t); },
             &args),
         timeout);
+    TicketState* t = FindTicketLocked(ticket);
     if (!done) {
       return absl::DeadlineExceededError(absl::StrCat(
           "ticket ", ticket, " not done after ", absl::FormatDuration(timeout), " (",
-          tickets_[ticket].remaining, " chunks outstanding)"));
+          t->remaining, " chunks outstanding)"));
     }
-    absl::Status s = tickets_[ticket].status;
-    tickets_.erase(ticket);
+    absl::Status s = t->status;
+    FreeTicketLocked(t);
     return s;
   }
 
+  absl::Status RegisterBuffer(const void* data, size_t size_bytes) override {
+    return cache_->Pin(data, size_bytes);
+  }
+
+  size_t ForgetBuffer(const void* data, size_t size_bytes) override {
+    return cache_->Forget(data, size_bytes);
+  }
+
+  RegistrationStats registration_stats() const override { return cache_->stats(); }
+
   void OnPeerFailure(transport::EndpointRef ep, const absl::Status& why) {
-    std::vector<uint64_t> ids;
-    {
-      absl::MutexLock lock(&mu_);
-      for (const auto& [id, p] : pending_) {
-        if (p.ep == ep.ep) ids.push_back(id);
+    absl::MutexLock lock(&mu_);
+    for (uint32_t i = 0; i < slots_.size(); ++i) {
+      Slot* s = slots_.At(i);
+      // A payload being received fails by itself (its done callback).
+      if (s->id != 0 && s->p.ep == ep.ep && !s->p.receiving) {
+        FailedLocked(s, why, /*peer_failed=*/true, 0);
       }
     }
-    for (uint64_t id : ids) Failed(id, why, /*peer_failed=*/true, 0);
   }
 
-  // A chunk request failed. When its shard was lost or said the map moved
-  // on, it waits for a newer map and is sent again; otherwise its ticket
-  // fails.
-  void Failed(uint64_t id, const absl::Status& why, bool peer_failed, uint32_t reply_flags) {
-    absl::MutexLock lock(&mu_);
-    auto it = pending_.find(id);
-    if (it == pending_.end()) return;
-    Pending& p = it->second;
-    const bool refresh = (reply_flags & wire::kReplyRefreshMap) != 0;
-    // A lost peer is judged by the coordinator: a replica takes over or a
-    // drain moved the chunk (a newer map: send again), or the job FAILED
-    // (the recovery thread fails the ticket then, as soon as it is known).
-    if (!refresh && !peer_failed) return CompleteLocked(id, why);
-    // A shard that has not loaded our (newer) map yet: send again under the
-    // same map. Otherwise wait for a map newer than the one it was sent under.
-    const bool shard_behind = refresh && why.code() == absl::StatusCode::kUnavailable;
-    p.min_epoch = shard_behind ? p.epoch : p.epoch + 1;
-    p.stalled_since = absl::Now();
-    p.why = why;
-    stalled_[id] = p;
-    pending_.erase(it);
-    OPTIMUS_LOG(Debug, kLog, "request ", id, " waits for map epoch ", p.min_epoch, ": ",
-                why.ToString());
-  }
-
-  // Resolves one chunk request; the first error wins for its ticket.
-  void CompleteLocked(uint64_t request_id, const absl::Status& s)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    auto it = pending_.find(request_id);
-    if (it == pending_.end()) return;  // Already completed (send error + reply).
-    const Ticket ticket = it->second.ticket;
-    pending_.erase(it);
-    if (ticket == 0) {
-      if (!s.ok()) {
-        OPTIMUS_LOG(Warning, kLog, "background request (a resent push or a commit) failed: ",
-                    s.ToString());
-      }
+  // A pull's payload landed (or failed), later than its reply.
+  void OnReceived(uint64_t id, absl::Status s) {
+    SyncReceive& sync = tls_sync_receive;
+    if (sync.active && sync.id == id) {  // Inside OnReply's ReceiveInto.
+      sync.done = true;
+      sync.status = std::move(s);
       return;
     }
-    auto& t = tickets_[ticket];
-    if (!s.ok() && t.status.ok()) t.status = s;
-    if (--t.remaining == 0 && t.status.ok() && t.op == wire::Op::kPull) {
-      // The next version of this tensor is in hand: its push is applied.
-      Retained& r = retained_[t.tensor];
-      if (r.valid && r.step + 1 <= t.step) r.valid = false;
-    }
-  }
-
-  void Complete(uint64_t request_id, const absl::Status& s) {
     absl::MutexLock lock(&mu_);
-    CompleteLocked(request_id, s);
+    Slot* slot = slots_.At(SlotIndex(id));
+    if (slot != nullptr && slot->id == id) AnswerLocked(slot, s);
   }
 
+  // A shard's answer: one lock, in which the request is found and answered
+  // (an eager pull payload copied too). A rendezvous pull payload is
+  // received after the lock is released, and answered when it lands.
   void OnReply(transport::IncomingMessage& msg) {
     auto reply = wire::ParseReply(msg.header());
     if (!reply.ok()) {
@@ -773,39 +1107,57 @@ class ClientImpl : public Client {
       return;
     }
     const uint64_t id = reply->header.request_id;
-    Pending p;
+    Slot* slot = slots_.At(SlotIndex(id));
+    Outbox commits;
+    void* dst = nullptr;  // Set: a rendezvous payload to receive after the lock.
+    const transport::MemoryRegion* region = nullptr;
     {
       absl::MutexLock lock(&mu_);
-      auto it = pending_.find(id);
-      if (it == pending_.end()) {
+      if (slot == nullptr || slot->id != id) {
         OPTIMUS_LOG(Debug, kLog, "reply for unknown request ", id, ": ",
                     reply->status.ToString());
         return;
       }
-      p = it->second;
-    }
-    if (!reply->status.ok()) {
-      return Failed(id, reply->status, /*peer_failed=*/false, reply->header.flags);
-    }
-    if (p.op == wire::Op::kPush && (reply->header.flags & wire::kReplyPartial) != 0) {
-      std::vector<uint64_t> commits;
-      {
-        absl::MutexLock lock(&mu_);
-        commits = RecordPartialLocked(p.tensor, p.route, p.step, reply->header.grad_sum_squares);
-        CompleteLocked(id, reply->status);
+      Pending& p = slot->p;
+      if (!reply->status.ok()) {
+        return FailedLocked(slot, reply->status, /*peer_failed=*/false, reply->header.flags);
       }
-      for (uint64_t c : commits) SendPending(c);
-      return;
+      if (p.op == wire::Op::kPush && (reply->header.flags & wire::kReplyPartial) != 0) {
+        RecordPartialLocked(p.tensor, p.route, p.step, reply->header.grad_sum_squares, &commits);
+        AnswerLocked(slot, reply->status);
+      } else if (p.op != wire::Op::kPull) {
+        return AnswerLocked(slot, reply->status);
+      } else if (msg.payload_size() != p.expected_bytes || reply->header.param_version != p.step) {
+        return AnswerLocked(slot, absl::InternalError(absl::StrCat(
+                                      "pull reply carries ", msg.payload_size(),
+                                      " bytes of version ", reply->header.param_version,
+                                      ", expected ", p.expected_bytes, " bytes of version ",
+                                      p.step)));
+      } else {
+        void* into = static_cast<uint8_t*>(p.dst) + p.offset_bytes;
+        region = p.lease.region();
+        // Failing the request while its payload is received (a peer
+        // failure) would free the registration under the transfer: the
+        // receive's callback answers it.
+        p.receiving = true;
+        if (!msg.is_rendezvous()) {
+          // Eager: a copy, normally done before ReceiveInto returns, and
+          // then answered under this same lock.
+          SyncReceive& sync = tls_sync_receive;
+          sync = SyncReceive{true, id, false, absl::OkStatus()};
+          msg.ReceiveInto(into, region,
+                          [this, id](absl::Status s) { OnReceived(id, std::move(s)); });
+          sync.active = false;
+          if (sync.done) return AnswerLocked(slot, sync.status);
+        } else {
+          dst = into;
+        }
+      }
     }
-    if (p.op != wire::Op::kPull) return Complete(id, reply->status);
-    if (msg.payload_size() != p.expected_bytes || reply->header.param_version != p.step) {
-      return Complete(id, absl::InternalError(absl::StrCat(
-                              "pull reply carries ", msg.payload_size(), " bytes of version ",
-                              reply->header.param_version, ", expected ", p.expected_bytes,
-                              " bytes of version ", p.step)));
+    if (dst != nullptr) {
+      msg.ReceiveInto(dst, region, [this, id](absl::Status s) { OnReceived(id, std::move(s)); });
     }
-    msg.ReceiveInto(static_cast<uint8_t*>(p.dst) + p.offset_bytes,
-                    [this, id](absl::Status s) { Complete(id, s); });
+    SendAll(commits);
   }
 
   // ---- Failover ------------------------------------------------------------
@@ -860,50 +1212,39 @@ class ClientImpl : public Client {
       } else {
         OPTIMUS_LOG(Debug, kLog, "failover: coordinator: ", fetched.ToString());
       }
-      std::vector<uint64_t> resend;
-      std::vector<std::pair<uint64_t, absl::Status>> expired;
+      Outbox resend;
       {
         absl::MutexLock lock(&mu_);
         const absl::Time now = absl::Now();
         for (auto it = stalled_.begin(); it != stalled_.end();) {
-          Pending p = it->second;
-          if (p.min_epoch <= epoch_) {
-            p.min_epoch = 0;
-            if (p.op == wire::Op::kPush) p.flags |= wire::kRequestResend;
-            resend.push_back(AddPendingLocked(p));
+          Stalled& st = it->second;
+          if (st.min_epoch <= epoch_) {
+            if (st.p.op == wire::Op::kPush) st.p.flags |= wire::kRequestResend;
+            if (AddLocked(st.p, &resend) == 0) {
+              FinishLocked(st.p, absl::ResourceExhaustedError("too many requests in flight"));
+            }
             ++resent_;
             it = stalled_.erase(it);
-          } else if (now - p.stalled_since > options_.ready_timeout) {
-            // Park it as pending again so CompleteLocked resolves its ticket.
-            const uint64_t id = next_request_++;
-            pending_[id] = p;
-            expired.emplace_back(
-                id, absl::UnavailableError(absl::StrCat(
-                        "no new shard map for job '", job_name_, "' within ",
-                        absl::FormatDuration(options_.ready_timeout), " after: ",
-                        p.why.message())));
+          } else if (now - st.since > options_.ready_timeout) {
+            FinishLocked(st.p, absl::UnavailableError(absl::StrCat(
+                                   "no new shard map for job '", job_name_, "' within ",
+                                   absl::FormatDuration(options_.ready_timeout), " after: ",
+                                   st.why.message())));
             it = stalled_.erase(it);
           } else {
             ++it;
           }
         }
-        for (const auto& [id, s] : expired) CompleteLocked(id, s);
       }
-      for (uint64_t id : resend) SendPending(id);
-      if (resend.empty()) absl::SleepFor(absl::Milliseconds(10));
+      SendAll(resend);
+      if (resend.msgs().empty()) absl::SleepFor(absl::Milliseconds(10));
     }
   }
 
   void FailAllStalled(const absl::Status& why) {
     absl::MutexLock lock(&mu_);
-    std::vector<uint64_t> ids;
-    for (auto& [id, p] : stalled_) {
-      const uint64_t nid = next_request_++;
-      pending_[nid] = p;
-      ids.push_back(nid);
-    }
+    for (auto& [seq, st] : stalled_) FinishLocked(st.p, why);
     stalled_.clear();
-    for (uint64_t id : ids) CompleteLocked(id, why);
   }
 
   // Switches to a newer map and sends again the retained pushes whose chunk
@@ -911,7 +1252,7 @@ class ClientImpl : public Client {
   absl::Status AdoptMap(const v1::ShardMap& map) {
     auto routes = BuildRoutes(map, tensors_);
     if (!routes.ok()) return routes.status();
-    std::vector<uint64_t> resend;
+    Outbox resend;
     {
       absl::MutexLock lock(&mu_);
       if (map.epoch() <= epoch_) return absl::OkStatus();
@@ -949,32 +1290,42 @@ class ClientImpl : public Client {
           p.step_flags = r.step_flags;
           p.lr = r.lr;
           p.grad_mult = r.grad_mult;
-          resend.push_back(AddPendingLocked(p));
+          p.lease = r.lease;
+          if (AddLocked(std::move(p), &resend) == 0) {
+            OPTIMUS_LOG(Error, kLog, "no slot left to send a push again");
+          }
           ++resent_;
           // The step's commit too, if this rank decided it already (the
           // new primary may not have had it).
-          auto round = rounds_.find(r.step);
-          if (round != rounds_.end() && round->second.decided) {
-            resend.push_back(AddPendingLocked(CommitFor(t, i, r.step, round->second.report)));
+          const Round* round = FindRoundLocked(r.step);
+          if (round != nullptr && round->decided) {
+            if (AddLocked(CommitFor(t, i, r.step, round->report), &resend) == 0) {
+              OPTIMUS_LOG(Error, kLog, "no slot left to send a commit again");
+            }
           }
         }
       }
     }
-    for (uint64_t id : resend) SendPending(id);
+    SendAll(resend);
     return absl::OkStatus();
   }
+
 
  private:
   const ClientOptions options_;
   std::unique_ptr<transport::Worker> worker_;
+  // Registers through worker_; set by Init, before any request.
+  std::unique_ptr<RegistrationCache> cache_;
+  std::atomic<bool> registration_warned_{false};
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::Coordinator::Stub> stub_;
   std::thread recovery_;
   // Endpoints by shard id; used by Join and the recovery thread only.
   std::map<uint64_t, transport::EndpointRef> eps_;
 
-  // Fixed by Join; read without the lock afterwards (joined_ is set last
-  // under mu_ and never cleared).
+  // Fixed by Join; read without the lock afterwards (joined_flag_ is set
+  // last, with release, and never cleared).
+  std::atomic<bool> joined_flag_{false};
   uint64_t job_id_ = 0;
   std::string job_name_;
   uint32_t replication_ = 0;
@@ -993,6 +1344,9 @@ class ClientImpl : public Client {
   DType grad_dtype_ = DType::kBf16;
   DType param_dtype_ = DType::kBf16;
   std::vector<TensorInfo> tensors_;
+  // Index of each tensor's first chunk among all chunks (tensor-major), and
+  // the number of chunks last.
+  std::vector<uint64_t> chunk_base_ = std::vector<uint64_t>(1, 0);
 
   mutable absl::Mutex mu_;
   bool joined_ ABSL_GUARDED_BY(mu_) = false;
@@ -1001,13 +1355,19 @@ class ClientImpl : public Client {
   std::vector<std::vector<ChunkRoute>> routes_ ABSL_GUARDED_BY(mu_);
   std::vector<Retained> retained_ ABSL_GUARDED_BY(mu_);
   uint64_t resent_ ABSL_GUARDED_BY(mu_) = 0;
-  Ticket next_ticket_ ABSL_GUARDED_BY(mu_) = 1;
-  uint64_t next_request_ ABSL_GUARDED_BY(mu_) = 1;
-  absl::flat_hash_map<Ticket, TicketState> tickets_ ABSL_GUARDED_BY(mu_);
-  absl::flat_hash_map<uint64_t, Pending> pending_ ABSL_GUARDED_BY(mu_);
-  std::map<uint64_t, Pending> stalled_ ABSL_GUARDED_BY(mu_);
+  // Tickets by index (Ticket's low 32 bits), and the free ones.
+  std::vector<TicketState> tickets_ ABSL_GUARDED_BY(mu_);
+  std::vector<uint32_t> free_tickets_ ABSL_GUARDED_BY(mu_);
+  // Chunk requests in flight. Take/Give and the slots' fields under mu_;
+  // SlotTable::At and Slot::holds from any thread (see Slot).
+  SlotTable slots_;
+  // Requests waiting for a newer map, in the order they stalled.
+  std::map<uint64_t, Stalled> stalled_ ABSL_GUARDED_BY(mu_);
+  uint64_t next_stalled_ ABSL_GUARDED_BY(mu_) = 0;
   static constexpr size_t kRoundsKept = 64;
-  std::map<uint64_t, Round> rounds_ ABSL_GUARDED_BY(mu_);
+  std::vector<Round> rounds_ ABSL_GUARDED_BY(mu_) = std::vector<Round>(kRoundsKept);
+  std::vector<Partials> partials_ ABSL_GUARDED_BY(mu_);
+  std::vector<int> free_partials_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace

@@ -11,6 +11,18 @@
 // that tensor has completed: if a shard fails over in between, the client
 // sends the push again to the promoted backup.
 //
+// Registered buffers: the client registers the buffers it sends from and
+// receives into with the data plane once and reuses the registration for
+// every later transfer (a rendezvous then pins no pages per transfer):
+// buffers given to RegisterBuffer (long-lived staging buffers) until
+// ForgetBuffer, and Push/Pull buffers of at least
+// ClientOptions::registration_min_bytes through a cache keyed by address
+// range (least recently used dropped beyond registration_cache_bytes).
+// Before freeing or unmapping memory you pushed from or pulled into, call
+// ForgetBuffer on it (or turn the cache off): on a transport that pins
+// pages (RDMA), a registration kept for an address that comes back as
+// another buffer would move bytes to and from the old pages.
+//
 // Failover is transparent: when a shard fails, or the coordinator moves
 // chunks (a drain), requests in flight are resent under the job's new shard
 // map and Wait just takes longer (about the lease). Only when the job cannot
@@ -21,7 +33,9 @@
 #ifndef OPTIMUS_CLIENT_CLIENT_H_
 #define OPTIMUS_CLIENT_CLIENT_H_
 
+#include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -30,6 +44,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "client/registration_cache.h"
 #include "common/dtype.h"
 #include "transport/transport.h"
 
@@ -46,6 +61,21 @@ struct ClientOptions {
   absl::Duration ready_timeout = absl::Seconds(60);
   // UCX settings for the data plane.
   transport::WorkerOptions transport;
+  // Push and Pull buffers of at least registration_min_bytes that are not
+  // in a RegisterBuffer'ed range are registered on first use and kept, up to
+  // registration_cache_bytes (the least recently used dropped first); see
+  // "Registered buffers" above. Smaller ones travel eagerly (copied), where
+  // a registration buys nothing. 0 bytes: no cache (the transport registers
+  // per transfer; RegisterBuffer still works). Costs pinned memory on
+  // transports that pin pages. Defaults 4 GiB and 64 KiB.
+  uint64_t registration_cache_bytes = uint64_t{4} << 30;
+  uint64_t registration_min_bytes = 64 * 1024;
+  // For tests: makes the data-plane worker instead of
+  // transport::Worker::Create (e.g. to wrap it and count what the client
+  // asks of it). Default: none.
+  std::function<absl::StatusOr<std::unique_ptr<transport::Worker>>(
+      const transport::WorkerOptions&)>
+      make_worker;
 };
 
 // Lion uses beta1, beta2, lr and weight_decay, and keeps one moment.
@@ -229,6 +259,10 @@ class Client {
   virtual uint64_t map_epoch() const = 0;
   // Requests sent again after a failover or map change, so far.
   virtual uint64_t requests_resent() const = 0;
+  // The transports the data plane's endpoints use so far, as the transport
+  // names them (e.g. "tcp", "sysv,cma"; empty before any request or when
+  // the transport does not say). For logs and benchmarks.
+  virtual std::string transports_in_use() const = 0;
 
   // Sends the initial fp32 values of a tensor (num_elems floats); they become
   // version 1. One rank (by convention 0) does this; the others Pull version
@@ -272,6 +306,24 @@ class Client {
   // again); NOT_FOUND for an unknown or already-waited ticket; otherwise the
   // first error a shard answered for any chunk of it.
   virtual absl::Status Wait(Ticket ticket, absl::Duration timeout) = 0;
+
+  // Registers [data, data + size_bytes) with the data plane, once, for
+  // every later Push from or Pull into any part of it, until ForgetBuffer
+  // or the client's destruction (never evicted). For buffers that live as
+  // long as training (staging buffers). OK at once for a range already
+  // registered. INVALID_ARGUMENT for an empty range or one that partly
+  // overlaps another RegisterBuffer'ed range; the transport's error when
+  // registering fails. Blocks for the registration; call it at setup.
+  virtual absl::Status RegisterBuffer(const void* data, size_t size_bytes) = 0;
+
+  // The memory [data, data + size_bytes) is about to be freed or reused for
+  // something else: drops every registration overlapping it
+  // (RegisterBuffer's and the cache's). Requests in flight keep theirs
+  // until they finish. Returns how many were dropped.
+  virtual size_t ForgetBuffer(const void* data, size_t size_bytes) = 0;
+
+  // Registrations made, cache hits, evictions, bytes registered.
+  virtual RegistrationStats registration_stats() const = 0;
 };
 
 }  // namespace client

@@ -30,6 +30,8 @@ namespace optimus {
 namespace transport {
 
 class LoopbackFabric;  // transport/loopback.h
+class MemoryRegion;
+class PendingPayload;
 
 // A connected peer. Copyable and cheap; valid until the Worker that made it
 // (by Connect, or as a message's reply endpoint) is destroyed, even after the

@@ -75,17 +75,59 @@ absl::StatusOr<std::unique_ptr<ModuleSync>> ModuleSync::Create(Client* client,
                                                    " parameters, the job has ",
                                                    client->tensors().size(), " tensors"));
   }
-  return std::unique_ptr<ModuleSync>(new ModuleSync(client, std::move(params), std::move(index)));
+  std::unique_ptr<ModuleSync> sync(new ModuleSync(client, std::move(params), std::move(index)));
+  if (absl::Status s = sync->RegisterStaging(); !s.ok()) return s;
+  return sync;
 }
+
+namespace {
+
+// Views of one arena of `dtype`, shaped as `params`, each starting on a
+// 64-byte boundary of the arena.
+std::vector<torch::Tensor> CarveArena(const std::vector<torch::Tensor>& params,
+                                      torch::ScalarType dtype, torch::Tensor* arena) {
+  const int64_t elem_bytes = static_cast<int64_t>(c10::elementSize(dtype));
+  const int64_t align = 64 / elem_bytes;
+  std::vector<int64_t> offsets;
+  int64_t total = 0;
+  for (const auto& p : params) {
+    offsets.push_back(total);
+    total += (p.numel() + align - 1) / align * align;
+  }
+  *arena = torch::empty({std::max<int64_t>(total, 1)}, torch::dtype(dtype));
+  std::vector<torch::Tensor> views;
+  for (size_t i = 0; i < params.size(); ++i) {
+    views.push_back(arena->narrow(0, offsets[i], params[i].numel()).view(params[i].sizes()));
+  }
+  return views;
+}
+
+size_t ArenaBytes(const torch::Tensor& arena) {
+  return static_cast<size_t>(arena.numel()) * arena.element_size();
+}
+
+}  // namespace
 
 ModuleSync::ModuleSync(Client* client, std::vector<torch::Tensor> params,
                        std::vector<uint32_t> index)
     : client_(client), params_(std::move(params)), index_(std::move(index)) {
-  for (const auto& p : params_) {
-    grad_staging_.push_back(torch::empty(p.sizes(), torch::dtype(ToTorch(client_->grad_dtype()))));
-    param_staging_.push_back(
-        torch::empty(p.sizes(), torch::dtype(ToTorch(client_->param_dtype()))));
+  grad_staging_ = CarveArena(params_, ToTorch(client_->grad_dtype()), &grad_arena_);
+  param_staging_ = CarveArena(params_, ToTorch(client_->param_dtype()), &param_arena_);
+}
+
+absl::Status ModuleSync::RegisterStaging() {
+  for (const torch::Tensor* arena : {&grad_arena_, &param_arena_}) {
+    absl::Status s = client_->RegisterBuffer(arena->data_ptr(), ArenaBytes(*arena));
+    if (!s.ok()) {
+      return absl::Status(s.code(), absl::StrCat("registering the staging buffers: ", s.message()));
+    }
   }
+  return absl::OkStatus();
+}
+
+ModuleSync::~ModuleSync() {
+  client_->ForgetBuffer(grad_arena_.data_ptr(), ArenaBytes(grad_arena_));
+  client_->ForgetBuffer(param_arena_.data_ptr(), ArenaBytes(param_arena_));
 }
 
 absl::Status ModuleSync::InitFromModule() {

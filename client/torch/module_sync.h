@@ -39,9 +39,17 @@ absl::Status InitFromTorchOptimFile(Client* client, const std::string& path);
 class ModuleSync {
  public:
   // Checks that the joined job has exactly the module's parameters (names,
-  // shapes) and allocates the staging buffers once.
+  // shapes), allocates the staging buffers once (one contiguous arena for
+  // the gradients, one for the parameters) and registers both with the
+  // client's data plane (Client::RegisterBuffer), so that every push and
+  // pull of every step reuses those two registrations. Errors: the
+  // mismatch, or the transport's when registering fails.
   static absl::StatusOr<std::unique_ptr<ModuleSync>> Create(Client* client,
                                                             torch::nn::Module* module);
+  // Forgets the staging registrations (Client::ForgetBuffer).
+  ~ModuleSync();
+  ModuleSync(const ModuleSync&) = delete;
+  ModuleSync& operator=(const ModuleSync&) = delete;
 
   // Sends the module's current values as version 1 (call on one rank only).
   absl::Status InitFromModule();
@@ -71,11 +79,18 @@ class ModuleSync {
  private:
   ModuleSync(Client* client, std::vector<torch::Tensor> params, std::vector<uint32_t> index);
 
+  // Registers both arenas.
+  absl::Status RegisterStaging();
+
   Client* client_;
   std::vector<torch::Tensor> params_;
   std::vector<uint32_t> index_;          // Job tensor index per parameter.
-  std::vector<torch::Tensor> grad_staging_;   // grad dtype, contiguous.
-  std::vector<torch::Tensor> param_staging_;  // param dtype, contiguous.
+  // Every parameter's staging tensor is a view of one arena per dtype (its
+  // start 64-byte aligned), registered once.
+  torch::Tensor grad_arena_;                  // grad dtype.
+  torch::Tensor param_arena_;                 // param dtype.
+  std::vector<torch::Tensor> grad_staging_;   // grad dtype, contiguous views.
+  std::vector<torch::Tensor> param_staging_;  // param dtype, contiguous views.
 };
 
 }  // namespace client

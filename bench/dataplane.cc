@@ -1,0 +1,1239 @@
+// bench/dataplane: optimus's data plane against ucx_perftest on the same
+// transport and message size (issue 12). The coordinator and the shards are
+// the real binaries (//coordinator:optimus-coord, //server:optimus-shard),
+// started as child processes exactly as a deployment starts them, so the
+// shards are separate processes reached over real UCX; the workers are
+// liboptimus clients, one thread each, in this process. Prints one JSON
+// object per line:
+//
+//   cluster      once per (transport, shards): the exact commands started.
+//   push, pull   per (transport, message size, workers W, shards S): the
+//                goodput of pushing (or pulling) one bf16 tensor cut into
+//                chunks of msg_bytes of payload (the job's
+//                chunk_payload_bytes): bytes moved by all W workers together
+//                / wall time, in GB/s (1e9 bytes/s). Push phases time only
+//                the pushes of a step (every worker sends every chunk, the
+//                shards answer as each lands), then pull the next version
+//                untimed (the shards must have applied the step before the
+//                next push); pull phases pull the published version over and
+//                over. Each iteration runs from the first worker's start to
+//                the last worker's end; optimus_gbps is the median
+//                iteration. Baseline: ucx_perftest -t ucp_am_bw, one client
+//                and one server process, same UCX_TLS and message size, run
+//                right before the case, the median of --perftest_repeats
+//                runs; ratio = optimus_gbps / ucx_perftest_gbps, and the
+//                same for the best iteration and the best run (ratio_best).
+//                Also: the shards' memory_used and RSS, the step tail from
+//                /metrics when the shard exports it, allocations per
+//                message in this (the workers') process.
+//   small_tensors  steps per second (pull every tensor, push every tensor)
+//                of a job of --small_tensors tensors of --small_elems
+//                elements, against a job of one tensor of the same bytes
+//                (the baseline: the same bytes in a few large chunks), in
+//                alternating phases; the ratio, messages per second and
+//                allocations per message.
+//
+// Usage: bazel run -c opt //bench:dataplane -- [--cases=goodput,small_tensors]
+//        [--tls='tcp;sm'] [--sizes=64K,256K,1M,4M] [--workers=1,2]
+//        [--shards=1,2] [--seconds=1] [--tensor_mib=32]
+//        [--small_tensors=2000 --small_elems=4096 --small_steps=10]
+// Each --tls entry is a UCX_TLS value given to the shards (--transports),
+// to the workers (WorkerOptions::transports) and to ucx_perftest. With
+// UCX 1.13 and peer-failure detection on (the default), an "sm" entry cannot
+// connect until the transport's shared-memory work lands: its cases are
+// printed with an "error" and skipped.
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/types.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <new>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "client/client.h"
+#include "common/dtype.h"
+#include "common/grpc_status.h"
+#include "common/json.h"
+#include "grpcpp/grpcpp.h"
+#include "proto/optimus.grpc.pb.h"
+
+ABSL_FLAG(std::string, cases, "goodput,small_tensors", "which cases: goodput, small_tensors");
+ABSL_FLAG(std::string, tls, "tcp;sm", "';'-separated UCX_TLS values, one set of cases each");
+ABSL_FLAG(std::string, sizes, "64K,256K,1M,4M", "message (chunk payload) sizes: N, NK, NM");
+ABSL_FLAG(std::string, workers, "1,2", "worker counts W");
+ABSL_FLAG(std::string, shards, "1,2", "shard counts S");
+ABSL_FLAG(double, seconds, 1.0, "target length of each timed phase, seconds");
+ABSL_FLAG(int64_t, tensor_mib, 32, "goodput: MiB of bf16 payload per worker per push or pull");
+ABSL_FLAG(std::string, optimizer, "sgd", "the jobs' optimizer: sgd (lightest step) or adamw");
+ABSL_FLAG(int, small_tensors, 2000, "small_tensors: tensors in the job");
+ABSL_FLAG(int64_t, small_elems, 4096, "small_tensors: elements per tensor");
+ABSL_FLAG(int, small_steps, 10, "small_tensors: timed steps per phase");
+ABSL_FLAG(int, small_rounds, 2, "small_tensors: phases of each job, alternating");
+ABSL_FLAG(int, small_workers, 2, "small_tensors: workers");
+ABSL_FLAG(int, small_shards, 2, "small_tensors: shards");
+ABSL_FLAG(std::string, small_tls, "tcp", "small_tensors: UCX_TLS");
+ABSL_FLAG(std::string, ucx_perftest, "ucx_perftest", "ucx_perftest binary (PATH is searched)");
+ABSL_FLAG(int, perftest_repeats, 5, "ucx_perftest runs per case; the median is the baseline");
+ABSL_FLAG(int64_t, perftest_mib, 256, "MiB each ucx_perftest run sends");
+ABSL_FLAG(int, shard_memory_mb, 3072, "each shard's --memory_limit_mb");
+ABSL_FLAG(std::string, shard_args, "", "extra optimus-shard flags, space-separated");
+ABSL_FLAG(std::string, step_tail_metric, "optimus_shard_step_tail_seconds",
+          "the shard's histogram of 'last push landed -> version pullable' (read if present)");
+ABSL_FLAG(std::string, bin_dir, "", "folder holding coordinator/optimus-coord and "
+                                    "server/optimus-shard (default: this program's runfiles)");
+ABSL_FLAG(std::string, work_dir, "", "folder for logs (default: a new temp dir)");
+
+// ---- Allocation counter: every operator new in this process (the workers:
+// client library, transport, gRPC). The shards run in other processes. ----
+// GCC flags free() of what (our) operator new returned once both inline.
+#pragma GCC diagnostic ignored "-Wmismatched-new-delete"
+namespace {
+std::atomic<uint64_t> g_allocations{0};
+}  // namespace
+
+void* operator new(size_t n) {
+  g_allocations.fetch_add(1, std::memory_order_relaxed);
+  if (void* p = std::malloc(n == 0 ? 1 : n)) return p;
+  throw std::bad_alloc();
+}
+void* operator new[](size_t n) { return operator new(n); }
+void* operator new(size_t n, const std::nothrow_t&) noexcept {
+  g_allocations.fetch_add(1, std::memory_order_relaxed);
+  return std::malloc(n == 0 ? 1 : n);
+}
+void* operator new[](size_t n, const std::nothrow_t& t) noexcept { return operator new(n, t); }
+void operator delete(void* p) noexcept { std::free(p); }
+void operator delete[](void* p) noexcept { std::free(p); }
+void operator delete(void* p, size_t) noexcept { std::free(p); }
+void operator delete[](void* p, size_t) noexcept { std::free(p); }
+
+namespace optimus {
+namespace bench {
+namespace {
+
+uint64_t Allocations() { return g_allocations.load(std::memory_order_relaxed); }
+
+}  // namespace
+
+// Where the JSON lines go (set by main).
+FILE* g_out = stdout;
+
+namespace {
+
+// ---- Child processes ----
+
+std::vector<pid_t> g_children;
+
+void KillChildren() {
+  for (pid_t p : g_children) {
+    if (p > 0) kill(p, SIGKILL);
+  }
+}
+
+void OnSignal(int sig) {
+  KillChildren();
+  _exit(128 + sig);
+}
+
+[[noreturn]] void Die(const std::string& msg) {
+  std::fprintf(stderr, "bench/dataplane: %s\n", msg.c_str());
+  KillChildren();
+  std::exit(1);
+}
+
+bool Exists(const std::string& path) {
+  struct stat st;
+  return stat(path.c_str(), &st) == 0;
+}
+
+std::string FindBinRoot(const char* argv0) {
+  std::vector<std::string> candidates;
+  if (!absl::GetFlag(FLAGS_bin_dir).empty()) candidates.push_back(absl::GetFlag(FLAGS_bin_dir));
+  if (const char* r = std::getenv("RUNFILES_DIR")) candidates.push_back(absl::StrCat(r, "/optimus"));
+  candidates.push_back(absl::StrCat(argv0, ".runfiles/optimus"));
+  candidates.push_back(".");
+  for (const auto& c : candidates) {
+    if (Exists(c + "/server/optimus-shard") && Exists(c + "/coordinator/optimus-coord")) return c;
+  }
+  return "";
+}
+
+// A command line as a shell would take it (for the printed commands).
+std::string ShellLine(const std::vector<std::string>& env, const std::vector<std::string>& args) {
+  std::vector<std::string> parts;
+  for (const auto& e : env) parts.push_back(e);
+  for (const auto& a : args) {
+    const bool plain = a.find_first_of(" ;'\"$&|<>*?") == std::string::npos;
+    parts.push_back(plain ? a : absl::StrCat("'", a, "'"));
+  }
+  return absl::StrJoin(parts, " ");
+}
+
+// Starts args with `env` added, stdout and stderr to log_path (or stdout to
+// *stdout_fd, a pipe, when given). Dies with this process.
+pid_t Spawn(const std::vector<std::string>& env, const std::vector<std::string>& args,
+            const std::string& log_path, int* stdout_fd = nullptr) {
+  int fds[2] = {-1, -1};
+  if (stdout_fd != nullptr && pipe(fds) != 0) return -1;
+  const pid_t pid = fork();
+  if (pid == 0) {
+    const int log = open(log_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    if (log >= 0) {
+      dup2(log, 2);
+      dup2(stdout_fd != nullptr ? fds[1] : log, 1);
+    }
+    if (stdout_fd != nullptr) {
+      close(fds[0]);
+      close(fds[1]);
+    }
+    prctl(PR_SET_PDEATHSIG, SIGKILL);
+    for (const auto& e : env) putenv(const_cast<char*>(e.c_str()));
+    std::vector<char*> argv;
+    for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+    argv.push_back(nullptr);
+    execvp(argv[0], argv.data());
+    std::fprintf(stderr, "exec %s: %s\n", argv[0], std::strerror(errno));
+    _exit(127);
+  }
+  if (stdout_fd != nullptr) {
+    close(fds[1]);
+    *stdout_fd = fds[0];
+  }
+  if (pid > 0) g_children.push_back(pid);
+  return pid;
+}
+
+// Waits up to `timeout` for pid; true when it exited (*status set).
+bool WaitPid(pid_t pid, absl::Duration timeout, int* status) {
+  const absl::Time give_up = absl::Now() + timeout;
+  for (;;) {
+    const pid_t r = waitpid(pid, status, WNOHANG);
+    if (r == pid || r < 0) {
+      g_children.erase(std::remove(g_children.begin(), g_children.end(), pid), g_children.end());
+      return true;
+    }
+    if (absl::Now() > give_up) return false;
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+}
+
+void Stop(pid_t pid) {
+  if (pid <= 0) return;
+  int status = 0;
+  kill(pid, SIGTERM);
+  if (!WaitPid(pid, absl::Seconds(10), &status)) {
+    kill(pid, SIGKILL);
+    WaitPid(pid, absl::Seconds(5), &status);
+  }
+}
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+std::string Tail(const std::string& path) {
+  std::string s = ReadFile(path);
+  return s.size() > 1500 ? s.substr(s.size() - 1500) : s;
+}
+
+// A TCP port free on 127.0.0.1 right now.
+int FreePort() {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  a.sin_port = 0;
+  socklen_t len = sizeof(a);
+  int port = 0;
+  if (bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0 &&
+      getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0) {
+    port = ntohs(a.sin_port);
+  }
+  close(fd);
+  return port;
+}
+
+// GET http://127.0.0.1:port/path; the body, or empty.
+std::string HttpGet(int port, const std::string& path) {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) return "";
+  timeval tv{2, 0};
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  a.sin_port = htons(static_cast<uint16_t>(port));
+  std::string out;
+  if (connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0) {
+    const std::string req = absl::StrCat("GET ", path, " HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n");
+    if (write(fd, req.data(), req.size()) == static_cast<ssize_t>(req.size())) {
+      char buf[65536];
+      for (;;) {
+        const ssize_t n = read(fd, buf, sizeof(buf));
+        if (n <= 0) break;
+        out.append(buf, static_cast<size_t>(n));
+      }
+    }
+  }
+  close(fd);
+  const size_t body = out.find("\r\n\r\n");
+  return body == std::string::npos ? "" : out.substr(body + 4);
+}
+
+// VmRSS of a process, bytes (0 if unknown).
+uint64_t RssBytes(pid_t pid) {
+  std::ifstream in(absl::StrCat("/proc/", pid, "/status"));
+  std::string line;
+  while (std::getline(in, line)) {
+    if (absl::StartsWith(line, "VmRSS:")) {
+      uint64_t kb = 0;
+      std::istringstream(line.substr(6)) >> kb;
+      return kb * 1024;
+    }
+  }
+  return 0;
+}
+
+// CPU time (user + system) of this process so far, seconds.
+double SelfCpuSeconds() {
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  return u.ru_utime.tv_sec + u.ru_stime.tv_sec + (u.ru_utime.tv_usec + u.ru_stime.tv_usec) / 1e6;
+}
+
+// CPU time (user + system) of another process so far, seconds.
+double ProcCpuSeconds(pid_t pid) {
+  std::string stat = ReadFile(absl::StrCat("/proc/", pid, "/stat"));
+  const size_t paren = stat.rfind(')');
+  if (paren == std::string::npos) return 0;
+  std::vector<std::string> f = absl::StrSplit(stat.substr(paren + 2), ' ');
+  // Fields 14 and 15 of stat (utime, stime) are 11 and 12 after the name.
+  double ut = 0, st = 0;
+  if (f.size() < 13 || !absl::SimpleAtod(f[11], &ut) || !absl::SimpleAtod(f[12], &st)) return 0;
+  return (ut + st) / static_cast<double>(sysconf(_SC_CLK_TCK));
+}
+
+// ---- /metrics ----
+
+// Prometheus text: sample name (with labels stripped) -> summed value, and
+// histogram buckets by their "le".
+struct Metrics {
+  std::map<std::string, double> values;
+  std::map<std::string, std::map<double, double>> buckets;  // name -> le -> count
+};
+
+Metrics ParseMetrics(const std::string& text) {
+  Metrics m;
+  for (absl::string_view line : absl::StrSplit(text, '\n')) {
+    if (line.empty() || line[0] == '#') continue;
+    const size_t sp = line.rfind(' ');
+    if (sp == absl::string_view::npos) continue;
+    double v = 0;
+    if (!absl::SimpleAtod(line.substr(sp + 1), &v)) continue;
+    absl::string_view key = line.substr(0, sp);
+    const size_t brace = key.find('{');
+    const std::string name(key.substr(0, brace));
+    if (absl::EndsWith(name, "_bucket") && brace != absl::string_view::npos) {
+      const size_t le = key.find("le=\"");
+      if (le == absl::string_view::npos) continue;
+      absl::string_view rest = key.substr(le + 4);
+      rest = rest.substr(0, rest.find('"'));
+      double bound = 0;
+      if (rest == "+Inf") {
+        bound = INFINITY;
+      } else if (!absl::SimpleAtod(rest, &bound)) {
+        continue;
+      }
+      m.buckets[name.substr(0, name.size() - 7)][bound] += v;
+      continue;
+    }
+    m.values[name] += v;
+  }
+  return m;
+}
+
+// The step tail between two scrapes of the same shard, as a JSON object, or
+// "null" when the shard does not export the metric.
+std::string StepTailJson(const Metrics& before, const Metrics& after) {
+  std::string name = absl::GetFlag(FLAGS_step_tail_metric);
+  if (after.values.count(name + "_count") == 0) {
+    // Whatever the shard calls it: a histogram named like a tail.
+    name.clear();
+    for (const auto& [n, v] : after.values) {
+      if (absl::EndsWith(n, "_count") && (n.find("tail") != std::string::npos ||
+                                          n.find("pullable") != std::string::npos)) {
+        name = n.substr(0, n.size() - 6);
+        break;
+      }
+    }
+    if (name.empty()) return "null";
+  }
+  auto get = [](const Metrics& m, const std::string& k) {
+    auto it = m.values.find(k);
+    return it == m.values.end() ? 0.0 : it->second;
+  };
+  const double count = get(after, name + "_count") - get(before, name + "_count");
+  const double sum = get(after, name + "_sum") - get(before, name + "_sum");
+  std::string quantiles;
+  auto ab = after.buckets.find(name);
+  if (ab != after.buckets.end() && count > 0) {
+    auto bb = before.buckets.find(name);
+    for (double q : {0.5, 0.99}) {
+      for (const auto& [le, c] : ab->second) {
+        double prev = 0;
+        if (bb != before.buckets.end()) {
+          auto it = bb->second.find(le);
+          if (it != bb->second.end()) prev = it->second;
+        }
+        if (c - prev >= q * count) {
+          absl::StrAppend(&quantiles, ", \"p", q == 0.5 ? "50" : "99", "_le_s\": ",
+                          std::isinf(le) ? std::string("\"+Inf\"") : absl::StrCat(le));
+          break;
+        }
+      }
+    }
+  }
+  return absl::StrCat("{\"metric\": ", JsonQuote(name), ", \"count\": ", count,
+                      ", \"mean_s\": ", count > 0 ? sum / count : 0.0, quantiles, "}");
+}
+
+// ---- A cluster of real processes ----
+
+struct ProcCluster {
+  std::string tls;
+  pid_t coord = -1;
+  std::string coord_addr;
+  std::vector<pid_t> shards;
+  std::vector<int> metrics_ports;
+  std::unique_ptr<v1::Coordinator::Stub> stub;
+  std::vector<std::string> commands;
+};
+
+absl::Status StartCluster(const std::string& root, const std::string& dir,
+                          const std::string& tls, int num_shards, ProcCluster* c) {
+  c->tls = tls;
+  const std::string port_file = absl::StrCat(dir, "/coord.port");
+  unlink(port_file.c_str());
+  std::vector<std::string> coord_args{root + "/coordinator/optimus-coord",
+                                      "--listen=127.0.0.1:0", "--port_file=" + port_file,
+                                      "--lease_ms=2000"};
+  c->commands.push_back(ShellLine({}, coord_args));
+  c->coord = Spawn({}, coord_args, absl::StrCat(dir, "/coord.log"));
+  if (c->coord < 0) return absl::InternalError("cannot start optimus-coord");
+  std::string port;
+  for (int i = 0; i < 300 && port.empty(); ++i) {
+    std::ifstream in(port_file);
+    std::getline(in, port);
+    if (port.empty()) absl::SleepFor(absl::Milliseconds(20));
+  }
+  if (port.empty()) {
+    return absl::InternalError("optimus-coord did not start:\n" + Tail(dir + "/coord.log"));
+  }
+  c->coord_addr = "127.0.0.1:" + port;
+  for (int i = 0; i < num_shards; ++i) {
+    const int mport = FreePort();
+    std::vector<std::string> args{root + "/server/optimus-shard",
+                                  "--coordinator=" + c->coord_addr,
+                                  "--kind=host",
+                                  "--net_devices=lo",
+                                  "--transports=" + tls,
+                                  absl::StrCat("--memory_limit_mb=",
+                                               absl::GetFlag(FLAGS_shard_memory_mb)),
+                                  absl::StrCat("--metrics_port=", mport)};
+    for (absl::string_view a :
+         absl::StrSplit(absl::GetFlag(FLAGS_shard_args), ' ', absl::SkipEmpty())) {
+      args.emplace_back(a);
+    }
+    c->commands.push_back(ShellLine({}, args));
+    const pid_t pid = Spawn({}, args, absl::StrCat(dir, "/shard-", i, ".log"));
+    if (pid < 0) return absl::InternalError("cannot start optimus-shard");
+    c->shards.push_back(pid);
+    c->metrics_ports.push_back(mport);
+  }
+  c->stub = v1::Coordinator::NewStub(
+      grpc::CreateChannel(c->coord_addr, grpc::InsecureChannelCredentials()));
+  int up = 0;
+  for (int i = 0; i < 500 && up < num_shards; ++i) {
+    v1::StatusResponse resp;
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(1));
+    up = 0;
+    if (c->stub->Status(&ctx, v1::StatusRequest(), &resp).ok()) {
+      for (const auto& s : resp.shards()) up += s.state() == v1::SHARD_STATE_UP;
+    }
+    if (up < num_shards) absl::SleepFor(absl::Milliseconds(20));
+  }
+  if (up < num_shards) {
+    return absl::InternalError(absl::StrCat(up, " of ", num_shards, " shards registered:\n",
+                                            Tail(dir + "/shard-0.log")));
+  }
+  return absl::OkStatus();
+}
+
+void StopCluster(ProcCluster* c) {
+  for (pid_t p : c->shards) Stop(p);
+  Stop(c->coord);
+  c->shards.clear();
+  c->coord = -1;
+}
+
+std::vector<Metrics> ScrapeShards(const ProcCluster& c) {
+  std::vector<Metrics> out;
+  for (int port : c.metrics_ports) out.push_back(ParseMetrics(HttpGet(port, "/metrics")));
+  return out;
+}
+
+absl::Status DeleteJob(const ProcCluster& c, const std::string& name) {
+  v1::DeleteJobRequest req;
+  req.set_job_name(name);
+  req.set_force(true);
+  v1::DeleteJobResponse resp;
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  return FromGrpc(c.stub->DeleteJob(&ctx, req, &resp));
+}
+
+// ---- Workers ----
+
+class Barrier {
+ public:
+  explicit Barrier(int n) : n_(n) {}
+  void Wait() {
+    absl::MutexLock lock(&mu_);
+    const uint64_t gen = gen_;
+    if (++waiting_ == n_) {
+      waiting_ = 0;
+      ++gen_;
+      return;
+    }
+    struct Arg {
+      const Barrier* self;
+      uint64_t gen;
+    } arg{this, gen};
+    mu_.Await(absl::Condition(
+        +[](Arg* a) ABSL_NO_THREAD_SAFETY_ANALYSIS { return a->self->gen_ != a->gen; }, &arg));
+  }
+
+ private:
+  absl::Mutex mu_;
+  const int n_;
+  int waiting_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t gen_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+// Runs fn(rank) on W threads; the first error.
+absl::Status OnWorkers(int workers, const std::function<absl::Status(int)>& fn) {
+  std::vector<absl::Status> results(workers);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < workers; ++r) threads.emplace_back([&, r] { results[r] = fn(r); });
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < workers; ++r) {
+    if (!results[r].ok()) {
+      return absl::Status(results[r].code(), absl::StrCat("rank ", r, ": ", results[r].message()));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status WaitAll(client::Client* c, const std::vector<client::Ticket>& tickets) {
+  absl::Status first;
+  for (client::Ticket t : tickets) {
+    absl::Status s = c->Wait(t, absl::Seconds(60));
+    if (!s.ok() && first.ok()) first = s;
+  }
+  return first;
+}
+
+client::Optimizer OptimizerFlag() {
+  return absl::GetFlag(FLAGS_optimizer) == "adamw" ? client::Optimizer::kAdamW
+                                                   : client::Optimizer::kSgd;
+}
+
+// W clients joined to a new job `def` (rank 0 creates it and sends initial
+// values).
+absl::StatusOr<std::vector<std::unique_ptr<client::Client>>> StartJob(const ProcCluster& c,
+                                                                      const client::JobDef& def) {
+  std::vector<std::unique_ptr<client::Client>> clients;
+  for (uint32_t r = 0; r < def.world_size; ++r) {
+    client::ClientOptions o;
+    o.coordinator_address = c.coord_addr;
+    o.transport.name = absl::StrCat("bench-worker", r);
+    o.transport.transports = c.tls;
+    o.transport.net_devices = "lo";
+    auto cl = client::Client::Connect(o);
+    if (!cl.ok()) return cl.status();
+    clients.push_back(std::move(*cl));
+  }
+  if (auto s = clients[0]->CreateJob(def); !s.ok()) return s;
+  for (uint32_t r = 0; r < def.world_size; ++r) {
+    if (auto s = clients[r]->Join(def.name, r, def.world_size); !s.ok()) return s;
+  }
+  for (uint32_t t = 0; t < clients[0]->tensors().size(); ++t) {
+    std::vector<float> v(clients[0]->tensors()[t].num_elems, 0.01f);
+    if (auto s = clients[0]->InitTensor(t, v.data(), v.size()); !s.ok()) return s;
+  }
+  return clients;
+}
+
+// What UCX picked for the workers' endpoints (empty until the transport
+// reports it).
+std::string TransportsInUse(const std::vector<std::unique_ptr<client::Client>>& clients) {
+  std::vector<std::string> all;
+  for (const auto& c : clients) {
+    std::string t = c->transports_in_use();
+    if (std::find(all.begin(), all.end(), t) == all.end()) all.push_back(t);
+  }
+  return absl::StrJoin(all, " | ");
+}
+
+// ---- ucx_perftest ----
+
+struct Perftest {
+  double gbps = 0;       // Median of the runs.
+  double best_gbps = 0;  // Best run.
+  std::vector<double> runs_gbps;
+  std::string server_cmd, client_cmd;
+  absl::Status status;
+};
+
+// One client/server run; GB/s (1e9 bytes/s).
+absl::StatusOr<double> PerftestOnce(const std::string& dir, const std::string& tls,
+                                    uint64_t msg_bytes, Perftest* out) {
+  const int port = FreePort();
+  const uint64_t iters = std::clamp<uint64_t>(
+      (static_cast<uint64_t>(absl::GetFlag(FLAGS_perftest_mib)) << 20) / msg_bytes, 50, 50000);
+  const uint64_t warmup = std::max<uint64_t>(iters / 10, 5);
+  const std::vector<std::string> env{"UCX_TLS=" + tls, "UCX_NET_DEVICES=lo"};
+  std::vector<std::string> common{"-t",
+                                  "ucp_am_bw",
+                                  "-s",
+                                  absl::StrCat(msg_bytes),
+                                  "-n",
+                                  absl::StrCat(iters),
+                                  "-w",
+                                  absl::StrCat(warmup),
+                                  "-p",
+                                  absl::StrCat(port),
+                                  "-f"};
+  std::vector<std::string> server{absl::GetFlag(FLAGS_ucx_perftest)};
+  server.insert(server.end(), common.begin(), common.end());
+  std::vector<std::string> client{absl::GetFlag(FLAGS_ucx_perftest), "127.0.0.1"};
+  client.insert(client.end(), common.begin(), common.end());
+  out->server_cmd = ShellLine(env, server);
+  out->client_cmd = ShellLine(env, client);
+  const pid_t srv = Spawn(env, server, dir + "/perftest-server.log");
+  if (srv < 0) return absl::InternalError("cannot start ucx_perftest");
+  std::string output;
+  int status = 0;
+  // The server listens on its port a moment after it starts; a client that
+  // comes too early fails to connect and is started again.
+  for (int attempt = 0; attempt < 20; ++attempt) {
+    absl::SleepFor(absl::Milliseconds(attempt == 0 ? 200 : 300));
+    int fd = -1;
+    const pid_t cl = Spawn(env, client, dir + "/perftest-client.log", &fd);
+    if (cl < 0) break;
+    output.clear();
+    char buf[4096];
+    for (;;) {
+      const ssize_t n = read(fd, buf, sizeof(buf));
+      if (n <= 0) break;
+      output.append(buf, static_cast<size_t>(n));
+    }
+    close(fd);
+    if (!WaitPid(cl, absl::Seconds(120), &status)) {
+      kill(cl, SIGKILL);
+      WaitPid(cl, absl::Seconds(5), &status);
+    }
+    if (WIFEXITED(status) && WEXITSTATUS(status) == 0) break;
+  }
+  if (!WaitPid(srv, absl::Seconds(10), &status)) Stop(srv);
+  // -f prints one line of numbers: iterations, latency 50%/average/overall
+  // (usec), bandwidth average/overall (MB/s: 2^20 bytes/s), message rate.
+  for (absl::string_view line : absl::StrSplit(output, '\n')) {
+    std::vector<std::string> f = absl::StrSplit(line, ' ', absl::SkipWhitespace());
+    double bw = 0;
+    if (f.size() >= 8 && absl::SimpleAtod(f[5], &bw)) return bw * 1048576.0 / 1e9;
+  }
+  return absl::InternalError(absl::StrCat("ucx_perftest gave no result (UCX_TLS=", tls,
+                                          "); client output:\n", output,
+                                          Tail(dir + "/perftest-client.log")));
+}
+
+Perftest RunPerftest(const std::string& dir, const std::string& tls, uint64_t msg_bytes) {
+  Perftest p;
+  for (int i = 0; i < std::max(1, absl::GetFlag(FLAGS_perftest_repeats)); ++i) {
+    auto r = PerftestOnce(dir, tls, msg_bytes, &p);
+    if (!r.ok()) {
+      p.status = r.status();
+      return p;
+    }
+    p.runs_gbps.push_back(*r);
+  }
+  std::vector<double> sorted = p.runs_gbps;
+  std::sort(sorted.begin(), sorted.end());
+  p.gbps = sorted[sorted.size() / 2];
+  p.best_gbps = sorted.back();
+  return p;
+}
+
+// ---- Goodput cases ----
+
+// Goodputs of a phase's iterations, GB/s.
+struct Figures {
+  double median = 0, mean = 0, best = 0;
+  int iterations = 0;
+};
+
+Figures FiguresOf(std::vector<double> v) {
+  Figures f;
+  if (v.empty()) return f;
+  std::sort(v.begin(), v.end());
+  f.iterations = static_cast<int>(v.size());
+  f.median = v[v.size() / 2];
+  f.best = v.back();
+  for (double x : v) f.mean += x / v.size();
+  return f;
+}
+
+struct Goodput {
+  Figures push, pull;
+  double step_ms = 0;            // Push + step + pull of the next version.
+  double push_allocs_per_msg = 0, pull_allocs_per_msg = 0;
+  uint32_t chunks = 0;
+  uint64_t tensor_bytes = 0;
+  std::vector<uint64_t> memory_used, rss;
+  std::vector<std::string> step_tail;
+  std::string in_use;
+  uint64_t registrations = 0;  // All workers', over the whole case.
+};
+
+absl::StatusOr<Goodput> RunGoodput(const ProcCluster& c, const std::string& name,
+                                   uint64_t msg_bytes, int workers, int shards) {
+  Goodput g;
+  const uint64_t min_bytes = static_cast<uint64_t>(absl::GetFlag(FLAGS_tensor_mib)) << 20;
+  // At least two chunks per shard, whole chunks.
+  uint64_t chunks = std::max<uint64_t>((min_bytes + msg_bytes - 1) / msg_bytes, 2 * shards);
+  g.tensor_bytes = chunks * msg_bytes;
+  const uint64_t elems = g.tensor_bytes / DTypeSize(DType::kBf16);
+  client::JobDef def;
+  def.name = name;
+  def.world_size = static_cast<uint32_t>(workers);
+  def.tensors = {{"t", {static_cast<int64_t>(elems)}}};
+  def.optimizer.kind = OptimizerFlag();
+  def.optimizer.lr = 1e-3f;
+  def.grad_dtype = DType::kBf16;
+  def.param_dtype = DType::kBf16;
+  def.skip_nonfinite = false;  // No clipping round: a push is answered as it lands.
+  // The message size: bytes of one chunk's gradient push.
+  def.chunk_payload_bytes = msg_bytes;
+  const std::vector<Metrics> before = ScrapeShards(c);
+  auto started = StartJob(c, def);
+  if (!started.ok()) return started.status();
+  std::vector<std::unique_ptr<client::Client>>& cl = *started;
+  g.chunks = cl[0]->tensors()[0].num_chunks;
+  g.in_use = TransportsInUse(cl);
+  std::vector<std::vector<uint8_t>> grads(workers), params(workers);
+  for (int r = 0; r < workers; ++r) {
+    grads[r].assign(g.tensor_bytes, 0);
+    // bf16 1e-3 (0x3a83) in every element.
+    for (size_t i = 0; i + 1 < grads[r].size(); i += 2) {
+      grads[r][i] = 0x83;
+      grads[r][i + 1] = 0x3a;
+    }
+    params[r].assign(g.tensor_bytes, 0);
+  }
+  Barrier barrier(workers);
+  auto pull = [&](int r, uint64_t version) {
+    auto t = cl[r]->Pull(0, version, params[r].data(), elems);
+    if (!t.ok()) return t.status();
+    return cl[r]->Wait(*t, absl::Seconds(60));
+  };
+  auto push = [&](int r, uint64_t step) {
+    auto t = cl[r]->Push(0, step, grads[r].data(), elems);
+    if (!t.ok()) return t.status();
+    return cl[r]->Wait(*t, absl::Seconds(60));
+  };
+  // Warm-up: endpoints, registrations; step 1 applied; calibration.
+  absl::Duration pull_one, push_one;
+  if (auto s = OnWorkers(workers, [&](int r) {
+        absl::Time t0 = absl::Now();
+        if (auto s = pull(r, 1); !s.ok()) return s;
+        if (r == 0) pull_one = absl::Now() - t0;
+        barrier.Wait();
+        t0 = absl::Now();
+        if (auto s = push(r, 1); !s.ok()) return s;
+        if (r == 0) push_one = absl::Now() - t0;
+        return pull(r, 2);
+      });
+      !s.ok()) {
+    return s;
+  }
+  const double seconds = absl::GetFlag(FLAGS_seconds);
+  const int pull_iters = std::clamp(
+      static_cast<int>(seconds / std::max(1e-6, absl::ToDoubleSeconds(pull_one))), 3, 2000);
+  const int push_steps = std::clamp(
+      static_cast<int>(seconds / std::max(1e-6, absl::ToDoubleSeconds(push_one))), 3, 500);
+  // An iteration of a phase runs from the first worker's start to the last
+  // worker's end: its goodput is every worker's bytes over that time.
+  auto goodputs = [&](const std::vector<std::vector<absl::Time>>& st,
+                      const std::vector<std::vector<absl::Time>>& en, int iters) {
+    std::vector<double> out;
+    for (int i = 0; i < iters; ++i) {
+      absl::Time s0 = st[0][i], e0 = en[0][i];
+      for (int r = 1; r < workers; ++r) {
+        s0 = std::min(s0, st[r][i]);
+        e0 = std::max(e0, en[r][i]);
+      }
+      out.push_back(static_cast<double>(g.tensor_bytes) * workers /
+                    absl::ToDoubleSeconds(e0 - s0) / 1e9);
+    }
+    return out;
+  };
+  // Pull phase: version 2 over and over, all workers at once.
+  std::vector<std::vector<absl::Time>> ps(workers, std::vector<absl::Time>(pull_iters)),
+      pe(workers, std::vector<absl::Time>(pull_iters));
+  uint64_t allocs0 = Allocations();
+  if (auto s = OnWorkers(workers, [&](int r) {
+        for (int i = 0; i < pull_iters; ++i) {
+          barrier.Wait();
+          ps[r][i] = absl::Now();
+          if (auto s = pull(r, 2); !s.ok()) return s;
+          pe[r][i] = absl::Now();
+        }
+        return absl::OkStatus();
+      });
+      !s.ok()) {
+    return s;
+  }
+  g.pull_allocs_per_msg = static_cast<double>(Allocations() - allocs0) /
+                          (static_cast<double>(pull_iters) * workers * g.chunks);
+  g.pull = FiguresOf(goodputs(ps, pe, pull_iters));
+  // Push phase: steps 2..; each step's pushes timed from the first worker's
+  // start to the last worker's last answer; the pull of the next version
+  // (the step applied) untimed.
+  ps.assign(workers, std::vector<absl::Time>(push_steps));
+  pe.assign(workers, std::vector<absl::Time>(push_steps));
+  allocs0 = Allocations();
+  const absl::Time loop0 = absl::Now();
+  if (auto s = OnWorkers(workers, [&](int r) {
+        for (int i = 0; i < push_steps; ++i) {
+          const uint64_t step = 2 + i;
+          barrier.Wait();
+          ps[r][i] = absl::Now();
+          if (auto s = push(r, step); !s.ok()) return s;
+          pe[r][i] = absl::Now();
+          if (auto s = pull(r, step + 1); !s.ok()) return s;
+        }
+        return absl::OkStatus();
+      });
+      !s.ok()) {
+    return s;
+  }
+  const absl::Duration loop = absl::Now() - loop0;
+  g.push_allocs_per_msg = static_cast<double>(Allocations() - allocs0) /
+                          (2.0 * push_steps * workers * g.chunks);
+  g.push = FiguresOf(goodputs(ps, pe, push_steps));
+  g.step_ms = absl::ToDoubleMilliseconds(loop) / push_steps;
+  const std::vector<Metrics> after = ScrapeShards(c);
+  for (size_t i = 0; i < c.shards.size(); ++i) {
+    auto it = after[i].values.find("optimus_shard_memory_used_bytes");
+    g.memory_used.push_back(it == after[i].values.end() ? 0 : static_cast<uint64_t>(it->second));
+    g.rss.push_back(RssBytes(c.shards[i]));
+    g.step_tail.push_back(StepTailJson(before[i], after[i]));
+  }
+  for (auto& client : cl) {
+    g.registrations += client->registration_stats().registrations;
+    (void)client->Leave();
+  }
+  cl.clear();
+  if (auto s = DeleteJob(c, name); !s.ok()) return s;
+  return g;
+}
+
+std::string U64List(const std::vector<uint64_t>& v) { return absl::StrCat("[", absl::StrJoin(v, ", "), "]"); }
+
+void PrintGoodput(const std::string& tls, uint64_t msg_bytes, int workers, int shards,
+                  const Goodput& g, const Perftest& p, int cluster_id) {
+  for (const char* kase : {"push", "pull"}) {
+    const bool is_push = std::strcmp(kase, "push") == 0;
+    const Figures& f = is_push ? g.push : g.pull;
+    std::fprintf(g_out, 
+        "{\"bench\": \"dataplane\", \"case\": \"%s\", \"transport\": %s, \"msg_bytes\": %llu, "
+        "\"workers\": %d, \"shards\": %d, \"optimus_gbps\": %.3f, \"ucx_perftest_gbps\": %.3f, "
+        "\"ratio\": %.3f, \"unit\": \"GB/s (1e9 bytes/s), medians\", \"optimus_mean_gbps\": %.3f, "
+        "\"optimus_best_gbps\": %.3f, \"ucx_perftest_best_gbps\": %.3f, \"ratio_best\": %.3f, "
+        "\"chunks\": %u, \"transports_in_use\": %s, \"tensor_bytes\": %llu, \"iterations\": %d, "
+        "\"step_ms\": %.2f, \"allocs_per_msg\": %.2f, \"registrations\": %llu, "
+        "\"ucx_perftest_runs_gbps\": [%s], \"shard_memory_used_bytes\": %s, "
+        "\"shard_rss_bytes\": %s, \"step_tail\": [%s], \"cluster\": %d, "
+        "\"ucx_perftest_server_cmd\": %s, \"ucx_perftest_client_cmd\": %s}\n",
+        kase, JsonQuote(tls).c_str(), static_cast<unsigned long long>(msg_bytes), workers,
+        shards, f.median, p.gbps, p.gbps > 0 ? f.median / p.gbps : 0.0, f.mean, f.best, p.best_gbps,
+        p.best_gbps > 0 ? f.best / p.best_gbps : 0.0, g.chunks, JsonQuote(g.in_use).c_str(),
+        static_cast<unsigned long long>(g.tensor_bytes), f.iterations, g.step_ms,
+        is_push ? g.push_allocs_per_msg : g.pull_allocs_per_msg,
+        static_cast<unsigned long long>(g.registrations),
+        absl::StrJoin(p.runs_gbps, ", ",
+                      [](std::string* out, double v) { absl::StrAppend(out, v); })
+            .c_str(),
+        U64List(g.memory_used).c_str(), U64List(g.rss).c_str(),
+        absl::StrJoin(g.step_tail, ", ").c_str(), cluster_id, JsonQuote(p.server_cmd).c_str(),
+        JsonQuote(p.client_cmd).c_str());
+    std::fflush(g_out);
+  }
+}
+
+// A case that could not run; with the baseline when it was measured.
+void PrintError(const std::string& kase, const std::string& tls, uint64_t msg_bytes,
+                int workers, int shards, const absl::Status& s, const Perftest* p = nullptr) {
+  std::string baseline;
+  if (p != nullptr && p->status.ok() && p->gbps > 0) {
+    baseline = absl::StrCat(", \"optimus_gbps\": null, \"ucx_perftest_gbps\": ", p->gbps,
+                            ", \"ucx_perftest_client_cmd\": ", JsonQuote(p->client_cmd));
+  }
+  std::fprintf(g_out, "{\"bench\": \"dataplane\", \"case\": %s, \"transport\": %s, \"msg_bytes\": %llu, "
+              "\"workers\": %d, \"shards\": %d%s, \"error\": %s}\n",
+              JsonQuote(kase).c_str(), JsonQuote(tls).c_str(),
+              static_cast<unsigned long long>(msg_bytes), workers, shards, baseline.c_str(),
+              JsonQuote(s.ToString()).c_str());
+  std::fflush(g_out);
+}
+
+void PrintCluster(int id, const ProcCluster& c, int shards) {
+  std::vector<std::string> quoted;
+  for (const auto& cmd : c.commands) quoted.push_back(JsonQuote(cmd));
+  std::fprintf(g_out, "{\"bench\": \"dataplane\", \"event\": \"cluster\", \"cluster\": %d, "
+              "\"transport\": %s, \"shards\": %d, \"workers_in\": \"this process, one "
+              "liboptimus client per thread, WorkerOptions.transports = transport, "
+              "net_devices = lo\", \"commands\": [%s]}\n",
+              id, JsonQuote(c.tls).c_str(), shards, absl::StrJoin(quoted, ", ").c_str());
+  std::fflush(g_out);
+}
+
+// ---- Many small tensors ----
+
+struct SmallResult {
+  double steps_per_s = 0;
+  double allocs_per_msg = 0;
+  double worker_cpu_s = 0;         // This process (all workers).
+  double shard_cpu_s = 0;          // All shard processes.
+  uint64_t messages_per_step = 0;  // All workers, pushes + pulls.
+};
+
+// One phase of `steps` steps (pull every tensor, push every tensor) on every
+// worker, from step `first`.
+absl::StatusOr<SmallResult> SmallPhase(const ProcCluster& pc,
+                                       std::vector<std::unique_ptr<client::Client>>& cl,
+                                       std::vector<std::vector<std::vector<uint8_t>>>& grads,
+                                       std::vector<std::vector<std::vector<uint8_t>>>& params,
+                                       uint64_t first, int steps) {
+  const int workers = static_cast<int>(cl.size());
+  const uint32_t num_tensors = static_cast<uint32_t>(cl[0]->tensors().size());
+  uint64_t chunks = 0;
+  for (const auto& t : cl[0]->tensors()) chunks += t.num_chunks;
+  auto shard_cpu = [&pc] {
+    double sum = 0;
+    for (pid_t p : pc.shards) sum += ProcCpuSeconds(p);
+    return sum;
+  };
+  const double shard_cpu0 = shard_cpu();
+  const double cpu0 = SelfCpuSeconds();
+  const uint64_t allocs0 = Allocations();
+  const absl::Time t0 = absl::Now();
+  absl::Status s = OnWorkers(workers, [&](int r) {
+    client::Client* c = cl[r].get();
+    std::vector<client::Ticket> tickets;
+    tickets.reserve(num_tensors);
+    for (int i = 0; i < steps; ++i) {
+      const uint64_t step = first + i;
+      tickets.clear();
+      for (uint32_t t = 0; t < num_tensors; ++t) {
+        auto k = c->Pull(t, step, params[r][t].data(), c->tensors()[t].num_elems);
+        if (!k.ok()) return k.status();
+        tickets.push_back(*k);
+      }
+      if (auto s = WaitAll(c, tickets); !s.ok()) return s;
+      tickets.clear();
+      for (uint32_t t = 0; t < num_tensors; ++t) {
+        auto k = c->Push(t, step, grads[r][t].data(), c->tensors()[t].num_elems);
+        if (!k.ok()) return k.status();
+        tickets.push_back(*k);
+      }
+      if (auto s = WaitAll(c, tickets); !s.ok()) return s;
+    }
+    return absl::OkStatus();
+  });
+  if (!s.ok()) return s;
+  SmallResult out;
+  out.steps_per_s = steps / absl::ToDoubleSeconds(absl::Now() - t0);
+  out.worker_cpu_s = SelfCpuSeconds() - cpu0;
+  out.shard_cpu_s = shard_cpu() - shard_cpu0;
+  out.messages_per_step = 2 * chunks * workers;
+  out.allocs_per_msg = static_cast<double>(Allocations() - allocs0) /
+                       (static_cast<double>(out.messages_per_step) * steps);
+  return out;
+}
+
+void RunSmallTensors(const std::string& root, const std::string& dir) {
+  const std::string tls = absl::GetFlag(FLAGS_small_tls);
+  const int workers = absl::GetFlag(FLAGS_small_workers);
+  const int shards = absl::GetFlag(FLAGS_small_shards);
+  const int num_tensors = absl::GetFlag(FLAGS_small_tensors);
+  const int64_t elems = absl::GetFlag(FLAGS_small_elems);
+  const int steps = absl::GetFlag(FLAGS_small_steps);
+  const int rounds = absl::GetFlag(FLAGS_small_rounds);
+  ProcCluster c;
+  if (auto s = StartCluster(root, dir, tls, shards, &c); !s.ok()) {
+    StopCluster(&c);
+    return PrintError("small_tensors", tls, 0, workers, shards, s);
+  }
+  PrintCluster(1000, c, shards);
+  auto job = [&](const std::string& name, bool small) {
+    client::JobDef def;
+    def.name = name;
+    def.world_size = static_cast<uint32_t>(workers);
+    if (small) {
+      for (int t = 0; t < num_tensors; ++t) def.tensors.push_back({absl::StrCat("t", t), {elems}});
+    } else {
+      def.tensors = {{"all", {elems * num_tensors}}};
+    }
+    def.optimizer.kind = OptimizerFlag();
+    def.optimizer.lr = 1e-3f;
+    def.skip_nonfinite = false;
+    return def;
+  };
+  struct Job {
+    std::string name;
+    std::vector<std::unique_ptr<client::Client>> clients;
+    std::vector<std::vector<std::vector<uint8_t>>> grads, params;
+    uint64_t next_step = 1;
+    double total_s = 0;
+    int total_steps = 0;
+    double allocs = 0;
+    double worker_cpu_s = 0, shard_cpu_s = 0;
+    uint64_t messages_per_step = 0;
+  };
+  Job jobs[2];
+  absl::Status error;
+  for (int k = 0; k < 2 && error.ok(); ++k) {
+    jobs[k].name = k == 0 ? "small" : "one_tensor";
+    auto cl = StartJob(c, job(jobs[k].name, k == 0));
+    if (!cl.ok()) {
+      error = cl.status();
+      break;
+    }
+    jobs[k].clients = std::move(*cl);
+    jobs[k].grads.resize(workers);
+    jobs[k].params.resize(workers);
+    for (int r = 0; r < workers; ++r) {
+      for (const auto& t : jobs[k].clients[0]->tensors()) {
+        jobs[k].grads[r].emplace_back(t.num_elems * 2, 0);
+        jobs[k].params[r].emplace_back(t.num_elems * 2, 0);
+      }
+    }
+    // Warm-up: 2 steps.
+    auto w = SmallPhase(c, jobs[k].clients, jobs[k].grads, jobs[k].params, 1, 2);
+    if (!w.ok()) error = w.status();
+    jobs[k].next_step = 3;
+  }
+  for (int round = 0; round < rounds && error.ok(); ++round) {
+    for (Job& j : jobs) {
+      auto r = SmallPhase(c, j.clients, j.grads, j.params, j.next_step, steps);
+      if (!r.ok()) {
+        error = r.status();
+        break;
+      }
+      j.next_step += steps;
+      j.total_s += steps / r->steps_per_s;
+      j.total_steps += steps;
+      j.allocs += r->allocs_per_msg * steps;
+      j.worker_cpu_s += r->worker_cpu_s;
+      j.shard_cpu_s += r->shard_cpu_s;
+      j.messages_per_step = r->messages_per_step;
+    }
+  }
+  if (!error.ok()) {
+    PrintError("small_tensors", tls, 0, workers, shards, error);
+  } else {
+    const double small = jobs[0].total_steps / jobs[0].total_s;
+    const double big = jobs[1].total_steps / jobs[1].total_s;
+    std::vector<uint64_t> rss;
+    for (pid_t p : c.shards) rss.push_back(RssBytes(p));
+    std::fprintf(g_out, 
+        "{\"bench\": \"dataplane\", \"case\": \"small_tensors\", \"transport\": %s, "
+        "\"workers\": %d, \"shards\": %d, \"tensors\": %d, \"elems_per_tensor\": %lld, "
+        "\"bytes_per_step_per_worker\": %lld, \"steps\": %d, \"steps_per_s\": %.3f, "
+        "\"baseline\": \"one tensor of the same elements\", \"baseline_chunks\": %u, "
+        "\"baseline_steps_per_s\": %.3f, \"ratio\": %.3f, \"messages_per_step\": %llu, "
+        "\"messages_per_s\": %.0f, \"allocs_per_msg\": %.2f, \"baseline_allocs_per_msg\": %.2f, "
+        "\"worker_cpu_us_per_msg\": %.2f, \"shard_cpu_us_per_msg\": %.2f, "
+        "\"shard_rss_bytes\": %s}\n",
+        JsonQuote(tls).c_str(), workers, shards, num_tensors, static_cast<long long>(elems),
+        static_cast<long long>(elems * num_tensors * 2 * 2), jobs[0].total_steps, small,
+        jobs[1].clients[0]->tensors()[0].num_chunks, big, small / big,
+        static_cast<unsigned long long>(jobs[0].messages_per_step),
+        small * jobs[0].messages_per_step, jobs[0].allocs / jobs[0].total_steps,
+        jobs[1].allocs / jobs[1].total_steps,
+        jobs[0].worker_cpu_s * 1e6 / (jobs[0].messages_per_step * jobs[0].total_steps),
+        jobs[0].shard_cpu_s * 1e6 / (jobs[0].messages_per_step * jobs[0].total_steps),
+        U64List(rss).c_str());
+    std::fflush(g_out);
+  }
+  for (Job& j : jobs) j.clients.clear();
+  StopCluster(&c);
+}
+
+// ---- Main ----
+
+absl::StatusOr<uint64_t> ParseSize(absl::string_view s) {
+  uint64_t mult = 1;
+  if (!s.empty() && (s.back() == 'K' || s.back() == 'k')) mult = 1024;
+  if (!s.empty() && (s.back() == 'M' || s.back() == 'm')) mult = 1024 * 1024;
+  if (mult != 1) s.remove_suffix(1);
+  uint64_t v = 0;
+  if (!absl::SimpleAtoi(s, &v) || v == 0) {
+    return absl::InvalidArgumentError(absl::StrCat("bad size '", s, "'"));
+  }
+  return v * mult;
+}
+
+std::vector<int> IntList(const std::string& flag) {
+  std::vector<int> out;
+  for (absl::string_view p : absl::StrSplit(flag, ',', absl::SkipEmpty())) {
+    int v = 0;
+    if (!absl::SimpleAtoi(p, &v) || v < 1) Die(absl::StrCat("bad count '", p, "'"));
+    out.push_back(v);
+  }
+  return out;
+}
+
+int Main(const char* argv0) {
+  signal(SIGINT, OnSignal);
+  signal(SIGTERM, OnSignal);
+  signal(SIGPIPE, SIG_IGN);
+  const std::string root = FindBinRoot(argv0);
+  if (root.empty()) {
+    Die("cannot find coordinator/optimus-coord and server/optimus-shard; run through "
+        "`bazel run //bench:dataplane` or pass --bin_dir");
+  }
+  std::string dir = absl::GetFlag(FLAGS_work_dir);
+  if (dir.empty()) {
+    char tmpl[] = "/tmp/optimus-dataplane-XXXXXX";
+    if (mkdtemp(tmpl) == nullptr) Die("cannot create a temp dir");
+    dir = tmpl;
+  } else {
+    mkdir(dir.c_str(), 0755);
+  }
+  std::fprintf(stderr, "bench/dataplane: logs in %s\n", dir.c_str());
+  const std::vector<std::string> cases = absl::StrSplit(absl::GetFlag(FLAGS_cases), ',');
+  auto wants = [&](const char* c) {
+    return std::find(cases.begin(), cases.end(), c) != cases.end();
+  };
+  std::vector<uint64_t> sizes;
+  for (absl::string_view s : absl::StrSplit(absl::GetFlag(FLAGS_sizes), ',', absl::SkipEmpty())) {
+    auto v = ParseSize(s);
+    if (!v.ok()) Die(v.status().ToString());
+    sizes.push_back(*v);
+  }
+  const std::vector<int> workers = IntList(absl::GetFlag(FLAGS_workers));
+  const std::vector<int> shard_counts = IntList(absl::GetFlag(FLAGS_shards));
+  const absl::Time t0 = absl::Now();
+  int cluster_id = 0;
+  int job = 0;
+  if (wants("goodput")) {
+    for (absl::string_view tls_view :
+         absl::StrSplit(absl::GetFlag(FLAGS_tls), ';', absl::SkipEmpty())) {
+      const std::string tls(tls_view);
+      for (int shards : shard_counts) {
+        ProcCluster c;
+        ++cluster_id;
+        if (auto s = StartCluster(root, dir, tls, shards, &c); !s.ok()) {
+          StopCluster(&c);
+          PrintError("cluster", tls, 0, 0, shards, s);
+          continue;
+        }
+        PrintCluster(cluster_id, c, shards);
+        // A transport optimus cannot use here fails every case alike: after
+        // the first failure only the baseline is measured.
+        absl::Status unusable;
+        for (uint64_t msg : sizes) {
+          const Perftest p = RunPerftest(dir, tls, msg);
+          if (!p.status.ok()) PrintError("ucx_perftest", tls, msg, 1, 0, p.status);
+          for (int w : workers) {
+            if (!unusable.ok()) {
+              PrintError("push+pull", tls, msg, w, shards, unusable, &p);
+              continue;
+            }
+            const std::string name = absl::StrCat("dp-", job++);
+            auto g = RunGoodput(c, name, msg, w, shards);
+            if (!g.ok()) {
+              unusable = g.status();
+              PrintError("push+pull", tls, msg, w, shards, unusable, &p);
+              (void)DeleteJob(c, name);
+              continue;
+            }
+            PrintGoodput(tls, msg, w, shards, *g, p, cluster_id);
+          }
+        }
+        StopCluster(&c);
+      }
+    }
+  }
+  if (wants("small_tensors")) RunSmallTensors(root, dir);
+  std::fprintf(stderr, "bench/dataplane: done in %.0f s\n",
+               absl::ToDoubleSeconds(absl::Now() - t0));
+  return 0;
+}
+
+}  // namespace
+}  // namespace bench
+}  // namespace optimus
+
+int main(int argc, char** argv) {
+  absl::ParseCommandLine(argc, argv);
+  // The JSON lines go to the original stdout; whatever else writes to
+  // stdout (UCX logs there by default) goes to stderr.
+  const int json_fd = dup(1);
+  dup2(2, 1);
+  optimus::bench::g_out = fdopen(json_fd, "w");
+  if (optimus::bench::g_out == nullptr) return 1;
+  return optimus::bench::Main(argv[0]);
+}

@@ -1,0 +1,96 @@
+// ModuleSync registers its staging buffers once, at Create: every step's
+// pushes and pulls then use those two registrations and nothing else is
+// registered, however many steps run; destroying it forgets them (issue 12).
+#include <memory>
+#include <vector>
+
+#include <torch/torch.h>
+
+#include "client/client.h"
+#include "client/torch/module_sync.h"
+#include "gtest/gtest.h"
+#include "tests/harness/cluster.h"
+#include "tests/harness/status_assert.h"
+#include "tests/integration/client_test_workers.h"
+
+namespace optimus {
+namespace {
+
+using testing_workers::CountingWorker;
+using testing_workers::TransportLog;
+
+struct Mlp : torch::nn::Module {
+  Mlp() {
+    fc1 = register_module("fc1", torch::nn::Linear(64, 256));
+    fc2 = register_module("fc2", torch::nn::Linear(256, 64));
+  }
+  torch::Tensor forward(torch::Tensor x) { return fc2(torch::relu(fc1(x))); }
+  torch::nn::Linear fc1{nullptr}, fc2{nullptr};
+};
+
+TEST(ModuleSyncRegistrationTest, StagingBuffersAreRegisteredOnceAtCreate) {
+  harness::ClusterOptions co;
+  co.transport = harness::TransportKind::kLoopback;
+  co.num_shards = 2;
+  co.num_workers = 1;
+  ASSERT_OK_AND_ASSIGN(auto cluster, harness::Cluster::Start(co));
+  auto log = std::make_shared<TransportLog>();
+  client::ClientOptions o;
+  o.coordinator_address = cluster->coordinator_address();
+  o.transport = cluster->TransportOptions("module");
+  o.make_worker = [log](const transport::WorkerOptions& w)
+      -> absl::StatusOr<std::unique_ptr<transport::Worker>> {
+    auto inner = transport::Worker::Create(w);
+    if (!inner.ok()) return inner.status();
+    return std::unique_ptr<transport::Worker>(new CountingWorker(std::move(*inner), log));
+  };
+  ASSERT_OK_AND_ASSIGN(auto c, client::Client::Connect(o));
+  torch::manual_seed(1);
+  Mlp model;
+  client::JobDef def;
+  def.name = "mlp";
+  def.world_size = 1;
+  def.tensors = client::TensorDefsFromModule(model);
+  def.optimizer.lr = 1e-2f;
+  def.chunk_payload_bytes = 8 * 1024;  // Several chunks per weight.
+  ASSERT_OK(c->CreateJob(def));
+  ASSERT_OK(c->Join("mlp", 0, 1));
+  ASSERT_OK_AND_ASSIGN(auto sync, client::ModuleSync::Create(c.get(), &model));
+  // Two registrations, one arena per dtype, covering every parameter.
+  const auto regs = log->registrations();
+  ASSERT_EQ(regs.size(), 2u);
+  size_t elems = 0;
+  for (const auto& p : model.parameters()) elems += static_cast<size_t>(p.numel());
+  for (const auto& r : regs) EXPECT_GE(r.second, elems * 2);  // bf16.
+  ASSERT_OK(sync->InitFromModule());
+  log->Clear();
+
+  constexpr int kSteps = 10;
+  torch::Tensor x = torch::randn({32, 64});
+  torch::Tensor y = torch::randn({32, 64});
+  for (int step = 1; step <= kSteps; ++step) {
+    ASSERT_OK(sync->PullParams(step, absl::Seconds(30)));
+    model.zero_grad();
+    torch::mse_loss(model.forward(x), y).backward();
+    ASSERT_OK(sync->PushGrads(step, absl::Seconds(30)));
+  }
+  EXPECT_EQ(log->registrations().size(), 2u);
+  // Every payload went from or into an arena, with its registration.
+  const auto sends = log->sends();
+  const auto receives = log->receives();
+  EXPECT_GE(sends.size(), static_cast<size_t>(kSteps) * model.parameters().size());
+  EXPECT_GE(receives.size(), static_cast<size_t>(kSteps) * model.parameters().size());
+  for (const auto* transfers : {&sends, &receives}) {
+    for (const auto& t : *transfers) {
+      ASSERT_NE(t.region_begin, 0u);
+      EXPECT_GE(t.begin, t.region_begin);
+      EXPECT_LE(t.begin + t.bytes, t.region_begin + t.region_bytes);
+    }
+  }
+  EXPECT_EQ(c->registration_stats().pinned_bytes, regs[0].second + regs[1].second);
+  sync.reset();
+  EXPECT_EQ(c->registration_stats().entries, 0u);
+}
+
+}  // namespace
+}  // namespace optimus
