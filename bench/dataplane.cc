@@ -105,6 +105,9 @@ ABSL_FLAG(int64_t, small_elems, 4096, "small_tensors: elements per tensor");
 ABSL_FLAG(int, small_steps, 10, "small_tensors: timed steps per phase");
 ABSL_FLAG(int, small_rounds, 2, "small_tensors: phases of each job, alternating");
 ABSL_FLAG(int, small_workers, 2, "small_tensors: workers");
+ABSL_FLAG(bool, small_batch, true,
+          "small_tensors: cork each step's pulls and pushes (Client::Cork: small chunks go in "
+          "one message per shard); false: one message per chunk");
 ABSL_FLAG(int, small_shards, 2, "small_tensors: shards");
 ABSL_FLAG(std::string, small_tls, "tcp", "small_tensors: UCX_TLS");
 ABSL_FLAG(std::string, ucx_perftest, "ucx_perftest", "ucx_perftest binary (PATH is searched)");
@@ -112,7 +115,7 @@ ABSL_FLAG(int, perftest_repeats, 5, "ucx_perftest runs per case; the median is t
 ABSL_FLAG(int64_t, perftest_mib, 256, "MiB each ucx_perftest run sends");
 ABSL_FLAG(int, shard_memory_mb, 3072, "each shard's --memory_limit_mb");
 ABSL_FLAG(std::string, shard_args, "", "extra optimus-shard flags, space-separated");
-ABSL_FLAG(std::string, step_tail_metric, "optimus_shard_step_tail_seconds",
+ABSL_FLAG(std::string, step_tail_metric, "optimus_shard_publish_tail_seconds",
           "the shard's histogram of 'last push landed -> version pullable' (read if present)");
 ABSL_FLAG(std::string, bin_dir, "", "folder holding coordinator/optimus-coord and "
                                     "server/optimus-shard (default: this program's runfiles)");
@@ -984,19 +987,24 @@ absl::StatusOr<SmallResult> SmallPhase(const ProcCluster& pc,
     tickets.reserve(num_tensors);
     for (int i = 0; i < steps; ++i) {
       const uint64_t step = first + i;
+      const bool batch = absl::GetFlag(FLAGS_small_batch);
       tickets.clear();
+      if (batch) c->Cork();
       for (uint32_t t = 0; t < num_tensors; ++t) {
         auto k = c->Pull(t, step, params[r][t].data(), c->tensors()[t].num_elems);
         if (!k.ok()) return k.status();
         tickets.push_back(*k);
       }
+      if (batch) c->Uncork();
       if (auto s = WaitAll(c, tickets); !s.ok()) return s;
       tickets.clear();
+      if (batch) c->Cork();
       for (uint32_t t = 0; t < num_tensors; ++t) {
         auto k = c->Push(t, step, grads[r][t].data(), c->tensors()[t].num_elems);
         if (!k.ok()) return k.status();
         tickets.push_back(*k);
       }
+      if (batch) c->Uncork();
       if (auto s = WaitAll(c, tickets); !s.ok()) return s;
     }
     return absl::OkStatus();
@@ -1098,7 +1106,8 @@ void RunSmallTensors(const std::string& root, const std::string& dir) {
     std::vector<uint64_t> rss;
     for (pid_t p : c.shards) rss.push_back(RssBytes(p));
     std::fprintf(g_out, 
-        "{\"bench\": \"dataplane\", \"case\": \"small_tensors\", \"transport\": %s, "
+        "{\"bench\": \"dataplane\", \"case\": \"small_tensors\", \"batched\": %s, "
+        "\"transport\": %s, "
         "\"workers\": %d, \"shards\": %d, \"tensors\": %d, \"elems_per_tensor\": %lld, "
         "\"bytes_per_step_per_worker\": %lld, \"steps\": %d, \"steps_per_s\": %.3f, "
         "\"baseline\": \"one tensor of the same elements\", \"baseline_chunks\": %u, "
@@ -1106,7 +1115,8 @@ void RunSmallTensors(const std::string& root, const std::string& dir) {
         "\"messages_per_s\": %.0f, \"allocs_per_msg\": %.2f, \"baseline_allocs_per_msg\": %.2f, "
         "\"worker_cpu_us_per_msg\": %.2f, \"shard_cpu_us_per_msg\": %.2f, "
         "\"shard_rss_bytes\": %s}\n",
-        JsonQuote(tls).c_str(), workers, shards, num_tensors, static_cast<long long>(elems),
+        absl::GetFlag(FLAGS_small_batch) ? "true" : "false", JsonQuote(tls).c_str(), workers,
+        shards, num_tensors, static_cast<long long>(elems),
         static_cast<long long>(elems * num_tensors * 2 * 2), jobs[0].total_steps, small,
         jobs[1].clients[0]->tensors()[0].num_chunks, big, small / big,
         static_cast<unsigned long long>(jobs[0].messages_per_step),

@@ -178,6 +178,16 @@ constexpr int kOutboxDepths = 4;
 thread_local std::vector<OutMsg> tls_outboxes[kOutboxDepths];
 thread_local int tls_outbox_depth = 0;
 
+class ClientImpl;
+
+// Requests issued on this thread while a client is corked (Client::Cork).
+struct Cork {
+  ClientImpl* client = nullptr;
+  int depth = 0;
+  std::vector<OutMsg> msgs;
+};
+thread_local Cork tls_cork;
+
 class Outbox {
  public:
   Outbox()
@@ -307,6 +317,13 @@ class ClientImpl : public Client {
     transport::Worker* w = worker_.get();
     cache_ = std::make_unique<RegistrationCache>(
         [w](void* data, size_t bytes) { return w->RegisterMemory(data, bytes); }, copts);
+    // Registered now, not mid-training: two, for a step's pull batches
+    // still completing while its push batches go out.
+    {
+      std::unique_ptr<uint8_t[]> first = TakeBatchBuffer();
+      GiveBatchBuffer(TakeBatchBuffer());
+      GiveBatchBuffer(std::move(first));
+    }
     channel_ = grpc::CreateChannel(options_.coordinator_address,
                                    grpc::InsecureChannelCredentials());
     stub_ = v1::Coordinator::NewStub(channel_);
@@ -691,9 +708,129 @@ class ClientImpl : public Client {
   // and registration stay until its send's done callback (the slot's send
   // hold).
   void SendAll(const Outbox& out) {
-    for (const OutMsg& m : out.msgs()) {
-      worker_->Send(m.ep, wire::kAmRequest, wire::AsBytes(m.h), m.payload, m.payload_bytes,
-                    m.region, [this, id = m.id](absl::Status s) { OnSent(id, std::move(s)); });
+    if (tls_cork.client == this && tls_cork.depth > 0) {
+      // Corked: sent (batched) at Uncork.
+      tls_cork.msgs.insert(tls_cork.msgs.end(), out.msgs().begin(), out.msgs().end());
+      return;
+    }
+    for (const OutMsg& m : out.msgs()) SendOne(m);
+  }
+
+  void SendOne(const OutMsg& m) {
+    worker_->Send(m.ep, wire::kAmRequest, wire::AsBytes(m.h), m.payload, m.payload_bytes,
+                  m.region, [this, id = m.id](absl::Status s) { OnSent(id, std::move(s)); });
+  }
+
+  void Cork() override {
+    if (tls_cork.depth > 0 && tls_cork.client != this) {
+      // Another client is corked on this thread: send its requests first.
+      ClientImpl* other = tls_cork.client;
+      tls_cork.depth = 1;
+      other->Uncork();
+    }
+    tls_cork.client = this;
+    ++tls_cork.depth;
+  }
+
+  void Uncork() override {
+    if (tls_cork.client != this || tls_cork.depth == 0) return;
+    if (--tls_cork.depth > 0) return;
+    std::vector<OutMsg> msgs;
+    msgs.swap(tls_cork.msgs);
+    tls_cork.client = nullptr;
+    SendBatched(msgs);
+    msgs.clear();
+    if (tls_cork.msgs.empty()) tls_cork.msgs.swap(msgs);  // Keep the capacity.
+  }
+
+  // A registered buffer to build a batch in: reused, so that a batch is
+  // never registered per transfer (two are made at Connect; more only while
+  // more batches are in flight at once).
+  std::unique_ptr<uint8_t[]> TakeBatchBuffer() {
+    {
+      absl::MutexLock lock(&batch_mu_);
+      if (!batch_free_.empty()) {
+        std::unique_ptr<uint8_t[]> b = std::move(batch_free_.back());
+        batch_free_.pop_back();
+        return b;
+      }
+    }
+    std::unique_ptr<uint8_t[]> b(new uint8_t[kBatchBytes]);
+    if (absl::Status s = cache_->Pin(b.get(), kBatchBytes); !s.ok()) {
+      OPTIMUS_LOG(Warning, kLog, "batch buffer not registered: ", s.ToString());
+    }
+    return b;
+  }
+
+  void GiveBatchBuffer(std::unique_ptr<uint8_t[]> b) {
+    {
+      absl::MutexLock lock(&batch_mu_);
+      if (batch_free_.size() < kKeptBatchBuffers) {
+        batch_free_.push_back(std::move(b));
+        return;
+      }
+    }
+    cache_->Forget(b.get(), kBatchBytes);
+  }
+
+  // Small requests to one shard go in one kBatch message (up to kMaxBatch
+  // requests and kBatchBytes); the rest one by one.
+  void SendBatched(const std::vector<OutMsg>& msgs) {
+    std::vector<bool> sent(msgs.size(), false);
+    for (size_t i = 0; i < msgs.size(); ++i) {
+      if (sent[i]) continue;
+      if (msgs[i].payload_bytes > kBatchItemBytes) {
+        SendOne(msgs[i]);
+        sent[i] = true;
+        continue;
+      }
+      // Gather this shard's small requests from here on.
+      std::vector<size_t> group;
+      size_t bytes = 0;
+      for (size_t j = i; j < msgs.size() && group.size() < wire::kMaxBatch; ++j) {
+        if (sent[j] || msgs[j].ep.ep != msgs[i].ep.ep || msgs[j].payload_bytes > kBatchItemBytes) {
+          continue;
+        }
+        const size_t item = sizeof(wire::RequestHeader) + msgs[j].payload_bytes;
+        if (!group.empty() && bytes + item > kBatchBytes) break;
+        group.push_back(j);
+        bytes += item;
+      }
+      for (size_t j : group) sent[j] = true;
+      if (group.size() == 1) {
+        SendOne(msgs[group[0]]);
+        continue;
+      }
+      auto batch = std::make_shared<std::unique_ptr<uint8_t[]>>(TakeBatchBuffer());
+      const RegistrationCache::Lease lease = cache_->Lookup(batch->get(), bytes);
+      auto ids = std::make_shared<std::vector<uint64_t>>();
+      ids->reserve(group.size());
+      uint8_t* at = batch->get();
+      for (size_t j : group) {
+        std::memcpy(at, &msgs[j].h, sizeof(wire::RequestHeader));
+        at += sizeof(wire::RequestHeader);
+        ids->push_back(msgs[j].id);
+      }
+      for (size_t j : group) {
+        if (msgs[j].payload_bytes == 0) continue;
+        std::memcpy(at, msgs[j].payload, msgs[j].payload_bytes);
+        at += msgs[j].payload_bytes;
+      }
+      wire::RequestHeader h = msgs[group[0]].h;  // Job, epoch, dtype; its id.
+      h.op = static_cast<uint16_t>(wire::Op::kBatch);
+      h.step = group.size();
+      h.num_bytes = bytes;
+      h.flags = 0;
+      h.step_flags = 0;
+      h.lr = h.grad_mult = h.clip_coef = 0.0f;
+      batches_sent_.fetch_add(1, std::memory_order_relaxed);
+      // The payloads were copied into the batch: each request's own buffer
+      // is free once the batch is sent, as for a send of its own.
+      worker_->Send(msgs[i].ep, wire::kAmRequest, wire::AsBytes(h), batch->get(), bytes,
+                    lease.region(), [this, batch, ids, lease](absl::Status s) {
+                      GiveBatchBuffer(std::move(*batch));
+                      for (uint64_t id : *ids) OnSent(id, s);
+                    });
     }
   }
 
@@ -1317,6 +1454,11 @@ class ClientImpl : public Client {
   // Registers through worker_; set by Init, before any request.
   std::unique_ptr<RegistrationCache> cache_;
   std::atomic<bool> registration_warned_{false};
+  std::atomic<uint64_t> batches_sent_{0};  // kBatch messages (Cork).
+  static constexpr size_t kBatchBytes = size_t{1} << 20;
+  static constexpr size_t kKeptBatchBuffers = 4;
+  absl::Mutex batch_mu_;
+  std::vector<std::unique_ptr<uint8_t[]>> batch_free_ ABSL_GUARDED_BY(batch_mu_);
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::Coordinator::Stub> stub_;
   std::thread recovery_;

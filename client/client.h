@@ -302,6 +302,17 @@ class Client {
   virtual absl::StatusOr<Ticket> Pull(uint32_t tensor, uint64_t version, void* dst,
                                       size_t num_elems) = 0;
 
+  // Batching small chunks: requests issued on this thread between Cork()
+  // and Uncork() are sent at Uncork(), those whose payload is at most
+  // kBatchItemBytes (and pulls and commits) in one message per shard
+  // (wire::Op::kBatch; each is still answered and waited for on its own
+  // ticket). For models with many small tensors: one message per shard
+  // instead of one per tensor. Nested calls count; the outermost Uncork
+  // sends. BatchScope does both.
+  static constexpr size_t kBatchItemBytes = 64 * 1024;
+  virtual void Cork() = 0;
+  virtual void Uncork() = 0;
+
   // Waits for a ticket. OK; DEADLINE_EXCEEDED (the ticket stays valid; wait
   // again); NOT_FOUND for an unknown or already-waited ticket; otherwise the
   // first error a shard answered for any chunk of it.
@@ -324,6 +335,18 @@ class Client {
 
   // Registrations made, cache hits, evictions, bytes registered.
   virtual RegistrationStats registration_stats() const = 0;
+};
+
+// Corks `client` on this thread for its lifetime (see Client::Cork).
+class BatchScope {
+ public:
+  explicit BatchScope(Client* client) : client_(client) { client_->Cork(); }
+  ~BatchScope() { client_->Uncork(); }
+  BatchScope(const BatchScope&) = delete;
+  BatchScope& operator=(const BatchScope&) = delete;
+
+ private:
+  Client* client_;
 };
 
 }  // namespace client

@@ -207,8 +207,14 @@ void Shard::OnBatch(transport::IncomingMessage& msg, const wire::RequestHeader& 
           " bytes, the batch carries ", batch->size()));
     }
     if (!bad.ok()) {
+      // Every request the sender can tell apart hears why (the batch's id
+      // is its first request's).
       metrics_.requests_rejected.fetch_add(1);
-      return Reply(from, batch_id, bad);
+      Reply(from, batch_id, bad);
+      for (const wire::RequestHeader& item : items) {
+        if (item.request_id != batch_id) Reply(from, item.request_id, bad);
+      }
+      return;
     }
     const uint8_t* payload = headers + header_bytes;
     for (uint64_t i = 0; i < count; ++i) {

@@ -121,6 +121,7 @@ ShardServerStats Shard::stats() const {
   s.pushes_duplicate = metrics_.pushes_duplicate.load();
   s.pulls_served = metrics_.pulls_served.load();
   s.checkpoint_stall_ns = metrics_.checkpoint_stall_ns.load();
+  s.batches_received = metrics_.batches_received.load();
   // Every byte still allocated, including chunks that retired but are
   // still referenced by an operation in flight.
   s.memory_used_bytes = table_.memory()->used();

@@ -176,6 +176,8 @@ absl::Status ModuleSync::PushGrads(uint64_t step, absl::Duration timeout,
   absl::Status first;
   try {
     torch::NoGradGuard no_grad;
+    // Small parameters (biases, norms) go to each shard in one message.
+    BatchScope batch(client_);
     for (size_t i = 0; i < params_.size(); ++i) {
       const torch::Tensor& g = params_[i].grad();
       const void* src = nullptr;
@@ -201,14 +203,17 @@ absl::Status ModuleSync::PushGrads(uint64_t step, absl::Duration timeout,
 absl::Status ModuleSync::PullParams(uint64_t version, absl::Duration timeout) {
   std::vector<Ticket> tickets;
   absl::Status first;
-  for (size_t i = 0; i < params_.size(); ++i) {
-    auto t = client_->Pull(index_[i], version, param_staging_[i].data_ptr(),
-                           static_cast<size_t>(param_staging_[i].numel()));
-    if (!t.ok()) {
-      first = t.status();
-      break;
+  {
+    BatchScope batch(client_);
+    for (size_t i = 0; i < params_.size(); ++i) {
+      auto t = client_->Pull(index_[i], version, param_staging_[i].data_ptr(),
+                             static_cast<size_t>(param_staging_[i].numel()));
+      if (!t.ok()) {
+        first = t.status();
+        break;
+      }
+      tickets.push_back(*t);
     }
-    tickets.push_back(*t);
   }
   absl::Status waited = WaitAll(client_, tickets, timeout);
   if (!first.ok()) return first;

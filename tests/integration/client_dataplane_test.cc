@@ -143,8 +143,10 @@ TEST(ClientRegistrationTest, EachBufferIsRegisteredOnceAndEveryTransferUsesIt) {
   ASSERT_OK_AND_ASSIGN(auto c, client::Client::Connect(CountingClient(cluster.get(), log)));
   ASSERT_OK(CreateAndInit(c.get(), TwoTensorJob("registered", /*round=*/true)));
   ASSERT_EQ(c->tensors()[0].num_chunks, 8u);
-  // InitTensor's one-off buffers are not registered.
-  EXPECT_TRUE(log->registrations().empty());
+  // InitTensor's one-off buffers are not registered; only the client's
+  // two batch buffers are (registered at Connect, 1 MiB each).
+  ASSERT_EQ(log->registrations().size(), 2u);
+  const size_t batch_bytes = log->registrations()[0].second + log->registrations()[1].second;
   log->Clear();
   Buffers b(*c);
   std::vector<client::Ticket> tickets;
@@ -156,9 +158,9 @@ TEST(ClientRegistrationTest, EachBufferIsRegisteredOnceAndEveryTransferUsesIt) {
   // Once each, whole: the big gradient and the big parameter buffer. The
   // small ones travel eagerly, unregistered.
   auto regs = log->registrations();
-  ASSERT_EQ(regs.size(), 2u);
-  EXPECT_EQ(regs[0], std::make_pair(Addr(b.params[0].data()), big_bytes));
-  EXPECT_EQ(regs[1], std::make_pair(Addr(b.grads[0].data()), big_bytes));
+  ASSERT_EQ(regs.size(), 4u);
+  EXPECT_EQ(regs[2], std::make_pair(Addr(b.params[0].data()), big_bytes));
+  EXPECT_EQ(regs[3], std::make_pair(Addr(b.grads[0].data()), big_bytes));
   // Every chunk pushed from the big buffer carried its registration.
   auto big_sends = Within(log->sends(), b.grads[0].data(), big_bytes);
   ASSERT_EQ(big_sends.size(), 8u * kSteps);
@@ -174,7 +176,7 @@ TEST(ClientRegistrationTest, EachBufferIsRegisteredOnceAndEveryTransferUsesIt) {
   ASSERT_EQ(big_receives.size(), 8u * kSteps);
   for (const auto& t : big_receives) EXPECT_EQ(t.region_begin, Addr(b.params[0].data()));
   client::RegistrationStats s = c->registration_stats();
-  EXPECT_EQ(s.registrations, 2u);
+  EXPECT_EQ(s.registrations, 4u);
   EXPECT_EQ(s.misses, 2u);
   EXPECT_EQ(s.hits, 2u * kSteps - 2);
   EXPECT_EQ(s.cached_bytes, 2 * big_bytes);
@@ -184,8 +186,8 @@ TEST(ClientRegistrationTest, EachBufferIsRegisteredOnceAndEveryTransferUsesIt) {
   EXPECT_EQ(c->ForgetBuffer(b.grads[0].data(), big_bytes), 1u);
   ASSERT_OK(Step(c.get(), &b, kSteps + 1, &tickets));
   regs = log->registrations();
-  ASSERT_EQ(regs.size(), 3u);
-  EXPECT_EQ(regs[2], std::make_pair(Addr(b.grads[0].data()), big_bytes));
+  ASSERT_EQ(regs.size(), 5u);
+  EXPECT_EQ(regs[4], std::make_pair(Addr(b.grads[0].data()), big_bytes));
 
   // A buffer registered by the caller is used whatever its size.
   ASSERT_OK(c->RegisterBuffer(b.grads[1].data(), small_bytes));
@@ -193,11 +195,11 @@ TEST(ClientRegistrationTest, EachBufferIsRegisteredOnceAndEveryTransferUsesIt) {
   for (uint64_t step = kSteps + 2; step <= kSteps + 5; ++step) {
     ASSERT_OK(Step(c.get(), &b, step, &tickets));
   }
-  EXPECT_EQ(log->registrations().size(), 4u);
+  EXPECT_EQ(log->registrations().size(), 6u);
   auto small_sends = Within(log->sends(), b.grads[1].data(), small_bytes);
   ASSERT_EQ(small_sends.size(), 4u);
   for (const auto& t : small_sends) EXPECT_EQ(t.region_begin, Addr(b.grads[1].data()));
-  EXPECT_EQ(c->registration_stats().pinned_bytes, small_bytes);
+  EXPECT_EQ(c->registration_stats().pinned_bytes, small_bytes + batch_bytes);
 }
 
 TEST(ClientRegistrationTest, WithoutTheCacheOnlyRegisteredBuffersCarryARegistration) {
@@ -213,7 +215,7 @@ TEST(ClientRegistrationTest, WithoutTheCacheOnlyRegisteredBuffersCarryARegistrat
   ASSERT_OK(c->RegisterBuffer(b.params[0].data(), big_bytes));
   std::vector<client::Ticket> tickets;
   for (uint64_t step = 1; step <= 5; ++step) ASSERT_OK(Step(c.get(), &b, step, &tickets));
-  EXPECT_EQ(log->registrations().size(), 1u);
+  EXPECT_EQ(log->registrations().size(), 3u);  // The batch buffers and params[0].
   for (const auto& t : Within(log->sends(), b.grads[0].data(), big_bytes)) {
     EXPECT_EQ(t.region_begin, 0u);
   }

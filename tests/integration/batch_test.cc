@@ -1,0 +1,113 @@
+// End-to-end: a model of many small tensors trained with its pushes and
+// pulls corked (Client::Cork): the small chunks go to each shard in a few
+// batched messages instead of one message each, over loopback and UCX, and
+// the result is still the single-process reference bit for bit.
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "client/client.h"
+#include "common/dtype.h"
+#include "gtest/gtest.h"
+#include "tests/harness/cluster.h"
+#include "tests/harness/status_assert.h"
+
+namespace optimus {
+namespace {
+
+using client::Client;
+using client::JobDef;
+using harness::Cluster;
+using harness::TransportKind;
+
+constexpr uint32_t kWorkers = 2;
+constexpr uint32_t kTensors = 300;
+constexpr int64_t kElems = 64;
+
+class BatchTest : public ::testing::TestWithParam<TransportKind> {};
+
+TEST_P(BatchTest, ManySmallTensorsGoInBatchesAndTrainExactlyTheReference) {
+  harness::ClusterOptions o;
+  o.transport = GetParam();
+  o.num_shards = 2;
+  o.num_workers = kWorkers;
+  ASSERT_OK_AND_ASSIGN(auto cluster, Cluster::Start(o));
+  ASSERT_OK(cluster->ConnectWorkers());
+  JobDef def = harness::SmallJob("many-small", kWorkers);
+  def.grad_dtype = DType::kFp32;
+  def.param_dtype = DType::kFp32;
+  def.tensors.clear();
+  for (uint32_t t = 0; t < kTensors; ++t) {
+    def.tensors.push_back({"t" + std::to_string(t), {kElems}});
+  }
+  ASSERT_OK(cluster->CreateJob(def));
+  constexpr uint64_t kSteps = 4;
+  std::vector<absl::Status> results(kWorkers);
+  std::vector<std::thread> threads;
+  for (uint32_t r = 0; r < kWorkers; ++r) {
+    threads.emplace_back([&, r] {
+      Client* c = cluster->worker(r);
+      std::vector<std::vector<float>> params(kTensors, std::vector<float>(kElems));
+      std::vector<std::vector<uint8_t>> grads(kTensors);
+      auto wait_all = [&](const std::vector<client::Ticket>& tickets) {
+        absl::Status first;
+        for (client::Ticket t : tickets) {
+          absl::Status s = c->Wait(t, absl::Seconds(30));
+          if (first.ok()) first = s;
+        }
+        return first;
+      };
+      for (uint64_t step = 1; step <= kSteps; ++step) {
+        std::vector<client::Ticket> tickets;
+        {
+          client::BatchScope batch(c);
+          for (uint32_t t = 0; t < kTensors; ++t) {
+            auto tk = c->Pull(t, step, params[t].data(), kElems);
+            if (!tk.ok()) return void(results[r] = tk.status());
+            tickets.push_back(*tk);
+          }
+        }
+        if (absl::Status s = wait_all(tickets); !s.ok()) return void(results[r] = s);
+        tickets.clear();
+        {
+          client::BatchScope batch(c);
+          for (uint32_t t = 0; t < kTensors; ++t) {
+            grads[t] = cluster->GradientBytes(r, t, params[t], step);
+            auto tk = c->Push(t, step, grads[t].data(), kElems);
+            if (!tk.ok()) return void(results[r] = tk.status());
+            tickets.push_back(*tk);
+          }
+        }
+        if (absl::Status s = wait_all(tickets); !s.ok()) return void(results[r] = s);
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (const absl::Status& s : results) ASSERT_OK(s);
+  for (uint32_t t : {0u, 1u, kTensors / 2, kTensors - 1}) {
+    ASSERT_OK_AND_ASSIGN(std::vector<float> got, cluster->PullFp32(t, kSteps + 1, 0));
+    ASSERT_OK_AND_ASSIGN(std::vector<float> want, harness::ReferenceParams(def, t, kSteps));
+    ASSERT_EQ(got.size(), want.size());
+    EXPECT_EQ(std::memcmp(got.data(), want.data(), got.size() * 4), 0) << "tensor " << t;
+  }
+  // 300 chunks per worker per step over 2 shards, each direction: a
+  // handful of batches instead of 2 x 300 x 2 x 4 messages.
+  uint64_t batches = 0, pushes = 0;
+  for (const auto& s : cluster->ShardStats()) {
+    batches += s.batches_received;
+    pushes += s.pushes_received;
+  }
+  EXPECT_EQ(pushes, uint64_t{kWorkers} * kTensors * kSteps);
+  EXPECT_GE(batches, uint64_t{kWorkers} * kSteps * 2);   // Pushes and pulls, both shards.
+  EXPECT_LE(batches, uint64_t{kWorkers} * kSteps * 2 * 2);
+}
+
+INSTANTIATE_TEST_SUITE_P(Transports, BatchTest,
+                         ::testing::Values(TransportKind::kLoopback, TransportKind::kUcx),
+                         [](const ::testing::TestParamInfo<TransportKind>& info) {
+                           return harness::TransportName(info.param);
+                         });
+
+}  // namespace
+}  // namespace optimus
