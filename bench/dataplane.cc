@@ -92,7 +92,8 @@
 #include "grpcpp/grpcpp.h"
 #include "proto/optimus.grpc.pb.h"
 
-ABSL_FLAG(std::string, cases, "goodput,small_tensors", "which cases: goodput, small_tensors");
+ABSL_FLAG(std::string, cases, "goodput,small_tensors,staging",
+          "which cases: goodput, small_tensors, staging");
 ABSL_FLAG(std::string, tls, "tcp;sm", "';'-separated UCX_TLS values, one set of cases each");
 ABSL_FLAG(std::string, sizes, "64K,256K,1M,4M", "message (chunk payload) sizes: N, NK, NM");
 ABSL_FLAG(std::string, workers, "1,2", "worker counts W");
@@ -105,6 +106,11 @@ ABSL_FLAG(int64_t, small_elems, 4096, "small_tensors: elements per tensor");
 ABSL_FLAG(int, small_steps, 10, "small_tensors: timed steps per phase");
 ABSL_FLAG(int, small_rounds, 2, "small_tensors: phases of each job, alternating");
 ABSL_FLAG(int, small_workers, 2, "small_tensors: workers");
+ABSL_FLAG(std::string, staging_workers, "8,2",
+          "staging: worker counts; each runs the staging pool against the all-slots layout");
+ABSL_FLAG(int64_t, staging_params, int64_t{64} << 20, "staging: parameters in the job");
+ABSL_FLAG(int, staging_steps, 3, "staging: timed steps per layout");
+ABSL_FLAG(std::string, staging_tls, "", "staging: UCX_TLS (empty: UCX's choice)");
 ABSL_FLAG(bool, small_batch, true,
           "small_tensors: cork each step's pulls and pushes (Client::Cork: small chunks go in "
           "one message per shard); false: one message per chunk");
@@ -451,7 +457,8 @@ struct ProcCluster {
 };
 
 absl::Status StartCluster(const std::string& root, const std::string& dir,
-                          const std::string& tls, int num_shards, ProcCluster* c) {
+                          const std::string& tls, int num_shards, ProcCluster* c,
+                          const std::vector<std::string>& extra_shard_args = {}) {
   c->tls = tls;
   const std::string port_file = absl::StrCat(dir, "/coord.port");
   unlink(port_file.c_str());
@@ -485,6 +492,7 @@ absl::Status StartCluster(const std::string& root, const std::string& dir,
          absl::StrSplit(absl::GetFlag(FLAGS_shard_args), ' ', absl::SkipEmpty())) {
       args.emplace_back(a);
     }
+    args.insert(args.end(), extra_shard_args.begin(), extra_shard_args.end());
     c->commands.push_back(ShellLine({}, args));
     const pid_t pid = Spawn({}, args, absl::StrCat(dir, "/shard-", i, ".log"));
     if (pid < 0) return absl::InternalError("cannot start optimus-shard");
@@ -1155,6 +1163,148 @@ std::vector<int> IntList(const std::string& flag) {
   return out;
 }
 
+// ---- staging: memory per parameter and step rate, pool vs all slots ----
+
+struct StagingResult {
+  double steps_per_s = 0;
+  double memory_used = 0;  // The shard's accounting (state + staging held).
+  uint64_t rss = 0;
+  double tail_mean_s = 0, step_mean_s = 0;  // publish tail, kernel (means).
+  double staging_held = 0, staging_limit = 0, waits = 0, folds = 0;
+};
+
+// One shard, W workers pushing and pulling one tensor of `params` bf16
+// elements (AdamW, no commit round: the pool is what holds gradients), in
+// the given layout; memory read after the timed steps.
+absl::StatusOr<StagingResult> StagingRun(const std::string& root, const std::string& dir,
+                                         int workers, int64_t params, bool fold, int id) {
+  const std::string tls = absl::GetFlag(FLAGS_staging_tls);
+  // State 16 B per parameter; the pool: its default (an eighth of the
+  // budget) for the pool, every chunk's W slots for the all-slots layout.
+  const int64_t state_mb = (params * 16 >> 20) + 64;
+  const int64_t staging_mb = fold ? std::max<int64_t>(256, (state_mb + 256) / 7)
+                                  : (params * 2 * workers >> 20) + 64;
+  std::vector<std::string> extra{absl::StrCat("--memory_limit_mb=", state_mb + staging_mb),
+                                 absl::StrCat("--staging_mb=", staging_mb),
+                                 absl::StrCat("--fold_gradients=", fold ? "true" : "false")};
+  ProcCluster c;
+  if (auto s = StartCluster(root, dir, tls, 1, &c, extra); !s.ok()) {
+    StopCluster(&c);
+    return s;
+  }
+  PrintCluster(id, c, 1);
+  client::JobDef def;
+  def.name = fold ? "staging-pool" : "staging-all-slots";
+  def.world_size = static_cast<uint32_t>(workers);
+  def.tensors = {{"w", {params}}};
+  def.optimizer.kind = client::Optimizer::kAdamW;
+  def.optimizer.lr = 1e-3f;
+  def.skip_nonfinite = false;
+  auto cl = StartJob(c, def);
+  if (!cl.ok()) {
+    StopCluster(&c);
+    return cl.status();
+  }
+  std::vector<std::vector<uint8_t>> grads(workers, std::vector<uint8_t>(params * 2, 0x3c));
+  std::vector<std::vector<uint8_t>> got(workers, std::vector<uint8_t>(params * 2));
+  auto step_all = [&](uint64_t step) {
+    return OnWorkers(workers, [&](int r) -> absl::Status {
+      client::Client* w = (*cl)[r].get();
+      auto p = w->Pull(0, step, got[r].data(), params);
+      if (!p.ok()) return p.status();
+      if (auto s = w->Wait(*p, absl::Seconds(120)); !s.ok()) return s;
+      auto t = w->Push(0, step, grads[r].data(), params);
+      if (!t.ok()) return t.status();
+      return w->Wait(*t, absl::Seconds(120));
+    });
+  };
+  StagingResult out;
+  absl::Status s = step_all(1);  // Warm-up: buffers made, pages touched.
+  const Metrics before = ScrapeShards(c)[0];
+  const int steps = absl::GetFlag(FLAGS_staging_steps);
+  const absl::Time t0 = absl::Now();
+  for (int i = 0; i < steps && s.ok(); ++i) s = step_all(2 + i);
+  const double secs = absl::ToDoubleSeconds(absl::Now() - t0);
+  if (s.ok()) {
+    // The last version, so that the shard is idle when it is measured.
+    s = OnWorkers(workers, [&](int r) -> absl::Status {
+      auto p = (*cl)[r]->Pull(0, 2 + steps, got[r].data(), params);
+      if (!p.ok()) return p.status();
+      return (*cl)[r]->Wait(*p, absl::Seconds(120));
+    });
+  }
+  const Metrics after = ScrapeShards(c)[0];
+  out.rss = RssBytes(c.shards[0]);
+  auto get = [](const Metrics& m, const std::string& k) {
+    auto it = m.values.find(k);
+    return it == m.values.end() ? 0.0 : it->second;
+  };
+  auto mean = [&](const std::string& n) {
+    const double count = get(after, n + "_count") - get(before, n + "_count");
+    return count > 0 ? (get(after, n + "_sum") - get(before, n + "_sum")) / count : 0.0;
+  };
+  out.steps_per_s = steps / secs;
+  out.memory_used = get(after, "optimus_shard_memory_used_bytes");
+  out.tail_mean_s = mean("optimus_shard_publish_tail_seconds");
+  out.step_mean_s = mean("optimus_shard_step_seconds");
+  out.staging_held = get(after, "optimus_shard_staging_held_bytes");
+  out.staging_limit = get(after, "optimus_shard_staging_limit_bytes");
+  out.waits = get(after, "optimus_shard_staging_waits_total");
+  out.folds = get(after, "optimus_shard_folds_total");
+  cl->clear();
+  (void)DeleteJob(c, def.name);
+  StopCluster(&c);
+  if (!s.ok()) return s;
+  return out;
+}
+
+void RunStaging(const std::string& root, const std::string& dir) {
+  const int64_t params = absl::GetFlag(FLAGS_staging_params);
+  int id = 2000;
+  for (int w : IntList(absl::GetFlag(FLAGS_staging_workers))) {
+    StagingResult r[2];
+    absl::Status error;
+    // Alternating, twice each (the baseline first); the faster run of each
+    // layout is reported (memory is the same in both runs).
+    for (int round = 0; round < 2 && error.ok(); ++round) {
+      for (int k = 0; k < 2 && error.ok(); ++k) {
+        auto got = StagingRun(root, dir, w, params, /*fold=*/k == 1, ++id);
+        if (!got.ok()) {
+          error = got.status();
+        } else if (got->steps_per_s > r[k].steps_per_s) {
+          r[k] = *got;
+        }
+      }
+    }
+    if (!error.ok()) {
+      PrintError("staging", absl::GetFlag(FLAGS_staging_tls), 0, w, 1, error);
+      continue;
+    }
+    const double p = static_cast<double>(params);
+    std::fprintf(g_out,
+                 "{\"bench\": \"dataplane\", \"case\": \"staging\", \"workers\": %d, "
+                 "\"params\": %lld, \"optimizer\": \"adamw\", \"dtypes\": \"bf16\", "
+                 "\"steps_per_s\": %.4f, \"memory_used_per_param\": %.2f, "
+                 "\"rss_per_param\": %.2f, \"memory_used_less_staging_per_param\": %.2f, "
+                 "\"staging_limit_bytes\": %.0f, "
+                 "\"staging_held_bytes\": %.0f, \"staging_waits\": %.0f, \"folds\": %.0f, "
+                 "\"publish_tail_mean_s\": %.5f, \"kernel_mean_s\": %.5f, "
+                 "\"tail_over_kernel\": %.3f, "
+                 "\"baseline\": \"all slots (--fold_gradients=false, pool = W slots per parameter)\", "
+                 "\"baseline_steps_per_s\": %.4f, \"baseline_memory_used_per_param\": %.2f, "
+                 "\"baseline_rss_per_param\": %.2f, \"baseline_tail_over_kernel\": %.3f, "
+                 "\"ratio_steps_per_s\": %.3f}\n",
+                 w, static_cast<long long>(params), r[1].steps_per_s, r[1].memory_used / p,
+                 r[1].rss / p, (r[1].memory_used - r[1].staging_held) / p, r[1].staging_limit, r[1].staging_held, r[1].waits, r[1].folds,
+                 r[1].tail_mean_s, r[1].step_mean_s,
+                 r[1].step_mean_s > 0 ? r[1].tail_mean_s / r[1].step_mean_s : 0.0,
+                 r[0].steps_per_s, r[0].memory_used / p, r[0].rss / p,
+                 r[0].step_mean_s > 0 ? r[0].tail_mean_s / r[0].step_mean_s : 0.0,
+                 r[0].steps_per_s > 0 ? r[1].steps_per_s / r[0].steps_per_s : 0.0);
+    std::fflush(g_out);
+  }
+}
+
 int Main(const char* argv0) {
   signal(SIGINT, OnSignal);
   signal(SIGTERM, OnSignal);
@@ -1228,6 +1378,7 @@ int Main(const char* argv0) {
     }
   }
   if (wants("small_tensors")) RunSmallTensors(root, dir);
+  if (wants("staging")) RunStaging(root, dir);
   std::fprintf(stderr, "bench/dataplane: done in %.0f s\n",
                absl::ToDoubleSeconds(absl::Now() - t0));
   return 0;
