@@ -47,11 +47,9 @@ struct Impl {
 class TransportTest : public ::testing::TestWithParam<Impl> {
  protected:
   bool loopback() const { return GetParam().ucx_transports == nullptr; }
-  // UCX 1.13's shared-memory transports cannot detect dead peers (see
-  // WorkerOptions::detect_peer_failure), so those workers run without it.
-  bool detects_dead_peers() const {
-    return loopback() || std::string(GetParam().ucx_transports) != "sm,self";
-  }
+  // Every implementation reports dead peers, UCX's shared memory included
+  // (see WorkerOptions::detect_peer_failure).
+  bool detects_dead_peers() const { return true; }
 
   WorkerOptions Options(const std::string& name) {
     WorkerOptions o;
@@ -61,7 +59,6 @@ class TransportTest : public ::testing::TestWithParam<Impl> {
     } else {
       o.transports = GetParam().ucx_transports;
       o.net_devices = "lo";
-      o.detect_peer_failure = detects_dead_peers();
     }
     return o;
   }
