@@ -114,6 +114,9 @@ struct Core {
   // This worker's rendezvous sends not finished yet (cancelled when it is
   // destroyed).
   std::map<RendezvousSend*, std::shared_ptr<RendezvousSend>> inflight ABSL_GUARDED_BY(mu);
+  // Peers' rendezvous payloads this worker keeps (IncomingMessage::Keep),
+  // dropped when it is destroyed.
+  std::map<RendezvousSend*, std::shared_ptr<RendezvousSend>> kept ABSL_GUARDED_BY(mu);
 };
 
 void RendezvousSend::Finish(const absl::Status& s) {
@@ -196,11 +199,18 @@ class LoopbackPendingPayload : public PendingPayload {
       : receiver_(std::move(receiver)),
         rndv_(std::move(rndv)),
         eager_(std::move(eager)),
-        size_(size) {}
+        size_(size) {
+    if (rndv_ == nullptr) return;
+    absl::MutexLock lock(&receiver_->mu);
+    receiver_->kept.emplace(rndv_.get(), rndv_);
+  }
 
   ~LoopbackPendingPayload() override {
     // Dropped: the sender completes OK, as for a payload the handler ignored.
-    if (!taken_.load() && rndv_ != nullptr) FinishOnSender(rndv_, absl::OkStatus());
+    if (!taken_.load() && rndv_ != nullptr) {
+      Forget();
+      FinishOnSender(rndv_, absl::OkStatus());
+    }
   }
 
   size_t size() const override { return size_; }
@@ -210,6 +220,7 @@ class LoopbackPendingPayload : public PendingPayload {
       done(absl::FailedPreconditionError("payload already received"));
       return;
     }
+    if (rndv_ != nullptr) Forget();
     if (dst == nullptr && size_ > 0) {
       if (rndv_ != nullptr) FinishOnSender(rndv_, absl::OkStatus());  // Dropped.
       done(absl::InvalidArgumentError("receive into a null buffer"));
@@ -245,6 +256,11 @@ class LoopbackPendingPayload : public PendingPayload {
   }
 
  private:
+  void Forget() {
+    absl::MutexLock lock(&receiver_->mu);
+    receiver_->kept.erase(rndv_.get());
+  }
+
   const std::shared_ptr<Core> receiver_;
   const std::shared_ptr<RendezvousSend> rndv_;  // Null for an eager payload.
   const std::string eager_;
@@ -361,6 +377,14 @@ class LoopbackWorker : public Worker {
     for (const auto& [raw, op] : inflight) {
       op->Finish(absl::CancelledError("send: the loopback worker was destroyed first"));
     }
+    // 4b. Peers' payloads it kept are dropped (their senders complete OK,
+    // as for a payload dropped on purpose; later receives fail).
+    std::map<RendezvousSend*, std::shared_ptr<RendezvousSend>> kept;
+    {
+      absl::MutexLock lock(&core_->mu);
+      kept.swap(core_->kept);
+    }
+    for (const auto& [raw, op] : kept) FinishOnSender(op, absl::OkStatus());
     // 5. Peers learn that this worker died, as UCX's peer-failure detection
     // would tell them.
     std::vector<std::shared_ptr<Core>> others;

@@ -644,7 +644,8 @@ class UcxWorker : public Worker {
     }
     p.cb.recv_am = &UcxWorker::OnRecvDone;
     p.user_data = op;
-    Track(op, ucp_am_recv_data_nbx(worker_, data_desc, dst, length, &p));
+    const uint64_t generation = op->generation;
+    Track(op, generation, ucp_am_recv_data_nbx(worker_, data_desc, dst, length, &p));
   }
 
   // IncomingMessage::Keep of a rendezvous payload (progress thread).
@@ -926,7 +927,8 @@ class UcxWorker : public Worker {
     p.flags = UCP_AM_SEND_FLAG_REPLY | UCP_AM_SEND_FLAG_EAGER;
     p.cb.send = &UcxWorker::OnSendDone;
     p.user_data = op;
-    Track(op, ucp_am_send_nbx(peer->ep, kHelloAmId, op->header(), op->header_size,
+    const uint64_t generation = op->generation;
+    Track(op, generation, ucp_am_send_nbx(peer->ep, kHelloAmId, op->header(), op->header_size,
                               address_.data(), address_.size(), &p));
     return peer;
   }
@@ -981,12 +983,22 @@ class UcxWorker : public Worker {
     // receiver finds its way back through our instance id (see Peer).
     p.cb.send = &UcxWorker::OnSendDone;
     p.user_data = op;
-    Track(op, ucp_am_send_nbx(peer->ep, op->am_id + kFirstUserAmId, op->header(),
+    const uint64_t generation = op->generation;
+    Track(op, generation, ucp_am_send_nbx(peer->ep, op->am_id + kFirstUserAmId, op->header(),
                               op->header_size, op->payload, op->payload_size, &p));
   }
 
-  // Takes over a request returned by a ucp_*_nbx call for op.
-  void Track(Op* op, ucs_status_ptr_t st) {
+  // Takes over a request returned by a ucp_*_nbx call for op, whose
+  // generation was `generation` before the call. UCX 1.13 sometimes fails a
+  // request inside the call, running its callback (which finished and
+  // recycled op), and still returns the request (seen with
+  // ucp_am_recv_data_nbx from a dead peer over tcp): then op has moved on
+  // and the returned pointer is stale.
+  void Track(Op* op, uint64_t generation, ucs_status_ptr_t st) {
+    if (op->generation != generation) {
+      OPTIMUS_LOG(Debug, kLog, options_.name, ": request completed inside its call");
+      return;
+    }
     if (st == nullptr) {
       Complete(op, absl::OkStatus());
     } else if (UCS_PTR_IS_ERR(st)) {
@@ -1008,16 +1020,27 @@ class UcxWorker : public Worker {
     if (done) done(std::move(s));
   }
 
+  // A request UCX cancelled while this worker is not closing was cancelled
+  // because its endpoint failed (UCX purges them when it closes a failed
+  // endpoint, ours or its own): the peer failed, so UNAVAILABLE.
+  absl::Status RequestStatus(ucs_status_t status, const char* what) const {
+    if (status == UCS_ERR_CANCELED && !closed_) {
+      return absl::UnavailableError(
+          absl::StrCat(what, ": UCX: ", ucs_status_string(status), " (the peer failed)"));
+    }
+    return FromUcs(status, what);
+  }
+
   static void OnSendDone(void* request, ucs_status_t status, void* user) {
     auto* op = static_cast<Op*>(user);
     ucp_request_free(request);
-    Complete(op, FromUcs(status, op->what));
+    Complete(op, op->worker->RequestStatus(status, op->what));
   }
 
   static void OnRecvDone(void* request, ucs_status_t status, size_t /*length*/, void* user) {
     auto* op = static_cast<Op*>(user);
     ucp_request_free(request);
-    Complete(op, FromUcs(status, op->what));
+    Complete(op, op->worker->RequestStatus(status, op->what));
   }
 
   static void OnCloseDone(void* request, ucs_status_t /*status*/, void* user) {
@@ -1085,7 +1108,8 @@ class UcxWorker : public Worker {
     p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
     p.cb.send = &UcxWorker::OnSendDone;
     p.user_data = op;
-    Track(op, ucp_am_send_nbx(param->reply_ep, kHelloAckAmId, op->header(), op->header_size,
+    const uint64_t generation = op->generation;
+    Track(op, generation, ucp_am_send_nbx(param->reply_ep, kHelloAckAmId, op->header(), op->header_size,
                               nullptr, 0, &p));
   }
 
@@ -1107,8 +1131,10 @@ class UcxWorker : public Worker {
 
   // A peer said goodbye: its worker is being destroyed. Keepalive would not
   // tell when its process lives on (shared memory checks the pid), so fail
-  // every endpoint to it now.
+  // every endpoint to it now. Ignored without detect_peer_failure (no dead
+  // peer is reported then).
   void OnBye(uint64_t sender) {
+    if (!options_.detect_peer_failure) return;
     for (auto& p : peers_) {
       Peer* peer = p.get();
       if (peer->instance != sender || !peer->failure.ok()) continue;
@@ -1145,7 +1171,8 @@ class UcxWorker : public Worker {
       prm.flags = UCP_AM_SEND_FLAG_EAGER;
       prm.cb.send = &UcxWorker::OnSendDone;
       prm.user_data = op;
-      Track(op, ucp_am_send_nbx(peer->ep, kHelloAckAmId, op->header(), op->header_size,
+      const uint64_t generation = op->generation;
+      Track(op, generation, ucp_am_send_nbx(peer->ep, kHelloAckAmId, op->header(), op->header_size,
                                 nullptr, 0, &prm));
     }
     while (pending > 0 && absl::Now() < give_up) {
@@ -1164,6 +1191,9 @@ class UcxWorker : public Worker {
   static void OnEpError(void* arg, ucp_ep_h ep, ucs_status_t status) {
     auto* peer = static_cast<Peer*>(arg);
     UcxWorker* self = peer->owner;
+    // Inside ucp_worker_destroy (an endpoint whose failure UCX had not
+    // reported yet): nothing may touch UCX any more.
+    if (self->destroying_) return;
     OPTIMUS_LOG(Warning, kLog, self->options_.name, ": endpoint to ", PeerName(peer),
                 " failed: ", ucs_status_string(status));
     if (peer->ep != ep) return;
@@ -1329,6 +1359,7 @@ class UcxWorker : public Worker {
     RunPosted();  // Posted between the two locks.
     for (ucp_mem_h m : regions_) ucp_mem_unmap(context_, m);
     regions_.clear();
+    destroying_ = true;
     ucp_worker_destroy(worker_);
     worker_ = nullptr;
     // Requests UCX never completed (it gave up within the budget): their
@@ -1384,6 +1415,7 @@ class UcxWorker : public Worker {
   std::set<Kept*> kept_;
   int closing_ = 0;  // Endpoint closes not yet completed.
   bool closed_ = false;
+  bool destroying_ = false;  // In ucp_worker_destroy.
 };
 
 UcxMemoryRegion::~UcxMemoryRegion() {
