@@ -337,7 +337,8 @@ int main(int argc, char** argv) {
                                      absl::StrCat("--world_size=", workers),
                                      absl::StrCat("--steps=", worker_steps),
                                      absl::StrCat("--hidden=", absl::GetFlag(FLAGS_hidden)),
-                                     absl::StrCat("--seed=", absl::GetFlag(FLAGS_seed))};
+                                     absl::StrCat("--seed=", absl::GetFlag(FLAGS_seed)),
+                                     "--net_devices=lo"};
     if (r == 0) args.push_back("--params_out=" + params_file);
     if (open_ended) args.push_back("--stop_file=" + stop_file);
     if (ckpt_every > 0) args.push_back(absl::StrCat("--checkpoint_every_steps=", ckpt_every));
