@@ -230,13 +230,12 @@ struct Op {
   enum class Kind { kSend, kTask, kOther };
 
   char* header() { return heap_header != nullptr ? heap_header.get() : inline_header; }
-  // header = prefix + rest (prefix_size 0 or kPrefixBytes).
-  void SetHeader(uint64_t prefix, bool with_prefix, const void* rest, size_t rest_size) {
-    const size_t prefix_size = with_prefix ? kPrefixBytes : 0;
-    header_size = prefix_size + rest_size;
+  // The UCX header: the sender's instance id, then rest.
+  void SetHeader(uint64_t instance, const void* rest, size_t rest_size) {
+    header_size = kPrefixBytes + rest_size;
     if (header_size > sizeof(inline_header)) heap_header.reset(new char[header_size]);
-    if (with_prefix) std::memcpy(header(), &prefix, kPrefixBytes);
-    if (rest_size > 0) std::memcpy(header() + prefix_size, rest, rest_size);
+    std::memcpy(header(), &instance, kPrefixBytes);
+    if (rest_size > 0) std::memcpy(header() + kPrefixBytes, rest, rest_size);
   }
 
   UcxWorker* worker = nullptr;
@@ -570,7 +569,7 @@ class UcxWorker : public Worker {
       op->payload_size = payload_size;
       op->memh = memh;
       op->foreign_region = foreign;
-      op->SetHeader(instance_, /*with_prefix=*/true, header.data(), header.size());
+      op->SetHeader(instance_, header.data(), header.size());
       op->done = std::move(done);
       gone = !EnqueueLocked(op);
     }
@@ -913,7 +912,7 @@ class UcxWorker : public Worker {
     std::string rest;
     AppendU64(&rest, token);
     rest += options_.name;
-    op->SetHeader(instance_, /*with_prefix=*/true, rest.data(), rest.size());
+    op->SetHeader(instance_, rest.data(), rest.size());
     op->done = [this, pending](absl::Status s) {
       if (!s.ok()) FinishConnect(pending, s);
     };
@@ -1102,7 +1101,7 @@ class UcxWorker : public Worker {
     std::string answer;
     AppendU64(&answer, token);
     answer += options_.name;
-    op->SetHeader(instance_, /*with_prefix=*/true, answer.data(), answer.size());
+    op->SetHeader(instance_, answer.data(), answer.size());
     ucp_request_param_t p;
     std::memset(&p, 0, sizeof(p));
     p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
@@ -1161,7 +1160,7 @@ class UcxWorker : public Worker {
       Op* op = TakeOp();
       op->what = "goodbye";
       const uint64_t token = kByeToken;
-      op->SetHeader(instance_, /*with_prefix=*/true, &token, sizeof(token));
+      op->SetHeader(instance_, &token, sizeof(token));
       ++pending;
       op->done = [&pending](absl::Status) { --pending; };
       ucp_request_param_t prm;
