@@ -2,8 +2,8 @@
 // transport tests that need a peer they can SIGKILL or that must run in
 // another process (shared memory between processes). Test-only.
 //
-// Flags: --transports, --net_devices (WorkerOptions; default empty, i.e.
-// UCX's defaults), --keep (the data handler keeps every payload and never
+// Flags: --transports, --net_devices, --detect_peer_failure (WorkerOptions;
+// default empty, i.e. UCX's defaults, and true), --keep (the data handler keeps every payload and never
 // receives it, instead of receiving it).
 // Prints "ADDRESS <hex>" once started, then answers commands, one a line:
 //   CONNECT <hex>   connect to that address; prints "CONNECTED <status>"
@@ -33,6 +33,7 @@
 ABSL_FLAG(std::string, transports, "", "WorkerOptions::transports");
 ABSL_FLAG(std::string, net_devices, "", "WorkerOptions::net_devices");
 ABSL_FLAG(bool, keep, false, "keep payloads of message 1 instead of receiving them");
+ABSL_FLAG(bool, detect_peer_failure, true, "WorkerOptions::detect_peer_failure");
 
 namespace optimus {
 namespace transport {
@@ -51,6 +52,7 @@ int Main() {
   o.name = "test_peer";
   o.transports = absl::GetFlag(FLAGS_transports);
   o.net_devices = absl::GetFlag(FLAGS_net_devices);
+  o.detect_peer_failure = absl::GetFlag(FLAGS_detect_peer_failure);
   auto w = Worker::Create(o);
   if (!w.ok()) {
     Say(absl::StrCat("ERROR ", w.status().ToString()));

@@ -65,12 +65,16 @@ struct WorkerOptions {
   // (UCX_KEEPALIVE_INTERVAL), so peers on one machine still talk over
   // shared memory (sysv/posix and cma), as fast as without detection. A
   // destroyed worker says goodbye to its peers, so one in a process that
-  // lives on is reported at once. Limits of the pid check: a killed peer
-  // that stays a zombie (its parent does not reap it) looks alive, and
-  // peers that share an IPC namespace but not a pid namespace (containers
-  // of one pod) must not use it: set UCX_MM_ERROR_HANDLING=n there (UCX
-  // then uses tcp between them). Off: UCX never reports a dead peer (eager
-  // sends to it "succeed", rendezvous ones wait until teardown). Default on.
+  // lives on is reported at once. Limits: a killed peer that stays a zombie
+  // (its parent does not reap it) looks alive to the pid check; and UCX
+  // 1.13's shared memory does not work between processes that share an IPC
+  // namespace but not a pid namespace with its own /proc (containers of one
+  // pod without shareProcessNamespace; checked: connecting times out, with
+  // or without detection), which UCX then considers on one machine: set
+  // UCX_MM_ERROR_HANDLING=n there (UCX then uses tcp between them, as before
+  // this was turned on) or leave sm out of UCX_TLS. Off: UCX never reports a
+  // dead peer (eager sends to it "succeed", rendezvous ones wait until
+  // teardown). Default on.
   bool detect_peer_failure = true;
   // Called on the progress thread when a peer failed (needs
   // detect_peer_failure), once per endpoint, after later Sends on it have
