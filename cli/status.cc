@@ -247,8 +247,8 @@ std::string HumanBytes(uint64_t size_bytes) {
 }
 
 std::string RenderStatusTable(const v1::StatusResponse& status) {
-  Table shards({"ID", "KIND", "ARCH", "HOST", "STATE", "MEM USED/LIMIT +STAGING", "PLANNED", "CHUNKS",
-                "BACKUPS", "LEASE AGE"});
+  Table shards({"ID", "KIND", "ARCH", "HOST", "STATE", "MEM USED/LIMIT +STAGING", "PLANNED",
+                "CHUNKS", "BACKUPS", "TRANSPORTS", "LEASE AGE"});
   shards.RightAlign(0);
   shards.RightAlign(7);
   shards.RightAlign(8);
@@ -263,7 +263,8 @@ std::string RenderStatusTable(const v1::StatusResponse& status) {
                                  ? absl::StrCat(" +", HumanBytes(caps.staging_bytes()))
                                  : ""),
                 HumanBytes(s.memory_planned_bytes()), absl::StrCat(s.chunks_owned()),
-                absl::StrCat(s.backup_chunks()), HumanAge(s.lease_age_ms())});
+                absl::StrCat(s.backup_chunks()),
+                s.transports().empty() ? "-" : s.transports(), HumanAge(s.lease_age_ms())});
   }
   Table jobs({"ID", "NAME", "STATE", "WORKERS", "STEP", "TENSORS", "PARAMS", "STATE BYTES",
               "EPOCH", "REPL", "REPLICAS", "LAST CHECKPOINT"});
@@ -302,6 +303,7 @@ std::string RenderStatusJson(const v1::StatusResponse& status) {
         ",\"memory_limit_bytes\":", caps.memory_limit_bytes(),
         ",\"staging_bytes\":", caps.staging_bytes(),
         ",\"chunks_owned\":", s.chunks_owned(), ",\"backup_chunks\":", s.backup_chunks(),
+        ",\"transports\":", JsonQuote(s.transports()),
         ",\"lease_age_ms\":", s.lease_age_ms(), "}"));
   }
   std::vector<std::string> jobs;

@@ -22,8 +22,9 @@ absl::StatusOr<v1::StatusResponse> FetchStatus(const std::string& address,
 
 // Two tables, SHARDS then JOBS, with a header row each; memory in binary
 // units ("1.5 GiB"), lease age as "250ms" / "3.2s" / "5m07s". A shard's
-// STATE is UP, DRAINING or DOWN, CHUNKS counts primaries and backups and
-// BACKUPS the latter; a job's REPL is its replication and REPLICAS its
+// STATE is UP, DRAINING or DOWN, CHUNKS counts primaries and backups,
+// BACKUPS the latter, and TRANSPORTS names the UCX transports its data plane
+// uses ("sysv,cma", "rc_mlx5", "tcp"; "-" before any); a job's REPL is its replication and REPLICAS its
 // ReplicaHealth. Then OPTIMIZERS: a row per parameter group (a job without
 // param_groups has one, the implicit group "0"), the job's optimizer, lr,
 // CLIP (max_grad_norm, "-" for none), NON-FINITE ("skip" or "keep") and
@@ -38,7 +39,7 @@ std::string RenderStatusTable(const v1::StatusResponse& status);
 // strings ("dpu", "up", "ready"). Shard fields: shard_id, kind, arch, cores,
 // hostname, state ("up", "draining", "down"), memory_used_bytes,
 // memory_planned_bytes, memory_limit_bytes, chunks_owned, backup_chunks,
-// lease_age_ms. Job fields: job_id, name, state, world_size, workers_joined,
+// transports ("" before any), lease_age_ms. Job fields: job_id, name, state, world_size, workers_joined,
 // current_step, num_tensors, num_params, state_bytes, map_epoch,
 // replication, num_chunks, chunks_with_backup, backups_in_sync, replicas
 // (ReplicaHealthWord), last_checkpoint ({checkpoint_id, step, state, error}

@@ -25,6 +25,7 @@ v1::StatusResponse Sample() {
   s->set_memory_used_bytes(uint64_t{2} << 30);
   s->set_memory_planned_bytes(uint64_t{3} << 30);
   s->set_chunks_owned(12);
+  s->set_transports("rc_mlx5,sysv,cma");
   s->set_lease_age_ms(250);
   v1::ShardStatus* h = st.add_shards();
   h->set_shard_id(2);
@@ -69,6 +70,8 @@ TEST(RenderStatusJsonTest, IsValidJsonWithNumbersAsNumbers) {
   EXPECT_EQ(shards.array[0]["memory_planned_bytes"].AsUint(), uint64_t{3} << 30);
   EXPECT_EQ(shards.array[0]["chunks_owned"].AsUint(), 12u);
   EXPECT_EQ(shards.array[0]["lease_age_ms"].AsUint(), 250u);
+  EXPECT_EQ(shards.array[0]["transports"].string, "rc_mlx5,sysv,cma");
+  EXPECT_EQ(shards.array[1]["transports"].string, "");
   EXPECT_EQ(shards.array[1]["kind"].string, "host");
   EXPECT_EQ(shards.array[1]["state"].string, "down");
   EXPECT_EQ(shards.array[1]["memory_limit_bytes"].AsUint(), (uint64_t{1} << 60) + 1);
@@ -99,6 +102,8 @@ TEST(RenderStatusTableTest, ShowsHumanReadableRowsUnderAlignedHeaders) {
   EXPECT_THAT(table, HasSubstr("2.0 GiB / 16.0 GiB"));
   EXPECT_THAT(table, HasSubstr("250ms"));
   EXPECT_THAT(table, HasSubstr("3.2s"));
+  EXPECT_THAT(table, HasSubstr("TRANSPORTS"));
+  EXPECT_THAT(table, HasSubstr("rc_mlx5,sysv,cma"));
   EXPECT_THAT(table, HasSubstr("DOWN"));
   EXPECT_THAT(table, HasSubstr("llama-70b"));
   EXPECT_THAT(table, HasSubstr("3/8"));

@@ -68,6 +68,7 @@ v1::HeartbeatResponse Coordinator::Heartbeat(const v1::HeartbeatRequest& req) {
     resp.set_known(false);
     return resp;
   }
+  shard->transports = req.transports();
   const uint64_t shard_id = shard->id;
   bool became_ready = false;
   std::set<uint64_t> released;

@@ -52,6 +52,7 @@ v1::ShardStatus Coordinator::ShardStatusLocked(const ShardRecord& shard,
     s.set_chunks_owned(p->second.num_chunks + p->second.unreleased_chunks);
     s.set_backup_chunks(p->second.backup_chunks);
   }
+  s.set_transports(shard.transports);
   s.set_lease_age_ms(static_cast<uint64_t>(
       std::max<int64_t>(0, absl::ToInt64Milliseconds(now - shard.last_heartbeat))));
   return s;

@@ -74,6 +74,7 @@ class CoordinatorTest : public ::testing::Test {
     req.set_shard_id(shard_id);
     req.set_memory_used_bytes(1000 * shard_id);
     req.set_chunks_owned(chunks_loaded);
+    req.set_transports(shard_id % 2 == 1 ? "sysv,cma" : "tcp");
     if (job_id != 0) {
       v1::ShardJobProgress* p = req.add_jobs();
       p->set_job_id(job_id);
@@ -434,8 +435,10 @@ TEST_F(CoordinatorTest, StatusReportsShardsAndJobs) {
   EXPECT_EQ(s0.memory_used_bytes(), 1000 * dpu);  // As reported.
   EXPECT_EQ(s0.memory_planned_bytes(), 4100u * 20);
   EXPECT_EQ(s0.chunks_owned(), chunks);
+  EXPECT_EQ(s0.transports(), dpu % 2 == 1 ? "sysv,cma" : "tcp");  // As reported.
   EXPECT_LT(s0.lease_age_ms(), 300u);
   EXPECT_EQ(st.shards(1).memory_planned_bytes(), 0u);
+  EXPECT_EQ(st.shards(1).transports(), "");  // Has not beaten yet.
 
   ASSERT_EQ(st.jobs_size(), 1);
   const v1::JobStatus& j = st.jobs(0);

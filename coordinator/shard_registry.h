@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -33,6 +34,7 @@ struct ShardRecord {
   absl::Time down_since;
   uint64_t memory_used_bytes = 0;  // As reported.
   uint32_t chunks_reported = 0;    // As reported.
+  std::string transports;          // As reported (data-plane transports in use).
   // DRAINING: chunks it held when the drain began (volatile), and whether
   // "drained" was logged.
   uint32_t drain_chunks_at_start = 0;

@@ -85,6 +85,7 @@ HeartbeatReport Shard::BuildReport() const {
   HeartbeatReport r;
   r.shard_id = shard_id_.load();
   r.memory_used_bytes = table_.memory()->used();
+  r.transports = worker_->transports_in_use();
   for (const JobRef& job : table_.All()) {
     JobReport j;
     j.job_id = job->config.job_id;

@@ -138,6 +138,7 @@ class GrpcCoordinatorLink : public CoordinatorLink {
     req.set_shard_id(r.shard_id);
     req.set_memory_used_bytes(r.memory_used_bytes);
     req.set_chunks_owned(r.chunks_owned);
+    req.set_transports(r.transports);
     for (const JobReport& j : r.jobs) {
       v1::ShardJobProgress* p = req.add_jobs();
       p->set_job_id(j.job_id);

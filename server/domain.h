@@ -132,6 +132,7 @@ struct HeartbeatReport {
   uint32_t chunks_owned = 0;
   std::vector<JobReport> jobs;
   std::vector<CheckpointReport> checkpoints;
+  std::string transports;  // The data plane's transports_in_use().
 };
 
 struct CheckpointOrder {

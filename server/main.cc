@@ -27,8 +27,12 @@ ABSL_FLAG(int, step_threads, 0,
           "threads running optimizer steps and gradient folds (one chunk each); 0: one per core");
 ABSL_FLAG(int, kernel_threads, 0,
           "threads splitting one chunk's optimizer step; 0: one per core");
-ABSL_FLAG(std::string, transports, "tcp,sm,self", "UCX transports (UCX_TLS syntax)");
-ABSL_FLAG(std::string, net_devices, "all", "UCX network devices (lo keeps traffic local)");
+ABSL_FLAG(std::string, transports, "",
+          "UCX transports (UCX_TLS syntax, e.g. rc,sm,self); empty: UCX_TLS from the environment, "
+          "or UCX's choice among all it finds");
+ABSL_FLAG(std::string, net_devices, "",
+          "UCX network devices (UCX_NET_DEVICES syntax; lo keeps traffic local); empty: "
+          "UCX_NET_DEVICES from the environment, or all");
 ABSL_FLAG(int, metrics_port, 0, "HTTP port for /metrics and /healthz on all interfaces; 0: off");
 ABSL_FLAG(std::string, checkpoint_dir, "",
           "folder for checkpoints, shared with optimus-coord's --checkpoint_dir; empty: off");

@@ -114,6 +114,9 @@ struct Core {
   // This worker's rendezvous sends not finished yet (cancelled when it is
   // destroyed).
   std::map<RendezvousSend*, std::shared_ptr<RendezvousSend>> inflight ABSL_GUARDED_BY(mu);
+  // Peers' rendezvous payloads this worker keeps (IncomingMessage::Keep),
+  // dropped when it is destroyed.
+  std::map<RendezvousSend*, std::shared_ptr<RendezvousSend>> kept ABSL_GUARDED_BY(mu);
 };
 
 void RendezvousSend::Finish(const absl::Status& s) {
@@ -186,6 +189,85 @@ struct Peer {
 
 class LoopbackRegion : public MemoryRegion {};
 
+// IncomingMessage::Keep's result: the sender's half of a rendezvous (the
+// sender's Send completes when this is received or destroyed), or the bytes
+// of an eager payload.
+class LoopbackPendingPayload : public PendingPayload {
+ public:
+  LoopbackPendingPayload(std::shared_ptr<Core> receiver, std::shared_ptr<RendezvousSend> rndv,
+                         std::string eager, size_t size)
+      : receiver_(std::move(receiver)),
+        rndv_(std::move(rndv)),
+        eager_(std::move(eager)),
+        size_(size) {
+    if (rndv_ == nullptr) return;
+    absl::MutexLock lock(&receiver_->mu);
+    receiver_->kept.emplace(rndv_.get(), rndv_);
+  }
+
+  ~LoopbackPendingPayload() override {
+    // Dropped: the sender completes OK, as for a payload the handler ignored.
+    if (!taken_.load() && rndv_ != nullptr) {
+      Forget();
+      FinishOnSender(rndv_, absl::OkStatus());
+    }
+  }
+
+  size_t size() const override { return size_; }
+
+  void ReceiveInto(void* dst, const MemoryRegion* /*region*/, DoneCallback done) override {
+    if (taken_.exchange(true)) {
+      done(absl::FailedPreconditionError("payload already received"));
+      return;
+    }
+    if (rndv_ != nullptr) Forget();
+    if (dst == nullptr && size_ > 0) {
+      if (rndv_ != nullptr) FinishOnSender(rndv_, absl::OkStatus());  // Dropped.
+      done(absl::InvalidArgumentError("receive into a null buffer"));
+      return;
+    }
+    if (rndv_ == nullptr) std::memcpy(dst, eager_.data(), eager_.size());
+    // The payload "arrives" on the receiver's progress thread.
+    std::shared_ptr<RendezvousSend> rndv = rndv_;
+    auto shared_done = std::make_shared<DoneCallback>(std::move(done));
+    const bool posted = receiver_->Post([rndv, dst, shared_done](bool cancelled) {
+      if (cancelled) {
+        if (rndv != nullptr) {
+          FinishOnSender(rndv, absl::UnavailableError(
+              "send: the receiving loopback worker was destroyed before taking the payload"));
+        }
+        (*shared_done)(absl::CancelledError("receive: the loopback worker was destroyed first"));
+        return;
+      }
+      absl::Status s;
+      if (rndv != nullptr) {
+        s = rndv->CopyTo(dst);
+        if (s.ok()) FinishOnSender(rndv, absl::OkStatus());
+      }
+      (*shared_done)(s);
+    });
+    if (!posted) {  // The receiving worker is being or has been destroyed.
+      if (rndv != nullptr) {
+        FinishOnSender(rndv, absl::UnavailableError(
+            "send: the receiving loopback worker was destroyed before taking the payload"));
+      }
+      (*shared_done)(absl::CancelledError("receive: the loopback worker was destroyed first"));
+    }
+  }
+
+ private:
+  void Forget() {
+    absl::MutexLock lock(&receiver_->mu);
+    receiver_->kept.erase(rndv_.get());
+  }
+
+  const std::shared_ptr<Core> receiver_;
+  const std::shared_ptr<RendezvousSend> rndv_;  // Null for an eager payload.
+  const std::string eager_;
+  const size_t size_;
+  std::atomic<bool> taken_{false};
+};
+
 class LoopbackMessage : public IncomingMessage {
  public:
   LoopbackMessage(std::shared_ptr<Core> receiver, const Message& m, Peer* back)
@@ -239,6 +321,13 @@ class LoopbackMessage : public IncomingMessage {
     }
   }
 
+  std::unique_ptr<PendingPayload> Keep() override {
+    if (received_ || m_.payload_size == 0) return nullptr;
+    received_ = true;
+    return std::make_unique<LoopbackPendingPayload>(receiver_, m_.rndv, m_.eager,
+                                                    m_.payload_size);
+  }
+
   bool received() const { return received_; }
 
  private:
@@ -288,6 +377,14 @@ class LoopbackWorker : public Worker {
     for (const auto& [raw, op] : inflight) {
       op->Finish(absl::CancelledError("send: the loopback worker was destroyed first"));
     }
+    // 4b. Peers' payloads it kept are dropped (their senders complete OK,
+    // as for a payload dropped on purpose; later receives fail).
+    std::map<RendezvousSend*, std::shared_ptr<RendezvousSend>> kept;
+    {
+      absl::MutexLock lock(&core_->mu);
+      kept.swap(core_->kept);
+    }
+    for (const auto& [raw, op] : kept) FinishOnSender(op, absl::OkStatus());
     // 5. Peers learn that this worker died, as UCX's peer-failure detection
     // would tell them.
     std::vector<std::shared_ptr<Core>> others;
@@ -309,6 +406,9 @@ class LoopbackWorker : public Worker {
 
   const std::string& address() const override { return core_->address; }
   const std::shared_ptr<Core>& core() const { return core_; }
+  std::string transports_in_use() const override {
+    return used_.load() ? "loopback" : "";
+  }
 
   void SetHandler(uint16_t am_id, Handler handler) override {
     if (am_id > kMaxAmId) {
@@ -400,6 +500,7 @@ class LoopbackWorker : public Worker {
     } else if (payload_size > 0) {
       msg->eager.assign(static_cast<const char*>(payload), payload_size);
     }
+    used_.store(true);
     const std::shared_ptr<Core>& remote = peer->remote;
     LoopbackWorker* receiver = remote->worker;
     const bool posted = remote->Post([receiver, msg](bool cancelled) {
@@ -438,6 +539,7 @@ class LoopbackWorker : public Worker {
       }
       return;
     }
+    used_.store(true);
     Peer* back = PeerFor(m.sender);
     LoopbackMessage msg(core_, m, back);
     auto it = handlers_.find(m.am_id);
@@ -536,6 +638,7 @@ class LoopbackWorker : public Worker {
   const std::shared_ptr<Core> core_;
   std::map<uint16_t, Handler> handlers_;  // Fixed once started_.
   std::atomic<bool> started_{false};
+  std::atomic<bool> used_{false};  // Some message was sent (transports_in_use).
   std::thread progress_;
 
   absl::Mutex mu_;

@@ -55,15 +55,26 @@ struct WorkerOptions {
   // ---- Every implementation ----
   // Name used in log lines. Default "worker".
   std::string name = "worker";
-  // Report dead peers: a dead peer turns into failed Sends (always, on
-  // loopback) and a call of on_peer_failure. On UCX this asks for
-  // UCP_ERR_HANDLING_MODE_PEER; UCX 1.13's shared-memory transports (posix,
-  // sysv) cannot detect peer failure, so with this on, messages between
-  // processes on one machine go over tcp (cma may still copy rendezvous
-  // payloads). Turn it off to carry messages over shared memory when the
-  // peers' lifetimes are tied together (UCX then never reports a dead peer:
-  // eager sends to it "succeed", rendezvous ones wait until teardown).
-  // Default on.
+  // Report dead peers: a dead peer (a destroyed worker, a killed process, a
+  // lost machine) turns into failed Sends, failed receives of its payloads
+  // and a call of on_peer_failure, within a few seconds. On UCX this asks
+  // for UCP_ERR_HANDLING_MODE_PEER and, unless the environment sets them,
+  // turns on UCX's peer-failure support of its shared-memory transports
+  // (UCX_MM_ERROR_HANDLING, UCX_CMA_MEMORY_INVALIDATE: the peer's process is
+  // checked by pid) and a keepalive round every second
+  // (UCX_KEEPALIVE_INTERVAL), so peers on one machine still talk over
+  // shared memory (sysv/posix and cma), as fast as without detection. A
+  // destroyed worker says goodbye to its peers, so one in a process that
+  // lives on is reported at once. Limits: a killed peer that stays a zombie
+  // (its parent does not reap it) looks alive to the pid check; and UCX
+  // 1.13's shared memory does not work between processes that share an IPC
+  // namespace but not a pid namespace with its own /proc (containers of one
+  // pod without shareProcessNamespace; checked: connecting times out, with
+  // or without detection), which UCX then considers on one machine: set
+  // UCX_MM_ERROR_HANDLING=n there (UCX then uses tcp between them, as before
+  // this was turned on) or leave sm out of UCX_TLS. Off: UCX never reports a
+  // dead peer (eager sends to it "succeed", rendezvous ones wait until
+  // teardown). Default on.
   bool detect_peer_failure = true;
   // Called on the progress thread when a peer failed (needs
   // detect_peer_failure), once per endpoint, after later Sends on it have
@@ -79,12 +90,15 @@ struct WorkerOptions {
   std::shared_ptr<LoopbackFabric> loopback;
 
   // ---- UCX only (ignored by loopback) ----
-  // UCX transports, in UCX_TLS syntax. Default: TCP, shared memory and self,
-  // which is what a single machine's loopback offers.
-  std::string transports = "tcp,sm,self";
-  // UCX_NET_DEVICES; "all" lets UCX choose. Tests and the local cluster use
-  // "lo" so that nothing leaves the machine.
-  std::string net_devices = "all";
+  // UCX transports, in UCX_TLS syntax (e.g. "rc,sm,self"). Empty: UCX_TLS
+  // from the environment, or UCX's own default ("all": UCX ranks what the
+  // machine offers, e.g. shared memory between processes on one machine,
+  // RDMA or TCP across machines). Default empty.
+  std::string transports;
+  // UCX_NET_DEVICES (e.g. "mlx5_0:1", "lo"). Empty: UCX_NET_DEVICES from the
+  // environment, or UCX's default ("all"). Tests and the local cluster use
+  // "lo" so that nothing leaves the machine. Default empty.
+  std::string net_devices;
 };
 
 // Called once when an operation finishes, on the progress thread (or, for an
@@ -117,17 +131,22 @@ class IncomingMessage {
   // received is dropped when the handler returns and its sender's Send
   // still completes OK.
   virtual void ReceiveInto(void* dst, DoneCallback done) = 0;
-  // Same, with `region` (nullable) a registration covering dst. The default
-  // ignores it.
+  // Same, with `region` (nullable) a registration of this worker
+  // (RegisterMemory) covering dst, which saves the transport registering dst
+  // for this transfer; it must stay registered until `done` runs. The
+  // default ignores it (loopback has nothing to register).
   virtual void ReceiveInto(void* dst, const MemoryRegion* region, DoneCallback done) {
     (void)region;
     ReceiveInto(dst, std::move(done));
   }
   // Instead of ReceiveInto, from inside the handler: keeps the payload to be
-  // received later (see PendingPayload), or null when it cannot (payload
-  // already received, or none). At most once. The PendingPayload must be
-  // received or destroyed before the Worker is destroyed.
-  virtual std::unique_ptr<PendingPayload> Keep() { return nullptr; }
+  // received later (see PendingPayload), or null when there is none to keep
+  // (payload_size() is 0, or ReceiveInto or Keep was called already). A
+  // rendezvous payload stays at its sender, whose Send completes only when
+  // the PendingPayload is received or destroyed; an eager one is copied
+  // aside. Afterwards ReceiveInto on this message fails with
+  // FAILED_PRECONDITION.
+  virtual std::unique_ptr<PendingPayload> Keep() = 0;
 };
 
 using Handler = std::function<void(IncomingMessage& msg)>;
@@ -135,7 +154,10 @@ using Handler = std::function<void(IncomingMessage& msg)>;
 // A payload kept at its sender (or, when it came eagerly, copied aside) by
 // IncomingMessage::Keep, to be received later: lets a receiver that has no
 // buffer free yet make the sender wait (as rendezvous allows) instead of
-// refusing the message. Thread-safe to hand to another thread.
+// refusing the message. May be handed to and used from any thread.
+// Normally received or destroyed before its Worker is destroyed; if the
+// Worker goes first, the payload is dropped with it (a later ReceiveInto
+// fails with CANCELLED at once, destruction does nothing).
 class PendingPayload {
  public:
   // Drops the payload if it was never received (the sender's Send then
@@ -143,11 +165,13 @@ class PendingPayload {
   virtual ~PendingPayload() = default;
   virtual size_t size() const = 0;
   // Receives the payload into dst (at least size() bytes), from any thread,
-  // at most once (a second call fails with FAILED_PRECONDITION). `done` runs
-  // on the progress thread when the payload has landed (with an error if the
-  // sender went away or the worker is shutting down). `region`, when not
-  // null, is a registration covering dst (saves the transport registering
-  // dst for this transfer). dst must stay valid until `done` runs.
+  // at most once (a second call fails with FAILED_PRECONDITION, `done` run
+  // before it returns). `done` runs on the progress thread when the payload
+  // has landed, or with an error: UNAVAILABLE when the sender failed first,
+  // CANCELLED when the worker is shutting down. `region`, when not null, is
+  // a registration of this worker covering dst (saves the transport
+  // registering dst for this transfer; keep it until `done` runs). dst must
+  // stay valid until `done` runs.
   virtual void ReceiveInto(void* dst, const MemoryRegion* region, DoneCallback done) = 0;
 };
 
@@ -205,9 +229,11 @@ class Worker {
   // destroyed.
   virtual void Send(EndpointRef ep, uint16_t am_id, absl::Span<const uint8_t> header,
                     const void* payload, size_t payload_size, DoneCallback done) = 0;
-  // Same, with `region` (nullable) a registration (RegisterMemory) covering
-  // the payload: the transport uses it instead of registering the payload
-  // for this transfer. The default ignores it.
+  // Same, with `region` (nullable) a registration of this worker
+  // (RegisterMemory) covering the payload: the transport uses it instead of
+  // registering the payload for this transfer. It must stay registered
+  // until `done` runs. INVALID_ARGUMENT for another worker's region. The
+  // default ignores it (loopback has nothing to register).
   virtual void Send(EndpointRef ep, uint16_t am_id, absl::Span<const uint8_t> header,
                     const void* payload, size_t payload_size, const MemoryRegion* region,
                     DoneCallback done) {
@@ -215,9 +241,10 @@ class Worker {
     Send(ep, am_id, header, payload, payload_size, std::move(done));
   }
 
-  // The transports this worker's endpoints use so far, e.g. "sysv,cma" or
-  // "tcp" ("loopback" for the in-process fabric; empty before any endpoint
-  // has been used). For logs and status.
+  // The transports this worker's endpoints use so far, in the order first
+  // seen, e.g. "sysv,cma" or "tcp" ("loopback" for the in-process fabric;
+  // empty before any endpoint has carried a message). Thread-safe. For logs
+  // and status.
   virtual std::string transports_in_use() const { return ""; }
 
   // Registers [data, data + size_bytes) for rendezvous. Thread-safe. A no-op

@@ -1,9 +1,10 @@
 // The transport contract (transport/transport.h), checked on every
-// implementation: each case runs over UCX tcp on lo, UCX shared memory, UCX's
-// default set (tcp,sm,self) and the in-process loopback, with real workers
-// in this process. A case that cannot apply to one implementation skips and
-// says why. What only one implementation has is in ucx_test.cc and
-// loopback_test.cc.
+// implementation: each case runs over UCX tcp on lo, UCX shared memory, UCX
+// tcp,sm,self and the in-process loopback, with real workers in this
+// process. A case that cannot apply to one implementation skips and says
+// why. PeerProcessTest runs a peer in another process (test_peer) to kill
+// it with SIGKILL, over UCX only. What only one implementation has is in
+// ucx_test.cc and loopback_test.cc.
 #include "transport/transport.h"
 
 #include <sys/resource.h>
@@ -17,6 +18,8 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/escaping.h"
+#include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
@@ -47,11 +50,6 @@ struct Impl {
 class TransportTest : public ::testing::TestWithParam<Impl> {
  protected:
   bool loopback() const { return GetParam().ucx_transports == nullptr; }
-  // UCX 1.13's shared-memory transports cannot detect dead peers (see
-  // WorkerOptions::detect_peer_failure), so those workers run without it.
-  bool detects_dead_peers() const {
-    return loopback() || std::string(GetParam().ucx_transports) != "sm,self";
-  }
 
   WorkerOptions Options(const std::string& name) {
     WorkerOptions o;
@@ -61,7 +59,6 @@ class TransportTest : public ::testing::TestWithParam<Impl> {
     } else {
       o.transports = GetParam().ucx_transports;
       o.net_devices = "lo";
-      o.detect_peer_failure = detects_dead_peers();
     }
     return o;
   }
@@ -275,9 +272,6 @@ TEST_P(TransportTest, IgnoredPayloadLeavesConnectionWorking) {
 }
 
 TEST_P(TransportTest, SendToDeadPeerFailsInsteadOfHanging) {
-  if (!detects_dead_peers()) {
-    GTEST_SKIP() << GetParam().name << " cannot detect dead peers (UCX 1.13 shared memory)";
-  }
   Sink sink;
   auto server = MakeServer(&sink);
   auto client = MakeClient(nullptr);
@@ -369,12 +363,6 @@ TEST_P(TransportTest, KeptReplyEndpointToDeadPeerFailsWithoutCrash) {
   ASSERT_TRUE(replies.WaitFor(1));
   EXPECT_EQ(replies.got()[0]->header, "later");
   client.reset();
-  if (!detects_dead_peers()) {
-    // Shared memory cannot see the death: an eager reply "succeeds" (the
-    // bytes are lost); a rendezvous one would wait forever (see below).
-    EXPECT_TRUE(SendAndWait(server->get(), back, kEchoReply, "lost", payload.data(), 64).ok());
-    return;
-  }
   absl::Status last;
   const absl::Time give_up = absl::Now() + absl::Seconds(8);
   for (size_t i = 0; absl::Now() < give_up; ++i) {
@@ -390,9 +378,6 @@ TEST_P(TransportTest, KeptReplyEndpointToDeadPeerFailsWithoutCrash) {
 }
 
 TEST_P(TransportTest, ConnectToDestroyedWorkerFails) {
-  if (!detects_dead_peers()) {
-    GTEST_SKIP() << GetParam().name << " cannot detect dead peers (UCX 1.13 shared memory)";
-  }
   std::string dead_address;
   {
     auto gone = Worker::Create(Options("gone"));
@@ -456,9 +441,6 @@ TEST_P(TransportTest, IdleWorkersUseNoCpu) {
 }
 
 TEST_P(TransportTest, PeerFailureIsReportedOnTheConnectedEndpoint) {
-  if (!detects_dead_peers()) {
-    GTEST_SKIP() << GetParam().name << " cannot detect dead peers (UCX 1.13 shared memory)";
-  }
   Sink sink;
   auto server = MakeServer(&sink);
   absl::Mutex mu;
@@ -533,6 +515,292 @@ TEST_P(TransportTest, ConnectRefusesBeforeStartAndEmptyAddresses) {
   EXPECT_TRUE((*idle)->Connect(server->address()).ok());
 }
 
+// A payload kept in the handler and received later, from another thread,
+// lands intact, eager and rendezvous alike; the message itself refuses a
+// receive after Keep.
+TEST_P(TransportTest, KeptPayloadReceivedLaterFromAnotherThreadLandsIntact) {
+  auto server = Worker::Create(Options("server"));
+  ASSERT_TRUE(server.ok());
+  absl::Mutex mu;
+  std::vector<std::unique_ptr<PendingPayload>> kept;
+  std::vector<absl::Status> receive_after_keep;
+  (*server)->SetHandler(kData, [&](IncomingMessage& m) {
+    std::unique_ptr<PendingPayload> p = m.Keep();
+    EXPECT_NE(p, nullptr);
+    EXPECT_EQ(m.Keep(), nullptr) << "a second Keep";
+    std::vector<uint8_t> spare(m.payload_size());
+    m.ReceiveInto(spare.data(), [&](absl::Status st) {
+      absl::MutexLock lock(&mu);
+      receive_after_keep.push_back(st);
+    });
+    absl::MutexLock lock(&mu);
+    kept.push_back(std::move(p));
+  });
+  ASSERT_TRUE((*server)->Start().ok());
+  auto client = MakeClient(nullptr);
+  auto ep = client->Connect((*server)->address());
+  ASSERT_TRUE(ep.ok()) << ep.status();
+  const std::vector<uint8_t> small = Pattern(100, 3), big = Pattern(4 << 20, 4);
+  ASSERT_TRUE(SendAndWait(client.get(), *ep, kData, "", small.data(), small.size()).ok());
+  // The big one's Send completes only once it is received: do not wait.
+  auto big_done = std::make_shared<absl::Notification>();
+  auto big_status = std::make_shared<absl::Status>();
+  client->Send(*ep, kData, {}, big.data(), big.size(), [big_done, big_status](absl::Status st) {
+    *big_status = st;
+    big_done->Notify();
+  });
+  auto both = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) { return kept.size() == 2; };
+  {
+    absl::MutexLock lock(&mu);
+    ASSERT_TRUE(mu.AwaitWithTimeout(absl::Condition(&both), kWait));
+    for (const auto& st : receive_after_keep) {
+      EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition) << st;
+    }
+  }
+  std::vector<std::vector<uint8_t>> landed(2);
+  std::vector<absl::Status> statuses(2, absl::UnknownError("not run"));
+  absl::Notification received[2];
+  std::thread other([&] {
+    absl::MutexLock lock(&mu);
+    for (int i = 0; i < 2; ++i) {
+      landed[i].resize(kept[i]->size());
+      kept[i]->ReceiveInto(landed[i].data(), nullptr, [&, i](absl::Status st) {
+        statuses[i] = st;
+        received[i].Notify();
+      });
+    }
+  });
+  other.join();
+  for (auto& r : received) ASSERT_TRUE(r.WaitForNotificationWithTimeout(kWait));
+  EXPECT_TRUE(statuses[0].ok()) << statuses[0];
+  EXPECT_TRUE(statuses[1].ok()) << statuses[1];
+  EXPECT_EQ(landed[0], small);
+  EXPECT_TRUE(landed[1] == big);
+  ASSERT_TRUE(big_done->WaitForNotificationWithTimeout(kWait));
+  EXPECT_TRUE(big_status->ok()) << *big_status;
+  // Received once: a second receive fails.
+  std::vector<uint8_t> again(small.size());
+  absl::Status second;
+  kept[0]->ReceiveInto(again.data(), nullptr, [&](absl::Status st) { second = st; });
+  EXPECT_EQ(second.code(), absl::StatusCode::kFailedPrecondition) << second;
+}
+
+// A kept rendezvous payload holds its sender's Send until it is received or
+// dropped; dropping it lets the Send complete OK.
+TEST_P(TransportTest, DroppedPendingPayloadLetsTheSenderComplete) {
+  auto server = Worker::Create(Options("server"));
+  ASSERT_TRUE(server.ok());
+  absl::Mutex mu;
+  std::unique_ptr<PendingPayload> kept;
+  (*server)->SetHandler(kData, [&](IncomingMessage& m) {
+    absl::MutexLock lock(&mu);
+    kept = m.Keep();
+  });
+  ASSERT_TRUE((*server)->Start().ok());
+  auto client = MakeClient(nullptr);
+  auto ep = client->Connect((*server)->address());
+  ASSERT_TRUE(ep.ok()) << ep.status();
+  const std::vector<uint8_t> big = Pattern(4 << 20, 6);
+  absl::Notification done;
+  absl::Status status;
+  client->Send(*ep, kData, {}, big.data(), big.size(), [&](absl::Status st) {
+    status = st;
+    done.Notify();
+  });
+  auto have = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) { return kept != nullptr; };
+  {
+    absl::MutexLock lock(&mu);
+    ASSERT_TRUE(mu.AwaitWithTimeout(absl::Condition(&have), kWait));
+  }
+  EXPECT_FALSE(done.WaitForNotificationWithTimeout(absl::Milliseconds(300)))
+      << "the sender completed while its payload was kept";
+  {
+    absl::MutexLock lock(&mu);
+    kept.reset();  // Dropped, on this thread.
+  }
+  ASSERT_TRUE(done.WaitForNotificationWithTimeout(kWait));
+  EXPECT_TRUE(status.ok()) << status;
+  // The connection still works.
+  Sink replies;
+  EXPECT_TRUE(SendAndWait(client.get(), *ep, kData, "after", big.data(), 64).ok());
+}
+
+// The sender of a kept payload dies before it is received: the receive
+// fails instead of hanging or landing garbage.
+TEST_P(TransportTest, KeptPayloadOfDeadSenderFails) {
+  absl::Mutex mu;
+  int failures = 0;
+  WorkerOptions o = Options("server");
+  o.on_peer_failure = [&](EndpointRef, const absl::Status&) {
+    absl::MutexLock lock(&mu);
+    ++failures;
+  };
+  auto server = Worker::Create(o);
+  ASSERT_TRUE(server.ok());
+  std::unique_ptr<PendingPayload> kept;
+  (*server)->SetHandler(kData, [&](IncomingMessage& m) {
+    absl::MutexLock lock(&mu);
+    kept = m.Keep();
+  });
+  ASSERT_TRUE((*server)->Start().ok());
+  auto client = MakeClient(nullptr);
+  auto ep = client->Connect((*server)->address());
+  ASSERT_TRUE(ep.ok()) << ep.status();
+  auto big = std::make_shared<std::vector<uint8_t>>(Pattern(4 << 20, 7));
+  client->Send(*ep, kData, {}, big->data(), big->size(), [big](absl::Status) {});
+  auto have = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) { return kept != nullptr; };
+  {
+    absl::MutexLock lock(&mu);
+    ASSERT_TRUE(mu.AwaitWithTimeout(absl::Condition(&have), kWait));
+  }
+  client.reset();
+  // Wait until the server knows (the client's endpoint to it was its way
+  // in), then receive.
+  auto told = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) { return failures > 0; };
+  {
+    absl::MutexLock lock(&mu);
+    EXPECT_TRUE(mu.AwaitWithTimeout(absl::Condition(&told), kWait))
+        << "the server was not told that the client died";
+  }
+  std::vector<uint8_t> dst(big->size());
+  absl::Notification done;
+  absl::Status status;
+  kept->ReceiveInto(dst.data(), nullptr, [&](absl::Status st) {
+    status = st;
+    done.Notify();
+  });
+  ASSERT_TRUE(done.WaitForNotificationWithTimeout(kWait)) << "the receive hung";
+  EXPECT_EQ(status.code(), absl::StatusCode::kUnavailable) << status;
+}
+
+// The receiving worker is destroyed while it keeps a payload: no hang, no
+// crash; the sender's Send completes; the PendingPayload then fails its
+// receive at once and is destroyed harmlessly.
+TEST_P(TransportTest, DestroyingWorkerWithKeptPayloadIsClean) {
+  auto server = Worker::Create(Options("server"));
+  ASSERT_TRUE(server.ok());
+  absl::Mutex mu;
+  std::vector<std::unique_ptr<PendingPayload>> kept;
+  (*server)->SetHandler(kData, [&](IncomingMessage& m) {
+    absl::MutexLock lock(&mu);
+    kept.push_back(m.Keep());
+  });
+  ASSERT_TRUE((*server)->Start().ok());
+  auto client = MakeClient(nullptr);
+  auto ep = client->Connect((*server)->address());
+  ASSERT_TRUE(ep.ok()) << ep.status();
+  const std::vector<uint8_t> small = Pattern(100, 1), big = Pattern(4 << 20, 8);
+  ASSERT_TRUE(SendAndWait(client.get(), *ep, kData, "", small.data(), small.size()).ok());
+  absl::Notification done;
+  client->Send(*ep, kData, {}, big.data(), big.size(), [&](absl::Status) { done.Notify(); });
+  auto both = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) { return kept.size() == 2; };
+  {
+    absl::MutexLock lock(&mu);
+    ASSERT_TRUE(mu.AwaitWithTimeout(absl::Condition(&both), kWait));
+  }
+  const absl::Time start = absl::Now();
+  server->reset();
+  EXPECT_LT(absl::Now() - start, absl::Seconds(5));
+  EXPECT_TRUE(done.WaitForNotificationWithTimeout(kWait)) << "the sender's Send hung";
+  for (auto& p : kept) {
+    std::vector<uint8_t> dst(p->size());
+    absl::Status status;
+    p->ReceiveInto(dst.data(), nullptr, [&](absl::Status st) { status = st; });
+    EXPECT_EQ(status.code(), absl::StatusCode::kCancelled) << status;
+  }
+  absl::MutexLock lock(&mu);
+  kept.clear();
+}
+
+// Sends from and receives into registered regions, eager and rendezvous.
+TEST_P(TransportTest, RegisteredRegionsOnSendsAndReceives) {
+  auto server = Worker::Create(Options("server"));
+  ASSERT_TRUE(server.ok());
+  std::vector<uint8_t> inbox(4 << 20);
+  auto inbox_region = (*server)->RegisterMemory(inbox.data(), inbox.size());
+  ASSERT_TRUE(inbox_region.ok()) << inbox_region.status();
+  absl::Mutex mu;
+  std::vector<std::vector<uint8_t>> landed;
+  std::vector<absl::Status> statuses;
+  const MemoryRegion* region = inbox_region->get();
+  (*server)->SetHandler(kData, [&](IncomingMessage& m) {
+    const size_t n = m.payload_size();
+    m.ReceiveInto(inbox.data(), region, [&, n](absl::Status st) {
+      absl::MutexLock lock(&mu);
+      statuses.push_back(st);
+      landed.emplace_back(inbox.begin(), inbox.begin() + n);
+    });
+  });
+  ASSERT_TRUE((*server)->Start().ok());
+  auto client = MakeClient(nullptr);
+  auto ep = client->Connect((*server)->address());
+  ASSERT_TRUE(ep.ok()) << ep.status();
+  const std::vector<uint8_t> payload = Pattern(4 << 20, 9);
+  auto out_region = client->RegisterMemory(const_cast<uint8_t*>(payload.data()), payload.size());
+  ASSERT_TRUE(out_region.ok()) << out_region.status();
+  const size_t sizes[] = {100, payload.size()};
+  for (size_t i = 0; i < 2; ++i) {
+    const size_t size = sizes[i];
+    auto state = std::make_shared<absl::Notification>();
+    auto status = std::make_shared<absl::Status>();
+    client->Send(*ep, kData, test_util::Bytes("r"), payload.data(), size, out_region->get(),
+                 [state, status](absl::Status st) {
+                   *status = st;
+                   state->Notify();
+                 });
+    ASSERT_TRUE(state->WaitForNotificationWithTimeout(kWait));
+    EXPECT_TRUE(status->ok()) << *status;
+    auto arrived = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) { return landed.size() >= i + 1; };
+    absl::MutexLock lock(&mu);
+    ASSERT_TRUE(mu.AwaitWithTimeout(absl::Condition(&arrived), kWait));
+  }
+  absl::MutexLock lock(&mu);
+  ASSERT_EQ(landed.size(), 2u);
+  for (const auto& st : statuses) EXPECT_TRUE(st.ok()) << st;
+  EXPECT_TRUE(landed[0] == std::vector<uint8_t>(payload.begin(), payload.begin() + 100));
+  EXPECT_TRUE(landed[1] == payload);
+}
+
+// transports_in_use names what carried the messages: tcp for tcp, shared
+// memory (not tcp) between two workers on one machine when it is allowed.
+TEST_P(TransportTest, TransportsInUseNamesTheTransports) {
+  Sink sink, replies;
+  auto server = MakeServer(&sink);
+  auto client = MakeClient(&replies);
+  EXPECT_EQ(client->transports_in_use(), "");
+  auto ep = client->Connect(server->address());
+  ASSERT_TRUE(ep.ok());
+  const std::vector<uint8_t> payload = Pattern(1 << 20, 2);
+  ASSERT_TRUE(SendAndWait(client.get(), *ep, kEcho, "x", payload.data(), payload.size()).ok());
+  ASSERT_TRUE(replies.WaitFor(1));
+  // The server's lanes are logged when its reply's send completes, which
+  // may be just after the client has the reply.
+  const absl::Time give_up = absl::Now() + kWait;
+  while (server->transports_in_use().empty() && absl::Now() < give_up) {
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  const std::string client_tls = client->transports_in_use();
+  const std::string server_tls = server->transports_in_use();
+  std::cout << GetParam().name << ": client uses '" << client_tls << "', server uses '"
+            << server_tls << "'\n";
+  if (loopback()) {
+    EXPECT_EQ(client_tls, "loopback");
+    EXPECT_EQ(server_tls, "loopback");
+    return;
+  }
+  const std::string tls = GetParam().ucx_transports;
+  for (const std::string& used : {client_tls, server_tls}) {
+    if (tls == "tcp") {
+      EXPECT_EQ(used, "tcp");
+    } else {
+      EXPECT_EQ(used.find("tcp"), std::string::npos) << used;
+      EXPECT_TRUE(used.find("sysv") != std::string::npos ||
+                  used.find("posix") != std::string::npos)
+          << used;
+    }
+  }
+}
+
 TEST_P(TransportTest, SecondReceiveIntoFailsAndTheFirstLands) {
   auto server = Worker::Create(Options("server"));
   ASSERT_TRUE(server.ok());
@@ -567,6 +835,178 @@ TEST_P(TransportTest, SecondReceiveIntoFailsAndTheFirstLands) {
   for (const auto& s : firsts) EXPECT_TRUE(s.ok()) << s;
   EXPECT_EQ(landed[0], small);
   EXPECT_TRUE(landed[1] == big);
+}
+
+// ---- A peer in another process ----
+
+// Transports for the cases with a peer process: UCX shared memory (the
+// point: a SIGKILLed peer is reported although shared memory has no
+// connection to break), tcp, and UCX's defaults.
+struct ProcessImpl {
+  const char* name;
+  const char* transports;  // "" for UCX's defaults.
+};
+
+class PeerProcessTest : public ::testing::TestWithParam<ProcessImpl> {
+ protected:
+  std::vector<std::string> PeerFlags(bool keep) const {
+    std::vector<std::string> flags = {absl::StrCat("--transports=", GetParam().transports),
+                                      "--net_devices=lo"};
+    if (keep) flags.push_back("--keep");
+    return flags;
+  }
+  WorkerOptions Options(const std::string& name) const {
+    WorkerOptions o;
+    o.name = name;
+    o.transports = GetParam().transports;
+    o.net_devices = "lo";
+    return o;
+  }
+};
+
+// Generous: UCX finds a dead shared-memory peer by a keepalive round (every
+// second here), a dead tcp peer when its socket closes; either takes a
+// second or a few, never this long.
+constexpr absl::Duration kDetection = absl::Seconds(20);
+
+// A rendezvous send is in flight (the peer keeps the payload without
+// receiving it) when the peer is SIGKILLed: the send fails and
+// on_peer_failure is called.
+TEST_P(PeerProcessTest, RendezvousSendToKilledPeerFails) {
+  test_util::PeerProcess peer;
+  ASSERT_TRUE(peer.Start(PeerFlags(/*keep=*/true)).ok());
+  absl::Notification failed;
+  absl::Time failed_at;
+  WorkerOptions o = Options("sender");
+  o.on_peer_failure = [&](EndpointRef, const absl::Status&) {
+    failed_at = absl::Now();
+    failed.Notify();
+  };
+  auto w = Worker::Create(o);
+  ASSERT_TRUE(w.ok()) << w.status();
+  ASSERT_TRUE((*w)->Start().ok());
+  auto ep = (*w)->Connect(peer.address());
+  ASSERT_TRUE(ep.ok()) << ep.status();
+  const std::vector<uint8_t> big = Pattern(8 << 20, 1);
+  absl::Notification done;
+  absl::Status status;
+  absl::Time done_at;
+  (*w)->Send(*ep, kData, {}, big.data(), big.size(), [&](absl::Status st) {
+    status = st;
+    done_at = absl::Now();
+    done.Notify();
+  });
+  ASSERT_FALSE(peer.ReadLine("KEPT ").empty()) << "the peer did not get the message";
+  EXPECT_FALSE(done.HasBeenNotified()) << "completed while the peer keeps the payload";
+  const absl::Time killed = absl::Now();
+  peer.Kill();
+  ASSERT_TRUE(done.WaitForNotificationWithTimeout(kDetection)) << "the send hung";
+  EXPECT_EQ(status.code(), absl::StatusCode::kUnavailable) << status;
+  ASSERT_TRUE(failed.WaitForNotificationWithTimeout(kDetection)) << "on_peer_failure not called";
+  std::cout << GetParam().name << ": send failed " << absl::FormatDuration(done_at - killed)
+            << " and on_peer_failure ran " << absl::FormatDuration(failed_at - killed)
+            << " after the SIGKILL (" << (*w)->transports_in_use() << ")\n";
+  // Later sends fail at once.
+  EXPECT_EQ(SendAndWait(w->get(), *ep, kData, "after", big.data(), 64).code(),
+            absl::StatusCode::kUnavailable);
+}
+
+// The payload of a peer process is kept; the peer is SIGKILLed before it is
+// received: the receive fails.
+TEST_P(PeerProcessTest, KeptPayloadOfKilledPeerFails) {
+  auto w = Worker::Create(Options("receiver"));
+  ASSERT_TRUE(w.ok()) << w.status();
+  absl::Mutex mu;
+  std::unique_ptr<PendingPayload> kept;
+  bool rendezvous = false;
+  (*w)->SetHandler(1, [&](IncomingMessage& m) {
+    absl::MutexLock lock(&mu);
+    rendezvous = m.is_rendezvous();
+    kept = m.Keep();
+  });
+  ASSERT_TRUE((*w)->Start().ok());
+  test_util::PeerProcess peer;
+  ASSERT_TRUE(peer.Start(PeerFlags(/*keep=*/false)).ok());
+  peer.Command(absl::StrCat("CONNECT ", absl::BytesToHexString((*w)->address())));
+  ASSERT_EQ(peer.ReadLine("CONNECTED "), "CONNECTED OK");
+  peer.Command(absl::StrCat("SEND ", 8 << 20));
+  auto have = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) { return kept != nullptr; };
+  {
+    absl::MutexLock lock(&mu);
+    ASSERT_TRUE(mu.AwaitWithTimeout(absl::Condition(&have), kWait));
+    EXPECT_TRUE(rendezvous);
+  }
+  const absl::Time killed = absl::Now();
+  peer.Kill();
+  std::vector<uint8_t> dst(8 << 20);
+  absl::Notification done;
+  absl::Status status;
+  kept->ReceiveInto(dst.data(), nullptr, [&](absl::Status st) {
+    status = st;
+    done.Notify();
+  });
+  ASSERT_TRUE(done.WaitForNotificationWithTimeout(kDetection)) << "the receive hung";
+  EXPECT_FALSE(status.ok());
+  EXPECT_EQ(status.code(), absl::StatusCode::kUnavailable) << status;
+  std::cout << GetParam().name << ": receive failed " << absl::FormatDuration(absl::Now() - killed)
+            << " after the SIGKILL: " << status << "\n";
+}
+
+INSTANTIATE_TEST_SUITE_P(Ucx, PeerProcessTest,
+                         ::testing::Values(ProcessImpl{"sm", "sm,self"},
+                                           ProcessImpl{"tcp", "tcp"},
+                                           ProcessImpl{"defaults", ""}),
+                         [](const ::testing::TestParamInfo<ProcessImpl>& info) {
+                           return std::string(info.param.name);
+                         });
+
+// Two processes on one machine, every option at its default (UCX's own
+// transports and devices, dead peers detected): they talk over shared
+// memory, not tcp.
+TEST(PeerProcessDefaultsTest, TwoProcessesOnOneMachineUseSharedMemory) {
+  if (std::getenv("UCX_TLS") != nullptr || std::getenv("UCX_NET_DEVICES") != nullptr) {
+    GTEST_SKIP() << "UCX_TLS or UCX_NET_DEVICES is set in the environment";
+  }
+  WorkerOptions o;
+  o.name = "parent";
+  auto w = Worker::Create(o);
+  ASSERT_TRUE(w.ok()) << w.status();
+  Worker* raw = w->get();
+  Sink got;
+  (*w)->SetHandler(1, [&got, raw](IncomingMessage& m) {
+    // Answer on the way back, so that this side opens an endpoint too.
+    const EndpointRef back = m.reply_endpoint();
+    got.Handle(m);
+    raw->Send(back, 2, {}, nullptr, 0, [](absl::Status) {});
+  });
+  (*w)->SetHandler(3, [](IncomingMessage&) {});  // The peer's answer to that.
+  ASSERT_TRUE((*w)->Start().ok());
+  test_util::PeerProcess peer;
+  ASSERT_TRUE(peer.Start({}).ok());
+  peer.Command(absl::StrCat("CONNECT ", absl::BytesToHexString((*w)->address())));
+  ASSERT_EQ(peer.ReadLine("CONNECTED "), "CONNECTED OK");
+  peer.Command(absl::StrCat("SEND ", 1 << 20));  // Rendezvous.
+  ASSERT_EQ(peer.ReadLine("SENDDONE "), "SENDDONE OK");
+  ASSERT_TRUE(got.WaitFor(1));
+  EXPECT_TRUE(got.got()[0]->payload == Pattern(1 << 20, 5));
+  // The answer's completion logs this side's lanes.
+  const absl::Time give_up = absl::Now() + kWait;
+  while ((*w)->transports_in_use().empty() && absl::Now() < give_up) {
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  peer.Command("TRANSPORTS");
+  const std::string peer_line = peer.ReadLine("TRANSPORTS");
+  const std::string parent_tls = (*w)->transports_in_use();
+  const std::string peer_tls = peer_line.size() > 11 ? peer_line.substr(11) : "";
+  std::cout << "parent uses '" << parent_tls << "', peer uses '" << peer_tls << "'\n";
+  for (const std::string& used : {parent_tls, peer_tls}) {
+    EXPECT_EQ(used.find("tcp"), std::string::npos) << used;
+    EXPECT_TRUE(used.find("sysv") != std::string::npos ||
+                used.find("posix") != std::string::npos)
+        << used;
+    EXPECT_NE(used.find("cma"), std::string::npos) << "rendezvous without cma: " << used;
+  }
+  peer.Command("EXIT");
 }
 
 INSTANTIATE_TEST_SUITE_P(Implementations, TransportTest,

@@ -3,8 +3,9 @@
 #include <poll.h>
 #include <ucp/api/ucp.h>
 
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
-#include <deque>
 #include <map>
 #include <random>
 #include <set>
@@ -14,6 +15,10 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
@@ -35,11 +40,15 @@ constexpr int kIdlePollTimeoutMs = 100;
 // support): then the loop naps this long between polls. Costs latency, but
 // keeps an idle worker far from a busy loop.
 constexpr absl::Duration kNoWakeupNap = absl::Milliseconds(1);
-// How long teardown waits for endpoint closes and cancelled requests.
+// How long teardown waits for endpoint closes and cancelled requests, and,
+// within that, for its goodbyes to go out.
 constexpr absl::Duration kTeardownBudget = absl::Seconds(2);
+constexpr absl::Duration kGoodbyeBudget = absl::Milliseconds(500);
 // How long Connect waits for the peer's answer to the hello. A live peer
 // answers within a round trip; an unreachable one fails sooner on tcp.
 constexpr absl::Duration kConnectTimeout = absl::Seconds(10);
+// Ops kept for reuse (beyond this many idle ones, finished ops are freed).
+constexpr size_t kMaxFreeOps = 4096;
 
 // UCX active-message ids: two internal ones, then the users' ids shifted up.
 constexpr uint32_t kHelloAmId = 0;
@@ -51,8 +60,59 @@ static_assert(kMaxUserAmId == kMaxAmId, "transport.h promises callers ids up to 
 // Every message's UCX header starts with the sender's instance id (8 bytes,
 // host byte order; all our machines are little-endian). The receiver uses it
 // to find its own endpoint back to the sender. Hello and hello-ack add a
-// 64-bit connect token after it.
+// 64-bit connect token after it, then the sender's name (for logs; older
+// peers ignore it). A hello-ack with token kByeToken is a goodbye: the
+// sender's worker is being destroyed (older peers ignore it as the answer
+// to no connect).
 constexpr size_t kPrefixBytes = sizeof(uint64_t);
+constexpr uint64_t kByeToken = 0;  // Connect tokens start at 1.
+// User headers up to this size travel in the op itself; larger ones are
+// copied to the heap. The shard's and client's headers are well below it.
+constexpr size_t kInlineHeaderBytes = 128;
+
+// Settings for peer-failure detection (WorkerOptions::detect_peer_failure),
+// each applied unless one of its environment variables is set. UCX 1.13's
+// shared-memory transports can report a dead peer (they check its pid) but
+// do not advertise it by default, so with UCP_ERR_HANDLING_MODE_PEER UCX
+// would fall back to tcp between processes on one machine; cma's rendezvous
+// lane additionally needs "memory invalidation", which cma only claims
+// (harmless here: a peer is declared dead when its process is gone). The
+// keys are the ones ucp_config_modify applies to the transports (checked:
+// "MM_ERROR_HANDLING" reaches sysv and posix, "MEMORY_INVALIDATE" cma).
+// Keepalive: UCX's default round is 20 s; one second finds a dead
+// shared-memory peer in about a second (checked with SIGKILL), at the cost
+// of a pid check per endpoint per second.
+struct DetectionSetting {
+  const char* key;
+  const char* value;
+  std::vector<const char*> env;  // Any of these set: the environment wins.
+  // UCX_TLS names that load the transport this is for (empty: any). UCX
+  // warns about a setting no loaded transport takes.
+  std::vector<const char*> for_tls;
+};
+const std::vector<DetectionSetting>& DetectionSettings() {
+  static const auto* settings = new std::vector<DetectionSetting>{
+      {"MM_ERROR_HANDLING", "y",
+       {"UCX_MM_ERROR_HANDLING", "UCX_SYSV_ERROR_HANDLING", "UCX_POSIX_ERROR_HANDLING"},
+       {"sm", "shm", "mm", "sysv", "posix"}},
+      {"MEMORY_INVALIDATE", "y", {"UCX_CMA_MEMORY_INVALIDATE"}, {"sm", "shm", "cma"}},
+      {"KEEPALIVE_INTERVAL", "1s", {"UCX_KEEPALIVE_INTERVAL"}, {}},
+  };
+  return *settings;
+}
+
+// Whether a UCX_TLS value loads one of `names` ("all" and exclusion lists,
+// "^...", load everything).
+bool TlsLoadsAny(absl::string_view tls, const std::vector<const char*>& names) {
+  if (names.empty() || absl::StartsWith(tls, "^")) return true;
+  for (absl::string_view t : absl::StrSplit(tls, ',')) {
+    if (t == "all") return true;
+    for (const char* n : names) {
+      if (t == n) return true;
+    }
+  }
+  return false;
+}
 
 uint64_t LoadU64(const void* p) {
   uint64_t v;
@@ -71,6 +131,77 @@ uint64_t RandomInstanceId() {
   return v == 0 ? 1 : v;
 }
 
+// One lane of a UCX endpoint, from ucp_ep_print_info.
+struct Lane {
+  std::string transport;  // "sysv", "cma", "tcp", "rc_mlx5", ...
+  std::string device;     // "memory", "lo", "mlx5_0:1", ...
+  std::string roles;      // "am keepalive", "rma_bw", ...
+};
+
+// Parses the lane lines of ucp_ep_print_info (UCX 1.13), e.g.
+//   #  lane[0]:  2:sysv/memory.0 md[2]  -> md[2]/sysv/sysdev[255] am am_bw#0 keepalive
+// into {sysv, memory, "am am_bw keepalive"}. Lines it does not understand
+// are skipped.
+std::vector<Lane> ParseLanes(absl::string_view info) {
+  std::vector<Lane> lanes;
+  for (absl::string_view line : absl::StrSplit(info, '\n')) {
+    const size_t at = line.find("lane[");
+    if (at == absl::string_view::npos) continue;
+    const size_t colon = line.find("]:", at);
+    if (colon == absl::string_view::npos) continue;
+    std::vector<absl::string_view> words =
+        absl::StrSplit(line.substr(colon + 2), ' ', absl::SkipWhitespace());
+    if (words.empty()) continue;
+    absl::string_view rsc = words[0];  // "2:sysv/memory.0"
+    if (size_t c = rsc.find(':'); c != absl::string_view::npos && c < rsc.find('/')) {
+      rsc.remove_prefix(c + 1);
+    }
+    const size_t slash = rsc.find('/');
+    if (slash == absl::string_view::npos) continue;
+    Lane lane;
+    lane.transport = std::string(rsc.substr(0, slash));
+    absl::string_view device = rsc.substr(slash + 1);
+    if (size_t dot = device.rfind('.'); dot != absl::string_view::npos &&
+        dot + 1 < device.size() &&
+        device.find_first_not_of("0123456789", dot + 1) == absl::string_view::npos) {
+      device = device.substr(0, dot);  // The path index.
+    }
+    lane.device = std::string(device);
+    // Roles follow the remote's "md[..]/tl/sysdev[..]" word after "->".
+    bool after_arrow = false, skipped_remote = false;
+    std::vector<std::string> roles;
+    for (size_t i = 1; i < words.size(); ++i) {
+      if (words[i] == "->") {
+        after_arrow = true;
+        continue;
+      }
+      if (!after_arrow) continue;
+      if (!skipped_remote) {
+        skipped_remote = true;
+        continue;
+      }
+      absl::string_view role = words[i];
+      if (size_t hash = role.find('#'); hash != absl::string_view::npos) role = role.substr(0, hash);
+      roles.emplace_back(role);
+    }
+    lane.roles = absl::StrJoin(roles, " ");
+    lanes.push_back(std::move(lane));
+  }
+  return lanes;
+}
+
+std::vector<Lane> DescribeLanes(ucp_ep_h ep) {
+  char* text = nullptr;
+  size_t size = 0;
+  FILE* f = open_memstream(&text, &size);
+  if (f == nullptr) return {};
+  ucp_ep_print_info(ep, f);
+  std::fclose(f);
+  std::vector<Lane> lanes = ParseLanes(absl::string_view(text, size));
+  std::free(text);
+  return lanes;
+}
+
 class UcxWorker;
 
 // A peer as seen by one worker: either opened by Connect (outgoing) or
@@ -83,17 +214,52 @@ class UcxWorker;
 struct Peer {
   UcxWorker* owner = nullptr;
   std::string address;  // Incoming peers: where to open the endpoint.
+  std::string name;     // The peer worker's name, from the hello ("" if unknown).
+  uint64_t instance = 0;  // The peer worker's instance id (0 until known).
   ucp_ep_h ep = nullptr;
   absl::Status failure;  // Not OK once the endpoint has failed or closed.
+  bool lanes_logged = false;
 };
 
-// One operation in flight (send or rendezvous receive).
+// One unit of work: a Send (posted to the progress thread, then in flight in
+// UCX), a rendezvous receive, an internal message, or a task posted to the
+// progress thread. Ops are recycled through the worker's free lists and
+// carry small headers inline, so a Send allocates nothing once the worker
+// is warm.
 struct Op {
+  enum class Kind { kSend, kTask, kOther };
+
+  char* header() { return heap_header != nullptr ? heap_header.get() : inline_header; }
+  // The UCX header: the sender's instance id, then rest.
+  void SetHeader(uint64_t instance, const void* rest, size_t rest_size) {
+    header_size = kPrefixBytes + rest_size;
+    if (header_size > sizeof(inline_header)) heap_header.reset(new char[header_size]);
+    std::memcpy(header(), &instance, kPrefixBytes);
+    if (rest_size > 0) std::memcpy(header() + kPrefixBytes, rest, rest_size);
+  }
+
   UcxWorker* worker = nullptr;
-  std::string header;  // Sends: prefix + user header, kept until completion.
+  Kind kind = Kind::kOther;
+  Op* next = nullptr;  // In the posted queue, the in-flight list or a free list.
+  Op* prev = nullptr;  // In the in-flight list.
+  bool in_flight = false;
+  uint64_t generation = 0;  // Bumped on each reuse.
   DoneCallback done;
   const char* what = "send";
   void* request = nullptr;
+  Peer* peer = nullptr;  // Sends: the endpoint's peer.
+  // Send arguments.
+  uint16_t am_id = 0;
+  const void* payload = nullptr;
+  size_t payload_size = 0;
+  ucp_mem_h memh = nullptr;
+  bool foreign_region = false;
+  // UCX header: our prefix, then the caller's header.
+  size_t header_size = 0;
+  std::unique_ptr<char[]> heap_header;  // Headers too large for inline_header.
+  char inline_header[kPrefixBytes + kInlineHeaderBytes];
+  // Tasks.
+  std::function<void()> task;
 };
 
 struct HandlerEntry {
@@ -103,7 +269,8 @@ struct HandlerEntry {
   Handler handler;
 };
 
-// Lets MemoryRegions find their worker, or learn that it is gone.
+// Lets MemoryRegions and PendingPayloads find their worker, or learn that it
+// is gone.
 struct Core {
   absl::Mutex mu;
   UcxWorker* worker ABSL_GUARDED_BY(mu) = nullptr;
@@ -115,9 +282,21 @@ class UcxMemoryRegion : public MemoryRegion {
       : core_(std::move(core)), memh_(memh) {}
   ~UcxMemoryRegion() override;
 
+  const Core* core() const { return core_.get(); }
+  ucp_mem_h memh() const { return memh_; }
+
  private:
   std::shared_ptr<Core> core_;
   ucp_mem_h memh_;
+};
+
+// A rendezvous payload kept by IncomingMessage::Keep: UCX's descriptor,
+// valid until ucp_am_recv_data_nbx or ucp_am_data_release. Owned by the
+// worker (progress thread).
+struct Kept {
+  void* desc = nullptr;
+  size_t length = 0;
+  Peer* sender = nullptr;  // May be null (sender unknown).
 };
 
 class UcxMessage : public IncomingMessage {
@@ -139,7 +318,15 @@ class UcxMessage : public IncomingMessage {
     return (param_->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0;
   }
   EndpointRef reply_endpoint() const override { return EndpointRef{sender_}; }
-  void ReceiveInto(void* dst, DoneCallback done) override;
+  void ReceiveInto(void* dst, DoneCallback done) override {
+    ReceiveInto(dst, nullptr, std::move(done));
+  }
+  void ReceiveInto(void* dst, const MemoryRegion* region, DoneCallback done) override;
+  std::unique_ptr<PendingPayload> Keep() override;
+
+  // The handler kept the rendezvous descriptor: the AM callback must return
+  // UCS_INPROGRESS.
+  bool kept_rendezvous() const { return kept_rendezvous_; }
 
  private:
   UcxWorker* worker_;
@@ -149,7 +336,29 @@ class UcxMessage : public IncomingMessage {
   size_t length_;
   const ucp_am_recv_param_t* param_;
   Peer* sender_;
-  bool received_ = false;
+  bool taken_ = false;  // Received or kept.
+  bool kept_rendezvous_ = false;
+};
+
+// IncomingMessage::Keep's result: a rendezvous descriptor held by the worker
+// (kept_), or the bytes of an eager payload (bytes_).
+class UcxPendingPayload : public PendingPayload {
+ public:
+  UcxPendingPayload(std::shared_ptr<Core> core, Kept* kept, size_t size)
+      : core_(std::move(core)), kept_(kept), size_(size) {}
+  UcxPendingPayload(std::shared_ptr<Core> core, std::unique_ptr<uint8_t[]> bytes, size_t size)
+      : core_(std::move(core)), bytes_(std::move(bytes)), size_(size) {}
+  ~UcxPendingPayload() override;
+
+  size_t size() const override { return size_; }
+  void ReceiveInto(void* dst, const MemoryRegion* region, DoneCallback done) override;
+
+ private:
+  const std::shared_ptr<Core> core_;
+  Kept* const kept_ = nullptr;  // Rendezvous: the worker's, touched on its progress thread only.
+  const std::unique_ptr<uint8_t[]> bytes_;  // Eager.
+  const size_t size_;
+  std::atomic<bool> taken_{false};
 };
 
 class UcxWorker : public Worker {
@@ -159,8 +368,9 @@ class UcxWorker : public Worker {
 
   ~UcxWorker() override {
     {
-      // Waits for a MemoryRegion being destroyed on another thread; later
-      // ones find no worker (their memory is unmapped below).
+      // Waits for a MemoryRegion or PendingPayload being used on another
+      // thread; later ones find no worker (memory is unmapped and kept
+      // payloads dropped below).
       absl::MutexLock lock(&core_->mu);
       core_->worker = nullptr;
     }
@@ -175,18 +385,50 @@ class UcxWorker : public Worker {
       Teardown();
     }
     if (context_ != nullptr) ucp_cleanup(context_);
+    absl::MutexLock lock(&mu_);
+    FreeOps(free_ops_);
+    FreeOps(local_free_);
   }
 
   absl::Status Init() {
     ucp_config_t* config = nullptr;
     ucs_status_t st = ucp_config_read(nullptr, nullptr, &config);
     if (st != UCS_OK) return FromUcs(st, "reading UCX configuration");
-    st = ucp_config_modify(config, "TLS", options_.transports.c_str());
-    if (st == UCS_OK) st = ucp_config_modify(config, "NET_DEVICES", options_.net_devices.c_str());
+    // Where each setting comes from, for the log line and errors.
+    const std::string tls = Describe(options_.transports, "UCX_TLS", "all");
+    const std::string devices = Describe(options_.net_devices, "UCX_NET_DEVICES", "all");
+    const std::string what = absl::StrCat("transports ", tls, ", devices ", devices);
+    if (!options_.transports.empty()) st = ucp_config_modify(config, "TLS", options_.transports.c_str());
+    if (st == UCS_OK && !options_.net_devices.empty()) {
+      st = ucp_config_modify(config, "NET_DEVICES", options_.net_devices.c_str());
+    }
     if (st != UCS_OK) {
       ucp_config_release(config);
-      return FromUcs(st, absl::StrCat("setting UCX transports '", options_.transports,
-                                      "' devices '", options_.net_devices, "'"));
+      return FromUcs(st, absl::StrCat("setting UCX ", what));
+    }
+    std::vector<std::string> detection;
+    if (options_.detect_peer_failure) {
+      const char* env_tls = std::getenv("UCX_TLS");
+      const std::string tls_value =
+          !options_.transports.empty() ? options_.transports : (env_tls ? env_tls : "all");
+      for (const DetectionSetting& s : DetectionSettings()) {
+        if (!TlsLoadsAny(tls_value, s.for_tls)) continue;
+        const char* env_name = nullptr;
+        for (const char* e : s.env) {
+          if (std::getenv(e) != nullptr) env_name = e;
+        }
+        if (env_name != nullptr) {
+          detection.push_back(absl::StrCat(env_name, "=", std::getenv(env_name), " (environment)"));
+          continue;
+        }
+        const ucs_status_t mst = ucp_config_modify(config, s.key, s.value);
+        if (mst == UCS_OK) {
+          detection.push_back(absl::StrCat(s.key, "=", s.value));
+        } else {
+          OPTIMUS_LOG(Warning, kLog, options_.name, ": could not set UCX ", s.key, "=", s.value,
+                      " (", ucs_status_string(mst), "); dead peers may be found later");
+        }
+      }
     }
     ucp_params_t params;
     std::memset(&params, 0, sizeof(params));
@@ -197,8 +439,7 @@ class UcxWorker : public Worker {
     ucp_config_release(config);
     if (st != UCS_OK) {
       context_ = nullptr;
-      return FromUcs(st, absl::StrCat("initializing UCX with transports '", options_.transports,
-                                      "' devices '", options_.net_devices, "'"));
+      return FromUcs(st, absl::StrCat("initializing UCX with ", what));
     }
     ucp_worker_params_t wp;
     std::memset(&wp, 0, sizeof(wp));
@@ -233,6 +474,10 @@ class UcxWorker : public Worker {
       absl::MutexLock lock(&core_->mu);
       core_->worker = this;
     }
+    OPTIMUS_LOG(Info, kLog, options_.name, ": UCX ", ucp_get_version_string(), ", ", what,
+                options_.detect_peer_failure
+                    ? absl::StrCat("; dead peers detected (", absl::StrJoin(detection, ", "), ")")
+                    : std::string("; dead peers not detected"));
     return absl::OkStatus();
   }
 
@@ -297,16 +542,43 @@ class UcxWorker : public Worker {
 
   void Send(EndpointRef ep, uint16_t am_id, absl::Span<const uint8_t> header,
             const void* payload, size_t payload_size, DoneCallback done) override {
-    auto* op = new Op;
-    op->worker = this;
-    op->header.reserve(kPrefixBytes + header.size());
-    AppendU64(&op->header, instance_);
-    op->header.append(reinterpret_cast<const char*>(header.data()), header.size());
-    op->done = std::move(done);
-    auto* peer = static_cast<Peer*>(ep.ep);
-    Post([this, peer, am_id, payload, payload_size, op] {
-      DoSend(peer, am_id, payload, payload_size, op);
-    });
+    Send(ep, am_id, header, payload, payload_size, nullptr, std::move(done));
+  }
+
+  // The common path takes one lock and, once warm, allocates nothing: the
+  // op comes from the free list and the header is copied into it.
+  void Send(EndpointRef ep, uint16_t am_id, absl::Span<const uint8_t> header,
+            const void* payload, size_t payload_size, const MemoryRegion* region,
+            DoneCallback done) override {
+    ucp_mem_h memh = nullptr;
+    bool foreign = false;
+    if (region != nullptr) {
+      const auto* r = dynamic_cast<const UcxMemoryRegion*>(region);
+      foreign = r == nullptr || r->core() != core_.get();
+      if (!foreign) memh = r->memh();
+    }
+    bool gone;
+    Op* op;
+    {
+      absl::MutexLock lock(&mu_);
+      op = TakeOpLocked();
+      op->kind = Op::Kind::kSend;
+      op->peer = static_cast<Peer*>(ep.ep);
+      op->am_id = am_id;
+      op->payload = payload;
+      op->payload_size = payload_size;
+      op->memh = memh;
+      op->foreign_region = foreign;
+      op->SetHeader(instance_, header.data(), header.size());
+      op->done = std::move(done);
+      gone = !EnqueueLocked(op);
+    }
+    if (gone) RunOp(op);
+  }
+
+  std::string transports_in_use() const override {
+    absl::MutexLock lock(&tls_mu_);
+    return absl::StrJoin(tls_in_use_, ",");
   }
 
   absl::StatusOr<std::unique_ptr<MemoryRegion>> RegisterMemory(void* data,
@@ -344,19 +616,85 @@ class UcxWorker : public Worker {
     }
   }
 
-  // Starts a rendezvous receive for UcxMessage (progress thread).
-  void ReceiveRendezvous(void* data_desc, void* dst, size_t length, DoneCallback done) {
-    auto* op = new Op;
-    op->worker = this;
+  // The region's memory handle for an operation of this worker: null for
+  // no region, INVALID_ARGUMENT for another worker's. Any thread.
+  absl::StatusOr<ucp_mem_h> MemhOf(const MemoryRegion* region) const {
+    if (region == nullptr) return nullptr;
+    const auto* r = dynamic_cast<const UcxMemoryRegion*>(region);
+    if (r == nullptr || r->core() != core_.get()) {
+      return absl::InvalidArgumentError("receive: the memory region belongs to another worker");
+    }
+    return r->memh();
+  }
+
+  // Starts a rendezvous receive (progress thread). UCX owns data_desc from
+  // here on, whatever happens.
+  void ReceiveRendezvous(void* data_desc, void* dst, size_t length, ucp_mem_h memh,
+                         DoneCallback done) {
+    Op* op = TakeOp();
     op->done = std::move(done);
     op->what = "rendezvous receive";
     ucp_request_param_t p;
     std::memset(&p, 0, sizeof(p));
     p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+    if (memh != nullptr) {
+      p.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
+      p.memh = memh;
+    }
     p.cb.recv_am = &UcxWorker::OnRecvDone;
     p.user_data = op;
-    Track(op, ucp_am_recv_data_nbx(worker_, data_desc, dst, length, &p));
+    const uint64_t generation = op->generation;
+    Track(op, generation, ucp_am_recv_data_nbx(worker_, data_desc, dst, length, &p));
   }
+
+  // IncomingMessage::Keep of a rendezvous payload (progress thread).
+  Kept* AddKept(void* desc, size_t length, Peer* sender) {
+    auto* k = new Kept{desc, length, sender};
+    kept_.insert(k);
+    return k;
+  }
+
+  // PendingPayload::ReceiveInto of a kept rendezvous payload (progress
+  // thread). While the worker is closing, Teardown drops what is kept.
+  void ReceiveKept(Kept* k, void* dst, ucp_mem_h memh, DoneCallback done) {
+    if (closed_ || kept_.erase(k) == 0) {
+      done(absl::CancelledError("receive: the UCX worker is shutting down"));
+      return;
+    }
+    std::unique_ptr<Kept> owned(k);
+    if (k->sender != nullptr && !k->sender->failure.ok()) {
+      // The sender is known dead: nothing will come.
+      ucp_am_data_release(worker_, k->desc);
+      done(absl::Status(k->sender->failure.code(),
+                        absl::StrCat("receive: ", k->sender->failure.message())));
+      return;
+    }
+    ReceiveRendezvous(k->desc, dst, k->length, memh, std::move(done));
+  }
+
+  // A kept rendezvous payload nobody will receive (progress thread): UCX
+  // then tells its sender, whose Send completes OK.
+  void DropKept(Kept* k) {
+    if (closed_ || kept_.erase(k) == 0) return;
+    ucp_am_data_release(worker_, k->desc);
+    delete k;
+  }
+
+  // Runs fn on the progress thread (inline once the worker is gone).
+  void Post(std::function<void()> fn) {
+    bool gone;
+    Op* op;
+    {
+      absl::MutexLock lock(&mu_);
+      op = TakeOpLocked();
+      op->kind = Op::Kind::kTask;
+      op->task = std::move(fn);
+      gone = !EnqueueLocked(op);
+    }
+    if (gone) RunOp(op);
+  }
+
+  const std::shared_ptr<Core>& core() const { return core_; }
 
  private:
   // State of one Connect: done once the peer answered the hello or failed.
@@ -366,6 +704,17 @@ class UcxWorker : public Worker {
     absl::Status status ABSL_GUARDED_BY(mu);
     Peer* peer = nullptr;  // Progress thread only.
   };
+
+  // "'tcp' (set by the caller)", "'sm' (from UCX_TLS)", "UCX's default (all)".
+  static std::string Describe(const std::string& value, const char* env, const char* ucx_default) {
+    if (!value.empty()) return absl::StrCat("'", value, "' (set by the caller)");
+    if (const char* v = std::getenv(env)) return absl::StrCat("'", v, "' (from ", env, ")");
+    return absl::StrCat("UCX's default (", ucx_default, ")");
+  }
+
+  static std::string PeerName(const Peer* peer) {
+    return peer->name.empty() ? std::string("peer") : absl::StrCat("'", peer->name, "'");
+  }
 
   bool OnProgressThread() const { return std::this_thread::get_id() == progress_id_; }
 
@@ -381,6 +730,124 @@ class UcxWorker : public Worker {
     ucs_status_t st = ucp_worker_set_am_recv_handler(worker_, &p);
     return FromUcs(st, absl::StrCat("registering active message handler ", entry->ucx_id));
   }
+
+  // ---- Ops: free lists, the posted queue, the in-flight list ----
+
+  Op* TakeOpLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    Op* op = free_ops_;
+    if (op != nullptr) {
+      free_ops_ = op->next;
+      --free_count_;
+      op->next = nullptr;
+    } else {
+      op = new Op;
+      op->worker = this;
+    }
+    return op;
+  }
+
+  // Progress thread (or teardown): from the local list first, no lock.
+  Op* TakeOp() {
+    if (OnProgressThread() && local_free_ != nullptr) {
+      Op* op = local_free_;
+      local_free_ = op->next;
+      --local_free_count_;
+      op->next = nullptr;
+      return op;
+    }
+    absl::MutexLock lock(&mu_);
+    return TakeOpLocked();
+  }
+
+  // Returns a finished op for reuse.
+  void Recycle(Op* op) {
+    op->kind = Op::Kind::kOther;
+    op->done = nullptr;
+    op->task = nullptr;
+    op->heap_header.reset();
+    op->what = "send";
+    op->request = nullptr;
+    op->peer = nullptr;
+    op->memh = nullptr;
+    op->foreign_region = false;
+    op->prev = nullptr;
+    ++op->generation;
+    if (OnProgressThread()) {
+      op->next = local_free_;
+      local_free_ = op;
+      ++local_free_count_;
+      return;
+    }
+    absl::MutexLock lock(&mu_);
+    op->next = free_ops_;
+    free_ops_ = op;
+    ++free_count_;
+  }
+
+  static void FreeOps(Op*& list) {
+    while (list != nullptr) {
+      Op* next = list->next;
+      delete list;
+      list = next;
+    }
+  }
+
+  // Appends op to the posted queue and wakes the progress thread if it
+  // sleeps (one signal per sleep, not per op). False once the worker is
+  // gone: the caller runs op inline, which fails it.
+  bool EnqueueLocked(Op* op) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (worker_gone_) return false;
+    op->next = nullptr;
+    if (posted_tail_ != nullptr) {
+      posted_tail_->next = op;
+    } else {
+      posted_head_ = op;
+    }
+    posted_tail_ = op;
+    if (sleeping_) {
+      sleeping_ = false;
+      ucp_worker_signal(worker_);
+    }
+    return true;
+  }
+
+  void RunOp(Op* op) {
+    switch (op->kind) {
+      case Op::Kind::kSend:
+        DoSend(op);
+        return;
+      case Op::Kind::kTask: {
+        std::function<void()> fn = std::move(op->task);
+        Recycle(op);
+        fn();
+        return;
+      }
+      case Op::Kind::kOther:
+        Recycle(op);
+        return;
+    }
+  }
+
+  void LinkInFlight(Op* op) {
+    op->in_flight = true;
+    op->prev = nullptr;
+    op->next = inflight_head_;
+    if (inflight_head_ != nullptr) inflight_head_->prev = op;
+    inflight_head_ = op;
+    ++inflight_count_;
+  }
+
+  void UnlinkInFlight(Op* op) {
+    if (!op->in_flight) return;
+    op->in_flight = false;
+    if (op->prev != nullptr) op->prev->next = op->next;
+    if (op->next != nullptr) op->next->prev = op->prev;
+    if (inflight_head_ == op) inflight_head_ = op->next;
+    op->prev = op->next = nullptr;
+    --inflight_count_;
+  }
+
+  // ---- Endpoints ----
 
   Peer* NewPeer() {
     peers_.push_back(std::make_unique<Peer>());
@@ -408,6 +875,27 @@ class UcxWorker : public Worker {
     return peer->failure;
   }
 
+  // Once per endpoint, when it first carried a message: which transports
+  // UCX chose for it (log line and transports_in_use()).
+  void LogLanes(Peer* peer) {
+    if (peer->lanes_logged || peer->ep == nullptr) return;
+    peer->lanes_logged = true;
+    std::vector<Lane> lanes = DescribeLanes(peer->ep);
+    std::vector<std::string> parts;
+    {
+      absl::MutexLock lock(&tls_mu_);
+      for (const Lane& lane : lanes) {
+        parts.push_back(absl::StrCat(lane.transport, "/", lane.device,
+                                     lane.roles.empty() ? "" : absl::StrCat(" (", lane.roles, ")")));
+        bool seen = false;
+        for (const std::string& t : tls_in_use_) seen = seen || t == lane.transport;
+        if (!seen) tls_in_use_.push_back(lane.transport);
+      }
+    }
+    OPTIMUS_LOG(Info, kLog, options_.name, ": endpoint to ", PeerName(peer), " uses ",
+                parts.empty() ? std::string("(unknown transports)") : absl::StrJoin(parts, ", "));
+  }
+
   // Progress thread: opens an endpoint and sends the hello.
   Peer* StartConnect(const std::string& peer_address, std::shared_ptr<PendingConnect> pending) {
     Peer* peer = NewPeer();
@@ -419,11 +907,12 @@ class UcxWorker : public Worker {
     }
     const uint64_t token = next_token_++;
     pending_connects_[token] = pending;
-    auto* op = new Op;
-    op->worker = this;
+    Op* op = TakeOp();
     op->what = "hello";
-    AppendU64(&op->header, instance_);
-    AppendU64(&op->header, token);
+    std::string rest;
+    AppendU64(&rest, token);
+    rest += options_.name;
+    op->SetHeader(instance_, rest.data(), rest.size());
     op->done = [this, pending](absl::Status s) {
       if (!s.ok()) FinishConnect(pending, s);
     };
@@ -437,7 +926,8 @@ class UcxWorker : public Worker {
     p.flags = UCP_AM_SEND_FLAG_REPLY | UCP_AM_SEND_FLAG_EAGER;
     p.cb.send = &UcxWorker::OnSendDone;
     p.user_data = op;
-    Track(op, ucp_am_send_nbx(peer->ep, kHelloAmId, op->header.data(), op->header.size(),
+    const uint64_t generation = op->generation;
+    Track(op, generation, ucp_am_send_nbx(peer->ep, kHelloAmId, op->header(), op->header_size,
                               address_.data(), address_.size(), &p));
     return peer;
   }
@@ -455,65 +945,101 @@ class UcxWorker : public Worker {
     pending->status = s;
   }
 
-  void DoSend(Peer* peer, uint16_t am_id, const void* payload, size_t payload_size, Op* op) {
+  void DoSend(Op* op) {
+    Peer* peer = op->peer;
+    op->peer = nullptr;  // Set again below once the send goes to UCX.
     if (closed_) return Complete(op, absl::CancelledError("send: the UCX worker is shutting down"));
     if (peer == nullptr) return Complete(op, absl::InvalidArgumentError("send on a null endpoint"));
     if (peer->owner != this) {
       return Complete(op, absl::InvalidArgumentError("send on another worker's endpoint"));
     }
-    if (am_id > kMaxUserAmId) {
-      return Complete(op, absl::InvalidArgumentError(
-                              absl::StrCat("send: active message id ", am_id, " is reserved")));
+    if (op->am_id > kMaxUserAmId) {
+      return Complete(op, absl::InvalidArgumentError(absl::StrCat(
+                              "send: active message id ", op->am_id, " is reserved")));
     }
-    if (payload == nullptr && payload_size > 0) {
+    if (op->payload == nullptr && op->payload_size > 0) {
+      return Complete(op, absl::InvalidArgumentError(absl::StrCat(
+                              "send: null payload of ", op->payload_size, " bytes")));
+    }
+    if (op->foreign_region) {
       return Complete(op, absl::InvalidArgumentError(
-                              absl::StrCat("send: null payload of ", payload_size, " bytes")));
+                              "send: the memory region belongs to another worker"));
     }
     if (peer->ep == nullptr && peer->failure.ok()) (void)OpenEndpoint(peer);
     if (!peer->failure.ok()) {
       return Complete(op, absl::Status(peer->failure.code(),
                                        absl::StrCat("send: ", peer->failure.message())));
     }
+    op->peer = peer;
     ucp_request_param_t p;
     std::memset(&p, 0, sizeof(p));
     p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+    if (op->memh != nullptr) {
+      p.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
+      p.memh = op->memh;
+    }
     // Eager or rendezvous is UCX's choice by size; no REPLY flag: the
     // receiver finds its way back through our instance id (see Peer).
     p.cb.send = &UcxWorker::OnSendDone;
     p.user_data = op;
-    Track(op, ucp_am_send_nbx(peer->ep, am_id + kFirstUserAmId, op->header.data(),
-                              op->header.size(), payload, payload_size, &p));
+    const uint64_t generation = op->generation;
+    Track(op, generation, ucp_am_send_nbx(peer->ep, op->am_id + kFirstUserAmId, op->header(),
+                              op->header_size, op->payload, op->payload_size, &p));
   }
 
-  // Takes over a request returned by a ucp_*_nbx call for op.
-  void Track(Op* op, ucs_status_ptr_t st) {
+  // Takes over a request returned by a ucp_*_nbx call for op, whose
+  // generation was `generation` before the call. UCX 1.13 sometimes fails a
+  // request inside the call, running its callback (which finished and
+  // recycled op), and still returns the request (seen with
+  // ucp_am_recv_data_nbx from a dead peer over tcp): then op has moved on
+  // and the returned pointer is stale.
+  void Track(Op* op, uint64_t generation, ucs_status_ptr_t st) {
+    if (op->generation != generation) {
+      OPTIMUS_LOG(Debug, kLog, options_.name, ": request completed inside its call");
+      return;
+    }
     if (st == nullptr) {
       Complete(op, absl::OkStatus());
     } else if (UCS_PTR_IS_ERR(st)) {
       Complete(op, FromUcs(UCS_PTR_STATUS(st), op->what));
     } else {
       op->request = st;
-      inflight_.insert(op);
+      LinkInFlight(op);
     }
   }
 
+  // Finishes op: its done runs after the op went back to the free list (so
+  // a done that sends again may reuse it).
   static void Complete(Op* op, absl::Status s) {
-    if (op->done) op->done(std::move(s));
-    delete op;
+    UcxWorker* self = op->worker;
+    self->UnlinkInFlight(op);
+    if (s.ok() && op->peer != nullptr && !op->peer->lanes_logged) self->LogLanes(op->peer);
+    DoneCallback done = std::move(op->done);
+    self->Recycle(op);
+    if (done) done(std::move(s));
+  }
+
+  // A request UCX cancelled while this worker is not closing was cancelled
+  // because its endpoint failed (UCX purges them when it closes a failed
+  // endpoint, ours or its own): the peer failed, so UNAVAILABLE.
+  absl::Status RequestStatus(ucs_status_t status, const char* what) const {
+    if (status == UCS_ERR_CANCELED && !closed_) {
+      return absl::UnavailableError(
+          absl::StrCat(what, ": UCX: ", ucs_status_string(status), " (the peer failed)"));
+    }
+    return FromUcs(status, what);
   }
 
   static void OnSendDone(void* request, ucs_status_t status, void* user) {
     auto* op = static_cast<Op*>(user);
-    op->worker->inflight_.erase(op);
     ucp_request_free(request);
-    Complete(op, FromUcs(status, op->what));
+    Complete(op, op->worker->RequestStatus(status, op->what));
   }
 
   static void OnRecvDone(void* request, ucs_status_t status, size_t /*length*/, void* user) {
     auto* op = static_cast<Op*>(user);
-    op->worker->inflight_.erase(op);
     ucp_request_free(request);
-    Complete(op, FromUcs(status, op->what));
+    Complete(op, op->worker->RequestStatus(status, op->what));
   }
 
   static void OnCloseDone(void* request, ucs_status_t /*status*/, void* user) {
@@ -546,10 +1072,10 @@ class UcxWorker : public Worker {
     UcxMessage msg(self, entry->user_id, absl::Span<const uint8_t>(rest, rest_length), data,
                    length, param, it == self->by_instance_.end() ? nullptr : it->second);
     entry->handler(msg);
-    // A rendezvous payload the handler did not receive is dropped here:
-    // returning UCS_OK (we never keep data) lets UCX acknowledge the sender,
-    // whose request then completes successfully.
-    return UCS_OK;
+    // A kept rendezvous payload stays with UCX until received or dropped.
+    // One the handler did not take is dropped here: returning UCS_OK lets
+    // UCX acknowledge the sender, whose request then completes successfully.
+    return msg.kept_rendezvous() ? UCS_INPROGRESS : UCS_OK;
   }
 
   // A peer connected to us: remember where it lives, answer on UCX's reply
@@ -565,37 +1091,110 @@ class UcxWorker : public Worker {
     if (by_instance_.find(sender) == by_instance_.end()) {
       Peer* peer = NewPeer();
       peer->address.assign(static_cast<const char*>(data), length);
+      peer->name.assign(reinterpret_cast<const char*>(rest) + sizeof(uint64_t),
+                        rest_length - sizeof(uint64_t));
+      peer->instance = sender;
       by_instance_[sender] = peer;
     }
-    auto* op = new Op;
-    op->worker = this;
+    Op* op = TakeOp();
     op->what = "hello answer";
-    AppendU64(&op->header, instance_);
-    AppendU64(&op->header, token);
+    std::string answer;
+    AppendU64(&answer, token);
+    answer += options_.name;
+    op->SetHeader(instance_, answer.data(), answer.size());
     ucp_request_param_t p;
     std::memset(&p, 0, sizeof(p));
     p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
     p.cb.send = &UcxWorker::OnSendDone;
     p.user_data = op;
-    Track(op, ucp_am_send_nbx(param->reply_ep, kHelloAckAmId, op->header.data(),
-                              op->header.size(), nullptr, 0, &p));
+    const uint64_t generation = op->generation;
+    Track(op, generation, ucp_am_send_nbx(param->reply_ep, kHelloAckAmId, op->header(), op->header_size,
+                              nullptr, 0, &p));
   }
 
   void OnHelloAck(uint64_t sender, const uint8_t* rest, size_t rest_length) {
     if (rest_length < sizeof(uint64_t)) return;
+    if (LoadU64(rest) == kByeToken) return OnBye(sender);
     auto it = pending_connects_.find(LoadU64(rest));
     if (it == pending_connects_.end()) return;  // Timed out meanwhile.
     std::shared_ptr<PendingConnect> pending = it->second;
+    Peer* peer = pending->peer;
+    peer->name.assign(reinterpret_cast<const char*>(rest) + sizeof(uint64_t),
+                      rest_length - sizeof(uint64_t));
+    peer->instance = sender;
     // Messages from this peer are answered on the endpoint we opened.
-    by_instance_.emplace(sender, pending->peer);
+    by_instance_.emplace(sender, peer);
+    LogLanes(peer);
     FinishConnect(pending, absl::OkStatus());
+  }
+
+  // A peer said goodbye: its worker is being destroyed. Keepalive would not
+  // tell when its process lives on (shared memory checks the pid), so fail
+  // every endpoint to it now. Ignored without detect_peer_failure (no dead
+  // peer is reported then).
+  void OnBye(uint64_t sender) {
+    if (!options_.detect_peer_failure) return;
+    for (auto& p : peers_) {
+      Peer* peer = p.get();
+      if (peer->instance != sender || !peer->failure.ok()) continue;
+      const absl::Status s = absl::UnavailableError(
+          absl::StrCat("peer worker ", PeerName(peer), " was destroyed"));
+      OPTIMUS_LOG(Info, kLog, options_.name, ": ", PeerName(peer), " said goodbye");
+      // Closing from inside UCX's callback is not allowed; do it right after.
+      Post([this, peer, s] { FailPeer(peer, s); });
+    }
+  }
+
+  // Teardown: tells each live peer this worker is going away (see OnBye),
+  // opening the endpoint first to peers that only sent to us. Waits for
+  // the goodbyes to go out until give_up.
+  void SayGoodbye(absl::Time give_up) {
+    int pending = 0;
+    std::set<uint64_t> told;
+    for (auto& p : peers_) {
+      Peer* peer = p.get();
+      if (!peer->failure.ok() || peer->instance == 0 || !told.insert(peer->instance).second) {
+        continue;
+      }
+      if (peer->ep == nullptr && !OpenEndpoint(peer).ok()) continue;
+      Op* op = TakeOp();
+      op->what = "goodbye";
+      const uint64_t token = kByeToken;
+      op->SetHeader(instance_, &token, sizeof(token));
+      ++pending;
+      op->done = [&pending](absl::Status) { --pending; };
+      ucp_request_param_t prm;
+      std::memset(&prm, 0, sizeof(prm));
+      prm.op_attr_mask =
+          UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
+      prm.flags = UCP_AM_SEND_FLAG_EAGER;
+      prm.cb.send = &UcxWorker::OnSendDone;
+      prm.user_data = op;
+      const uint64_t generation = op->generation;
+      Track(op, generation, ucp_am_send_nbx(peer->ep, kHelloAckAmId, op->header(), op->header_size,
+                                nullptr, 0, &prm));
+    }
+    while (pending > 0 && absl::Now() < give_up) {
+      ucp_worker_progress(worker_);
+      RunPosted();
+    }
+    if (pending > 0) {
+      // Still in flight (a dead or slow peer): the endpoint closes below
+      // complete them; their done must not touch `pending` then.
+      for (Op* op = inflight_head_; op != nullptr; op = op->next) {
+        if (std::strcmp(op->what, "goodbye") == 0) op->done = nullptr;
+      }
+    }
   }
 
   static void OnEpError(void* arg, ucp_ep_h ep, ucs_status_t status) {
     auto* peer = static_cast<Peer*>(arg);
     UcxWorker* self = peer->owner;
-    OPTIMUS_LOG(Warning, kLog, self->options_.name, ": peer endpoint failed: ",
-                ucs_status_string(status));
+    // Inside ucp_worker_destroy (an endpoint whose failure UCX had not
+    // reported yet): nothing may touch UCX any more.
+    if (self->destroying_) return;
+    OPTIMUS_LOG(Warning, kLog, self->options_.name, ": endpoint to ", PeerName(peer),
+                " failed: ", ucs_status_string(status));
     if (peer->ep != ep) return;
     const absl::Status s = FromUcs(status, "peer endpoint failed");
     for (const auto& entry : self->pending_connects_) {
@@ -610,11 +1209,14 @@ class UcxWorker : public Worker {
   }
 
   // Marks the peer failed and closes its endpoint; later Sends fail at once.
+  // Not reported once this worker is closing (its owner is destroying it).
   void FailPeer(Peer* peer, const absl::Status& s) {
     const bool first = peer->failure.ok();
     if (first) peer->failure = s;
     CloseEndpoint(peer);
-    if (first && options_.on_peer_failure) options_.on_peer_failure(EndpointRef{peer}, s);
+    if (first && !closed_ && options_.on_peer_failure) {
+      options_.on_peer_failure(EndpointRef{peer}, s);
+    }
   }
 
   void CloseEndpoint(Peer* peer) {
@@ -624,7 +1226,8 @@ class UcxWorker : public Worker {
     p.op_attr_mask =
         UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
     // FORCE: do not wait for a peer that may be dead; its pending requests
-    // complete with an error.
+    // complete with an error (in peer-failure mode; without it UCX 1.13
+    // leaves a rendezvous send to a dead peer pending, checked).
     p.flags = UCP_EP_CLOSE_FLAG_FORCE;
     p.cb.send = &UcxWorker::OnCloseDone;
     p.user_data = this;
@@ -632,20 +1235,6 @@ class UcxWorker : public Worker {
     if (st != nullptr && !UCS_PTR_IS_ERR(st)) ++closing_;
     peer->ep = nullptr;
     if (peer->failure.ok()) peer->failure = absl::UnavailableError("endpoint closed");
-  }
-
-  void Post(std::function<void()> fn) {
-    {
-      absl::MutexLock lock(&mu_);
-      if (!worker_gone_) {
-        posted_.push_back(std::move(fn));
-        ucp_worker_signal(worker_);
-        return;
-      }
-    }
-    // After teardown (e.g. a done callback that retries a Send): the closure
-    // finds the worker closed and fails without touching UCX.
-    fn();
   }
 
   // Runs fn on the progress thread and waits for it (inline when already
@@ -663,15 +1252,39 @@ class UcxWorker : public Worker {
     done.WaitForNotification();
   }
 
+  // Runs what was posted, in order; returns whether the loop should stop.
+  // Also hands the progress thread's recycled ops back to the shared list.
   bool RunPosted() {
-    std::deque<std::function<void()>> batch;
+    Op* batch;
     bool stop;
+    Op* excess = nullptr;
     {
       absl::MutexLock lock(&mu_);
-      batch.swap(posted_);
+      batch = posted_head_;
+      posted_head_ = posted_tail_ = nullptr;
       stop = stop_;
+      sleeping_ = false;
+      while (local_free_ != nullptr) {
+        Op* op = local_free_;
+        local_free_ = op->next;
+        if (free_count_ >= kMaxFreeOps && !closed_) {
+          op->next = excess;
+          excess = op;
+          continue;
+        }
+        op->next = free_ops_;
+        free_ops_ = op;
+        ++free_count_;
+      }
+      local_free_count_ = 0;
     }
-    for (auto& fn : batch) fn();
+    FreeOps(excess);
+    while (batch != nullptr) {
+      Op* op = batch;
+      batch = op->next;
+      op->next = nullptr;
+      RunOp(op);
+    }
     return stop;
   }
 
@@ -689,7 +1302,8 @@ class UcxWorker : public Worker {
       if (st == UCS_ERR_BUSY) continue;  // Events arrived meanwhile.
       {
         absl::MutexLock lock(&mu_);
-        if (!posted_.empty() || stop_) continue;
+        if (posted_head_ != nullptr || stop_) continue;
+        sleeping_ = true;  // Posts from now on signal the worker.
       }
       struct pollfd pfd = {efd_, POLLIN, 0};
       poll(&pfd, 1, kIdlePollTimeoutMs);
@@ -698,9 +1312,11 @@ class UcxWorker : public Worker {
   }
 
   // On the progress thread (or in the destructor when it never started):
-  // fail what is posted, close endpoints (which completes what is in flight
-  // with an error), destroy the worker.
+  // fail what is posted, drop kept payloads, say goodbye to peers, close
+  // endpoints (which completes what is in flight with an error), destroy
+  // the worker.
   void Teardown() {
+    const absl::Time start = absl::Now();
     closed_ = true;
     RunPosted();  // Sends posted before the stop fail with Cancelled.
     for (const auto& [token, pending] : pending_connects_) {
@@ -709,10 +1325,24 @@ class UcxWorker : public Worker {
       pending->status = absl::CancelledError("connect: the UCX worker is shutting down");
     }
     pending_connects_.clear();
-    for (Op* op : std::set<Op*>(inflight_)) ucp_request_cancel(worker_, op->request);
+    for (Kept* k : kept_) {
+      ucp_am_data_release(worker_, k->desc);
+      delete k;
+    }
+    kept_.clear();
+    SayGoodbye(start + kGoodbyeBudget);
+    // Cancelling may complete ops at once (and their callbacks may post
+    // more); cancel each op that is still the one we saw.
+    std::vector<std::pair<Op*, uint64_t>> to_cancel;
+    for (Op* op = inflight_head_; op != nullptr; op = op->next) {
+      to_cancel.emplace_back(op, op->generation);
+    }
+    for (const auto& [op, generation] : to_cancel) {
+      if (op->generation == generation && op->in_flight) ucp_request_cancel(worker_, op->request);
+    }
     for (auto& peer : peers_) CloseEndpoint(peer.get());
-    const absl::Time give_up = absl::Now() + kTeardownBudget;
-    while ((!inflight_.empty() || closing_ > 0) && absl::Now() < give_up) {
+    const absl::Time give_up = start + kTeardownBudget;
+    while ((inflight_count_ > 0 || closing_ > 0) && absl::Now() < give_up) {
       ucp_worker_progress(worker_);
       RunPosted();
     }
@@ -728,18 +1358,19 @@ class UcxWorker : public Worker {
     RunPosted();  // Posted between the two locks.
     for (ucp_mem_h m : regions_) ucp_mem_unmap(context_, m);
     regions_.clear();
+    destroying_ = true;
     ucp_worker_destroy(worker_);
     worker_ = nullptr;
     // Requests UCX never completed (it gave up within the budget): their
     // memory went with the worker; tell their owners.
-    std::set<Op*> left;
-    left.swap(inflight_);
-    for (Op* op : left) {
+    const size_t left = inflight_count_;
+    while (inflight_head_ != nullptr) {
+      Op* op = inflight_head_;
       Complete(op, absl::CancelledError(
                        absl::StrCat(op->what, ": the UCX worker was destroyed first")));
     }
-    if (!left.empty() || closing_ > 0) {
-      OPTIMUS_LOG(Warning, kLog, options_.name, ": teardown gave up on ", left.size(),
+    if (left > 0 || closing_ > 0) {
+      OPTIMUS_LOG(Warning, kLog, options_.name, ": teardown gave up on ", left,
                   " requests and ", closing_, " endpoint closes after ",
                   absl::FormatDuration(kTeardownBudget));
     }
@@ -759,19 +1390,31 @@ class UcxWorker : public Worker {
   std::thread::id progress_id_;
 
   absl::Mutex mu_;
-  std::deque<std::function<void()>> posted_ ABSL_GUARDED_BY(mu_);
+  Op* posted_head_ ABSL_GUARDED_BY(mu_) = nullptr;  // Posted ops, oldest first.
+  Op* posted_tail_ ABSL_GUARDED_BY(mu_) = nullptr;
+  Op* free_ops_ ABSL_GUARDED_BY(mu_) = nullptr;
+  size_t free_count_ ABSL_GUARDED_BY(mu_) = 0;
+  bool sleeping_ ABSL_GUARDED_BY(mu_) = false;  // The progress thread waits in poll.
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   bool worker_gone_ ABSL_GUARDED_BY(mu_) = false;  // Set just before ucp_worker_destroy.
 
+  mutable absl::Mutex tls_mu_;
+  std::vector<std::string> tls_in_use_ ABSL_GUARDED_BY(tls_mu_);  // In order first seen.
+
   // Progress thread only (or the destructor's thread once it has joined).
+  Op* local_free_ = nullptr;  // Recycled here, handed to free_ops_ by RunPosted.
+  size_t local_free_count_ = 0;
+  Op* inflight_head_ = nullptr;
+  size_t inflight_count_ = 0;
   std::vector<std::unique_ptr<Peer>> peers_;
   std::map<uint64_t, Peer*> by_instance_;  // Sender instance id -> way back.
   std::map<uint64_t, std::shared_ptr<PendingConnect>> pending_connects_;  // By token.
   uint64_t next_token_ = 1;
-  std::set<Op*> inflight_;
   std::set<ucp_mem_h> regions_;
+  std::set<Kept*> kept_;
   int closing_ = 0;  // Endpoint closes not yet completed.
   bool closed_ = false;
+  bool destroying_ = false;  // In ucp_worker_destroy.
 };
 
 UcxMemoryRegion::~UcxMemoryRegion() {
@@ -780,18 +1423,83 @@ UcxMemoryRegion::~UcxMemoryRegion() {
   if (core_->worker != nullptr) core_->worker->Unmap(memh_);
 }
 
-void UcxMessage::ReceiveInto(void* dst, DoneCallback done) {
-  if (received_) {
+void UcxMessage::ReceiveInto(void* dst, const MemoryRegion* region, DoneCallback done) {
+  if (taken_) {
     done(absl::FailedPreconditionError("payload already received"));
     return;
   }
-  received_ = true;
+  taken_ = true;
+  absl::StatusOr<ucp_mem_h> memh = worker_->MemhOf(region);
   if (!is_rendezvous()) {
+    if (!memh.ok()) return done(memh.status());
     if (length_ > 0) std::memcpy(dst, data_, length_);
     done(absl::OkStatus());
     return;
   }
-  worker_->ReceiveRendezvous(data_, dst, length_, std::move(done));
+  if (!memh.ok()) {
+    // Not taken after all: the payload is dropped when the handler returns.
+    return done(memh.status());
+  }
+  worker_->ReceiveRendezvous(data_, dst, length_, *memh, std::move(done));
+}
+
+std::unique_ptr<PendingPayload> UcxMessage::Keep() {
+  if (taken_ || length_ == 0) return nullptr;
+  taken_ = true;
+  if (!is_rendezvous()) {
+    std::unique_ptr<uint8_t[]> bytes(new uint8_t[length_]);
+    std::memcpy(bytes.get(), data_, length_);
+    return std::make_unique<UcxPendingPayload>(worker_->core(), std::move(bytes), length_);
+  }
+  kept_rendezvous_ = true;
+  Kept* k = worker_->AddKept(data_, length_, sender_);
+  return std::make_unique<UcxPendingPayload>(worker_->core(), k, length_);
+}
+
+UcxPendingPayload::~UcxPendingPayload() {
+  if (kept_ == nullptr || taken_.load()) return;
+  absl::MutexLock lock(&core_->mu);
+  UcxWorker* w = core_->worker;
+  if (w == nullptr) return;  // Dropped with the worker.
+  Kept* k = kept_;
+  w->Post([w, k] { w->DropKept(k); });
+}
+
+void UcxPendingPayload::ReceiveInto(void* dst, const MemoryRegion* region, DoneCallback done) {
+  if (taken_.exchange(true)) {
+    done(absl::FailedPreconditionError("payload already received"));
+    return;
+  }
+  absl::Status error;
+  {
+    absl::MutexLock lock(&core_->mu);
+    UcxWorker* w = core_->worker;
+    if (w == nullptr) {
+      error = absl::CancelledError("receive: the UCX worker was destroyed first");
+    } else {
+      absl::StatusOr<ucp_mem_h> memh = w->MemhOf(region);
+      if (!memh.ok() || (dst == nullptr && size_ > 0)) {
+        error = memh.ok() ? absl::InvalidArgumentError("receive into a null buffer")
+                          : memh.status();
+        if (kept_ != nullptr) {
+          Kept* k = kept_;
+          w->Post([w, k] { w->DropKept(k); });  // Not received after all.
+        }
+      } else if (kept_ == nullptr) {
+        if (size_ > 0) std::memcpy(dst, bytes_.get(), size_);
+        w->Post([done = std::move(done)] { done(absl::OkStatus()); });
+        return;
+      } else {
+        Kept* k = kept_;
+        ucp_mem_h h = *memh;
+        w->Post([w, k, dst, h, done = std::move(done)]() mutable {
+          w->ReceiveKept(k, dst, h, std::move(done));
+        });
+        return;
+      }
+    }
+  }
+  done(std::move(error));
 }
 
 }  // namespace

@@ -5,7 +5,12 @@
 // rendezvous threshold (~20 KB on tcp, ~8 KB on sysv/posix), by rendezvous
 // straight into the receiver's buffer. Every message's UCX header carries the
 // sender's instance id, so a receiver answers on an endpoint it owns (UCX
-// 1.13 frees its own reply endpoints when a peer fails).
+// 1.13 frees its own reply endpoints when a peer fails). Dead peers are
+// found by UCX (keepalive, with shared memory's peer-failure support turned
+// on; see WorkerOptions::detect_peer_failure) and by goodbyes: a worker
+// being destroyed tells its peers. Each endpoint's transports are logged
+// once it has carried a message (transports_in_use()). Sends take their op
+// from a free list and copy small headers inline: no allocation per Send.
 //
 // Ownership and thread-safety: as for every transport::Worker (see
 // transport.h). Worker::Create(options) builds one when options.loopback is
@@ -21,9 +26,11 @@
 namespace optimus {
 namespace transport {
 
-// Creates a UCX worker with options.transports / net_devices (the loopback
-// field is ignored). Errors from UCX's configuration and initialization,
-// converted by FromUcs (ucx_status.h) and naming the transports and devices.
+// Creates a UCX worker with options.transports / net_devices, or, where
+// empty, UCX_TLS / UCX_NET_DEVICES from the environment or UCX's defaults
+// (the loopback field is ignored); logs which, and where it came from.
+// Errors from UCX's configuration and initialization, converted by FromUcs
+// (ucx_status.h) and naming the transports and devices.
 absl::StatusOr<std::unique_ptr<Worker>> NewUcxWorker(const WorkerOptions& options);
 
 }  // namespace transport

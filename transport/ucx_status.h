@@ -19,7 +19,9 @@ namespace transport {
 // otherwise an error whose message is "<what>: UCX: <ucs_status_string>".
 //   Unavailable: the peer is gone or unreachable (worth retrying elsewhere or
 //     later). UCX 1.13 over tcp reports a peer whose sockets closed (a
-//     destroyed worker, a killed process) as ENDPOINT_TIMEOUT.
+//     destroyed worker, a killed process) as ENDPOINT_TIMEOUT; over shared
+//     memory a killed peer as CONNECTION_RESET, and connecting to a
+//     destroyed one as SHMEM_SEGMENT (its segment is gone).
 //   Cancelled: the operation was cancelled (e.g. by closing the endpoint).
 //   ResourceExhausted: out of memory or other local resources.
 //   DeadlineExceeded: a UCX operation timed out (not a peer timeout).
@@ -37,6 +39,7 @@ inline absl::Status FromUcs(ucs_status_t s, absl::string_view what) {
     case UCS_ERR_IO_ERROR:
     case UCS_ERR_NO_DEVICE:
     case UCS_ERR_BUSY:
+    case UCS_ERR_SHMEM_SEGMENT:
       return absl::UnavailableError(msg);
     case UCS_ERR_CANCELED:
       return absl::CancelledError(msg);

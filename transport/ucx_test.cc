@@ -1,17 +1,37 @@
 // What only the UCX implementation has: its configuration (UCX_TLS and
-// devices), and shared memory's blindness to dead peers in UCX 1.13. The
-// transport contract itself is checked over UCX and loopback in
-// transport_test.cc.
+// devices from the options or the environment), what happens without
+// peer-failure detection, regions of another worker, and sends that
+// allocate nothing. The transport contract itself is checked over UCX and
+// loopback in transport_test.cc.
 #include "transport/ucx.h"
 
+#include <atomic>
+#include <cstdlib>
+#include <iostream>
 #include <memory>
+#include <new>
 #include <string>
 #include <vector>
 
+#include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
 #include "transport/test_util.h"
+
+// Counts C++ heap allocations in this test binary (UCX's own come from its
+// pools and malloc, not operator new).
+namespace {
+std::atomic<int64_t> heap_allocations{0};
+}  // namespace
+
+void* operator new(size_t n) {
+  heap_allocations.fetch_add(1, std::memory_order_relaxed);
+  if (void* p = std::malloc(n == 0 ? 1 : n)) return p;
+  throw std::bad_alloc();
+}
+void operator delete(void* p) noexcept { std::free(p); }
+void operator delete(void* p, size_t) noexcept { std::free(p); }
 
 namespace optimus {
 namespace transport {
@@ -27,7 +47,7 @@ WorkerOptions SharedMemory(const std::string& name) {
   WorkerOptions o;
   o.transports = "sm,self";
   o.net_devices = "lo";
-  o.detect_peer_failure = false;  // Shared memory cannot (see transport.h).
+  o.detect_peer_failure = false;
   o.name = name;
   return o;
 }
@@ -54,6 +74,7 @@ TEST(UcxWorkerTest, CreateWithoutLoopbackFabricMakesAUcxWorker) {
   ASSERT_TRUE(direct.ok()) << direct.status();
 }
 
+// Without peer-failure detection a dead peer is never reported.
 TEST(UcxWorkerTest, RendezvousToDeadSharedMemoryPeerCompletesOnlyAtTeardown) {
   Sink sink;
   auto server = Worker::Create(SharedMemory("server"));
@@ -69,8 +90,9 @@ TEST(UcxWorkerTest, RendezvousToDeadSharedMemoryPeerCompletesOnlyAtTeardown) {
   ASSERT_TRUE(
       SendAndWait(client->get(), *ep, kData, "first", payload.data(), payload.size()).ok());
   server->reset();
-  // Without peer-failure detection UCX never learns that the peer is gone:
-  // the rendezvous send waits for an answer that never comes ...
+  // Without peer-failure detection UCX never learns that the peer is gone
+  // (and its goodbye is ignored): the rendezvous send waits for an answer
+  // that never comes ...
   auto done = std::make_shared<absl::Notification>();
   auto status = std::make_shared<absl::Status>();
   (*client)->Send(*ep, kData, {}, payload.data(), payload.size(), [done, status](absl::Status s) {
@@ -84,6 +106,183 @@ TEST(UcxWorkerTest, RendezvousToDeadSharedMemoryPeerCompletesOnlyAtTeardown) {
   EXPECT_LT(absl::Now() - start, absl::Seconds(5));
   ASSERT_TRUE(done->HasBeenNotified());
   EXPECT_EQ(status->code(), absl::StatusCode::kCancelled) << *status;
+}
+
+
+// Sets an environment variable for one test (the UCX workers read it when
+// created), and restores it.
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const char* value) : name_(name) {
+    if (const char* old = std::getenv(name)) old_ = old;
+    had_ = std::getenv(name) != nullptr;
+    setenv(name, value, 1);
+  }
+  ~ScopedEnv() {
+    if (had_) {
+      setenv(name_, old_.c_str(), 1);
+    } else {
+      unsetenv(name_);
+    }
+  }
+
+ private:
+  const char* name_;
+  std::string old_;
+  bool had_ = false;
+};
+
+// Two workers in this process exchange a message; returns the client's
+// transports_in_use().
+std::string TransportsBetweenTwo(const WorkerOptions& options) {
+  Sink sink;
+  WorkerOptions o = options;
+  o.name = "server";
+  auto server = Worker::Create(o);
+  EXPECT_TRUE(server.ok()) << server.status();
+  if (!server.ok()) return "";
+  (*server)->SetHandler(kData, [&sink](IncomingMessage& m) { sink.Handle(m); });
+  EXPECT_TRUE((*server)->Start().ok());
+  o.name = "client";
+  auto client = Worker::Create(o);
+  EXPECT_TRUE(client.ok()) << client.status();
+  if (!client.ok()) return "";
+  EXPECT_TRUE((*client)->Start().ok());
+  auto ep = (*client)->Connect((*server)->address());
+  EXPECT_TRUE(ep.ok()) << ep.status();
+  if (!ep.ok()) return "";
+  EXPECT_TRUE(SendAndWait(client->get(), *ep, kData, "x", nullptr, 0).ok());
+  return (*client)->transports_in_use();
+}
+
+TEST(UcxWorkerTest, TransportsComeFromTheEnvironmentUnlessSet) {
+  ScopedEnv tls("UCX_TLS", "tcp");
+  ScopedEnv devices("UCX_NET_DEVICES", "lo");
+  WorkerOptions o;  // transports and net_devices empty: the environment's.
+  EXPECT_EQ(TransportsBetweenTwo(o), "tcp");
+  o.transports = "sm,self";  // Set: wins over UCX_TLS.
+  const std::string used = TransportsBetweenTwo(o);
+  EXPECT_TRUE(used.find("sysv") != std::string::npos || used.find("posix") != std::string::npos)
+      << used;
+}
+
+// detect_peer_failure turns on shared memory's error handling unless the
+// environment says otherwise: with UCX_MM_ERROR_HANDLING=n UCX has no
+// shared-memory transport that reports dead peers, so a worker limited to
+// shared memory cannot connect.
+TEST(UcxWorkerTest, EnvironmentWinsOverDetectionSettings) {
+  ScopedEnv mm("UCX_MM_ERROR_HANDLING", "n");
+  WorkerOptions o;
+  o.transports = "sm,self";
+  o.net_devices = "lo";
+  auto server = Worker::Create(o);
+  ASSERT_TRUE(server.ok()) << server.status();
+  ASSERT_TRUE((*server)->Start().ok());
+  auto client = Worker::Create(o);
+  ASSERT_TRUE(client.ok()) << client.status();
+  ASSERT_TRUE((*client)->Start().ok());
+  EXPECT_FALSE((*client)->Connect((*server)->address()).ok());
+  // Without detection it can.
+  o.detect_peer_failure = false;
+  EXPECT_NE(TransportsBetweenTwo(o), "");
+}
+
+TEST(UcxWorkerTest, RegionOfAnotherWorkerIsRefused) {
+  WorkerOptions o;
+  o.transports = "sm,self";
+  o.net_devices = "lo";
+  auto server = Worker::Create(o);
+  ASSERT_TRUE(server.ok());
+  std::vector<uint8_t> inbox(4 << 20);
+  std::vector<absl::Status> receives;
+  absl::Mutex mu;
+  auto other = Worker::Create(o);
+  ASSERT_TRUE(other.ok());
+  auto foreign = (*other)->RegisterMemory(inbox.data(), inbox.size());
+  ASSERT_TRUE(foreign.ok());
+  const MemoryRegion* foreign_region = foreign->get();
+  (*server)->SetHandler(kData, [&](IncomingMessage& m) {
+    m.ReceiveInto(inbox.data(), foreign_region, [&](absl::Status st) {
+      absl::MutexLock lock(&mu);
+      receives.push_back(st);
+    });
+  });
+  ASSERT_TRUE((*server)->Start().ok());
+  auto client = Worker::Create(o);
+  ASSERT_TRUE(client.ok());
+  ASSERT_TRUE((*client)->Start().ok());
+  auto ep = (*client)->Connect((*server)->address());
+  ASSERT_TRUE(ep.ok());
+  const std::vector<uint8_t> payload = Pattern(1 << 20, 1);
+  // A send with another worker's region fails; the receiver's refusal of
+  // its region drops the payload (the sender completes OK).
+  auto done = std::make_shared<absl::Notification>();
+  auto status = std::make_shared<absl::Status>();
+  (*client)->Send(*ep, kData, {}, payload.data(), payload.size(), foreign_region,
+                  [done, status](absl::Status st) {
+                    *status = st;
+                    done->Notify();
+                  });
+  ASSERT_TRUE(done->WaitForNotificationWithTimeout(test_util::kWait));
+  EXPECT_EQ(status->code(), absl::StatusCode::kInvalidArgument) << *status;
+  EXPECT_TRUE(
+      SendAndWait(client->get(), *ep, kData, "", payload.data(), payload.size()).ok());
+  absl::MutexLock lock(&mu);
+  ASSERT_EQ(receives.size(), 1u);
+  EXPECT_EQ(receives[0].code(), absl::StatusCode::kInvalidArgument) << receives[0];
+}
+
+// Issue 12 item 6: once warm, a Send and its delivery allocate nothing from
+// the C++ heap (op free list, inline headers, no closures), whichever thread.
+TEST(UcxWorkerTest, SendsAllocateNothingOnceWarm) {
+  WorkerOptions o;
+  o.transports = "sm,self";
+  o.net_devices = "lo";
+  std::atomic<int> received{0};
+  std::vector<uint8_t> inbox(256);
+  o.name = "server";
+  auto server = Worker::Create(o);
+  ASSERT_TRUE(server.ok());
+  std::atomic<int>* counter = &received;
+  uint8_t* dst = inbox.data();
+  (*server)->SetHandler(kData, [counter, dst](IncomingMessage& m) {
+    m.ReceiveInto(dst, [counter](absl::Status) { counter->fetch_add(1); });
+  });
+  ASSERT_TRUE((*server)->Start().ok());
+  o.name = "client";
+  auto client = Worker::Create(o);
+  ASSERT_TRUE(client.ok());
+  ASSERT_TRUE((*client)->Start().ok());
+  auto ep = (*client)->Connect((*server)->address());
+  ASSERT_TRUE(ep.ok());
+  const std::vector<uint8_t> payload = Pattern(256, 3);
+  const std::string header(32, 'h');
+  std::atomic<int> completed{0};
+  std::atomic<int>* done_counter = &completed;
+  auto burst = [&](int n) {
+    const int target = received.load() + n;
+    const int done_target = completed.load() + n;
+    for (int i = 0; i < n; ++i) {
+      (*client)->Send(*ep, kData, test_util::Bytes(header), payload.data(), payload.size(),
+                      [done_counter](absl::Status) { done_counter->fetch_add(1); });
+      if (i % 64 == 63) {  // Keeps the number in flight (and of ops) bounded.
+        while (completed.load() < done_target - n + i - 32) absl::SleepFor(absl::Microseconds(50));
+      }
+    }
+    const absl::Time give_up = absl::Now() + test_util::kWait;
+    while ((received.load() < target || completed.load() < done_target) &&
+           absl::Now() < give_up) {
+      absl::SleepFor(absl::Microseconds(100));
+    }
+    return received.load() >= target && completed.load() >= done_target;
+  };
+  ASSERT_TRUE(burst(2000));  // Warm-up: lanes logged, free list filled.
+  constexpr int kMessages = 20000;
+  const int64_t before = heap_allocations.load();
+  ASSERT_TRUE(burst(kMessages));
+  const int64_t allocations = heap_allocations.load() - before;
+  std::cout << allocations << " heap allocations for " << kMessages << " messages\n";
+  EXPECT_LT(allocations, kMessages / 100);
 }
 
 }  // namespace

@@ -337,7 +337,8 @@ int main(int argc, char** argv) {
                                      absl::StrCat("--world_size=", workers),
                                      absl::StrCat("--steps=", worker_steps),
                                      absl::StrCat("--hidden=", absl::GetFlag(FLAGS_hidden)),
-                                     absl::StrCat("--seed=", absl::GetFlag(FLAGS_seed))};
+                                     absl::StrCat("--seed=", absl::GetFlag(FLAGS_seed)),
+                                     "--net_devices=lo"};
     if (r == 0) args.push_back("--params_out=" + params_file);
     if (open_ended) args.push_back("--stop_file=" + stop_file);
     if (ckpt_every > 0) args.push_back(absl::StrCat("--checkpoint_every_steps=", ckpt_every));
@@ -370,6 +371,11 @@ int main(int argc, char** argv) {
         (replication > 0 || HasCompleteCheckpoint(stub.get(), kJobName))) {
       // Without a replica the job rolls back: only once a checkpoint exists.
       kill(shard_pids[0], SIGKILL);
+      // Reap it at once, as an init system or container runtime would:
+      // peers on shared memory find a dead process by its pid, and a
+      // zombie still has one.
+      int st = 0;
+      if (WaitFor(shard_pids[0], absl::Seconds(5), &st)) shard_pids[0] = -1;
       shard_killed_at_step = last_step;
       std::fprintf(stderr, "fault drill: killed optimus-shard 0 (SIGKILL) at step %d\n", last_step);
       stop_after(last_step);

@@ -29,7 +29,11 @@ ABSL_FLAG(int, steps, 300, "training steps");
 ABSL_FLAG(int, hidden, 256, "MLP hidden width");
 ABSL_FLAG(uint64_t, seed, 1, "seed of the model and the synthetic data");
 ABSL_FLAG(std::string, params_out, "", "rank 0 writes the final parameters here (raw fp32)");
-ABSL_FLAG(std::string, net_devices, "lo", "UCX network devices");
+ABSL_FLAG(std::string, transports, "",
+          "UCX transports (UCX_TLS syntax); empty: UCX_TLS from the environment, or UCX's choice");
+ABSL_FLAG(std::string, net_devices, "",
+          "UCX network devices (the local cluster passes lo); empty: UCX_NET_DEVICES from the "
+          "environment, or all");
 ABSL_FLAG(int, timeout_s, 60, "per-step wait limit, seconds");
 ABSL_FLAG(uint64_t, checkpoint_every_steps, 0,
           "rank 0 creates the job with this checkpoint policy (needs --checkpoint_dir on the "
@@ -73,6 +77,7 @@ int main(int argc, char** argv) {
 
   optimus::client::ClientOptions options;
   options.coordinator_address = absl::GetFlag(FLAGS_coordinator);
+  options.transport.transports = absl::GetFlag(FLAGS_transports);
   options.transport.net_devices = absl::GetFlag(FLAGS_net_devices);
   options.transport.name = absl::StrCat("worker", rank);
   auto first = Client::Connect(options);

@@ -131,8 +131,12 @@ prometheus.io/path: /metrics
 --staging_mb={{ int64 (.values.stagingMb | default 0) }}
 --step_threads={{ int .values.stepThreads }}
 --kernel_threads={{ int .values.kernelThreads }}
---transports={{ .values.transports | default $s.transports }}
---net_devices={{ .values.netDevices | default $s.netDevices }}
+{{- with .values.transports | default $s.transports }}
+--transports={{ . }}
+{{- end }}
+{{- with .values.netDevices | default $s.netDevices }}
+--net_devices={{ . }}
+{{- end }}
 --metrics_port={{ int $s.metricsPort }}
 {{- if .root.Values.checkpoints.enabled }}
 --checkpoint_dir={{ .root.Values.checkpoints.mountPath }}
