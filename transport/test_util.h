@@ -132,6 +132,11 @@ class PeerProcess {
     const char* srcdir = std::getenv("TEST_SRCDIR");
     if (srcdir == nullptr) return absl::FailedPreconditionError("TEST_SRCDIR unset");
     const std::string binary = absl::StrCat(srcdir, "/optimus/transport/test_peer");
+    if (access(binary.c_str(), X_OK) != 0) {
+      // The aarch64 cross build under qemu (deploy/aarch64) makes the test
+      // binaries only; the peer runs natively in //transport:transport_test.
+      return absl::NotFoundError(absl::StrCat(binary, " is not built here"));
+    }
     int in[2], out[2];
     if (pipe(in) != 0 || pipe(out) != 0) return absl::InternalError("pipe");
     posix_spawn_file_actions_t actions;
