@@ -153,7 +153,8 @@ void Shard::Shutdown() {
                          chunk->machine.full_slots() == 0) ||
                         phase == Phase::kBackupReady || phase == Phase::kEmpty;
       if (idle) continue;
-      OPTIMUS_LOG(Info, kLog, "in flight at shutdown: ", chunk->machine.DebugString());
+      OPTIMUS_LOG(Info, kLog, "in flight at shutdown: ", chunk->machine.DebugString(), "; ",
+                  chunk->staging().DebugString());
     }
   }
   // Pulls parked here would otherwise wait for replies that never come:

@@ -71,14 +71,26 @@ void StagingPool::Release(std::unique_ptr<Buffer> buffer) {
     in_use_ -= bytes;
     kept_bytes_ += bytes;
     kept_.emplace(bytes, std::move(buffer));
+    ++releases_;
     wake.swap(waiters_);
   }
   for (auto& fn : wake) run_later_(std::move(fn));
 }
 
-void StagingPool::WhenReleased(std::function<void()> fn) {
+uint64_t StagingPool::releases() const {
   absl::MutexLock lock(&mu_);
-  waiters_.push_back(std::move(fn));
+  return releases_;
+}
+
+void StagingPool::WhenReleased(uint64_t seen, std::function<void()> fn) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (releases_ == seen) {
+      waiters_.push_back(std::move(fn));
+      return;
+    }
+  }
+  run_later_(std::move(fn));  // Room may have come back since the caller looked.
 }
 
 absl::Status StagingPool::Admit(uint64_t hold_bytes, uint64_t landing_bytes,
@@ -182,10 +194,34 @@ void ChunkStaging::FreeStep() {
   active_ = false;
 }
 
-bool ChunkStaging::TakeHold() {
-  if (HoldData() != nullptr) return true;
-  hold_ = pool_->TryAcquire(hold_bytes_, pool_->reserve());
-  return hold_ != nullptr;
+std::unique_ptr<StagingPool::Lease> ChunkStaging::AcquireUnlocked(size_t bytes,
+                                                                  uint64_t keep_free) {
+  // A new buffer is registered with the data plane, which may wait for the
+  // transport's progress thread; that thread may be waiting for mu_ (a push
+  // landing here). So mu_ is let go meanwhile; acquiring_ keeps others from
+  // placing on this chunk until it is back.
+  acquiring_ = true;
+  mu_.Unlock();
+  std::unique_ptr<StagingPool::Lease> lease = pool_->TryAcquire(bytes, keep_free);
+  mu_.Lock();
+  acquiring_ = false;
+  if (missed_) {
+    // Someone found this chunk busy meanwhile: try its waiters again once
+    // this thread is done (a pool release may never come to wake them).
+    missed_ = false;
+    std::weak_ptr<ChunkStaging> weak = weak_from_this();
+    pool_->Defer([weak] {
+      std::shared_ptr<ChunkStaging> self = weak.lock();
+      if (self == nullptr) return;
+      std::vector<std::pair<std::function<void(Landing)>, Landing>> again;
+      {
+        absl::MutexLock lock(&self->mu_);
+        again = self->Unblock();
+      }
+      self->RunUnblocked(std::move(again));
+    });
+  }
+  return lease;
 }
 
 uint32_t ChunkStaging::NextNeeded() const {
@@ -196,7 +232,20 @@ uint32_t ChunkStaging::NextNeeded() const {
 }
 
 bool ChunkStaging::Place(uint32_t rank, Landing* out) {
-  if (!TakeHold()) return false;
+  if (acquiring_) {
+    missed_ = true;  // The acquiring thread has waiters tried again after.
+    return false;
+  }
+  const uint64_t step = step_;
+  auto still_wanted = [&] {
+    return !abandoned_ && active_ && step_ == step && !ranks_[rank].known &&
+           ranks_[rank].landing == nullptr;
+  };
+  if (HoldData() == nullptr) {
+    std::unique_ptr<StagingPool::Lease> hold = AcquireUnlocked(hold_bytes_, pool_->reserve());
+    if (hold == nullptr || !still_wanted() || HoldData() != nullptr) return false;
+    hold_ = std::move(hold);
+  }
   if (!folds_) {
     out->dst = HoldData() + rank * landing_bytes_;
     out->region = HoldRegion();
@@ -205,8 +254,9 @@ bool ChunkStaging::Place(uint32_t rank, Landing* out) {
   // In rank order, a landing may use the pool's reserve: it is folded and
   // freed without waiting for any other push.
   const bool in_order = rank == NextNeeded();
-  auto lease = pool_->TryAcquire(landing_bytes_, in_order ? 0 : pool_->reserve());
-  if (lease == nullptr) return false;
+  std::unique_ptr<StagingPool::Lease> lease =
+      AcquireUnlocked(landing_bytes_, in_order ? 0 : pool_->reserve());
+  if (lease == nullptr || !still_wanted() || HoldData() == nullptr) return false;
   out->dst = lease->data();
   out->region = lease->region();
   ranks_[rank].landing = std::move(lease);
@@ -214,15 +264,21 @@ bool ChunkStaging::Place(uint32_t rank, Landing* out) {
 }
 
 ChunkStaging::Landing ChunkStaging::Land(uint64_t step, uint32_t rank) {
-  absl::MutexLock lock(&mu_);
   Landing l;
-  if (abandoned_ || rank >= world_size_) return l;
-  BeginStep(step);
-  // Pushes already waiting go first (rank order decides among them).
-  for (const Rank& r : ranks_) {
-    if (r.waiting) return l;
+  std::vector<std::pair<std::function<void(Landing)>, Landing>> ready;
+  {
+    absl::MutexLock lock(&mu_);
+    if (abandoned_ || rank >= world_size_) return l;
+    BeginStep(step);
+    // Pushes already waiting go first (rank order decides among them).
+    bool others_wait = false;
+    for (const Rank& r : ranks_) others_wait |= r.waiting;
+    if (!others_wait && Place(rank, &l)) {
+      // Waiters that found this chunk busy acquiring (mu_ was let go).
+      ready = Unblock();
+    }
   }
-  Place(rank, &l);
+  RunUnblocked(std::move(ready));
   return l;
 }
 
@@ -243,30 +299,40 @@ std::vector<std::pair<std::function<void(ChunkStaging::Landing)>, ChunkStaging::
 ChunkStaging::Unblock() {
   std::vector<std::pair<std::function<void(Landing)>, Landing>> ready;
   if (abandoned_ || !active_) return ready;
+  // Before any attempt: a release after this point wakes us (see below).
+  const uint64_t releases = pool_->releases();
   bool any_waiting = false;
-  // The next rank in order first: it may use the reserve.
-  std::vector<uint32_t> order;
-  const uint32_t next = NextNeeded();
-  if (next < world_size_) order.push_back(next);
-  for (uint32_t r = 0; r < world_size_; ++r) {
-    if (r != next) order.push_back(r);
-  }
-  for (uint32_t r : order) {
-    Rank& rk = ranks_[r];
-    if (!rk.waiting) continue;
-    Landing l;
-    if (!Place(r, &l)) {
-      any_waiting = true;
-      continue;
+  // Place may let mu_ go (AcquireUnlocked): waiters may come meanwhile, so
+  // go round again while something was placed.
+  for (bool progress = true; progress && !abandoned_ && active_;) {
+    progress = false;
+    any_waiting = false;
+    // The next rank in order first: it may use the reserve.
+    std::vector<uint32_t> order;
+    const uint32_t next = NextNeeded();
+    if (next < world_size_) order.push_back(next);
+    for (uint32_t r = 0; r < world_size_; ++r) {
+      if (r != next) order.push_back(r);
     }
-    rk.waiting = false;
-    ready.emplace_back(std::move(rk.go), l);
-    rk.go = nullptr;
+    for (uint32_t r : order) {
+      if (!ranks_[r].waiting) continue;
+      Landing l;
+      if (!Place(r, &l)) {
+        any_waiting |= ranks_[r].waiting;
+        continue;
+      }
+      Rank& rk = ranks_[r];
+      if (!rk.waiting) continue;  // Abandoned meanwhile (its go is gone).
+      rk.waiting = false;
+      ready.emplace_back(std::move(rk.go), l);
+      rk.go = nullptr;
+      progress = true;
+    }
   }
   if (any_waiting && !pool_callback_) {
     pool_callback_ = true;
     std::weak_ptr<ChunkStaging> weak = weak_from_this();
-    pool_->WhenReleased([weak] {
+    pool_->WhenReleased(releases, [weak] {
       std::shared_ptr<ChunkStaging> self = weak.lock();
       if (self == nullptr) return;
       std::vector<std::pair<std::function<void(Landing)>, Landing>> again;
@@ -406,6 +472,20 @@ void ChunkStaging::StepDone(uint64_t step) {
   absl::MutexLock lock(&mu_);
   busy_ = false;
   if (abandoned_ || (active_ && step_ == step)) FreeStep();
+}
+
+std::string ChunkStaging::DebugString() const {
+  absl::MutexLock lock(&mu_);
+  std::string ranks;
+  for (const Rank& r : ranks_) {
+    ranks += r.known ? (r.has_grad ? 'L' : 'N') : r.waiting ? 'w' : r.landing ? 'r' : '.';
+  }
+  return absl::StrCat("staging step=", step_, active_ ? "" : " inactive", " hold=",
+                      HoldData() != nullptr, " folded=", folded_, " known=", known_,
+                      " ranks=", ranks, busy_ ? " busy" : "", used_ ? " used" : "",
+                      acquiring_ ? " acquiring" : "", pool_callback_ ? " callback" : "",
+                      abandoned_ ? " abandoned" : "", " pool_in_use=", pool_->in_use(),
+                      " reserve=", pool_->reserve());
 }
 
 void ChunkStaging::Abandon() {

@@ -30,9 +30,11 @@
 // a sum, and landings out of rank order, are granted only with the reserve
 // left free. Pushes of a chunk-step not yet granted its sum wait.
 //
-// Thread-safety: both classes are thread-safe. ChunkStaging::mu_ is a leaf
-// lock (nothing else is taken while it is held; callbacks run after it is
-// released), and it is never held by the caller of a ChunkMachine event.
+// Thread-safety: both classes are thread-safe. ChunkStaging::mu_ is taken
+// before StagingPool::mu_ and nothing else; it is let go while a new pool
+// buffer is registered (registration may wait for the transport's progress
+// thread, which may be waiting for mu_); callbacks run after it is
+// released; it is never held by the caller of a ChunkMachine event.
 #ifndef OPTIMUS_SERVER_STAGING_H_
 #define OPTIMUS_SERVER_STAGING_H_
 
@@ -41,6 +43,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -90,8 +93,12 @@ class StagingPool : public std::enable_shared_from_this<StagingPool> {
   // null (the caller waits: WhenReleased). A buffer of that size kept from
   // earlier is reused, registration included.
   std::unique_ptr<Lease> TryAcquire(size_t bytes, uint64_t keep_free) ABSL_LOCKS_EXCLUDED(mu_);
-  // Runs fn (through run_later) once after the next release.
-  void WhenReleased(std::function<void()> fn) ABSL_LOCKS_EXCLUDED(mu_);
+  // Releases so far: read it before trying TryAcquire, pass it to
+  // WhenReleased, and no release in between is missed.
+  uint64_t releases() const ABSL_LOCKS_EXCLUDED(mu_);
+  // Runs fn (through run_later) once after the next release, or at once if
+  // there were releases since `seen` (a releases() value).
+  void WhenReleased(uint64_t seen, std::function<void()> fn) ABSL_LOCKS_EXCLUDED(mu_);
 
   // The bytes kept for in-order landings: raised to `bytes` (a job's
   // landing buffer) if smaller. OK when the budget can hold a chunk's sum
@@ -99,6 +106,8 @@ class StagingPool : public std::enable_shared_from_this<StagingPool> {
   absl::Status Admit(uint64_t hold_bytes, uint64_t landing_bytes, absl::string_view what)
       ABSL_LOCKS_EXCLUDED(mu_);
   uint64_t reserve() const ABSL_LOCKS_EXCLUDED(mu_);
+  // Runs fn through run_later (on a thread that holds no lock).
+  void Defer(std::function<void()> fn) { run_later_(std::move(fn)); }
 
   // False: chunk-steps hold W slots and never fold (the layout before the
   // pool, kept as the benchmarks' baseline: --fold_gradients=false). Set
@@ -130,6 +139,7 @@ class StagingPool : public std::enable_shared_from_this<StagingPool> {
   uint64_t kept_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t reserve_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t waits_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t releases_ ABSL_GUARDED_BY(mu_) = 0;
   std::multimap<size_t, std::unique_ptr<Buffer>> kept_ ABSL_GUARDED_BY(mu_);
   std::vector<std::function<void()>> waiters_ ABSL_GUARDED_BY(mu_);
 };
@@ -190,6 +200,8 @@ class ChunkStaging : public std::enable_shared_from_this<ChunkStaging> {
   // The chunk left the shard: waiting pushes are dropped and buffers go
   // back once no reader uses them.
   void Abandon() ABSL_LOCKS_EXCLUDED(mu_);
+  // One line for logs: the step, and each rank's landing state.
+  std::string DebugString() const ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
   ChunkStaging(uint32_t world_size, DType grad_dtype, size_t num_elems, bool permanent,
@@ -205,8 +217,9 @@ class ChunkStaging : public std::enable_shared_from_this<ChunkStaging> {
 
   // Starts tracking `step` (dropping what an abandoned earlier step left).
   void BeginStep(uint64_t step) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Takes the sum / slots from the pool if not held. False: no room.
-  bool TakeHold() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // pool_->TryAcquire with mu_ let go meanwhile (see staging.cc).
+  std::unique_ptr<StagingPool::Lease> AcquireUnlocked(size_t bytes, uint64_t keep_free)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   uint8_t* HoldData() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   const transport::MemoryRegion* HoldRegion() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The lowest rank not folded and not known yet (world_size_: none).
@@ -246,6 +259,8 @@ class ChunkStaging : public std::enable_shared_from_this<ChunkStaging> {
   bool fold_failed_ ABSL_GUARDED_BY(mu_) = false;
   bool abandoned_ ABSL_GUARDED_BY(mu_) = false;
   bool pool_callback_ ABSL_GUARDED_BY(mu_) = false;  // WhenReleased pending.
+  bool acquiring_ ABSL_GUARDED_BY(mu_) = false;  // A thread is in AcquireUnlocked.
+  bool missed_ ABSL_GUARDED_BY(mu_) = false;     // Place refused meanwhile.
   absl::Time all_landed_ ABSL_GUARDED_BY(mu_);
 };
 

@@ -81,7 +81,8 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(Case{TransportKind::kLoopback, 4, false},
                       Case{TransportKind::kLoopback, 4, true},
                       Case{TransportKind::kLoopback, 2, false},
-                      Case{TransportKind::kUcx, 4, false}, Case{TransportKind::kUcx, 2, true}),
+                      Case{TransportKind::kUcx, 4, false}, Case{TransportKind::kUcx, 2, true},
+                      Case{TransportKind::kUcx, 8, false}, Case{TransportKind::kLoopback, 8, false}),
     CaseName);
 
 }  // namespace
