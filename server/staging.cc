@@ -231,19 +231,20 @@ uint32_t ChunkStaging::NextNeeded() const {
   return world_size_;
 }
 
+bool ChunkStaging::StillWanted(uint64_t step, uint32_t rank) const {
+  return !abandoned_ && active_ && step_ == step && !ranks_[rank].known &&
+         ranks_[rank].landing == nullptr;
+}
+
 bool ChunkStaging::Place(uint32_t rank, Landing* out) {
   if (acquiring_) {
     missed_ = true;  // The acquiring thread has waiters tried again after.
     return false;
   }
   const uint64_t step = step_;
-  auto still_wanted = [&] {
-    return !abandoned_ && active_ && step_ == step && !ranks_[rank].known &&
-           ranks_[rank].landing == nullptr;
-  };
   if (HoldData() == nullptr) {
     std::unique_ptr<StagingPool::Lease> hold = AcquireUnlocked(hold_bytes_, pool_->reserve());
-    if (hold == nullptr || !still_wanted() || HoldData() != nullptr) return false;
+    if (hold == nullptr || !StillWanted(step, rank) || HoldData() != nullptr) return false;
     hold_ = std::move(hold);
   }
   if (!folds_) {
@@ -256,7 +257,7 @@ bool ChunkStaging::Place(uint32_t rank, Landing* out) {
   const bool in_order = rank == NextNeeded();
   std::unique_ptr<StagingPool::Lease> lease =
       AcquireUnlocked(landing_bytes_, in_order ? 0 : pool_->reserve());
-  if (lease == nullptr || !still_wanted() || HoldData() == nullptr) return false;
+  if (lease == nullptr || !StillWanted(step, rank) || HoldData() == nullptr) return false;
   out->dst = lease->data();
   out->region = lease->region();
   ranks_[rank].landing = std::move(lease);

@@ -224,6 +224,8 @@ class ChunkStaging : public std::enable_shared_from_this<ChunkStaging> {
   const transport::MemoryRegion* HoldRegion() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The lowest rank not folded and not known yet (world_size_: none).
   uint32_t NextNeeded() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Rank `rank` of `step` still needs a landing place (after mu_ was let go).
+  bool StillWanted(uint64_t step, uint32_t rank) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A landing place for `rank` if the rules allow one now.
   bool Place(uint32_t rank, Landing* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Waiting ranks that can land now, with their places (run after unlock);
