@@ -110,6 +110,8 @@ ABSL_FLAG(std::string, staging_workers, "8,2",
           "staging: worker counts; each runs the staging pool against the all-slots layout");
 ABSL_FLAG(int64_t, staging_params, int64_t{64} << 20, "staging: parameters in the job");
 ABSL_FLAG(int, staging_steps, 3, "staging: timed steps per layout");
+ABSL_FLAG(int64_t, staging_pool_mb, 0,
+          "staging: the pool layout's --staging_mb (0: an eighth of the budget, at least 256)");
 ABSL_FLAG(std::string, staging_tls, "", "staging: UCX_TLS (empty: UCX's choice)");
 ABSL_FLAG(bool, small_batch, true,
           "small_tensors: cork each step's pulls and pushes (Client::Cork: small chunks go in "
@@ -1182,7 +1184,8 @@ absl::StatusOr<StagingResult> StagingRun(const std::string& root, const std::str
   // State 16 B per parameter; the pool: its default (an eighth of the
   // budget) for the pool, every chunk's W slots for the all-slots layout.
   const int64_t state_mb = (params * 16 >> 20) + 64;
-  const int64_t staging_mb = fold ? std::max<int64_t>(256, (state_mb + 256) / 7)
+  const int64_t pool_mb = absl::GetFlag(FLAGS_staging_pool_mb);
+  const int64_t staging_mb = fold ? (pool_mb > 0 ? pool_mb : std::max<int64_t>(256, (state_mb + 256) / 7))
                                   : (params * 2 * workers >> 20) + 64;
   std::vector<std::string> extra{absl::StrCat("--memory_limit_mb=", state_mb + staging_mb),
                                  absl::StrCat("--staging_mb=", staging_mb),
