@@ -63,6 +63,7 @@ absl::Status Shard::Start() {
   staging_pool_ = StagingPool::Create(options_.staging_bytes, table_.memory(), MakeRegistrar(),
                                       [this](std::function<void()> fn) { Schedule(std::move(fn)); });
   staging_pool_->set_fold(options_.fold_gradients);
+  staging_pool_->set_kernel_pool(kernel_pool_.get());
   OPTIMUS_LOG(Info, kLog, "memory budget ", options_.memory_limit_bytes >> 20, " MiB (",
               options_.staging_bytes >> 20, " MiB of it for gradients in flight), ",
               options_.step_threads, " step threads, ", options_.kernel_threads,

@@ -77,6 +77,11 @@ void StagingPool::Release(std::unique_ptr<Buffer> buffer) {
   for (auto& fn : wake) run_later_(std::move(fn));
 }
 
+bool StagingPool::has_waiters() const {
+  absl::MutexLock lock(&mu_);
+  return !waiters_.empty();
+}
+
 uint64_t StagingPool::releases() const {
   absl::MutexLock lock(&mu_);
   return releases_;
@@ -330,6 +335,15 @@ ChunkStaging::Unblock() {
       progress = true;
     }
   }
+  if (any_waiting && Foldable() && !fold_pending_) {
+    // Landed slots of this chunk hold room its waiting pushes need.
+    fold_pending_ = true;
+    std::weak_ptr<ChunkStaging> weak = weak_from_this();
+    pool_->Defer([weak] {
+      std::shared_ptr<ChunkStaging> self = weak.lock();
+      if (self != nullptr) self->Fold(self->pool_->kernel_pool());
+    });
+  }
   if (any_waiting && !pool_callback_) {
     pool_callback_ = true;
     std::weak_ptr<ChunkStaging> weak = weak_from_this();
@@ -379,7 +393,12 @@ bool ChunkStaging::Landed(uint64_t step, uint32_t rank, bool ok) {
     all_landed_ = absl::Now();
     return false;  // The step folds the rest itself.
   }
-  return Foldable();
+  // Folding early costs a pass over the sum each time; it is worth it only
+  // to free landing buffers someone waits for. Otherwise the step folds all
+  // the slots in one pass.
+  bool waiting_here = false;
+  for (const Rank& rk : ranks_) waiting_here |= rk.waiting;
+  return Foldable() && (waiting_here || pool_->has_waiters());
 }
 
 bool ChunkStaging::Foldable() const {
@@ -421,6 +440,7 @@ void ChunkStaging::Fold(kernels::ThreadPool* pool) {
   std::vector<std::pair<std::function<void(Landing)>, Landing>> ready;
   {
     absl::MutexLock lock(&mu_);
+    fold_pending_ = false;
     while (Foldable()) FoldRun(pool);
     ready = Unblock();  // Freed landings may let waiting pushes in.
   }

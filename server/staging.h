@@ -108,6 +108,12 @@ class StagingPool : public std::enable_shared_from_this<StagingPool> {
   uint64_t reserve() const ABSL_LOCKS_EXCLUDED(mu_);
   // Runs fn through run_later (on a thread that holds no lock).
   void Defer(std::function<void()> fn) { run_later_(std::move(fn)); }
+  // Someone waits for room (WhenReleased).
+  bool has_waiters() const ABSL_LOCKS_EXCLUDED(mu_);
+  // The kernel thread pool folds run on (the shard's; null: the caller's
+  // thread). Set before any chunk is created.
+  void set_kernel_pool(kernels::ThreadPool* pool) { kernel_pool_ = pool; }
+  kernels::ThreadPool* kernel_pool() const { return kernel_pool_; }
 
   // False: chunk-steps hold W slots and never fold (the layout before the
   // pool, kept as the benchmarks' baseline: --fold_gradients=false). Set
@@ -134,6 +140,7 @@ class StagingPool : public std::enable_shared_from_this<StagingPool> {
   const Registrar registrar_;
   const RunLater run_later_;
   bool fold_ = true;
+  kernels::ThreadPool* kernel_pool_ = nullptr;
   mutable absl::Mutex mu_;
   uint64_t in_use_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t kept_bytes_ ABSL_GUARDED_BY(mu_) = 0;
@@ -263,6 +270,7 @@ class ChunkStaging : public std::enable_shared_from_this<ChunkStaging> {
   bool pool_callback_ ABSL_GUARDED_BY(mu_) = false;  // WhenReleased pending.
   bool acquiring_ ABSL_GUARDED_BY(mu_) = false;  // A thread is in AcquireUnlocked.
   bool missed_ ABSL_GUARDED_BY(mu_) = false;     // Place refused meanwhile.
+  bool fold_pending_ ABSL_GUARDED_BY(mu_) = false;  // A fold for room is scheduled.
   absl::Time all_landed_ ABSL_GUARDED_BY(mu_);
 };
 
