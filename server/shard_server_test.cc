@@ -213,6 +213,23 @@ std::vector<float> Ramp(float scale) {
   return v;
 }
 
+// Version 2 of the one-chunk job from `init` and both ranks' gradients, by
+// the shard's kernel in this process.
+std::vector<float> FirstStep(const std::vector<float>& init, const std::vector<float>& g0,
+                             const std::vector<float>& g1) {
+  std::vector<float> master = init, m(kElems), v(kElems), want(kElems);
+  const void* grads[] = {g0.data(), g1.data()};
+  kernels::StepInputs in;
+  in.grads = absl::MakeConstSpan(grads, 2);
+  in.grad_dtype = DType::kFp32;
+  in.grad_scale = 1.0f / kWorld;
+  in.step = 1;
+  EXPECT_TRUE(kernels::FusedStep(OneChunkJob(1).config.hyper, in, kElems,
+                                 {master.data(), m.data(), v.data()}, want.data(), DType::kFp32)
+                  .ok());
+  return want;
+}
+
 TEST_F(ShardServerTest, ServesTheStepTorchWouldComputeAndRefusesBadRequests) {
   Load(OneChunkJob(link_->shard_id()));
   Peer peer(fabric_, shard_->data_address());
@@ -265,16 +282,7 @@ TEST_F(ShardServerTest, ServesTheStepTorchWouldComputeAndRefusesBadRequests) {
   ASSERT_EQ(v2.payload.size(), kElems * 4);
 
   // The same step in one process, with the shard's kernel.
-  std::vector<float> master = init, m(kElems), v(kElems), want(kElems);
-  const void* grads[] = {g0.data(), g1.data()};
-  kernels::StepInputs in;
-  in.grads = absl::MakeConstSpan(grads, 2);
-  in.grad_dtype = DType::kFp32;
-  in.grad_scale = 1.0f / kWorld;
-  in.step = 1;
-  ASSERT_TRUE(kernels::FusedStep(OneChunkJob(1).config.hyper, in, kElems,
-                                 {master.data(), m.data(), v.data()}, want.data(), DType::kFp32)
-                  .ok());
+  const std::vector<float> want = FirstStep(init, g0, g1);
   EXPECT_EQ(std::memcmp(v2.payload.data(), want.data(), kElems * 4), 0) << "not bitwise";
   EXPECT_EQ(shard_->stats().steps_applied, 1u);
   EXPECT_EQ(shard_->stats().pushes_duplicate, 1u);
@@ -321,16 +329,7 @@ TEST_F(ShardServerTest, ABatchIsHandledAsItsRequestsAndABadBatchChangesNothing) 
   Peer::Answer v2 = peer.Await(2);
   ASSERT_TRUE(v2.reply.status.ok()) << v2.reply.status;
   ASSERT_EQ(v2.payload.size(), kElems * 4);
-  std::vector<float> master = init, m(kElems), v(kElems), want(kElems);
-  const void* grads[] = {g0.data(), g1.data()};
-  kernels::StepInputs in;
-  in.grads = absl::MakeConstSpan(grads, 2);
-  in.grad_dtype = DType::kFp32;
-  in.grad_scale = 1.0f / kWorld;
-  in.step = 1;
-  ASSERT_TRUE(kernels::FusedStep(OneChunkJob(1).config.hyper, in, kElems,
-                                 {master.data(), m.data(), v.data()}, want.data(), DType::kFp32)
-                  .ok());
+  const std::vector<float> want = FirstStep(init, g0, g1);
   EXPECT_EQ(std::memcmp(v2.payload.data(), want.data(), kElems * 4), 0) << "not bitwise";
   EXPECT_EQ(peer.Await(100, absl::Milliseconds(50)).reply.status.code(), absl::StatusCode::kUnknown)
       << "a good batch is answered per request, not as a whole";
