@@ -79,6 +79,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/string_view.h"
@@ -100,6 +101,10 @@ ABSL_FLAG(std::string, workers, "1,2", "worker counts W");
 ABSL_FLAG(std::string, shards, "1,2", "shard counts S");
 ABSL_FLAG(double, seconds, 1.0, "target length of each timed phase, seconds");
 ABSL_FLAG(int64_t, tensor_mib, 32, "goodput: MiB of bf16 payload per worker per push or pull");
+ABSL_FLAG(bool, commit_round, false,
+          "goodput: jobs with a commit round (skip_nonfinite): a push is answered when it "
+          "lands and the step runs after every chunk's commit, so the timed pushes do not "
+          "share the shard's cores with steps");
 ABSL_FLAG(std::string, optimizer, "sgd", "the jobs' optimizer: sgd (lightest step) or adamw");
 ABSL_FLAG(int, small_tensors, 2000, "small_tensors: tensors in the job");
 ABSL_FLAG(int64_t, small_elems, 4096, "small_tensors: elements per tensor");
@@ -758,13 +763,19 @@ struct Goodput {
   uint64_t registrations = 0;  // All workers', over the whole case.
 };
 
+// A goodput case's tensor: --tensor_mib, at least two chunks per shard,
+// whole chunks.
+uint64_t GoodputTensorBytes(uint64_t msg_bytes, int shards) {
+  const uint64_t min_bytes = static_cast<uint64_t>(absl::GetFlag(FLAGS_tensor_mib)) << 20;
+  const uint64_t chunks =
+      std::max<uint64_t>((min_bytes + msg_bytes - 1) / msg_bytes, 2 * static_cast<uint64_t>(shards));
+  return chunks * msg_bytes;
+}
+
 absl::StatusOr<Goodput> RunGoodput(const ProcCluster& c, const std::string& name,
                                    uint64_t msg_bytes, int workers, int shards) {
   Goodput g;
-  const uint64_t min_bytes = static_cast<uint64_t>(absl::GetFlag(FLAGS_tensor_mib)) << 20;
-  // At least two chunks per shard, whole chunks.
-  uint64_t chunks = std::max<uint64_t>((min_bytes + msg_bytes - 1) / msg_bytes, 2 * shards);
-  g.tensor_bytes = chunks * msg_bytes;
+  g.tensor_bytes = GoodputTensorBytes(msg_bytes, shards);
   const uint64_t elems = g.tensor_bytes / DTypeSize(DType::kBf16);
   client::JobDef def;
   def.name = name;
@@ -774,7 +785,9 @@ absl::StatusOr<Goodput> RunGoodput(const ProcCluster& c, const std::string& name
   def.optimizer.lr = 1e-3f;
   def.grad_dtype = DType::kBf16;
   def.param_dtype = DType::kBf16;
-  def.skip_nonfinite = false;  // No clipping round: a push is answered as it lands.
+  // Without a commit round a push is answered as it lands and the chunk's
+  // step runs at once, on the cores the next pushes land on.
+  def.skip_nonfinite = absl::GetFlag(FLAGS_commit_round);
   // The message size: bytes of one chunk's gradient push.
   def.chunk_payload_bytes = msg_bytes;
   const std::vector<Metrics> before = ScrapeShards(c);
@@ -904,10 +917,23 @@ absl::StatusOr<Goodput> RunGoodput(const ProcCluster& c, const std::string& name
 std::string U64List(const std::vector<uint64_t>& v) { return absl::StrCat("[", absl::StrJoin(v, ", "), "]"); }
 
 void PrintGoodput(const std::string& tls, uint64_t msg_bytes, int workers, int shards,
-                  const Goodput& g, const Perftest& p, int cluster_id) {
+                  const Goodput& g, const Perftest& p, const Perftest& ws, int cluster_id) {
   for (const char* kase : {"push", "pull"}) {
     const bool is_push = std::strcmp(kase, "push") == 0;
     const Figures& f = is_push ? g.push : g.pull;
+    // The second baseline: ucx_perftest moving the tensor's bytes as one
+    // message, so that its buffers are as large as the case's (a 4 MiB
+    // message sent again and again stays in the CPU's cache; a tensor of
+    // many chunks cannot).
+    std::string ws_fields;
+    if (ws.status.ok() && ws.gbps > 0) {
+      ws_fields = absl::StrCat(", \"ucx_perftest_ws_gbps\": ", ws.gbps, ", \"ratio_ws\": ",
+                               absl::StrFormat("%.3f", f.median / ws.gbps),
+                               ", \"ucx_perftest_ws_msg_bytes\": ", g.tensor_bytes,
+                               ", \"ucx_perftest_ws_client_cmd\": ", JsonQuote(ws.client_cmd));
+    } else if (!ws.status.ok()) {
+      ws_fields = absl::StrCat(", \"ucx_perftest_ws_error\": ", JsonQuote(ws.status.ToString()));
+    }
     std::fprintf(g_out, 
         "{\"bench\": \"dataplane\", \"case\": \"%s\", \"transport\": %s, \"msg_bytes\": %llu, "
         "\"workers\": %d, \"shards\": %d, \"optimus_gbps\": %.3f, \"ucx_perftest_gbps\": %.3f, "
@@ -917,7 +943,7 @@ void PrintGoodput(const std::string& tls, uint64_t msg_bytes, int workers, int s
         "\"step_ms\": %.2f, \"allocs_per_msg\": %.2f, \"registrations\": %llu, "
         "\"ucx_perftest_runs_gbps\": [%s], \"shard_memory_used_bytes\": %s, "
         "\"shard_rss_bytes\": %s, \"step_tail\": [%s], \"cluster\": %d, "
-        "\"ucx_perftest_server_cmd\": %s, \"ucx_perftest_client_cmd\": %s}\n",
+        "\"ucx_perftest_server_cmd\": %s, \"ucx_perftest_client_cmd\": %s%s}\n",
         kase, JsonQuote(tls).c_str(), static_cast<unsigned long long>(msg_bytes), workers,
         shards, f.median, p.gbps, p.gbps > 0 ? f.median / p.gbps : 0.0, f.mean, f.best, p.best_gbps,
         p.best_gbps > 0 ? f.best / p.best_gbps : 0.0, g.chunks, JsonQuote(g.in_use).c_str(),
@@ -929,7 +955,7 @@ void PrintGoodput(const std::string& tls, uint64_t msg_bytes, int workers, int s
             .c_str(),
         U64List(g.memory_used).c_str(), U64List(g.rss).c_str(),
         absl::StrJoin(g.step_tail, ", ").c_str(), cluster_id, JsonQuote(p.server_cmd).c_str(),
-        JsonQuote(p.client_cmd).c_str());
+        JsonQuote(p.client_cmd).c_str(), ws_fields.c_str());
     std::fflush(g_out);
   }
 }
@@ -1345,6 +1371,7 @@ int Main(const char* argv0) {
     for (absl::string_view tls_view :
          absl::StrSplit(absl::GetFlag(FLAGS_tls), ';', absl::SkipEmpty())) {
       const std::string tls(tls_view);
+      std::map<uint64_t, Perftest> ws_baselines;  // By message (tensor) size.
       for (int shards : shard_counts) {
         ProcCluster c;
         ++cluster_id;
@@ -1360,6 +1387,12 @@ int Main(const char* argv0) {
         for (uint64_t msg : sizes) {
           const Perftest p = RunPerftest(dir, tls, msg);
           if (!p.status.ok()) PrintError("ucx_perftest", tls, msg, 1, 0, p.status);
+          const uint64_t tensor = GoodputTensorBytes(msg, shards);
+          auto cached = ws_baselines.find(tensor);
+          if (cached == ws_baselines.end()) {
+            cached = ws_baselines.emplace(tensor, RunPerftest(dir, tls, tensor)).first;
+          }
+          const Perftest& ws = cached->second;
           for (int w : workers) {
             if (!unusable.ok()) {
               PrintError("push+pull", tls, msg, w, shards, unusable, &p);
@@ -1373,7 +1406,7 @@ int Main(const char* argv0) {
               (void)DeleteJob(c, name);
               continue;
             }
-            PrintGoodput(tls, msg, w, shards, *g, p, cluster_id);
+            PrintGoodput(tls, msg, w, shards, *g, p, ws, cluster_id);
           }
         }
         StopCluster(&c);

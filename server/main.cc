@@ -33,6 +33,9 @@ ABSL_FLAG(std::string, transports, "",
 ABSL_FLAG(std::string, net_devices, "",
           "UCX network devices (UCX_NET_DEVICES syntax; lo keeps traffic local); empty: "
           "UCX_NET_DEVICES from the environment, or all");
+ABSL_FLAG(int, progress_spin_us, 50,
+          "microseconds the UCX progress thread keeps polling after its last event before it "
+          "sleeps on the wake-up fd; 0: sleep at once (least CPU, more latency)");
 ABSL_FLAG(int, metrics_port, 0, "HTTP port for /metrics and /healthz on all interfaces; 0: off");
 ABSL_FLAG(std::string, checkpoint_dir, "",
           "folder for checkpoints, shared with optimus-coord's --checkpoint_dir; empty: off");
@@ -90,6 +93,11 @@ int main(int argc, char** argv) {
       static_cast<uint64_t>(absl::GetFlag(FLAGS_checkpoint_max_mb_per_s)) << 20;
   options.transport.transports = absl::GetFlag(FLAGS_transports);
   options.transport.net_devices = absl::GetFlag(FLAGS_net_devices);
+  if (absl::GetFlag(FLAGS_progress_spin_us) < 0) {
+    std::fprintf(stderr, "optimus-shard: --progress_spin_us must be >= 0\n");
+    return 2;
+  }
+  options.transport.progress_spin = absl::Microseconds(absl::GetFlag(FLAGS_progress_spin_us));
   options.transport.name = "shard";
   if (absl::GetFlag(FLAGS_metrics_port) > 0) {
     options.metrics_address = absl::StrCat("0.0.0.0:", absl::GetFlag(FLAGS_metrics_port));

@@ -70,7 +70,9 @@ void StagingPool::Release(std::unique_ptr<Buffer> buffer) {
     const size_t bytes = buffer->size_bytes();
     in_use_ -= bytes;
     kept_bytes_ += bytes;
-    kept_.emplace(bytes, std::move(buffer));
+    // Most recently released first (find() returns the first of equal
+    // sizes): the buffer reused next is the one most likely still in cache.
+    kept_.emplace_hint(kept_.lower_bound(bytes), bytes, std::move(buffer));
     ++releases_;
     wake.swap(waiters_);
   }

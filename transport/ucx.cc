@@ -1290,10 +1290,19 @@ class UcxWorker : public Worker {
 
   void ProgressLoop() {
     progress_id_ = std::this_thread::get_id();
+    absl::Time last_event = absl::InfinitePast();
+    const absl::Duration spin = options_.progress_spin;
     for (;;) {
+      bool any = false;
       while (ucp_worker_progress(worker_) != 0) {
+        any = true;
       }
       if (RunPosted()) break;
+      if (spin > absl::ZeroDuration()) {
+        const absl::Time now = absl::Now();
+        if (any) last_event = now;
+        if (now - last_event < spin) continue;
+      }
       if (efd_ < 0) {
         absl::SleepFor(kNoWakeupNap);
         continue;
