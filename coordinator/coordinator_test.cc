@@ -12,6 +12,7 @@
 #include "gmock/gmock.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
+#include "kernels/optimizer_spec.h"
 #include "proto/optimus.grpc.pb.h"
 #include "proto/optimus.pb.h"
 
@@ -357,15 +358,17 @@ TEST_F(CoordinatorTest, CreateJobWithoutShardsOrRoomIsRefused) {
   EXPECT_EQ(none.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
   EXPECT_THAT(none.error_message(), HasSubstr("no live shards"));
 
-  RegisterOk(Caps(v1::SHARD_KIND_DPU, 4000));
-  RegisterOk(Caps(v1::SHARD_KIND_HOST, 2000));
-  // world 1, bf16/bf16 AdamW: 12 + 2 + 4 = 18 bytes per element;
-  // 1000 + 4 elements = 18072 bytes against 6000 free.
+  RegisterOk(Caps(v1::SHARD_KIND_DPU, 40000));
+  RegisterOk(Caps(v1::SHARD_KIND_HOST, 20000));
+  // world 1, bf16/bf16 AdamW: 12 + 2 + 4 = 18 bytes per element, and
+  // kChunkOverheadBytes per chunk: 1000 + 4 elements in 16 + 1 chunks of at
+  // most 64 elements = 18072 + 17 x 8192 = 157336 bytes against 60000 free.
   grpc::Status full = Create(Spec("big", 1, {1000}), &resp);
   EXPECT_EQ(full.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
-  EXPECT_THAT(full.error_message(), HasSubstr("needs 18072 bytes"));
-  EXPECT_THAT(full.error_message(), HasSubstr("6000 bytes free over 2 live shards"));
-  EXPECT_THAT(full.error_message(), HasSubstr("largest free 4000 bytes"));
+  EXPECT_THAT(full.error_message(), HasSubstr("needs 157336 bytes"));
+  EXPECT_THAT(full.error_message(), HasSubstr("8192 per chunk"));
+  EXPECT_THAT(full.error_message(), HasSubstr("60000 bytes free over 2 live shards"));
+  EXPECT_THAT(full.error_message(), HasSubstr("largest free 40000 bytes"));
   // A refused job leaves its name free.
   EXPECT_TRUE(Create(Spec("big", 1, {100}), &resp).ok());
 }
@@ -433,7 +436,7 @@ TEST_F(CoordinatorTest, StatusReportsShardsAndJobs) {
   EXPECT_EQ(s0.capabilities().hostname(), "bf2");
   EXPECT_EQ(s0.state(), v1::SHARD_STATE_UP);
   EXPECT_EQ(s0.memory_used_bytes(), 1000 * dpu);  // As reported.
-  EXPECT_EQ(s0.memory_planned_bytes(), 4100u * 20);
+  EXPECT_EQ(s0.memory_planned_bytes(), 4100u * 20 + chunks * kernels::kChunkOverheadBytes);
   EXPECT_EQ(s0.chunks_owned(), chunks);
   EXPECT_EQ(s0.transports(), dpu % 2 == 1 ? "sysv,cma" : "tcp");  // As reported.
   EXPECT_LT(s0.lease_age_ms(), 300u);

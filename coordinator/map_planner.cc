@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/optimizer_spec.h"
 
 namespace optimus {
 namespace {
@@ -25,10 +26,11 @@ bool IsUp(const ShardHealthMap& health, uint64_t id) {
 }  // namespace
 
 std::map<uint64_t, ShardLoad> ComputeLoad(absl::Span<const ChunkSpec> chunks,
-                                          uint64_t bytes_per_elem) {
+                                          uint64_t bytes_per_elem,
+                                          uint64_t chunk_overhead_bytes) {
   std::map<uint64_t, ShardLoad> load;
   for (const ChunkSpec& c : chunks) {
-    const uint64_t bytes = c.num_elems * bytes_per_elem;
+    const uint64_t bytes = c.num_elems * bytes_per_elem + chunk_overhead_bytes;
     ShardLoad& primary = load[c.shard_id];
     primary.num_chunks += 1;
     primary.size_bytes += bytes;
@@ -43,9 +45,9 @@ std::map<uint64_t, ShardLoad> ComputeLoad(absl::Span<const ChunkSpec> chunks,
   return load;
 }
 
-uint64_t TakeSlot(const ChunkSpec& chunk, uint64_t bytes_per_elem, uint64_t exclude_id,
-                  std::vector<ShardInfo>& candidates) {
-  const uint64_t bytes = chunk.num_elems * bytes_per_elem;
+uint64_t TakeSlot(const ChunkSpec& chunk, uint64_t bytes_per_elem, uint64_t chunk_overhead_bytes,
+                  uint64_t exclude_id, std::vector<ShardInfo>& candidates) {
+  const uint64_t bytes = chunk.num_elems * bytes_per_elem + chunk_overhead_bytes;
   const int pick = PickShard(candidates, bytes, exclude_id);
   if (pick < 0) return 0;
   candidates[pick].memory_planned_bytes += bytes;
@@ -55,7 +57,7 @@ uint64_t TakeSlot(const ChunkSpec& chunk, uint64_t bytes_per_elem, uint64_t excl
 FailoverPlan PlanFailover(const JobLayout& job, const ShardHealthMap& health,
                           std::vector<ShardInfo>& candidates) {
   FailoverPlan plan;
-  const std::map<uint64_t, ShardLoad> load = ComputeLoad(job.chunks, job.bytes_per_elem);
+  const std::map<uint64_t, ShardLoad> load = ComputeLoad(job.chunks, job.bytes_per_elem, job.chunk_overhead_bytes);
   for (const auto& [shard_id, l] : load) {
     if (IsDown(health, shard_id)) plan.lost_shards.insert(shard_id);
   }
@@ -98,7 +100,8 @@ FailoverPlan PlanFailover(const JobLayout& job, const ShardHealthMap& health,
   if (job.replication == 1) {
     for (ChunkSpec& c : plan.after.chunks) {
       if (c.backup_shard_id != 0) continue;
-      c.backup_shard_id = TakeSlot(c, job.bytes_per_elem, c.shard_id, candidates);
+      c.backup_shard_id =
+          TakeSlot(c, job.bytes_per_elem, job.chunk_overhead_bytes, c.shard_id, candidates);
       (c.backup_shard_id != 0 ? plan.new_backups : plan.without_backup) += 1;
     }
   }
@@ -118,7 +121,7 @@ ReplicationPlan PlanReplication(const JobLayout& job, const ShardHealthMap& heal
       // The backup leaves first; with the primary draining too, the new
       // backup is the one that will be promoted once in sync.
       if (rep1 || IsDraining(health, primary)) {
-        const uint64_t b = TakeSlot(c, bpe, primary, candidates);
+        const uint64_t b = TakeSlot(c, bpe, job.chunk_overhead_bytes, primary, candidates);
         if (b == 0 && IsDraining(health, primary)) continue;  // Keep it until a shard has room.
         c.backup_shard_id = b;
       } else {
@@ -130,21 +133,22 @@ ReplicationPlan PlanReplication(const JobLayout& job, const ShardHealthMap& heal
       if (backup == 0) {
         // No copy to promote: a temporary backup, which the primary seeds
         // at its next step.
-        const uint64_t b = TakeSlot(c, bpe, primary, candidates);
+        const uint64_t b = TakeSlot(c, bpe, job.chunk_overhead_bytes, primary, candidates);
         if (b == 0) continue;
         c.backup_shard_id = b;
         plan.after.backup_in_sync[i] = false;
         ++plan.temporary;
       } else if (plan.after.backup_in_sync[i]) {
         c.shard_id = backup;
-        c.backup_shard_id = rep1 ? TakeSlot(c, bpe, backup, candidates) : 0;
+        c.backup_shard_id =
+            rep1 ? TakeSlot(c, bpe, job.chunk_overhead_bytes, backup, candidates) : 0;
         plan.after.backup_in_sync[i] = false;
         ++plan.promoted;
         if (c.backup_shard_id != 0) ++plan.new_backups;
       }
       // Otherwise wait for the backup to report in sync.
     } else if (rep1 && backup == 0) {
-      const uint64_t b = TakeSlot(c, bpe, primary, candidates);
+      const uint64_t b = TakeSlot(c, bpe, job.chunk_overhead_bytes, primary, candidates);
       if (b == 0) continue;
       c.backup_shard_id = b;
       plan.after.backup_in_sync[i] = false;
@@ -171,9 +175,11 @@ absl::Status CheckDrainFits(uint64_t shard_id, uint32_t chunks_held,
       } else {
         continue;
       }
-      const uint64_t bytes = c.num_elems * layout.bytes_per_elem;
+      const uint64_t bytes = c.num_elems * layout.bytes_per_elem + layout.chunk_overhead_bytes;
       bytes_to_move += bytes;
-      if (TakeSlot(c, layout.bytes_per_elem, other, candidates) != 0) continue;
+      if (TakeSlot(c, layout.bytes_per_elem, layout.chunk_overhead_bytes, other, candidates) != 0) {
+        continue;
+      }
       uint64_t free_total = 0, free_largest = 0;
       for (const ShardInfo& s : others) {
         const uint64_t f = s.memory_planned_bytes >= s.memory_limit_bytes

@@ -19,6 +19,7 @@
 #include "absl/status/status.h"
 #include "absl/types/span.h"
 #include "coordinator/shard_map.h"
+#include "kernels/optimizer_spec.h"
 
 namespace optimus {
 
@@ -38,6 +39,9 @@ struct JobLayout {
   uint64_t bytes_per_elem = 0;
   // Backups per chunk the job asked for: 0 or 1.
   uint32_t replication = 0;
+  // Shard bytes one chunk costs beyond its elements (its bookkeeping;
+  // tests of the placement arithmetic set 0).
+  uint64_t chunk_overhead_bytes = kernels::kChunkOverheadBytes;
 };
 
 // What a job holds on one shard.
@@ -51,14 +55,15 @@ struct ShardLoad {
 };
 
 // Load by shard over the chunks' primaries and backups.
-std::map<uint64_t, ShardLoad> ComputeLoad(absl::Span<const ChunkSpec> chunks,
-                                          uint64_t bytes_per_elem);
+std::map<uint64_t, ShardLoad> ComputeLoad(
+    absl::Span<const ChunkSpec> chunks, uint64_t bytes_per_elem,
+    uint64_t chunk_overhead_bytes = kernels::kChunkOverheadBytes);
 
 // Picks a shard for one more copy of `chunk` (never exclude_id: the holder
 // of its other copy) with PickShard's rule and adds the chunk's bytes to
 // it. Returns the shard id, or 0 when none has room.
-uint64_t TakeSlot(const ChunkSpec& chunk, uint64_t bytes_per_elem, uint64_t exclude_id,
-                  std::vector<ShardInfo>& candidates);
+uint64_t TakeSlot(const ChunkSpec& chunk, uint64_t bytes_per_elem, uint64_t chunk_overhead_bytes,
+                  uint64_t exclude_id, std::vector<ShardInfo>& candidates);
 
 struct FailoverPlan {
   enum class Outcome {

@@ -9,6 +9,7 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "kernels/optimizer_spec.h"
 
 namespace optimus {
 namespace {
@@ -17,7 +18,9 @@ using ::testing::HasSubstr;
 
 using H = ShardHealth;
 
-// A chunk of 10 elements at 1 byte each: 10 bytes per copy.
+// A chunk of 10 elements at 1 byte each: 10 bytes per copy (no per-chunk
+// bookkeeping: these tests check the planning arithmetic; what the
+// coordinator adds per chunk is checked in ComputeLoadTest).
 struct C {
   uint64_t primary;
   uint64_t backup;
@@ -27,6 +30,7 @@ struct C {
 JobLayout Layout(const std::vector<C>& chunks, uint32_t replication) {
   JobLayout job;
   job.bytes_per_elem = 1;
+  job.chunk_overhead_bytes = 0;
   job.replication = replication;
   uint32_t index = 0;
   for (const C& c : chunks) {
@@ -59,7 +63,7 @@ std::vector<std::pair<uint64_t, uint64_t>> Copies(const JobLayout& job) {
 
 TEST(ComputeLoadTest, BackupsCostAsMuchAsPrimaries) {
   const JobLayout job = Layout({{1, 2, false}, {1, 0, false}, {2, 3, false}}, 1);
-  const auto load = ComputeLoad(job.chunks, 3);
+  const auto load = ComputeLoad(job.chunks, 3, /*chunk_overhead_bytes=*/0);
   ASSERT_EQ(load.size(), 3u);
   EXPECT_EQ(load.at(1).num_chunks, 2u);
   EXPECT_EQ(load.at(1).backup_chunks, 0u);
@@ -68,6 +72,13 @@ TEST(ComputeLoadTest, BackupsCostAsMuchAsPrimaries) {
   EXPECT_EQ(load.at(2).backup_chunks, 1u);
   EXPECT_EQ(load.at(3).backup_chunks, 1u);
   EXPECT_EQ(load.at(3).size_bytes, 30u);
+}
+
+TEST(ComputeLoadTest, EveryCopyAlsoCostsTheChunksBookkeeping) {
+  const JobLayout job = Layout({{1, 2, false}, {1, 0, false}}, 1);
+  const auto load = ComputeLoad(job.chunks, 3);  // The default overhead.
+  EXPECT_EQ(load.at(1).size_bytes, 2 * (30 + kernels::kChunkOverheadBytes));
+  EXPECT_EQ(load.at(2).size_bytes, 30 + kernels::kChunkOverheadBytes);
 }
 
 struct FailoverCase {

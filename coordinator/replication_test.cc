@@ -17,6 +17,7 @@
 #include "coordinator/coordinator.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "kernels/optimizer_spec.h"
 #include "proto/optimus.pb.h"
 
 namespace optimus {
@@ -28,10 +29,11 @@ constexpr absl::Duration kLease = absl::Seconds(2);
 
 // world 1, bf16 grads and params, AdamW: 12 + 2 + 2*2 = 18 bytes per element.
 constexpr uint64_t kBytesPerElem = 18;
-// Chunks of 64 elements (256 bytes of fp32): 1152 bytes of shard state each.
-constexpr uint64_t kChunkBytes = 64 * kBytesPerElem;
+// Chunks of 64 elements (256 bytes of fp32): 1152 bytes of shard state each,
+// and the chunk's bookkeeping (kernels::kChunkOverheadBytes).
+constexpr uint64_t kChunkBytes = 64 * kBytesPerElem + kernels::kChunkOverheadBytes;
 // A replicated chunk also holds the fp32 gradient sum: 4 more per element.
-constexpr uint64_t kRepChunkBytes = 64 * (kBytesPerElem + 4);
+constexpr uint64_t kRepChunkBytes = 64 * (kBytesPerElem + 4) + kernels::kChunkOverheadBytes;
 
 // One tensor "w" of num_chunks * 64 elements.
 v1::CreateJobRequest Job(const std::string& name, int num_chunks, uint32_t replication) {

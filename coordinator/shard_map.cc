@@ -1,11 +1,14 @@
 #include "coordinator/shard_map.h"
 
+#include "kernels/optimizer_spec.h"
+
 #include <algorithm>
 #include <limits>
 #include <numeric>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_format.h"
+#include "kernels/optimizer_spec.h"
 
 namespace optimus {
 namespace {
@@ -98,11 +101,16 @@ FreeSpace FreeOver(absl::Span<const ShardInfo> shards) {
   return f;
 }
 
+// A chunk's bytes on its shard: its elements and its bookkeeping.
+uint64_t ChunkNeed(uint64_t num_elems, uint64_t bytes_per_elem, uint64_t overhead) {
+  return SatAdd(SatMul(num_elems, bytes_per_elem), overhead);
+}
+
 }  // namespace
 
 absl::StatusOr<std::vector<ChunkSpec>> PlaceChunks(
     std::vector<ChunkSpec> chunks, absl::Span<const ShardInfo> live_shards,
-    uint64_t bytes_per_elem) {
+    uint64_t bytes_per_elem, uint64_t chunk_overhead_bytes) {
   if (live_shards.empty()) {
     return absl::FailedPreconditionError(
         "no live shards: register optimizer shard servers before creating a job");
@@ -111,19 +119,19 @@ absl::StatusOr<std::vector<ChunkSpec>> PlaceChunks(
   std::vector<ShardInfo> shards(live_shards.begin(), live_shards.end());
   for (size_t idx : LargestFirst(chunks)) {
     ChunkSpec& c = chunks[idx];
-    const uint64_t need_bytes = SatMul(c.num_elems, bytes_per_elem);
+    const uint64_t need_bytes = ChunkNeed(c.num_elems, bytes_per_elem, chunk_overhead_bytes);
     const int best = PickShard(shards, need_bytes, /*exclude_id=*/0);
     if (best < 0) {
       uint64_t job_bytes = 0;
-      for (const ChunkSpec& x : chunks) job_bytes = SatAdd(job_bytes, SatMul(x.num_elems, bytes_per_elem));
+      for (const ChunkSpec& x : chunks) job_bytes = SatAdd(job_bytes, ChunkNeed(x.num_elems, bytes_per_elem, chunk_overhead_bytes));
       // Free space before this job, as the operator would see it.
       const FreeSpace free = FreeOver(live_shards);
       return absl::ResourceExhaustedError(absl::StrFormat(
-          "job state does not fit: needs %d bytes (%d bytes per element); "
+          "job state does not fit: needs %d bytes (%d bytes per element and %d per chunk); "
           "%d bytes free over %d live shards, largest free %d bytes; "
           "chunk (tensor %d, chunk %d) of %d bytes fits on no shard",
-          job_bytes, bytes_per_elem, free.total, shards.size(), free.largest, c.tensor,
-          c.chunk, need_bytes));
+          job_bytes, bytes_per_elem, chunk_overhead_bytes, free.total, shards.size(),
+          free.largest, c.tensor, c.chunk, need_bytes));
     }
     c.shard_id = shards[best].id;
     shards[best].memory_planned_bytes = SatAdd(shards[best].memory_planned_bytes, need_bytes);
@@ -133,7 +141,7 @@ absl::StatusOr<std::vector<ChunkSpec>> PlaceChunks(
 
 absl::StatusOr<std::vector<ChunkSpec>> PlaceBackups(
     std::vector<ChunkSpec> chunks, absl::Span<const ShardInfo> live_shards,
-    uint64_t bytes_per_elem) {
+    uint64_t bytes_per_elem, uint64_t chunk_overhead_bytes) {
   if (live_shards.size() < 2) {
     return absl::FailedPreconditionError(absl::StrFormat(
         "replication 1 needs at least 2 live shards (a chunk's backup lives on another "
@@ -144,7 +152,7 @@ absl::StatusOr<std::vector<ChunkSpec>> PlaceBackups(
   std::vector<ShardInfo> shards(live_shards.begin(), live_shards.end());
   uint64_t job_bytes = 0;
   for (const ChunkSpec& c : chunks) {
-    const uint64_t need_bytes = SatMul(c.num_elems, bytes_per_elem);
+    const uint64_t need_bytes = ChunkNeed(c.num_elems, bytes_per_elem, chunk_overhead_bytes);
     job_bytes = SatAdd(job_bytes, need_bytes);
     for (ShardInfo& s : shards) {
       if (s.id == c.shard_id) s.memory_planned_bytes = SatAdd(s.memory_planned_bytes, need_bytes);
@@ -153,16 +161,17 @@ absl::StatusOr<std::vector<ChunkSpec>> PlaceBackups(
   const FreeSpace after_primaries = FreeOver(shards);
   for (size_t idx : LargestFirst(chunks)) {
     ChunkSpec& c = chunks[idx];
-    const uint64_t need_bytes = SatMul(c.num_elems, bytes_per_elem);
+    const uint64_t need_bytes = ChunkNeed(c.num_elems, bytes_per_elem, chunk_overhead_bytes);
     const int best = PickShard(shards, need_bytes, /*exclude_id=*/c.shard_id);
     if (best < 0) {
       return absl::ResourceExhaustedError(absl::StrFormat(
           "job state with replication 1 does not fit: needs %d bytes for the primaries "
-          "and %d bytes for their backups (%d bytes per element); after the primaries "
+          "and %d bytes for their backups (%d bytes per element and %d per chunk); after the primaries "
           "%d bytes are free over %d live shards, largest free %d bytes; the backup of "
           "chunk (tensor %d, chunk %d) of %d bytes fits on no shard other than its "
           "primary (shard %d)",
-          job_bytes, job_bytes, bytes_per_elem, after_primaries.total, shards.size(),
+          job_bytes, job_bytes, bytes_per_elem, chunk_overhead_bytes,
+          after_primaries.total, shards.size(),
           after_primaries.largest, c.tensor, c.chunk, need_bytes, c.shard_id));
     }
     c.backup_shard_id = shards[best].id;

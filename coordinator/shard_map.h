@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "kernels/optimizer_spec.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 
@@ -58,9 +59,11 @@ std::vector<ChunkSpec> SplitTensors(absl::Span<const uint64_t> tensor_num_elems,
 // Errors: FAILED_PRECONDITION when live_shards is empty ("no live shards");
 // RESOURCE_EXHAUSTED when some chunk fits nowhere, with the bytes the job
 // needs, the free bytes over the live shards and the largest free space.
+// A chunk costs num_elems * bytes_per_elem + chunk_overhead_bytes (its
+// bookkeeping on the shard; tests of the placement arithmetic pass 0).
 absl::StatusOr<std::vector<ChunkSpec>> PlaceChunks(
     std::vector<ChunkSpec> chunks, absl::Span<const ShardInfo> live_shards,
-    uint64_t bytes_per_elem);
+    uint64_t bytes_per_elem, uint64_t chunk_overhead_bytes = kernels::kChunkOverheadBytes);
 
 // The placement rule for one more copy of need_bytes: among the DPU shards
 // where it still fits (memory_planned_bytes + need_bytes <= limit), the one
@@ -84,7 +87,7 @@ int PickShard(absl::Span<const ShardInfo> shards, uint64_t need_bytes, uint64_t 
 // largest free space.
 absl::StatusOr<std::vector<ChunkSpec>> PlaceBackups(
     std::vector<ChunkSpec> chunks, absl::Span<const ShardInfo> live_shards,
-    uint64_t bytes_per_elem);
+    uint64_t bytes_per_elem, uint64_t chunk_overhead_bytes = kernels::kChunkOverheadBytes);
 
 }  // namespace optimus
 

@@ -7,6 +7,7 @@
 #include "absl/status/status.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "kernels/optimizer_spec.h"
 
 namespace optimus {
 namespace {
@@ -59,7 +60,7 @@ TEST(PlaceChunksTest, RandomShapesCoverEveryElementOnceWithinLimits) {
     }
     const uint64_t bpe = 1 + rng() % 4;
     std::vector<ChunkSpec> split = SplitTensors(sizes, max_chunk);
-    absl::StatusOr<std::vector<ChunkSpec>> placed = PlaceChunks(split, shards, bpe);
+    absl::StatusOr<std::vector<ChunkSpec>> placed = PlaceChunks(split, shards, bpe, 0);
     uint64_t total = 0;
     for (uint64_t n : sizes) total += n;
     uint64_t capacity = 0;
@@ -105,7 +106,7 @@ TEST(PlaceChunksTest, BalancedWithinOneChunkWhenAllShardsAreAlike) {
     const uint64_t max_chunk = 1000, bpe = 16;
     std::vector<ShardInfo> shards;
     for (uint64_t id = 1; id <= 5; ++id) shards.push_back({id, true, uint64_t{1} << 40, 0});
-    auto placed = PlaceChunks(SplitTensors(sizes, max_chunk), shards, bpe);
+    auto placed = PlaceChunks(SplitTensors(sizes, max_chunk), shards, bpe, 0);
     ASSERT_TRUE(placed.ok()) << placed.status();
     const auto planned = PlannedBytes(*placed, shards, bpe);
     uint64_t lo = UINT64_MAX, hi = 0;
@@ -123,11 +124,11 @@ TEST(PlaceChunksTest, PrefersDpusAndSpillsToHostOnlyWhenFull) {
   std::vector<ShardInfo> shards = {{1, false, 1000000, 0},
                                    {2, true, 2000, 0},
                                    {3, true, 2000, 0}};
-  auto fits = PlaceChunks(SplitTensors({400}, 100), shards, bpe);
+  auto fits = PlaceChunks(SplitTensors({400}, 100), shards, bpe, 0);
   ASSERT_TRUE(fits.ok()) << fits.status();
   for (const ChunkSpec& c : *fits) EXPECT_NE(c.shard_id, 1u) << "host used while DPUs had room";
 
-  auto spills = PlaceChunks(SplitTensors({600}, 100), shards, bpe);
+  auto spills = PlaceChunks(SplitTensors({600}, 100), shards, bpe, 0);
   ASSERT_TRUE(spills.ok()) << spills.status();
   const auto planned = PlannedBytes(*spills, shards, bpe);
   EXPECT_EQ(planned.at(2), 2000u);
@@ -137,12 +138,12 @@ TEST(PlaceChunksTest, PrefersDpusAndSpillsToHostOnlyWhenFull) {
 
 TEST(PlaceChunksTest, IsDeterministicAndBreaksTiesByShardId) {
   std::vector<ShardInfo> shards = {{9, true, 1000, 0}, {4, true, 1000, 0}};
-  auto a = PlaceChunks(SplitTensors({1}, 10), shards, 4);
+  auto a = PlaceChunks(SplitTensors({1}, 10), shards, 4, 0);
   ASSERT_TRUE(a.ok());
   EXPECT_EQ((*a)[0].shard_id, 4u);
   // Bytes already planned by other jobs count.
   shards[1].memory_planned_bytes = 100;
-  auto b = PlaceChunks(SplitTensors({1}, 10), shards, 4);
+  auto b = PlaceChunks(SplitTensors({1}, 10), shards, 4, 0);
   ASSERT_TRUE(b.ok());
   EXPECT_EQ((*b)[0].shard_id, 9u);
 }
@@ -150,7 +151,7 @@ TEST(PlaceChunksTest, IsDeterministicAndBreaksTiesByShardId) {
 TEST(PlaceChunksTest, RefusesWithTheNumbersWhenItDoesNotFit) {
   std::vector<ShardInfo> shards = {{1, true, 1000, 200}, {2, false, 300, 0}};
   // 3 chunks of 100 elems at 4 bytes: 1200 bytes; 800 + 300 bytes free.
-  auto r = PlaceChunks(SplitTensors({300}, 100), shards, 4);
+  auto r = PlaceChunks(SplitTensors({300}, 100), shards, 4, 0);
   ASSERT_FALSE(r.ok());
   EXPECT_EQ(r.status().code(), absl::StatusCode::kResourceExhausted);
   EXPECT_THAT(r.status().message(), HasSubstr("needs 1200 bytes"));
@@ -160,15 +161,27 @@ TEST(PlaceChunksTest, RefusesWithTheNumbersWhenItDoesNotFit) {
 
 TEST(PlaceChunksTest, HugeJobsDoNotOverflowIntoFitting) {
   std::vector<ShardInfo> shards = {{1, true, 1000, 0}};
-  auto r = PlaceChunks(SplitTensors({uint64_t{1} << 62}, uint64_t{1} << 62), shards, 16);
+  auto r = PlaceChunks(SplitTensors({uint64_t{1} << 62}, uint64_t{1} << 62), shards, 16, 0);
   EXPECT_EQ(r.status().code(), absl::StatusCode::kResourceExhausted);
 }
 
 TEST(PlaceChunksTest, NoLiveShardsIsAnError) {
-  auto r = PlaceChunks(SplitTensors({10}, 4), {}, 4);
+  auto r = PlaceChunks(SplitTensors({10}, 4), {}, 4, 0);
   ASSERT_FALSE(r.ok());
   EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(r.status().message(), HasSubstr("no live shards"));
+}
+
+// What the coordinator places: each chunk also costs its bookkeeping on the
+// shard (kernels::kChunkOverheadBytes), so a job cut into many tiny chunks
+// is refused where its elements alone would fit.
+TEST(PlaceChunksTest, EachChunkAlsoCostsItsBookkeeping) {
+  const uint64_t room = 10 * (4 + kernels::kChunkOverheadBytes);
+  std::vector<ShardInfo> shards = {{1, true, room, 0}};
+  EXPECT_TRUE(PlaceChunks(SplitTensors({10}, 1), shards, 4).ok());  // Ten chunks fit.
+  auto r = PlaceChunks(SplitTensors({11}, 1), shards, 4);  // Eleven do not.
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kResourceExhausted) << r.status();
+  EXPECT_TRUE(PlaceChunks(SplitTensors({11}, 11), shards, 4).ok());  // As one chunk they do.
 }
 
 }  // namespace
@@ -203,9 +216,9 @@ TEST(PlaceBackupsTest, EveryBackupIsOnAnotherShardAndLimitsHoldWithBackupsCounte
       shards.push_back({static_cast<uint64_t>(1 + i), (rng() % 2) == 0,
                         /*memory_limit_bytes=*/3000 + rng() % 20000, /*planned=*/rng() % 500});
     }
-    auto primaries = PlaceChunks(SplitTensors(sizes, max_chunk), shards, bpe);
+    auto primaries = PlaceChunks(SplitTensors(sizes, max_chunk), shards, bpe, 0);
     if (!primaries.ok()) continue;
-    auto placed = PlaceBackups(*primaries, shards, bpe);
+    auto placed = PlaceBackups(*primaries, shards, bpe, 0);
     if (!placed.ok()) {
       EXPECT_EQ(placed.status().code(), absl::StatusCode::kResourceExhausted);
       ++refused;
@@ -235,17 +248,17 @@ TEST(PlaceBackupsTest, BackupsFollowThePlacementRuleAfterThePrimaries) {
   const uint64_t bpe = 10;
   std::vector<ShardInfo> shards = {{1, true, 2000, 0}, {2, true, 2000, 0},
                                    {3, false, 1000000, 0}};
-  auto primaries = PlaceChunks(SplitTensors({400}, 100), shards, bpe);
+  auto primaries = PlaceChunks(SplitTensors({400}, 100), shards, bpe, 0);
   ASSERT_TRUE(primaries.ok());
-  auto placed = PlaceBackups(*primaries, shards, bpe);
+  auto placed = PlaceBackups(*primaries, shards, bpe, 0);
   ASSERT_TRUE(placed.ok()) << placed.status();
   for (const ChunkSpec& c : *placed) EXPECT_EQ(c.backup_shard_id, 3u);
 
   // DPUs with room: backups stay off the host, each on the other DPU.
   shards[0].memory_limit_bytes = shards[1].memory_limit_bytes = 1000000;
-  primaries = PlaceChunks(SplitTensors({400}, 100), shards, bpe);
+  primaries = PlaceChunks(SplitTensors({400}, 100), shards, bpe, 0);
   ASSERT_TRUE(primaries.ok());
-  placed = PlaceBackups(*primaries, shards, bpe);
+  placed = PlaceBackups(*primaries, shards, bpe, 0);
   ASSERT_TRUE(placed.ok()) << placed.status();
   for (const ChunkSpec& c : *placed) {
     EXPECT_NE(c.backup_shard_id, 3u) << "host used while a DPU had room";
@@ -255,9 +268,9 @@ TEST(PlaceBackupsTest, BackupsFollowThePlacementRuleAfterThePrimaries) {
 
 TEST(PlaceBackupsTest, OneShardIsRefusedAndTooLittleRoomNamesTheNumbers) {
   std::vector<ShardInfo> one = {{1, true, 1 << 20, 0}};
-  auto primaries = PlaceChunks(SplitTensors({300}, 100), one, 4);
+  auto primaries = PlaceChunks(SplitTensors({300}, 100), one, 4, 0);
   ASSERT_TRUE(primaries.ok());
-  auto r = PlaceBackups(*primaries, one, 4);
+  auto r = PlaceBackups(*primaries, one, 4, 0);
   EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(r.status().message(), HasSubstr("at least 2 live shards"));
   EXPECT_THAT(r.status().message(), HasSubstr("1 live"));
@@ -266,9 +279,9 @@ TEST(PlaceBackupsTest, OneShardIsRefusedAndTooLittleRoomNamesTheNumbers) {
   // leaves 700 + 100 bytes free; the backup of a chunk on shard 1 must go to
   // shard 2 and does not fit.
   std::vector<ShardInfo> two = {{1, true, 1500, 0}, {2, true, 500, 0}};
-  primaries = PlaceChunks(SplitTensors({300}, 100), two, 4);
+  primaries = PlaceChunks(SplitTensors({300}, 100), two, 4, 0);
   ASSERT_TRUE(primaries.ok());
-  r = PlaceBackups(*primaries, two, 4);
+  r = PlaceBackups(*primaries, two, 4, 0);
   ASSERT_EQ(r.status().code(), absl::StatusCode::kResourceExhausted);
   EXPECT_THAT(r.status().message(), HasSubstr("1200 bytes for the primaries"));
   EXPECT_THAT(r.status().message(), HasSubstr("1200 bytes for their backups"));

@@ -102,6 +102,18 @@ uint64_t GradHoldBytesPerElem(uint32_t world_size, DType grad_dtype);
 uint64_t ShardBytesPerElem(OptimizerKind kind, uint32_t world_size, DType grad_dtype,
                            DType param_dtype, bool replicated, bool holds_grads);
 
+// What a chunk costs a shard beyond its elements: its bookkeeping (state
+// machine, staging, buffer headers and their alignment, registrations; about
+// 5 KB measured with one-element chunks, //tests/integration:
+// chunk_overhead_test), rounded up. Negligible for chunks of megabytes; it
+// keeps a job cut into tiny chunks from costing many times what it was
+// planned with. The coordinator plans with ShardChunkBytes, the shard
+// reserves it per chunk.
+inline constexpr uint64_t kChunkOverheadBytes = 8192;
+inline uint64_t ShardChunkBytes(uint64_t num_elems, uint64_t bytes_per_elem) {
+  return num_elems * bytes_per_elem + kChunkOverheadBytes;
+}
+
 }  // namespace kernels
 }  // namespace optimus
 

@@ -140,9 +140,7 @@ absl::Status Shard::HeartbeatOnce() {
   for (const auto& [job_id, epoch] : reply->assignments) {
     JobRef job = table_.Find(job_id);
     if (job != nullptr && job->epoch() >= epoch) continue;
-    if (absl::Status s = LoadJob(job_id); !s.ok()) {
-      OPTIMUS_LOG(Error, kLog, "loading job ", job_id, ": ", s.ToString());
-    }
+    RequestLoad(job_id, epoch);
   }
   std::set<std::pair<uint64_t, uint64_t>> ordered;
   for (const CheckpointOrder& o : reply->checkpoints) {
@@ -192,7 +190,8 @@ absl::Status Shard::LoadJob(uint64_t job_id) {
   if (!desc.ok()) return desc.status();
   if (JobRef existing = table_.Find(job_id); existing != nullptr) {
     if (absl::Status s = ApplyMap(existing, *desc); !s.ok()) return s;
-    return HeartbeatOnce();
+    BeatNow();
+    return absl::OkStatus();
   }
   auto job = std::make_shared<Job>(desc->config);
   const uint64_t me = shard_id_.load();
@@ -222,7 +221,32 @@ absl::Status Shard::LoadJob(uint64_t job_id) {
               job->config.replication, ", shard memory used ", table_.memory()->used(), " of ",
               table_.memory()->limit(), " bytes");
   // Tell the coordinator now rather than at the next beat.
-  return HeartbeatOnce();
+  BeatNow();
+  return absl::OkStatus();
+}
+
+void Shard::RequestLoad(uint64_t job_id, uint64_t epoch) {
+  absl::MutexLock lock(&load_mu_);
+  uint64_t& wanted = loads_wanted_[job_id];
+  wanted = std::max(wanted, epoch);
+}
+
+void Shard::LoaderLoop() {
+  for (;;) {
+    uint64_t job_id;
+    {
+      absl::MutexLock lock(&load_mu_);
+      load_mu_.Await(absl::Condition(this, &Shard::LoadWantedOrStopping));
+      if (load_stop_) return;
+      job_id = loads_wanted_.begin()->first;
+      loads_wanted_.erase(loads_wanted_.begin());
+    }
+    // A request for an epoch loaded meanwhile costs one GetJob and no more
+    // (LoadJob and ApplyMap skip what they have).
+    if (absl::Status s = LoadJob(job_id); !s.ok()) {
+      OPTIMUS_LOG(Error, kLog, "loading job ", job_id, ": ", s.ToString());
+    }
+  }
 }
 
 absl::Status Shard::ApplyMap(const JobRef& job, const JobDescription& desc) {

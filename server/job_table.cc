@@ -85,7 +85,9 @@ Buffer::~Buffer() {
 Chunk::Chunk(ChunkName n, uint64_t offset, uint64_t elems, uint32_t world_size, Role role)
     : name(n), offset_elems(offset), num_elems(elems), machine(n, world_size, role) {}
 
-Chunk::~Chunk() = default;
+Chunk::~Chunk() {
+  if (overhead_account_ != nullptr) overhead_account_->Release(kernels::kChunkOverheadBytes);
+}
 
 absl::StatusOr<std::shared_ptr<Chunk>> Chunk::Create(const JobConfig& c,
                                                      const ChunkPlacement& p, Role role,
@@ -104,6 +106,9 @@ absl::StatusOr<std::shared_ptr<Chunk>> Chunk::Create(const JobConfig& c,
   const std::string what = absl::StrCat("tensor ", p.tensor, " chunk ", p.chunk, " of job ",
                                         c.job_id, " (", n, " elements)");
   const kernels::StateLayout& layout = kernels::LayoutOf(c.hyper.kind);
+  // The chunk's bookkeeping, as the coordinator planned it.
+  if (absl::Status s = account->Reserve(kernels::kChunkOverheadBytes, what); !s.ok()) return s;
+  ch->overhead_account_ = account;
   // Only the buffers a transfer lands in or is read from are registered.
   const Registrar none;
   auto alloc = [&](size_t bytes, bool registered) {

@@ -58,8 +58,9 @@ TEST(ChunkTest, CostsWhatShardBytesPerElemSays) {
                                      account, {}, nullptr);
           ASSERT_TRUE(chunk.ok()) << chunk.status();
           EXPECT_EQ(account->used(),
-                    1000 * kernels::ShardBytesPerElem(kind, w, DType::kBf16, DType::kBf16,
-                                                      replication > 0, round))
+                    kernels::ShardChunkBytes(
+                        1000, kernels::ShardBytesPerElem(kind, w, DType::kBf16, DType::kBf16,
+                                                         replication > 0, round)))
               << kernels::OptimizerName(kind) << " replication " << replication << " round "
               << round << " W " << w;
           EXPECT_EQ((*chunk)->state_arrays().size(), kernels::LayoutOf(kind).num_arrays);

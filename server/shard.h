@@ -133,6 +133,15 @@ class Shard : public ShardServer {
   absl::Status HeartbeatOnce();
   HeartbeatReport BuildReport() const;
   absl::Status LoadJob(uint64_t job_id);
+  // Job loading runs on its own thread (a job of many chunks, or one
+  // restored from a checkpoint, takes long; the heartbeat must go on):
+  // the heartbeat asks for a load, LoaderLoop does it and then has the
+  // next heartbeat go out at once.
+  void RequestLoad(uint64_t job_id, uint64_t epoch) ABSL_LOCKS_EXCLUDED(load_mu_);
+  void LoaderLoop() ABSL_LOCKS_EXCLUDED(load_mu_);
+  bool LoadWantedOrStopping() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(load_mu_) {
+    return load_stop_ || !loads_wanted_.empty();
+  }
   absl::Status ApplyMap(const JobRef& job, const JobDescription& desc);
   // Places a fresh chunk of `job` per `p` (restored from a checkpoint when
   // `restore` is set): allocates, restores and sets its placement.
@@ -194,6 +203,11 @@ class Shard : public ShardServer {
   bool stopped_ ABSL_GUARDED_BY(stop_mu_) = false;
   bool beat_now_ ABSL_GUARDED_BY(stop_mu_) = false;
   std::thread heartbeat_thread_;
+
+  absl::Mutex load_mu_;
+  std::map<uint64_t, uint64_t> loads_wanted_ ABSL_GUARDED_BY(load_mu_);  // job id -> epoch.
+  bool load_stop_ ABSL_GUARDED_BY(load_mu_) = false;
+  std::thread loader_thread_;
 };
 
 }  // namespace server

@@ -69,6 +69,7 @@ absl::Status Shard::Start() {
               options_.step_threads, " step threads, ", options_.kernel_threads,
               " kernel threads");
   if (absl::Status s = Register(); !s.ok()) return s;
+  loader_thread_ = std::thread([this] { LoaderLoop(); });
   heartbeat_thread_ = std::thread([this] { HeartbeatLoop(); });
   if (!options_.metrics_address.empty()) {
     auto http = HttpServer::Start(
@@ -173,6 +174,11 @@ void Shard::Shutdown() {
     stopped_ = true;
   }
   if (heartbeat_thread_.joinable()) heartbeat_thread_.join();
+  {
+    absl::MutexLock lock(&load_mu_);
+    load_stop_ = true;
+  }
+  if (loader_thread_.joinable()) loader_thread_.join();
   http_.reset();
   for (const JobRef& job : table_.All()) {
     for (const ChunkRef& chunk : job->Chunks()) {
