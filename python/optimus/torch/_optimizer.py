@@ -1,0 +1,849 @@
+"""optimus.torch.DistributedOptimizer: torch.optim's interface, the shards'
+optimizer.
+
+How a step moves (mode "layerwise", the default, exact):
+  * forward: each module's forward pre-hook waits only for the pulls of its
+    own direct parameters and copies them in (the first forward has them
+    already);
+  * backward: each parameter's gradient, once accumulated, is cast into a
+    reused staging tensor of the job's grad dtype and pushed at once from
+    the AccumulateGrad node's hook, without waiting;
+  * step(): parameters that got no gradient are pushed as "no gradient"
+    (torch skips a None grad; optimus leaves the tensor alone unless another
+    rank has one), then the pulls of the next version are issued in the
+    order the last forward used the parameters.
+Mode "delayed" (one step stale, as DeepSpeed's delayed parameter update):
+the forward of step t+1 uses the parameters after step t-1, so the shards'
+step and both transfers overlap the whole next iteration. Mode "none": step()
+pushes every gradient and waits, and the next forward first pulls every
+parameter (the blocking behaviour; same numbers as "layerwise").
+
+Every rank pushes, for each tensor, its group's current ``lr``
+(``param_groups[i]["lr"]``, which any torch.optim.lr_scheduler sets) and
+``1 / loss_scale``; the job's groups are created with lr_mult 1 and the
+torch groups' weight_decay and betas.
+"""
+
+import math
+import os
+import struct
+import time
+import warnings
+
+import torch
+
+import optimus
+from optimus import _C
+
+MODES = ("layerwise", "delayed", "none")
+
+_TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# The shards read lr 0 as "the job's default lr": a zero lr (e.g. a warmup's
+# first step) travels as the smallest positive float, whose update is 0.
+_TINY_LR = struct.unpack("<f", struct.pack("<I", 1))[0]
+_ALIGN_BYTES = 64
+_DEBUG = bool(os.environ.get("OPTIMUS_DEBUG"))
+
+
+class _Tensor:
+    """One job tensor: its parameter, staging views and requests in flight."""
+
+    __slots__ = ("index", "name", "param", "group", "numel", "grad_stage", "param_stage",
+                 "pull_ticket", "pull_version", "staged_version", "push_ticket", "pushed_step",
+                 "hook_calls", "order", "model_version")
+
+    def __init__(self, index, name, param, group):
+        self.index = index
+        self.name = name
+        self.param = param
+        self.group = group
+        self.numel = param.numel()
+        self.grad_stage = None
+        self.param_stage = None
+        self.pull_ticket = None     # Pull in flight into param_stage.
+        self.pull_version = 0       # Its version.
+        self.staged_version = 0     # A waited pull's version not yet copied into param.
+        self.push_ticket = None     # The last push, not waited yet.
+        self.pushed_step = 0        # The last step pushed.
+        self.hook_calls = 0         # Backward passes that reached it this step.
+        self.order = 1 << 30        # When the last forward used it.
+        self.model_version = 0      # The version param holds.
+
+
+def _env_int(name):
+    v = os.environ.get(name)
+    if v is None or v == "":
+        return None
+    try:
+        return int(v)
+    except ValueError:
+        raise ValueError(f"${name}={v!r} is not a whole number") from None
+
+
+def _carve(tensors, dtype, attr):
+    """One arena of `dtype` for all tensors, each view starting on a 64-byte
+    boundary; sets t.<attr> to each tensor's view. Returns the arena."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    align = _ALIGN_BYTES // elem
+    offsets, total = [], 0
+    for t in tensors:
+        offsets.append(total)
+        total += (t.numel + align - 1) // align * align
+    # Over-allocate so that the arena's own start can be aligned.
+    raw = torch.empty(max(total, 1) + align, dtype=dtype)
+    shift = (-raw.data_ptr() // elem) % align
+    arena = raw.narrow(0, shift, max(total, 1))
+    for t, off in zip(tensors, offsets):
+        setattr(t, attr, arena.narrow(0, off, t.numel).view(t.param.shape))
+    return arena
+
+
+class DistributedOptimizer(torch.optim.Optimizer):
+    """A torch.optim.Optimizer whose step runs on the optimus shards.
+
+    Constructed like torch.optim.AdamW (params or param groups, lr, betas,
+    eps, weight_decay), plus:
+
+    model: the nn.Module holding the parameters: names the job's tensors
+        (named_parameters()) and carries the forward pre-hooks. Without it,
+        tensors are named "group{g}.{i}" and step() waits for the new
+        parameters before it returns.
+    coordinator: optimus-coord's "host:port"; default $OPTIMUS_COORDINATOR.
+    job_name: default $OPTIMUS_JOB, the config's name, or "optimus-job".
+    rank, world_size: default $RANK and $WORLD_SIZE (as torchrun sets them),
+        else 0 and 1 (the config's world_size when it has one).
+    config: a job spec (path of a JSON/YAML file, or an optimus.JobConfig):
+        optimizer, groups, clipping, dtypes, replication, checkpoints;
+        explicit arguments win over it.
+    optimizer: "adamw" (default), "adam", "sgd" (momentum=) or "lion".
+    max_grad_norm: > 0: the shards clip the averaged gradient's global L2
+        norm (clip_grad_norm_'s rule); the norm is ``grad_norm``.
+    skip_nonfinite: skip a step whose averaged gradient holds an inf/NaN
+        (GradScaler's rule); reported as ``last_step_report.found_inf``.
+    grad_dtype, param_dtype: "bf16" (default), "fp16" or "fp32" on the wire.
+    replication: 0 or 1 backups per chunk. checkpoint_every_steps: the
+        coordinator's policy (needs --checkpoint_dir there).
+    mode: "layerwise" (default), "delayed" or "none" (see the module doc).
+    loss_scale: a float, or an object with get_scale() (e.g. a GradScaler):
+        each step's gradients are multiplied by 1 / its value on the shards.
+    backward_passes_per_step: gradient accumulation: a parameter is pushed
+        when this many backward passes reached it.
+    follow_rollback: when the job fails and the coordinator restores it from
+        a checkpoint, re-join it inside step() or forward and go on from its
+        resume step (the model's parameters are pulled from it).
+    timeout_s: how long one wait may take before DeadlineExceeded.
+    transports, net_devices: UCX settings (default: the environment's).
+
+    Rank 0 creates the job (or joins it when it exists) and, for a new job,
+    sends the model's values (or a state given to load_state_dict first);
+    other ranks join once it exists and pull. Call close() at the end: it
+    brings the model up to date and leaves the job.
+    """
+
+    _step_supports_amp_scaling = True
+
+    def __init__(self, params, lr=None, betas=None, eps=None, weight_decay=None, *,
+                 model=None, coordinator=None, job_name=None, rank=None, world_size=None,
+                 config=None, optimizer=None, momentum=None, max_grad_norm=None,
+                 skip_nonfinite=None, grad_dtype=None, param_dtype=None, replication=None,
+                 checkpoint_every_steps=None, chunk_payload_bytes=None, mode="layerwise",
+                 loss_scale=None, backward_passes_per_step=1, follow_rollback=True,
+                 timeout_s=300.0, join_timeout_s=120.0, transports=None, net_devices=None):
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if backward_passes_per_step < 1:
+            raise ValueError("backward_passes_per_step must be >= 1")
+        if isinstance(config, str):
+            config = optimus.load_job_config(config)
+        cfg = config if config is not None else optimus.JobConfig()
+
+        def pick(arg, from_cfg, default):
+            if arg is not None:
+                return arg
+            return from_cfg if from_cfg is not None else default
+
+        kind = pick(optimizer, cfg.optimizer, "adamw").lower()
+        if kind not in ("adamw", "adam", "sgd", "lion"):
+            raise ValueError(f"optimizer must be adamw, adam, sgd or lion, got {optimizer!r}")
+        default_betas = (0.9, 0.99) if kind == "lion" else (0.9, 0.999)
+        defaults = dict(
+            lr=pick(lr, cfg.lr, 1e-3),
+            betas=tuple(pick(betas, cfg.betas, default_betas)),
+            eps=pick(eps, cfg.eps, 1e-8),
+            weight_decay=pick(weight_decay, cfg.weight_decay, 1e-2 if kind == "adamw" else 0.0),
+            momentum=pick(momentum, cfg.momentum, 0.0),
+        )
+        if defaults["lr"] < 0:
+            raise ValueError(f"invalid learning rate {defaults['lr']}")
+        self._kind = kind
+        self._cfg = cfg
+        self._mode = mode
+        self._model = model
+        self._loss_scale = loss_scale
+        self._bpps = int(backward_passes_per_step)
+        self._follow_rollback = follow_rollback
+        self._timeout = float(timeout_s)
+        self._join_timeout = float(join_timeout_s)
+        self._transports = pick(transports, None, "")
+        self._net_devices = pick(net_devices, None, "")
+        self._max_grad_norm = float(pick(max_grad_norm, cfg.gradient_clipping, 0.0))
+        self._skip_nonfinite = bool(pick(skip_nonfinite, cfg.skip_nonfinite, True))
+        self._grad_dtype = pick(grad_dtype, cfg.grad_dtype, "bf16")
+        self._param_dtype = pick(param_dtype, cfg.param_dtype, "bf16")
+        for d in (self._grad_dtype, self._param_dtype):
+            if d not in _TORCH_DTYPES:
+                raise ValueError(f"dtypes are bf16, fp16 or fp32, got {d!r}")
+        self._replication = int(pick(replication, cfg.replication, 0))
+        self._ckpt_every = int(pick(checkpoint_every_steps, cfg.checkpoint_every_steps, 0))
+        self._chunk_bytes = int(pick(chunk_payload_bytes, cfg.chunk_payload_bytes, 0))
+
+        self._coordinator = coordinator or os.environ.get("OPTIMUS_COORDINATOR")
+        if not self._coordinator:
+            raise ValueError("no coordinator: pass coordinator='host:port' or set "
+                             "$OPTIMUS_COORDINATOR")
+        self._job_name = job_name or os.environ.get("OPTIMUS_JOB") or cfg.name or "optimus-job"
+        r = rank if rank is not None else _env_int("RANK")
+        w = world_size if world_size is not None else _env_int("WORLD_SIZE")
+        self._rank = 0 if r is None else int(r)
+        self._world = int(w if w is not None else (cfg.world_size or 1))
+        if self._world < 1 or not 0 <= self._rank < self._world:
+            raise ValueError(f"rank {self._rank} is not in [0, world_size={self._world})")
+
+        # A single group of params and a config with param_groups: split it
+        # by the config's name patterns (needs the model's names).
+        params = list(params)
+        if params and not isinstance(params[0], dict) and cfg.param_groups:
+            params = self._groups_from_config(params, cfg, defaults)
+        super().__init__(params, defaults)
+
+        self._tensors = self._map_tensors()
+        self._client = None
+        self._arenas = []
+        self._started = False
+        self._init_state = None     # {tensor index: (exp_avg, exp_avg_sq, step)} from load_state_dict
+        self._step = 0              # The step being computed (pushed next).
+        self._resume = 0
+        self._job_id = 0
+        self._reports = {}
+        self._deferred = None       # An error a hook could not raise.
+        self._forward_clock = 0
+        self._need_pull_all = False
+        self._warned_stale = False
+        self._hooks = []
+        self._connect_and_join()
+        self._install_hooks()
+        if self._model is None and (self._rank != 0 or self._resume > 1):
+            # No forward pre-hook to start from: take the job's values now
+            # (rank 0 of a new job sends them at its first step).
+            self._start()
+
+    # ------------------------------------------------------------------ setup
+
+    def _groups_from_config(self, params, cfg, defaults):
+        if self._model is None:
+            raise ValueError("a config with param_groups needs model= (groups match by name)")
+        names = {id(p): n for n, p in self._model.named_parameters()}
+        groups = [dict(params=[], name=g["name"]) for g in cfg.param_groups]
+        extra = None
+        for p in params:
+            n = names.get(id(p))
+            if n is None:
+                raise ValueError("a parameter given to DistributedOptimizer is not in model")
+            gi = cfg.group_of(n)
+            if gi is None:
+                if extra is None:
+                    extra = dict(params=[], name="default")
+                extra["params"].append(p)
+            else:
+                groups[gi]["params"].append(p)
+        for g, spec in zip(groups, cfg.param_groups):
+            if spec["match"] and not g["params"]:
+                raise ValueError(f"{cfg.source}: param_groups: group {spec['name']!r}: its "
+                                 f"patterns {spec['match']} match no parameter")
+            if spec["weight_decay"] is not None:
+                g["weight_decay"] = spec["weight_decay"]
+            if spec["betas"] is not None:
+                g["betas"] = spec["betas"]
+            if spec["momentum"] is not None:
+                g["momentum"] = spec["momentum"]
+            if spec["lr_mult"] is not None:
+                g["lr"] = defaults["lr"] * spec["lr_mult"]
+        groups = [g for g in groups if g["params"]]
+        if extra is not None:
+            groups.append(extra)
+        return groups
+
+    def _map_tensors(self):
+        names = {}
+        if self._model is not None:
+            names = {id(p): n for n, p in self._model.named_parameters()}
+        tensors, seen = [], set()
+        for gi, group in enumerate(self.param_groups):
+            for pi, p in enumerate(group["params"]):
+                if id(p) in seen:
+                    raise ValueError("a parameter appears twice in the param groups")
+                seen.add(id(p))
+                if self._model is not None:
+                    if id(p) not in names:
+                        raise ValueError(f"parameter {pi} of group {gi} (shape "
+                                         f"{tuple(p.shape)}) is not a parameter of model")
+                    name = names[id(p)]
+                else:
+                    name = f"group{gi}.{pi}"
+                if p.dtype != torch.float32:
+                    raise ValueError(f"parameter {name} is {p.dtype}; optimus keeps fp32 "
+                                     "master weights, so parameters must be float32")
+                if p.device.type != "cpu":
+                    raise ValueError(f"parameter {name} is on {p.device}; this version moves "
+                                     "CPU tensors only")
+                tensors.append(_Tensor(len(tensors), name, p, gi))
+        if not tensors:
+            raise ValueError("DistributedOptimizer got no parameters")
+        return tensors
+
+    def _job_def(self):
+        d = _C.JobDef()
+        d.name = self._job_name
+        d.world_size = self._world
+        d.tensors = [_C.TensorDef(t.name, list(t.param.shape), t.group,
+                                  not t.param.requires_grad) for t in self._tensors]
+        spec = _C.OptimizerSpec()
+        spec.kind = self._kind
+        g0 = self.defaults
+        spec.lr = float(g0["lr"]) if g0["lr"] > 0 else _TINY_LR
+        spec.beta1, spec.beta2 = (float(b) for b in g0["betas"])
+        spec.eps = float(g0["eps"])
+        spec.weight_decay = float(g0["weight_decay"])
+        spec.momentum = float(g0["momentum"])
+        if self._cfg.grad_scale is not None:
+            spec.grad_scale = float(self._cfg.grad_scale)
+        d.optimizer = spec
+        groups = []
+        for gi, g in enumerate(self.param_groups):
+            pg = _C.ParamGroup()
+            pg.name = str(g.get("name", f"group{gi}"))
+            pg.lr_mult = 1.0
+            pg.weight_decay = float(g["weight_decay"])
+            pg.beta1, pg.beta2 = (float(b) for b in g["betas"])
+            pg.momentum = float(g["momentum"])
+            groups.append(pg)
+        d.param_groups = groups
+        d.grad_dtype = self._grad_dtype
+        d.param_dtype = self._param_dtype
+        d.max_grad_norm = self._max_grad_norm
+        d.skip_nonfinite = self._skip_nonfinite
+        d.replication = self._replication
+        d.checkpoint_every_steps = self._ckpt_every
+        if self._cfg.checkpoint_every_seconds:
+            d.checkpoint_every_seconds = self._cfg.checkpoint_every_seconds
+        if self._cfg.checkpoint_keep_last:
+            d.checkpoint_keep_last = self._cfg.checkpoint_keep_last
+        d.chunk_payload_bytes = self._chunk_bytes
+        if self._cfg.max_chunk_bytes:
+            d.max_chunk_bytes = self._cfg.max_chunk_bytes
+        return d
+
+    def _connect(self):
+        return _C.Client.connect(self._coordinator, transports=self._transports,
+                                 net_devices=self._net_devices, name=f"rank{self._rank}",
+                                 ready_timeout_s=self._join_timeout)
+
+    def _connect_and_join(self):
+        client = self._connect()
+        if self._rank == 0:
+            try:
+                client.create_job(self._job_def())
+            except optimus.AlreadyExists:
+                pass  # Joined below (a restart, or a job restored from a checkpoint).
+        # Other ranks may get here before rank 0 created the job.
+        give_up = time.monotonic() + self._join_timeout
+        while True:
+            try:
+                client.join(self._job_name, self._rank, self._world)
+                break
+            except optimus.NotFound as e:
+                if time.monotonic() > give_up:
+                    raise optimus.NotFound(
+                        f"job '{self._job_name}' did not appear within {self._join_timeout:.0f} s "
+                        f"(rank 0 creates it): {e}") from e
+                time.sleep(0.1)
+        self._adopt(client)
+
+    def _adopt(self, client):
+        """Checks the joined job against the parameters and takes the client."""
+        infos = client.tensors
+        problems = []
+        if len(infos) != len(self._tensors):
+            problems.append(f"the job has {len(infos)} tensors, the optimizer "
+                            f"{len(self._tensors)} parameters")
+        for t, info in zip(self._tensors, infos):
+            if info.name != t.name or list(info.shape) != list(t.param.shape):
+                problems.append(f"tensor {t.index}: the job has {info.name} "
+                                f"{list(info.shape)}, the optimizer {t.name} "
+                                f"{list(t.param.shape)}")
+        if problems:
+            client.close()
+            raise optimus.InvalidArgument(
+                f"job '{self._job_name}' does not hold these parameters: "
+                + "; ".join(problems[:4]) + ("; ..." if len(problems) > 4 else ""))
+        self._client = client
+        self._resume = client.resume_step
+        self._job_id = client.job_id
+        gdt = _TORCH_DTYPES[client.grad_dtype]
+        pdt = _TORCH_DTYPES[client.param_dtype]
+        self._arenas = [_carve(self._tensors, gdt, "grad_stage"),
+                        _carve(self._tensors, pdt, "param_stage")]
+        for a in self._arenas:
+            client.register_buffer(a.data_ptr(), a.numel() * a.element_size())
+        for t in self._tensors:
+            t.pull_ticket = None
+            t.pull_version = 0
+            t.staged_version = 0
+            t.push_ticket = None
+            t.pushed_step = self._resume - 1
+            t.hook_calls = 0
+            t.model_version = 0
+
+    def _start(self):
+        """Sends the initial values (rank 0 of a new job) and brings the model
+        to the job's first version. Runs at the first forward or step()."""
+        if self._started:
+            return
+        self._started = True
+        c = self._client
+        if self._resume == 1 and self._rank == 0:
+            with torch.no_grad():
+                for t in self._tensors:
+                    values = t.param.detach().contiguous()
+                    st = self._init_state.get(t.index) if self._init_state else None
+                    try:
+                        if st is None:
+                            c.init_tensor(t.index, values.data_ptr(), t.numel)
+                        else:
+                            m, v, steps = st
+                            c.init_tensor_state(t.index, values.data_ptr(),
+                                                m.data_ptr() if m is not None else 0,
+                                                v.data_ptr() if v is not None else 0,
+                                                t.numel, steps)
+                    except optimus.AlreadyExists:
+                        pass  # A restarted rank 0 of a job that has its values.
+        self._init_state = None
+        self._pull_all(self._resume)
+        self._step = self._resume
+
+    def _pull_all(self, version):
+        """Pulls every tensor at `version` into the model (blocking)."""
+        c = self._client
+        for t in self._tensors:
+            self._wait_pull(t)
+        tickets = []
+        c.cork()
+        try:
+            for t in self._tensors:
+                tickets.append(c.pull(t.index, version, t.param_stage.data_ptr(), t.numel))
+        finally:
+            c.uncork()
+        c.wait_all(tickets, self._timeout)
+        with torch.no_grad():
+            for t in self._tensors:
+                t.param.copy_(t.param_stage)
+                t.staged_version = 0
+                t.pull_version = version
+                t.model_version = version
+
+    def _install_hooks(self):
+        # In mode "none" the hooks only count (which parameters got a
+        # gradient this step); step() pushes.
+        with torch.enable_grad():
+            for t in self._tensors:
+                if not t.param.requires_grad:
+                    continue
+                acc = t.param.expand_as(t.param).grad_fn.next_functions[0][0]
+                h = acc.register_hook(self._make_grad_hook(t))
+                self._hooks.append((acc, h))
+        if self._model is not None:
+            owned = {}
+            for t in self._tensors:
+                owned[id(t.param)] = t
+            for module in self._model.modules():
+                mine = [owned[id(p)] for p in module.parameters(recurse=False) if id(p) in owned]
+                if module is self._model or mine:
+                    self._hooks.append(module.register_forward_pre_hook(
+                        self._make_pre_hook(mine, root=module is self._model)))
+
+    def remove_hooks(self):
+        """Takes the autograd and forward hooks off (close() does)."""
+        for h in self._hooks:
+            if isinstance(h, tuple):
+                h[1].remove()
+            else:
+                h.remove()
+        self._hooks = []
+
+    # ------------------------------------------------------------- the hooks
+
+    def _make_pre_hook(self, mine, root):
+        def pre_hook(module, inputs):
+            try:
+                if root:
+                    self._start()
+                    self._forward_clock = 0
+                    if self._need_pull_all:
+                        self._need_pull_all = False
+                        self._pull_all(self._step)
+                for t in mine:
+                    t.order = self._forward_clock
+                    self._forward_clock += 1
+                    self._bring_in(t)
+            except optimus.Unavailable as e:
+                if not self._follow_rollback:
+                    raise
+                self._rejoin(e)
+        return pre_hook
+
+    def _bring_in(self, t):
+        """Forward of step self._step: the model's copy of t gets the version
+        this step computes on."""
+        if self._mode == "layerwise":
+            self._wait_pull(t)
+            self._copy_staged(t)
+        elif self._mode == "delayed":
+            # The version pulled during the last step (if any) goes in; the
+            # pull of this step's version starts now, behind it.
+            if t.pull_ticket is not None and t.pull_version < self._step:
+                self._wait_pull(t)
+            self._copy_staged(t)
+            if self._step > self._resume and t.pull_ticket is None and \
+                    t.pull_version < self._step:
+                self._issue_pull(t, self._step)
+
+    def _make_grad_hook(self, t):
+        def grad_hook(grad_inputs, grad_outputs):
+            t.hook_calls += 1
+            if self._mode == "none" or t.hook_calls != self._bpps or \
+                    self._deferred is not None:
+                return
+            try:
+                self._push(t, t.param.grad)
+            except optimus.OptimusError as e:
+                if self._follow_rollback and isinstance(e, optimus.Unavailable):
+                    self._deferred = e   # step() re-joins.
+                else:
+                    raise
+        return grad_hook
+
+    # ------------------------------------------------------ pushes and pulls
+
+    def _issue_pull(self, t, version):
+        if _DEBUG:
+            print(f"rank{self._rank} pull {t.name} v{version}", flush=True)
+        t.pull_ticket = self._client.pull(t.index, version, t.param_stage.data_ptr(), t.numel)
+        t.pull_version = version
+
+    def _wait_pull(self, t):
+        if t.pull_ticket is None:
+            return
+        ticket, t.pull_ticket = t.pull_ticket, None
+        if _DEBUG:
+            print(f"rank{self._rank} wait pull {t.name} v{t.pull_version}", flush=True)
+        self._client.wait(ticket, self._timeout)
+        t.staged_version = t.pull_version
+
+    def _copy_staged(self, t):
+        if t.staged_version > t.model_version:
+            with torch.no_grad():
+                t.param.copy_(t.param_stage)
+            t.model_version = t.staged_version
+        t.staged_version = 0
+
+    def _wait_push(self, t):
+        if t.push_ticket is None:
+            return
+        ticket, t.push_ticket = t.push_ticket, None
+        self._client.wait(ticket, self._timeout)
+
+    def _current_grad_mult(self):
+        s = self._loss_scale
+        if s is None:
+            return 0.0
+        scale = float(s.get_scale()) if hasattr(s, "get_scale") else float(s)
+        if not scale > 0 or not math.isfinite(scale):
+            raise ValueError(f"loss scale {scale} is not a positive number")
+        return 1.0 / scale
+
+    def _push(self, t, grad):
+        """Pushes t's gradient (None: no gradient) for self._step."""
+        if not self._started:
+            self._start()
+        step = self._step
+        if t.pushed_step >= step:
+            return
+        # The chunk must be at version `step` before a push of `step`.
+        if self._mode == "delayed" and step > self._resume:
+            if t.pull_ticket is None and t.pull_version < step:
+                self._issue_pull(t, step)
+            self._wait_pull(t)
+        elif t.pull_ticket is not None:
+            # Used before its module's pre-hook ran (a parameter shared
+            # across modules): its values are brought in now.
+            if not self._warned_stale and self._mode == "layerwise":
+                self._warned_stale = True
+                warnings.warn(f"optimus: parameter {t.name} got a gradient before its module's "
+                              "forward pre-hook brought its new values in; this step used "
+                              "the previous ones. Use mode='none' for such models.")
+            self._wait_pull(t)
+            self._copy_staged(t)
+        self._wait_push(t)
+        addr = 0
+        if grad is not None and t.param.requires_grad:
+            with torch.no_grad():
+                t.grad_stage.copy_(grad)
+            addr = t.grad_stage.data_ptr()
+        lr = float(self.param_groups[t.group]["lr"])
+        if lr < 0:
+            raise ValueError(f"param_groups[{t.group}]['lr'] = {lr} is negative")
+        if _DEBUG:
+            print(f"rank{self._rank} push {t.name} s{step} g={addr != 0}", flush=True)
+        t.push_ticket = self._client.push(t.index, step, addr, t.numel,
+                                          lr=lr if lr > 0 else _TINY_LR,
+                                          grad_mult=self._current_grad_mult())
+        t.pushed_step = step
+
+    # -------------------------------------------------------------- the step
+
+    @torch.no_grad()
+    def step(self, closure=None, grad_scaler=None):
+        """Ends step self.step_count: pushes what backward did not (parameters
+        without a gradient go as "no gradient"), then starts the pulls of the
+        result (mode "layerwise"; "delayed" pulls during the next forward,
+        "none" before it). Returns closure's loss when given one."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if grad_scaler is not None and self._loss_scale is None:
+            self._loss_scale = grad_scaler
+        for attempt in range(2):
+            try:
+                self._finish_step()
+                break
+            except optimus.Unavailable as e:
+                if not self._follow_rollback or attempt == 1:
+                    raise
+                self._deferred = None
+                self._rejoin(e)
+                return loss
+        if grad_scaler is not None:
+            self._report_found_inf(grad_scaler)
+        return loss
+
+    def _finish_step(self):
+        if self._deferred is not None:
+            e, self._deferred = self._deferred, None
+            raise e
+        if not self._started:
+            self._start()
+        c = self._client
+        step = self._step
+        todo = [t for t in self._tensors if t.pushed_step < step]
+        if self._mode == "delayed" and step > self._resume:
+            # Their chunks must be at version `step` first (no forward of
+            # theirs started the pull). Never wait on a corked request.
+            for t in todo:
+                if t.pull_ticket is None and t.pull_version < step:
+                    self._issue_pull(t, step)
+            for t in todo:
+                self._wait_pull(t)
+        c.cork()
+        try:
+            for t in todo:
+                self._push(t, t.param.grad if t.hook_calls > 0 else None)
+        finally:
+            c.uncork()
+        for t in self._tensors:
+            t.hook_calls = 0
+        self._step = step + 1
+        if self._mode == "none":
+            for t in self._tensors:
+                self._wait_push(t)
+            if self._model is None:
+                self._pull_all(self._step)
+            else:
+                self._need_pull_all = True
+        elif self._mode == "layerwise":
+            # Pulls of the next version, in the order the forward used them.
+            c.cork()
+            try:
+                for t in sorted(self._tensors, key=lambda t: t.order):
+                    if t.pull_ticket is not None:  # Never brought in (module unused).
+                        self._wait_pull(t)
+                        self._copy_staged(t)
+                    self._issue_pull(t, self._step)
+            finally:
+                c.uncork()
+            if self._model is None:
+                for t in self._tensors:
+                    self._wait_pull(t)
+                    self._copy_staged(t)
+        # "delayed": the next forward's pre-hooks start the pulls.
+
+    def _report_found_inf(self, scaler):
+        """GradScaler protocol (_step_supports_amp_scaling): records the step's
+        found_inf where GradScaler.update() reads it."""
+        report = self.last_step_report
+        found = 1.0 if report is not None and report.found_inf else 0.0
+        try:
+            scale = scaler._scale if scaler._scale is not None else None
+            device = scale.device if scale is not None else torch.device("cpu")
+            state = scaler._per_optimizer_states[id(self)]
+            state["found_inf_per_device"] = {device: torch.full((1,), found, device=device)}
+        except (AttributeError, KeyError, TypeError):
+            pass
+
+    # --------------------------------------------------------------- reports
+
+    @property
+    def step_count(self):
+        """The step the next backward computes (1 for a new job)."""
+        return self._step if self._started else self._resume
+
+    @property
+    def last_step_report(self):
+        """What the shards decided for the last step (grad_norm, clip_coef,
+        found_inf, skipped): an optimus.StepReport, or None before the first
+        step or for a job that neither clips nor skips non-finite steps.
+        Waits until every rank's pushes of that step are in."""
+        step = self._step - 1
+        if step < max(self._resume, 1) or not (self._max_grad_norm > 0 or self._skip_nonfinite):
+            return None
+        if step not in self._reports:
+            try:
+                self._reports[step] = self._client.step_result(step, self._timeout)
+            except optimus.FailedPrecondition:
+                return None
+            if len(self._reports) > 64:
+                del self._reports[min(self._reports)]
+        return self._reports[step]
+
+    @property
+    def grad_norm(self):
+        """The last step's global gradient norm (after 1/loss_scale, before
+        clipping), as torch.nn.utils.clip_grad_norm_ returns it: a float
+        (inf/NaN when the gradient was not finite), or None (see
+        last_step_report)."""
+        r = self.last_step_report
+        return None if r is None else r.grad_norm
+
+    @property
+    def client(self):
+        """The optimus.Client in use (it changes after a re-join)."""
+        return self._client
+
+    @property
+    def job_name(self):
+        return self._job_name
+
+    @property
+    def mode(self):
+        return self._mode
+
+    # ------------------------------------------------------------ lifecycle
+
+    def synchronize(self):
+        """Waits for every request in flight and brings the model's
+        parameters to the newest version (after the last step())."""
+        if not self._started:
+            self._start()
+            return
+        target = self._step
+        for t in self._tensors:
+            self._wait_push(t)
+            if t.pull_ticket is not None:
+                self._wait_pull(t)
+                self._copy_staged(t)
+        todo = [t for t in self._tensors if t.model_version < target]
+        tickets = [self._client.pull(t.index, target, t.param_stage.data_ptr(), t.numel)
+                   for t in todo]
+        self._client.wait_all(tickets, self._timeout)
+        with torch.no_grad():
+            for t in todo:
+                t.param.copy_(t.param_stage)
+                t.pull_version = t.model_version = target
+        self._need_pull_all = False
+
+    def close(self, leave=True):
+        """synchronize(), leave the job (so that it can be deleted once every
+        rank left), take the hooks off and stop the client."""
+        if self._client is None:
+            return
+        try:
+            self.synchronize()
+            if leave:
+                try:
+                    self._client.leave()
+                except optimus.OptimusError as e:
+                    warnings.warn(f"optimus: leaving job '{self._job_name}': {e}")
+        finally:
+            self.remove_hooks()
+            self._drop_client()
+
+    def _drop_client(self):
+        c, self._client = self._client, None
+        if c is None:
+            return
+        for a in self._arenas:
+            try:
+                c.forget_buffer(a.data_ptr(), a.numel() * a.element_size())
+            except optimus.OptimusError:
+                pass
+        c.close()
+
+    def __del__(self):
+        try:
+            if getattr(self, "_client", None) is not None:
+                self.remove_hooks()
+                self._drop_client()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+    def _rejoin(self, why):
+        """The job failed (or was replaced by the restore of its checkpoint):
+        joins the restored job and pulls its resume step's parameters."""
+        warnings.warn(f"optimus: step {self._step} failed ({why}); re-joining job "
+                      f"'{self._job_name}'")
+        old_job = self._job_id
+        self._drop_client()
+        give_up = time.monotonic() + max(self._join_timeout, 60.0)
+        last = why
+        while time.monotonic() < give_up:
+            client = self._connect()
+            try:
+                client.join(self._job_name, self._rank, self._world)
+                if client.job_id != old_job:
+                    self._adopt(client)
+                    break
+            except (optimus.NotFound, optimus.Unavailable, optimus.DeadlineExceeded) as e:
+                last = e
+            client.close()
+            time.sleep(0.2)
+        else:
+            raise optimus.Unavailable(f"no restored job '{self._job_name}' to re-join: {last}")
+        self._started = True
+        self._reports.clear()
+        self._deferred = None
+        self._need_pull_all = False
+        self._pull_all(self._resume)
+        self._step = self._resume
+        for t in self._tensors:
+            t.hook_calls = 0
+
+    # ------------------------------------------------------------ state dicts
+
+    def add_param_group(self, param_group):
+        if getattr(self, "_tensors", None) is not None:
+            raise RuntimeError("DistributedOptimizer: the job's tensors are fixed when it is "
+                               "created; add_param_group after construction is not supported")
+        super().add_param_group(param_group)
+
+    def zero_grad(self, set_to_none=False):
+        super().zero_grad(set_to_none=set_to_none)
