@@ -524,7 +524,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     self._deferred is not None:
                 return
             try:
-                self._push(t, t.param.grad)
+                self._push(t, t.param.grad, from_hook=True)
             except optimus.OptimusError as e:
                 if self._follow_rollback and isinstance(e, optimus.Unavailable):
                     self._deferred = e   # step() re-joins.
@@ -571,7 +571,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise ValueError(f"loss scale {scale} is not a positive number")
         return 1.0 / scale
 
-    def _push(self, t, grad):
+    def _push(self, t, grad, from_hook=False):
         """Pushes t's gradient (None: no gradient) for self._step."""
         if not self._started:
             self._start()
@@ -586,7 +586,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         elif t.pull_ticket is not None:
             # Used before its module's pre-hook ran (a parameter shared
             # across modules): its values are brought in now.
-            if not self._warned_stale and self._mode == "layerwise":
+            if from_hook and not self._warned_stale and self._mode == "layerwise":
                 self._warned_stale = True
                 warnings.warn(f"optimus: parameter {t.name} got a gradient before its module's "
                               "forward pre-hook brought its new values in; this step used "
@@ -847,3 +847,67 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none=False):
         super().zero_grad(set_to_none=set_to_none)
+
+    _MOMENTS = {"adamw": ("exp_avg", "exp_avg_sq"), "adam": ("exp_avg", "exp_avg_sq"),
+                "sgd": ("momentum_buffer",), "lion": ("exp_avg",)}
+
+    def load_state_dict(self, state_dict):
+        """Takes a torch.optim state_dict (e.g. torch.optim.AdamW's): its
+        param_groups' hyperparameters (lr, betas, weight_decay, ...) as torch
+        does, and its per-parameter state (moments, step) as the new job's
+        starting state: rank 0 sends it with the model's current values as
+        master weights when it starts the job (InitTensorState), so call it
+        before the first forward or step(). Other ranks keep only the
+        hyperparameters. A job already started, or one restored from a
+        checkpoint, keeps its own state (a warning says so)."""
+        super().load_state_dict(state_dict)
+        states = {}
+        for t in self._tensors:
+            st = self.state.pop(t.param, None)
+            if st:
+                states[t.index] = (t, st)
+        self.state.clear()
+        if not states:
+            return
+        names = self._MOMENTS[self._kind]
+        init = {}
+        for index, (t, st) in states.items():
+            extra = sorted(k for k in st if k != "step" and k not in names)
+            if extra:
+                raise ValueError(f"state of parameter {index} ({t.name}) holds {extra}, which "
+                                 f"optimus's {self._kind} does not keep (its state: "
+                                 f"{list(names)})")
+            if self._kind in ("adamw", "adam") and "step" not in st:
+                raise ValueError(f"state of parameter {index} ({t.name}) has no 'step'")
+            arrays = []
+            for n in names:
+                v = st.get(n)
+                if v is not None:
+                    if tuple(v.shape) != tuple(t.param.shape):
+                        raise ValueError(f"state {n} of parameter {index} ({t.name}) has shape "
+                                         f"{tuple(v.shape)}, the parameter {tuple(t.param.shape)}")
+                    v = v.detach().to(torch.float32).contiguous()
+                arrays.append(v)
+            while len(arrays) < 2:
+                arrays.append(None)
+            steps = int(float(st.get("step", 0)))
+            init[index] = (arrays[0], arrays[1], steps)
+        if self._rank != 0:
+            return
+        if self._started or self._resume != 1:
+            warnings.warn(f"optimus: job '{self._job_name}' already holds its optimizer state "
+                          f"(step {self.step_count}); load_state_dict kept only the "
+                          "hyperparameters")
+            return
+        self._init_state = init
+
+    def state_dict(self):
+        """torch.optim's layout: "param_groups" (hyperparameters, parameter
+        indices) and "state" (per parameter: the moments and 'step' as
+        torch.optim.AdamW keeps them), which torch.optim.AdamW.load_state_dict
+        accepts. The moments live on the shards: they are read from the
+        checkpoint given (a folder of the coordinator's --checkpoint_dir, or
+        what `optimusctl checkpoint export --format=torch-optim` wrote, see
+        state_dict_from_checkpoint); without one, "state" is empty."""
+        sd = super().state_dict()
+        return sd
