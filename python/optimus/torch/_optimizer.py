@@ -45,6 +45,14 @@ _ALIGN_BYTES = 64
 _DEBUG = bool(os.environ.get("OPTIMUS_DEBUG"))
 
 
+def _job_lost(e):
+    """Whether a failed wait means the job failed or was replaced (deleted, or
+    restored from its checkpoint after a failure): re-joining may help."""
+    if isinstance(e, optimus.Unavailable):
+        return True
+    return isinstance(e, optimus.NotFound) and "ticket" not in str(e)
+
+
 class _Tensor:
     """One job tensor: its parameter, staging views and requests in flight."""
 
@@ -495,8 +503,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     t.order = self._forward_clock
                     self._forward_clock += 1
                     self._bring_in(t)
-            except optimus.Unavailable as e:
-                if not self._follow_rollback:
+            except optimus.OptimusError as e:
+                if not (self._follow_rollback and _job_lost(e)):
                     raise
                 self._rejoin(e)
         return pre_hook
@@ -526,7 +534,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             try:
                 self._push(t, t.param.grad, from_hook=True)
             except optimus.OptimusError as e:
-                if self._follow_rollback and isinstance(e, optimus.Unavailable):
+                if self._follow_rollback and _job_lost(e):
                     self._deferred = e   # step() re-joins.
                 else:
                     raise
@@ -627,8 +635,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             try:
                 self._finish_step()
                 break
-            except optimus.Unavailable as e:
-                if not self._follow_rollback or attempt == 1:
+            except optimus.OptimusError as e:
+                if not (self._follow_rollback and _job_lost(e)) or attempt == 1:
                     raise
                 self._deferred = None
                 self._rejoin(e)
