@@ -117,6 +117,11 @@ ABSL_FLAG(int64_t, staging_params, int64_t{64} << 20, "staging: parameters in th
 ABSL_FLAG(int, staging_steps, 3, "staging: timed steps per layout");
 ABSL_FLAG(int64_t, staging_pool_mb, 0,
           "staging: the pool layout's --staging_mb (0: an eighth of the budget, at least 256)");
+ABSL_FLAG(double, staging_pace_ms, 0,
+          "staging: > 0: the job is one tensor per 4 MiB chunk and each worker pushes them one "
+          "at a time this many ms apart, as a backward pass hands out layers (the publish tail "
+          "then shows the step's own latency, not a queue of chunks landed at once); 0: one "
+          "tensor pushed whole");
 ABSL_FLAG(std::string, staging_tls, "", "staging: UCX_TLS (empty: UCX's choice)");
 ABSL_FLAG(bool, small_batch, true,
           "small_tensors: cork each step's pulls and pushes (Client::Cork: small chunks go in "
@@ -1198,6 +1203,7 @@ struct StagingResult {
   double memory_used = 0;  // The shard's accounting (state + staging held).
   uint64_t rss = 0;
   double tail_mean_s = 0, step_mean_s = 0;  // publish tail, kernel (means).
+  double queue_mean_s = 0;  // The tail's part before the kernel starts.
   double staging_held = 0, staging_limit = 0, waits = 0, folds = 0;
 };
 
@@ -1225,7 +1231,13 @@ absl::StatusOr<StagingResult> StagingRun(const std::string& root, const std::str
   client::JobDef def;
   def.name = fold ? "staging-pool" : "staging-all-slots";
   def.world_size = static_cast<uint32_t>(workers);
-  def.tensors = {{"w", {params}}};
+  const double pace_ms = absl::GetFlag(FLAGS_staging_pace_ms);
+  // Paced: one tensor per chunk (4 MiB of bf16 payload, the default chunk).
+  const int64_t piece = pace_ms > 0 ? int64_t{2} << 20 : params;
+  const int64_t pieces = (params + piece - 1) / piece;
+  for (int64_t i = 0; i < pieces; ++i) {
+    def.tensors.push_back({absl::StrCat("w", i), {std::min(piece, params - i * piece)}});
+  }
   def.optimizer.kind = client::Optimizer::kAdamW;
   def.optimizer.lr = 1e-3f;
   def.skip_nonfinite = false;
@@ -1239,12 +1251,28 @@ absl::StatusOr<StagingResult> StagingRun(const std::string& root, const std::str
   auto step_all = [&](uint64_t step) {
     return OnWorkers(workers, [&](int r) -> absl::Status {
       client::Client* w = (*cl)[r].get();
-      auto p = w->Pull(0, step, got[r].data(), params);
-      if (!p.ok()) return p.status();
-      if (auto s = w->Wait(*p, absl::Seconds(120)); !s.ok()) return s;
-      auto t = w->Push(0, step, grads[r].data(), params);
-      if (!t.ok()) return t.status();
-      return w->Wait(*t, absl::Seconds(120));
+      std::vector<client::Ticket> tickets;
+      for (int64_t i = 0; i < pieces; ++i) {
+        auto p = w->Pull(static_cast<uint32_t>(i), step, got[r].data() + i * piece * 2,
+                         def.tensors[i].shape[0]);
+        if (!p.ok()) return p.status();
+        tickets.push_back(*p);
+      }
+      for (client::Ticket t : tickets) {
+        if (auto s = w->Wait(t, absl::Seconds(120)); !s.ok()) return s;
+      }
+      tickets.clear();
+      for (int64_t i = 0; i < pieces; ++i) {
+        if (i > 0 && pace_ms > 0) absl::SleepFor(absl::Milliseconds(pace_ms));
+        auto t = w->Push(static_cast<uint32_t>(i), step, grads[r].data() + i * piece * 2,
+                         def.tensors[i].shape[0]);
+        if (!t.ok()) return t.status();
+        tickets.push_back(*t);
+      }
+      for (client::Ticket t : tickets) {
+        if (auto s = w->Wait(t, absl::Seconds(120)); !s.ok()) return s;
+      }
+      return absl::OkStatus();
     });
   };
   StagingResult out;
@@ -1257,9 +1285,13 @@ absl::StatusOr<StagingResult> StagingRun(const std::string& root, const std::str
   if (s.ok()) {
     // The last version, so that the shard is idle when it is measured.
     s = OnWorkers(workers, [&](int r) -> absl::Status {
-      auto p = (*cl)[r]->Pull(0, 2 + steps, got[r].data(), params);
-      if (!p.ok()) return p.status();
-      return (*cl)[r]->Wait(*p, absl::Seconds(120));
+      for (int64_t i = 0; i < pieces; ++i) {
+        auto p = (*cl)[r]->Pull(static_cast<uint32_t>(i), 2 + steps,
+                                got[r].data() + i * piece * 2, def.tensors[i].shape[0]);
+        if (!p.ok()) return p.status();
+        if (auto s = (*cl)[r]->Wait(*p, absl::Seconds(120)); !s.ok()) return s;
+      }
+      return absl::OkStatus();
     });
   }
   const Metrics after = ScrapeShards(c)[0];
@@ -1276,6 +1308,7 @@ absl::StatusOr<StagingResult> StagingRun(const std::string& root, const std::str
   out.memory_used = get(after, "optimus_shard_memory_used_bytes");
   out.tail_mean_s = mean("optimus_shard_publish_tail_seconds");
   out.step_mean_s = mean("optimus_shard_step_seconds");
+  out.queue_mean_s = mean("optimus_shard_step_queue_seconds");
   out.staging_held = get(after, "optimus_shard_staging_held_bytes");
   out.staging_limit = get(after, "optimus_shard_staging_limit_bytes");
   out.waits = get(after, "optimus_shard_staging_waits_total");
@@ -1312,20 +1345,22 @@ void RunStaging(const std::string& root, const std::string& dir) {
     const double p = static_cast<double>(params);
     std::fprintf(g_out,
                  "{\"bench\": \"dataplane\", \"case\": \"staging\", \"workers\": %d, "
+                 "\"pace_ms\": %.1f, "
                  "\"params\": %lld, \"optimizer\": \"adamw\", \"dtypes\": \"bf16\", "
                  "\"steps_per_s\": %.4f, \"memory_used_per_param\": %.2f, "
                  "\"rss_per_param\": %.2f, \"memory_used_less_staging_per_param\": %.2f, "
                  "\"staging_limit_bytes\": %.0f, "
                  "\"staging_held_bytes\": %.0f, \"staging_waits\": %.0f, \"folds\": %.0f, "
                  "\"publish_tail_mean_s\": %.5f, \"kernel_mean_s\": %.5f, "
+                 "\"step_queue_mean_s\": %.5f, "
                  "\"tail_over_kernel\": %.3f, "
                  "\"baseline\": \"all slots (--fold_gradients=false, pool = W slots per parameter)\", "
                  "\"baseline_steps_per_s\": %.4f, \"baseline_memory_used_per_param\": %.2f, "
                  "\"baseline_rss_per_param\": %.2f, \"baseline_tail_over_kernel\": %.3f, "
                  "\"ratio_steps_per_s\": %.3f}\n",
-                 w, static_cast<long long>(params), r[1].steps_per_s, r[1].memory_used / p,
+                 w, absl::GetFlag(FLAGS_staging_pace_ms), static_cast<long long>(params), r[1].steps_per_s, r[1].memory_used / p,
                  r[1].rss / p, (r[1].memory_used - r[1].staging_held) / p, r[1].staging_limit, r[1].staging_held, r[1].waits, r[1].folds,
-                 r[1].tail_mean_s, r[1].step_mean_s,
+                 r[1].tail_mean_s, r[1].step_mean_s, r[1].queue_mean_s,
                  r[1].step_mean_s > 0 ? r[1].tail_mean_s / r[1].step_mean_s : 0.0,
                  r[0].steps_per_s, r[0].memory_used / p, r[0].rss / p,
                  r[0].step_mean_s > 0 ? r[0].tail_mean_s / r[0].step_mean_s : 0.0,

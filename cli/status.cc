@@ -283,6 +283,12 @@ std::string RenderStatusTable(const v1::StatusResponse& status) {
   }
   std::string out = absl::StrCat("SHARDS (", status.shards_size(), ")\n");
   absl::StrAppend(&out, shards.Render(), "\nJOBS (", status.jobs_size(), ")\n", jobs.Render());
+  for (const v1::JobStatus& j : status.jobs()) {
+    if (!j.rollback_error().empty()) {
+      absl::StrAppend(&out, "job ", j.name(), " (", j.job_id(),
+                      ") was not rolled back: ", j.rollback_error(), "\n");
+    }
+  }
   int with_optimizer = 0;
   const std::string optimizers = RenderOptimizers(status, &with_optimizer);
   if (with_optimizer > 0) absl::StrAppend(&out, "\nOPTIMIZERS (", with_optimizer, ")\n", optimizers);
@@ -325,7 +331,7 @@ std::string RenderStatusJson(const v1::StatusResponse& status) {
                            ",\"state\":", JsonQuote(CkptStateName(j.last_checkpoint().state())),
                            ",\"error\":", JsonQuote(j.last_checkpoint().error()), "}")
             : "null",
-        OptimizerJson(j), "}"));
+        ",\"rollback_error\":", JsonQuote(j.rollback_error()), OptimizerJson(j), "}"));
   }
   return absl::StrCat("{\"shards\":[", absl::StrJoin(shards, ","), "],\"jobs\":[",
                       absl::StrJoin(jobs, ","), "]}\n");

@@ -12,6 +12,7 @@
 #include <thread>
 
 #include "absl/strings/numbers.h"
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/strip.h"
@@ -97,10 +98,55 @@ absl::StatusOr<v1::CheckpointFile> WriteDataFile(const std::string& dir, const s
   return f;
 }
 
+absl::Status CheckFileName(absl::string_view name) {
+  if (name.empty() || name.size() > 128) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("data file name of ", name.size(), " characters (1 to 128 allowed)"));
+  }
+  if (name == "." || name == "..") {
+    return absl::InvalidArgumentError(absl::StrCat("data file name '", name, "'"));
+  }
+  for (char c : name) {
+    const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
+                    c == '.' || c == '_' || c == '-';
+    if (!ok) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "data file name '", absl::CHexEscape(name),
+          "' holds a character other than letters, digits, '.', '_' and '-'"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckFileRecord(const v1::CheckpointFile& file) {
+  if (absl::Status s = CheckFileName(file.name()); !s.ok()) return s;
+  // kHeaderBytes + num_arrays * num_elems * 4 + 4, each step checked.
+  uint64_t floats = 0, bytes = 0;
+  if (__builtin_mul_overflow(uint64_t{file.num_arrays()}, file.num_elems(), &floats) ||
+      __builtin_mul_overflow(floats, uint64_t{4}, &bytes) ||
+      __builtin_add_overflow(bytes, uint64_t{kHeaderBytes + 4}, &bytes)) {
+    return absl::InvalidArgumentError(absl::StrCat("data file ", file.name(), " claims ",
+                                                   file.num_arrays(), " arrays of ",
+                                                   file.num_elems(), " elements: too large"));
+  }
+  if (bytes != file.size_bytes()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "data file ", file.name(), " claims ", file.size_bytes(), " bytes; ", file.num_arrays(),
+        " arrays of ", file.num_elems(), " elements make ", bytes));
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::vector<float>> ReadDataFile(const std::string& dir,
                                                 const v1::CheckpointFile& file) {
+  if (absl::Status s = CheckFileRecord(file); !s.ok()) {
+    return absl::DataLossError(absl::StrCat("checkpoint ", dir, " lists a bad file: ", s.message()));
+  }
   const std::string path = absl::StrCat(dir, "/", file.name());
-  absl::StatusOr<std::string> raw = ReadWholeFile(path);
+  absl::StatusOr<std::string> raw = ReadWholeFile(path, file.size_bytes());
+  if (absl::IsOutOfRange(raw.status()) || absl::IsFailedPrecondition(raw.status())) {
+    return Corrupt(path, raw.status().message());
+  }
   if (!raw.ok()) return raw.status();
   const std::string& b = *raw;
   if (b.size() != file.size_bytes()) {
@@ -123,6 +169,7 @@ absl::StatusOr<std::vector<float>> ReadDataFile(const std::string& dir,
       Get<uint64_t>(b, 24) != file.num_elems() || Get<uint32_t>(b, 32) != file.num_arrays()) {
     return Corrupt(path, "its header does not match the manifest");
   }
+  // CheckFileRecord bounded these (their product fits and matches the size).
   const uint64_t floats = uint64_t{file.num_arrays()} * file.num_elems();
   if (kHeaderBytes + floats * 4 + 4 != b.size()) return Corrupt(path, "wrong length for its header");
   std::vector<float> out(floats);
@@ -184,7 +231,11 @@ absl::Status WriteManifest(const std::string& dir, const v1::CheckpointManifest&
 
 absl::StatusOr<v1::CheckpointManifest> ReadManifest(const std::string& dir) {
   const std::string path = absl::StrCat(dir, "/", kManifestName);
-  absl::StatusOr<std::string> raw = ReadWholeFile(path);
+  // A manifest lists files and a job spec: far below 256 MiB.
+  absl::StatusOr<std::string> raw = ReadWholeFile(path, uint64_t{256} << 20);
+  if (absl::IsOutOfRange(raw.status()) || absl::IsFailedPrecondition(raw.status())) {
+    return Corrupt(path, raw.status().message());
+  }
   if (!raw.ok()) return raw.status();
   const size_t at = raw->rfind(kCrcLinePrefix);
   if (at == std::string::npos) return Corrupt(path, "no checksum line");
@@ -197,6 +248,9 @@ absl::StatusOr<v1::CheckpointManifest> ReadManifest(const std::string& dir) {
   v1::CheckpointManifest m;
   if (!google::protobuf::TextFormat::ParseFromString(raw->substr(0, at), &m)) {
     return Corrupt(path, "not a valid manifest");
+  }
+  for (const v1::CheckpointFile& f : m.files()) {
+    if (absl::Status s = CheckFileRecord(f); !s.ok()) return Corrupt(path, s.message());
   }
   return m;
 }

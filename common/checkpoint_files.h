@@ -65,9 +65,21 @@ absl::StatusOr<v1::CheckpointFile> WriteDataFile(const std::string& dir, const s
                                                  absl::Span<const float* const> arrays,
                                                  uint64_t max_bytes_per_second = 0);
 
+// A data file's name as a manifest or a shard's report may carry it: 1-128
+// characters of [A-Za-z0-9._-], not "." or ".." (no path separators: a
+// name never leaves its checkpoint folder). INVALID_ARGUMENT saying why.
+absl::Status CheckFileName(absl::string_view name);
+
+// Checks a data file's record for itself: a valid name, and size_bytes equal
+// to the header, num_arrays x num_elems floats and the trailer, computed
+// without overflow. INVALID_ARGUMENT naming the file and the mismatch.
+absl::Status CheckFileRecord(const v1::CheckpointFile& file);
+
 // Reads `dir`/`file.name()` whole and checks it against its own trailer and
 // against the manifest's record (size, checksum, header fields). DATA_LOSS
-// naming the file when anything differs; NOT_FOUND when it is missing.
+// naming the file when anything differs (a record failing CheckFileRecord
+// included: nothing is opened then); NOT_FOUND when it is missing. Never
+// reads more than the record's size_bytes.
 // Returns the arrays back to back (file.num_arrays() x file.num_elems()).
 absl::StatusOr<std::vector<float>> ReadDataFile(const std::string& dir,
                                                 const v1::CheckpointFile& file);

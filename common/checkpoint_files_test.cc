@@ -1,5 +1,7 @@
 #include "common/checkpoint_files.h"
 
+#include <sys/stat.h>
+
 #include <cstdio>
 #include <cstdlib>
 #include <string>
@@ -129,6 +131,78 @@ TEST(CheckpointFilesTest, MissingFolderIsAnErrorNamingThePath) {
   EXPECT_EQ(f.status().code(), absl::StatusCode::kNotFound);
   EXPECT_NE(f.status().message().find("/nonexistent/optimus/x"), absl::string_view::npos)
       << f.status();
+}
+
+TEST(CheckpointFilesTest, FileNamesNeverLeaveTheFolder) {
+  for (const char* ok : {"t0_c1.bin", "w-3.part.0", "A"}) {
+    EXPECT_TRUE(CheckFileName(ok).ok()) << ok;
+  }
+  for (const char* bad : {"", ".", "..", "../../../../dev/zero", "a/b", "/etc/passwd", "a b",
+                          "x\n"}) {
+    EXPECT_EQ(CheckFileName(bad).code(), absl::StatusCode::kInvalidArgument) << bad;
+  }
+  EXPECT_FALSE(CheckFileName(std::string(129, 'a')).ok());
+}
+
+// A manifest (or a forged shard report) naming a file outside the folder,
+// or claiming sizes whose product overflows, is refused before anything is
+// opened: the coordinator never reads /dev/zero into memory.
+TEST(CheckpointFilesTest, HostileRecordsAreRefusedBeforeAnyRead) {
+  const std::string dir = TempDir();
+  v1::CheckpointFile f;
+  f.set_name("../../../../dev/zero");
+  f.set_num_arrays(1);
+  f.set_num_elems(1);
+  f.set_size_bytes(kHeaderBytes + 4 + 4);
+  auto r = ReadDataFile(dir, f);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kDataLoss) << r.status();
+  EXPECT_NE(r.status().message().find("character other than"), absl::string_view::npos)
+      << r.status();
+  // num_arrays x num_elems x 4 wraps around to a small number.
+  f.set_name("ok.bin");
+  f.set_num_arrays(4);
+  f.set_num_elems(uint64_t{1} << 62);
+  f.set_size_bytes(kHeaderBytes + 4);
+  r = ReadDataFile(dir, f);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kDataLoss) << r.status();
+  EXPECT_NE(r.status().message().find("too large"), absl::string_view::npos) << r.status();
+  // A manifest listing such a file is corrupt as a whole.
+  v1::CheckpointManifest man;
+  man.set_job_name("j");
+  v1::CheckpointFile* bad = man.add_files();
+  bad->set_name("../x");
+  ASSERT_TRUE(WriteManifest(dir, man).ok());
+  auto m = ReadManifest(dir);
+  EXPECT_EQ(m.status().code(), absl::StatusCode::kDataLoss) << m.status();
+  ASSERT_TRUE(RemoveTree(dir).ok());
+}
+
+// A data file replaced by something that is not a regular file, or by a
+// larger one, is refused without reading it whole.
+TEST(CheckpointFilesTest, DevicesFifosAndOversizedFilesAreNotRead) {
+  const std::string dir = TempDir();
+  const float a[2] = {1, 2};
+  const float* arrays[] = {a};
+  auto f = WriteDataFile(dir, "part.bin", 0, 0, 2, arrays);
+  ASSERT_TRUE(f.ok()) << f.status();
+  ASSERT_TRUE(ReadDataFile(dir, *f).ok());
+  // Grown behind the manifest's back.
+  {
+    FILE* out = std::fopen((dir + "/part.bin").c_str(), "ab");
+    ASSERT_NE(out, nullptr);
+    std::fputs("more bytes", out);
+    std::fclose(out);
+  }
+  auto r = ReadDataFile(dir, *f);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kDataLoss) << r.status();
+  // A FIFO under the file's name: refused at once (no writer needed).
+  ASSERT_EQ(std::remove((dir + "/part.bin").c_str()), 0);
+  ASSERT_EQ(mkfifo((dir + "/part.bin").c_str(), 0600), 0);
+  r = ReadDataFile(dir, *f);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kDataLoss) << r.status();
+  EXPECT_NE(r.status().message().find("not a regular file"), absl::string_view::npos)
+      << r.status();
+  ASSERT_TRUE(RemoveTree(dir).ok());
 }
 
 }  // namespace

@@ -148,10 +148,21 @@ absl::Status WriteFileAtomically(const std::string& path, absl::string_view cont
   return WritePiecesAtomically(path, pieces, max_bytes_per_second);
 }
 
-absl::StatusOr<std::string> ReadWholeFile(const std::string& path) {
-  Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+absl::StatusOr<std::string> ReadWholeFile(const std::string& path, uint64_t max_bytes) {
+  // O_NONBLOCK: opening a FIFO must not wait for a writer.
+  Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK));
   if (fd.get() < 0) return ErrnoToStatus(errno, "opening", path);
+  struct stat st;
+  if (::fstat(fd.get(), &st) != 0) return ErrnoToStatus(errno, "inspecting", path);
+  if (!S_ISREG(st.st_mode)) {
+    return absl::FailedPreconditionError(absl::StrCat(path, " is not a regular file"));
+  }
+  if (static_cast<uint64_t>(st.st_size) > max_bytes) {
+    return absl::OutOfRangeError(absl::StrCat(path, " has ", st.st_size,
+                                              " bytes, more than the ", max_bytes, " expected"));
+  }
   std::string out;
+  out.reserve(static_cast<size_t>(st.st_size));
   char buf[1 << 16];
   for (;;) {
     const ssize_t n = ::read(fd.get(), buf, sizeof(buf));
@@ -161,6 +172,9 @@ absl::StatusOr<std::string> ReadWholeFile(const std::string& path) {
     }
     if (n == 0) break;
     out.append(buf, static_cast<size_t>(n));
+    if (out.size() > max_bytes) {
+      return absl::OutOfRangeError(absl::StrCat(path, " grew past ", max_bytes, " bytes"));
+    }
   }
   return out;
 }

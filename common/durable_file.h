@@ -38,8 +38,12 @@ absl::Status WritePiecesAtomically(const std::string& path,
                                    absl::Span<const absl::string_view> pieces,
                                    uint64_t max_bytes_per_second = 0);
 
-// Whole file. NOT_FOUND when it does not exist.
-absl::StatusOr<std::string> ReadWholeFile(const std::string& path);
+// Whole file. NOT_FOUND when it does not exist. A path that is not a
+// regular file (a device such as /dev/zero, a FIFO, a folder) or one larger
+// than max_bytes is refused (FAILED_PRECONDITION / OUT_OF_RANGE) before
+// anything is read, so a hostile name or a huge file cannot exhaust memory.
+absl::StatusOr<std::string> ReadWholeFile(const std::string& path,
+                                          uint64_t max_bytes = uint64_t{1} << 36);
 
 // CRC-32C (Castagnoli; the value of iSCSI, ext4 and leveldb's crc32c before
 // masking) of size_bytes bytes, continuing from `crc` (0 to start).

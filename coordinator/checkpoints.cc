@@ -308,6 +308,19 @@ std::vector<v1::CheckpointOrder> CheckpointManager::OnHeartbeat(
       continue;
     }
     if (r.done()) {
+      // A report's files end up in the manifest a restore reads: a name
+      // leaving the folder (../../dev/zero) or a size its header cannot
+      // have fails the checkpoint here, before anything opens it.
+      absl::Status bad;
+      for (const v1::CheckpointFile& f : r.files()) {
+        bad = ckpt::CheckFileRecord(f);
+        if (!bad.ok()) break;
+      }
+      if (!bad.ok()) {
+        FailLocked(r.job_id(), absl::StrCat("shard ", shard_id, " reported an invalid file: ",
+                                            bad.message()));
+        continue;
+      }
       ip.reports[shard_id] = r;
       if (ip.reports.size() == ip.owners.size()) {
         // Every part is on disk; the manifest is file work.

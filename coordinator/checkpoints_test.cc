@@ -79,6 +79,27 @@ TEST(CheckpointManagerTest, OffWithoutAFolderAndRefusesWhatItCannotDo) {
   EXPECT_EQ(m.Create(View(3)).status().code(), absl::StatusCode::kFailedPrecondition);
 }
 
+// A shard (or anything speaking as one) reporting a file named outside the
+// checkpoint folder fails the checkpoint: no manifest lists it, so no
+// restore ever opens it.
+TEST(CheckpointManagerTest, AReportNamingAFileOutsideTheFolderFailsTheCheckpoint) {
+  const std::string root = TempDir();
+  CheckpointManager m(root);
+  auto info = m.Create(View(10));
+  ASSERT_TRUE(info.ok()) << info.status();
+  auto orders = m.OnHeartbeat(1, Reports({}), {});
+  ASSERT_EQ(orders.size(), 1u);
+  m.OnHeartbeat(1, Reports({Done(orders[0], root, 0)}), {});
+  v1::ShardCheckpointReport forged = Done(orders[0], root, 2);
+  forged.mutable_files(0)->set_name("../../../../dev/zero");
+  m.OnHeartbeat(2, Reports({forged}), {});
+  m.WaitForFileWork();
+  EXPECT_EQ(ckpt::ReadManifest(info->path()).status().code(), absl::StatusCode::kNotFound);
+  ASSERT_TRUE(m.Last("j").has_value());
+  EXPECT_EQ(m.Last("j")->state(), v1::CHECKPOINT_STATE_FAILED);
+  EXPECT_NE(m.Last("j")->error().find("invalid file"), std::string::npos) << m.Last("j")->error();
+}
+
 TEST(CheckpointManagerTest, ManifestOnlyWhenEveryShardIsDoneThenKeepsTheLastK) {
   const std::string root = TempDir();
   CheckpointManager m(root);

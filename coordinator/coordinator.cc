@@ -60,6 +60,8 @@ absl::StatusOr<uint64_t> Coordinator::SnapshotLocked() {
     for (uint32_t r : job.joined_ranks) j->add_joined_ranks(r);
     j->set_resume_step(job.resume_step);
     if (job.restore.has_value()) *j->mutable_restore() = *job.restore;
+    j->set_rollback_tried(job.rollback_tried);
+    j->set_rollback_error(job.rollback_error);
   }
   std::string bytes;
   if (!state.SerializeToString(&bytes)) {
@@ -121,6 +123,8 @@ absl::Status Coordinator::Recover() {
     r.joined_ranks.insert(j.joined_ranks().begin(), j.joined_ranks().end());
     r.resume_step = std::max<uint64_t>(j.resume_step(), 1);
     if (j.has_restore()) r.restore = j.restore();
+    r.rollback_tried = j.rollback_tried();
+    r.rollback_error = j.rollback_error();
     // Backups count as much as primaries; whether they are in sync is
     // volatile and comes back with the next heartbeats.
     r.load = ComputeLoad(LayoutOfJob(r).chunks, r.bytes_per_elem);

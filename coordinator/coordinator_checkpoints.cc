@@ -99,24 +99,43 @@ absl::StatusOr<v1::RestoreCheckpointResponse> Coordinator::RestoreCheckpoint(
 
 int Coordinator::RollbackFailedJobs() {
   if (!options_.rollback_on_shard_loss || !checkpoints_.enabled()) return 0;
-  std::vector<std::string> names;
+  std::vector<std::pair<uint64_t, std::string>> tries;
+  absl::StatusOr<uint64_t> saved = uint64_t{0};
   {
     absl::MutexLock lock(&mu_);
     for (auto& [id, job] : jobs_.all()) {
       if (job.state != v1::JOB_STATE_FAILED || job.rollback_tried || job.deleting) continue;
       job.rollback_tried = true;
       const JobRecord* holder = jobs_.FindByName(job.spec.name());
-      if (holder != nullptr && holder->id == id) names.push_back(job.spec.name());
+      if (holder != nullptr && holder->id == id) tries.emplace_back(id, job.spec.name());
     }
+    if (!tries.empty()) saved = SnapshotLocked();
+  }
+  if (tries.empty()) return 0;
+  // Durable before the attempt: if restoring brings this process down, the
+  // coordinator that comes back does not try again (and again).
+  if (absl::Status s = WaitDurable(saved); !s.ok()) {
+    OPTIMUS_LOG(Warning, kLog, "roll-back attempts not recorded (", s.ToString(),
+                "); trying anyway");
   }
   int restored = 0;
-  for (const std::string& name : names) {
+  for (const auto& [failed_id, name] : tries) {
     v1::RestoreCheckpointRequest req;
     req.set_job_name(name);
     absl::StatusOr<v1::RestoreCheckpointResponse> r = RestoreCheckpoint(req);
     if (!r.ok()) {
       OPTIMUS_LOG(Error, kLog, "job ", name, " failed and cannot roll back: ",
                   r.status().ToString());
+      absl::StatusOr<uint64_t> seq = uint64_t{0};
+      {
+        absl::MutexLock lock(&mu_);
+        JobRecord* job = jobs_.Find(failed_id);
+        if (job != nullptr) {
+          job->rollback_error = r.status().ToString();
+          seq = SnapshotLocked();
+        }
+      }
+      (void)WaitDurable(seq);
       continue;
     }
     ++restored;

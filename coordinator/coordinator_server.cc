@@ -72,7 +72,9 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
         options.metrics_address,
         {{"/metrics", [raw] { return HttpResponse{200, "text/plain; version=0.0.4",
                                                   raw->RenderMetrics()}; }},
-         {"/healthz", [] { return HttpResponse{200, "text/plain", "ok\n"}; }}});
+         {"/healthz", [] { return HttpResponse{200, "text/plain", "ok\n"}; }},
+         // Serving: its state was recovered before the HTTP server started.
+         {"/readyz", [] { return HttpResponse{200, "text/plain", "ready\n"}; }}});
     if (!http.ok()) return http.status();
     s->http_ = std::move(*http);
   }

@@ -90,6 +90,7 @@ v1::StatusResponse Coordinator::Status() {
     j->set_chunks_with_backup(with_backup);
     j->set_backups_in_sync(in_sync);
     FillOptimizerStatus(job.spec, j);
+    j->set_rollback_error(job.rollback_error);
   }
   return resp;
 }

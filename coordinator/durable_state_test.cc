@@ -9,6 +9,7 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
+#include "common/checkpoint_files.h"
 #include "common/durable_file.h"
 #include "coordinator/coordinator.h"
 #include "gmock/gmock.h"
@@ -114,6 +115,68 @@ TEST(DurableStateTest, RestartKnowsShardsJobsMapsAndWorkers) {
   EXPECT_GT(second->job_id(), st.jobs(0).job_id());
   // Rank 1 joins the recovered job.
   EXPECT_TRUE(c.JoinJob(Join("llm", 1)).ok());
+}
+
+// A FAILED job is rolled back at most once, restarts included: the attempt
+// is saved before it is made (one that took the coordinator down is not
+// repeated at every restart), and a failed one is recorded with its reason,
+// which status shows.
+TEST(DurableStateTest, ARollbackIsTriedOnceAndItsFailureIsRemembered) {
+  const std::string dir = FreshDir("rollback");
+  const std::string ckpt_dir = FreshDir("rollback-ckpt");
+  CoordinatorOptions o = Options(dir);
+  o.checkpoint_dir = ckpt_dir;  // Empty: the job has no checkpoint to go back to.
+  {
+    Coordinator c(o);
+    ASSERT_TRUE(c.Recover().ok());
+    ASSERT_EQ(c.RegisterShard(Shard("a"))->shard_id(), 1u);
+    ASSERT_TRUE(c.CreateJob(Job("llm")).ok());
+    // The only shard's lease runs out: the job FAILED.
+    EXPECT_EQ(c.SweepExpiredLeases(absl::Now() + absl::Hours(1)), 1);
+    ASSERT_EQ(c.Status().jobs(0).state(), v1::JOB_STATE_FAILED);
+    EXPECT_EQ(c.RollbackFailedJobs(), 0);
+    const v1::JobStatus j = c.Status().jobs(0);
+    EXPECT_THAT(j.rollback_error(), HasSubstr("NOT_FOUND")) << j.rollback_error();
+    EXPECT_EQ(c.RollbackFailedJobs(), 0);  // Not tried again.
+  }
+  // Now a complete checkpoint of the job exists, so a new attempt would
+  // succeed: the restarted coordinator must still not make one.
+  const std::string folder = absl::StrCat(ckpt_dir, "/llm/", ckpt::FolderName(5));
+  ASSERT_TRUE(ckpt::MakeDirs(folder).ok());
+  v1::CheckpointManifest m;
+  m.set_format_version(ckpt::kFormatVersion);
+  m.set_job_name("llm");
+  m.set_checkpoint_id(5);
+  m.set_step(5);
+  *m.mutable_spec() = Job("llm").spec();
+  m.set_dtype("fp32");
+  for (const char* a : {"master", "exp_avg", "exp_avg_sq"}) m.add_arrays(a);
+  const std::vector<float> zeros(700000, 0.0f);
+  const float* arrays[] = {zeros.data(), zeros.data(), zeros.data()};
+  auto file = ckpt::WriteDataFile(folder, "w.0", 0, 0, zeros.size(), arrays);
+  ASSERT_TRUE(file.ok()) << file.status();
+  *m.add_files() = *file;
+  ASSERT_TRUE(ckpt::WriteManifest(folder, m).ok());
+
+  Coordinator c(o);
+  ASSERT_TRUE(c.Recover().ok());
+  ASSERT_EQ(c.Status().jobs_size(), 1);
+  EXPECT_EQ(c.Status().jobs(0).state(), v1::JOB_STATE_FAILED);
+  EXPECT_FALSE(c.Status().jobs(0).rollback_error().empty());
+  v1::RegisterShardRequest b = Shard("b");
+  b.mutable_capabilities()->set_checkpoints(true);
+  ASSERT_TRUE(c.RegisterShard(b).ok());
+  // The restarted coordinator does not try again.
+  EXPECT_EQ(c.RollbackFailedJobs(), 0);
+  EXPECT_EQ(c.Status().jobs_size(), 1);
+  // An operator still can (the checkpoint is good): optimusctl checkpoint
+  // restore does this.
+  v1::RestoreCheckpointRequest req;
+  req.set_job_name("llm");
+  req.set_new_job_name("llm-restored");
+  auto restored = c.RestoreCheckpoint(req);
+  ASSERT_TRUE(restored.ok()) << restored.status();
+  EXPECT_EQ(restored->resume_step(), 5u);
 }
 
 TEST(DurableStateTest, RestartKeepsBackupsAndDrainingShards) {

@@ -46,7 +46,8 @@ struct JobRecord {
   std::set<uint32_t> joined_ranks;
   uint64_t resume_step = 1;  // Step workers start at (restored jobs: S).
   std::optional<v1::RestoreSource> restore;
-  bool rollback_tried = false;
+  bool rollback_tried = false;   // Durable (PersistedJob.rollback_tried).
+  std::string rollback_error;    // Why the roll-back failed; durable.
   // Being deleted: left out of saved snapshots while its deletion is made
   // durable; still served (and not released to shards) until it is gone.
   bool deleting = false;

@@ -14,6 +14,7 @@ PACKAGES=(
   python3-torch
   clang
   nlohmann-json3-dev
+  libyaml-cpp-dev
   python3-dev pybind11-dev python3-pytest python3-yaml
 )
 

@@ -70,6 +70,7 @@ void Shard::HeartbeatLoop() {
       if (stopped_) return;
       beat_now_ = false;
     }
+    beat_loop_unix_ns_.store(absl::ToUnixNanos(absl::Now()));
     if (absl::Status s = HeartbeatOnce(); !s.ok()) {
       OPTIMUS_LOG(Warning, kLog, "heartbeat failed: ", s.ToString());
     }

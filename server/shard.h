@@ -172,7 +172,8 @@ class Shard : public ShardServer {
 
   std::atomic<uint64_t> shard_id_{0};
   std::atomic<int64_t> lease_ms_{2000};  // Granted by the coordinator.
-  std::atomic<int64_t> last_beat_unix_ns_{0};
+  std::atomic<int64_t> last_beat_unix_ns_{0};   // Last heartbeat the coordinator answered.
+  std::atomic<int64_t> beat_loop_unix_ns_{0};   // Last heartbeat attempt (any outcome).
 
   // Replication: endpoints to other shards, and forwards awaiting answers.
   struct PendingForward {

@@ -13,6 +13,9 @@ std::string RenderShardMetrics(const ShardMetrics& s, const ShardGauges& g) {
   s.publish_tail.Render(&m, "optimus_shard_publish_tail_seconds",
                         "From the last push of a chunk's step landing to the version being "
                         "pullable.");
+  s.step_queue.Render(&m, "optimus_shard_step_queue_seconds",
+                      "From the last push of a chunk's step landing to its optimizer pass "
+                      "starting (waiting for a step thread, the last fold).");
   m.Counter("optimus_shard_steps_total", "Chunk steps applied.", s.steps_applied.load(), id);
   m.Counter("optimus_shard_optimizer_params_total",
             "Parameters updated by the optimizer (rate = optimizer throughput).",

@@ -36,6 +36,9 @@ struct ShardMetrics {
   // pullable (the fold of the last push, the optimizer pass and the cast;
   // steps published without waiting for a backup).
   Histogram publish_tail;
+  // The part of publish_tail before the step starts: waiting for a step
+  // thread (behind other chunks' steps and folds) and the last push's fold.
+  Histogram step_queue;
   std::atomic<uint64_t> folds{0};               // Fold passes (staging.h).
   std::atomic<uint64_t> batches_received{0};    // wire::Op::kBatch messages.
 

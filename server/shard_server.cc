@@ -92,18 +92,46 @@ absl::Status Shard::Start() {
                 absl::Now() - absl::FromUnixNanos(last_beat_unix_ns_.load()));
             return HttpResponse{200, "text/plain; version=0.0.4", RenderShardMetrics(metrics_, g)};
           }},
+         // Liveness, from the shard's own state only: its heartbeat loop
+         // keeps turning (whether or not the coordinator answers). A
+         // coordinator outage of any length must not restart shards: their
+         // memory is the jobs' optimizer state.
          {"/healthz", [this] {
-            // Healthy while registered and the last heartbeat is younger
-            // than the lease.
+            const absl::Time now = absl::Now();
+            const absl::Duration loop_age = now - absl::FromUnixNanos(beat_loop_unix_ns_.load());
+            // An attempt waits at most 5 s for the coordinator; the loop
+            // sleeps at most a third of the lease between attempts.
+            const absl::Duration stuck =
+                std::max(absl::Seconds(60), 3 * absl::Milliseconds(lease_ms_.load()));
+            const absl::Duration beat_age = now - absl::FromUnixNanos(last_beat_unix_ns_.load());
+            const std::string coordinator =
+                shard_id_.load() == 0
+                    ? "not registered yet"
+                    : absl::StrCat("last heartbeat answered ", absl::FormatDuration(beat_age),
+                                   " ago");
+            if (beat_loop_unix_ns_.load() != 0 && loop_age > stuck) {
+              return HttpResponse{503, "text/plain",
+                                  absl::StrCat("unhealthy: the heartbeat loop has not run for ",
+                                               absl::FormatDuration(loop_age), "\n")};
+            }
+            return HttpResponse{200, "text/plain",
+                                absl::StrCat("ok shard_id=", shard_id_.load(), " (", coordinator,
+                                             ")\n")};
+          }},
+         // Readiness: registered, and the coordinator answered a heartbeat
+         // within the lease (it can route new work here).
+         {"/readyz", [this] {
             const absl::Duration age =
                 absl::Now() - absl::FromUnixNanos(last_beat_unix_ns_.load());
             if (shard_id_.load() == 0 || age > absl::Milliseconds(lease_ms_.load())) {
               return HttpResponse{503, "text/plain",
-                                  absl::StrCat("unhealthy: last heartbeat ",
-                                               absl::FormatDuration(age), " ago\n")};
+                                  shard_id_.load() == 0
+                                      ? std::string("not ready: not registered yet\n")
+                                      : absl::StrCat("not ready: last heartbeat answered ",
+                                                     absl::FormatDuration(age), " ago\n")};
             }
             return HttpResponse{200, "text/plain",
-                                absl::StrCat("ok shard_id=", shard_id_.load(), "\n")};
+                                absl::StrCat("ready shard_id=", shard_id_.load(), "\n")};
           }}});
     if (!http.ok()) return http.status();
     http_ = std::move(*http);

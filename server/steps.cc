@@ -177,6 +177,9 @@ void Shard::RunStep(const JobRef& job, const ChunkRef& chunk) {
   const DType slots_dtype = staged.dtype;
   // The kernel alone (the fold of the last push, above, is not in it).
   const absl::Time start = absl::Now();
+  if (staged.all_landed != absl::Time()) {
+    metrics_.step_queue.Observe(absl::ToDoubleSeconds(start - staged.all_landed));
+  }
   // The averaged gradient times the step's multiplier and clip coefficient
   // (exactly the job's grad_scale when both are 1).
   const float scale = c.grad_scale * plan.params.grad_mult * plan.clip_coef;

@@ -148,21 +148,42 @@ absl::StatusOr<std::unique_ptr<Cluster>> Cluster::Start(const ClusterOptions& op
   if (options.transport == TransportKind::kLoopback) {
     c->fabric_ = transport::LoopbackFabric::Create(options.loopback);
   }
-  CoordinatorOptions copts;
-  copts.listen_address = "127.0.0.1:0";
-  copts.lease = options.lease;
-  copts.sweep_interval = options.sweep_interval;
-  copts.checkpoint_dir = options.checkpoint_dir;
-  if (options.serve_metrics) copts.metrics_address = "127.0.0.1:0";
-  auto coord = CoordinatorServer::Start(copts);
-  if (!coord.ok()) return coord.status();
-  c->coord_ = std::move(*coord);
-  c->stub_ = v1::Coordinator::NewStub(
-      grpc::CreateChannel(c->coord_->address(), grpc::InsecureChannelCredentials()));
+  if (auto s = c->StartCoordinator("127.0.0.1:0"); !s.ok()) return s;
   for (int i = 0; i < options.num_shards; ++i) {
     if (auto s = c->AddShard(); !s.ok()) return s.status();
   }
   return c;
+}
+
+absl::Status Cluster::StartCoordinator(const std::string& address) {
+  CoordinatorOptions copts;
+  copts.listen_address = address;
+  copts.lease = options_.lease;
+  copts.sweep_interval = options_.sweep_interval;
+  copts.checkpoint_dir = options_.checkpoint_dir;
+  copts.state_dir = options_.state_dir;
+  if (options_.serve_metrics) copts.metrics_address = "127.0.0.1:0";
+  auto coord = CoordinatorServer::Start(copts);
+  if (!coord.ok()) return coord.status();
+  coord_ = std::move(*coord);
+  coord_address_ = coord_->address();
+  stub_ = v1::Coordinator::NewStub(
+      grpc::CreateChannel(coord_address_, grpc::InsecureChannelCredentials()));
+  return absl::OkStatus();
+}
+
+absl::Status Cluster::StopCoordinator() {
+  if (options_.state_dir.empty()) {
+    return absl::FailedPreconditionError("StopCoordinator needs ClusterOptions.state_dir");
+  }
+  if (coord_ == nullptr) return absl::FailedPreconditionError("the coordinator is stopped");
+  coord_.reset();
+  return absl::OkStatus();
+}
+
+absl::Status Cluster::RestartCoordinator() {
+  if (coord_ != nullptr) return absl::FailedPreconditionError("the coordinator is running");
+  return StartCoordinator(coord_address_);
 }
 
 Cluster::~Cluster() {
@@ -195,7 +216,7 @@ absl::StatusOr<v1::StatusResponse> Cluster::Status() {
 
 absl::StatusOr<size_t> Cluster::AddShard() {
   server::ShardServerOptions s;
-  s.coordinator_address = coord_->address();
+  s.coordinator_address = coord_address_;
   s.memory_limit_bytes = options_.shard_memory_limit_bytes;
   s.kernel_threads = options_.kernel_threads;
   s.step_threads = options_.step_threads;
@@ -255,7 +276,7 @@ absl::Status Cluster::ConnectWorkers() {
   last_push_.assign(options_.num_workers, {});
   for (uint32_t r = 0; r < options_.num_workers; ++r) {
     client::ClientOptions o;
-    o.coordinator_address = coord_->address();
+    o.coordinator_address = coord_address_;
     o.transport = TransportOptions(absl::StrCat("worker", r));
     auto c = client::Client::Connect(o);
     if (!c.ok()) {

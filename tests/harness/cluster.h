@@ -99,6 +99,9 @@ struct ClusterOptions {
   // Coordinator and shards serve /metrics and /healthz on 127.0.0.1:0.
   // Default off.
   bool serve_metrics = false;
+  // The coordinator's durable state folder (StopCoordinator /
+  // RestartCoordinator need one to come back knowing the jobs). Empty: none.
+  std::string state_dir;
   // The loopback fabric's settings (loopback only).
   transport::LoopbackOptions loopback;
   // How long one harness call waits for something (a pull, a push, a state
@@ -128,10 +131,17 @@ class Cluster {
 
   // ---- Coordinator ----
   CoordinatorServer* coordinator() { return coord_.get(); }
-  std::string coordinator_address() const { return coord_->address(); }
+  std::string coordinator_address() const { return coord_address_; }
   // A gRPC stub to the coordinator, for RPCs without a helper below.
   v1::Coordinator::Stub* stub() { return stub_.get(); }
   absl::StatusOr<v1::StatusResponse> Status();
+
+  // A coordinator outage: StopCoordinator shuts the coordinator down (the
+  // shards and workers keep running and keep their state);
+  // RestartCoordinator starts a new one on the same address over the same
+  // state_dir. FAILED_PRECONDITION without a state_dir, or when not stopped.
+  absl::Status StopCoordinator();
+  absl::Status RestartCoordinator();
 
   // ---- Shards ----
   // Starts one more shard; returns its index.
@@ -231,10 +241,12 @@ class Cluster {
  private:
   explicit Cluster(const ClusterOptions& options);
   absl::Status JoinAll(const std::string& name);
+  absl::Status StartCoordinator(const std::string& address);
 
   const ClusterOptions options_;
   std::shared_ptr<transport::LoopbackFabric> fabric_;  // Loopback only.
   std::unique_ptr<CoordinatorServer> coord_;
+  std::string coord_address_;  // Kept across StopCoordinator.
   std::unique_ptr<v1::Coordinator::Stub> stub_;
   std::vector<std::unique_ptr<server::ShardServer>> shards_;
   std::vector<std::unique_ptr<client::Client>> workers_;

@@ -225,10 +225,12 @@ for (const w of workloads) {
     expect(metricsPort > 0, `${id}: ${fileName} does not turn on --metrics_port, so /healthz does not exist`);
     const portByName = {};
     for (const p of c.ports || []) portByName[p.name] = p.containerPort;
-    for (const probeName of ["livenessProbe", "readinessProbe"]) {
+    // Liveness must not depend on the coordinator (/healthz answers from the
+    // process's own state); readiness does (/readyz).
+    for (const [probeName, path] of [["livenessProbe", "/healthz"], ["readinessProbe", "/readyz"]]) {
       const probe = c[probeName];
       if (!expect(probe && probe.httpGet, `${id}: ${c.name} has no HTTP ${probeName}`)) continue;
-      expect(probe.httpGet.path === "/healthz", `${id}: ${probeName} path is ${probe.httpGet.path}, not /healthz`);
+      expect(probe.httpGet.path === path, `${id}: ${probeName} path is ${probe.httpGet.path}, not ${path}`);
       const port = typeof probe.httpGet.port === "string" ? portByName[probe.httpGet.port] : probe.httpGet.port;
       expect(port === metricsPort, `${id}: ${probeName} port ${port} is not --metrics_port=${metricsPort}`);
     }

@@ -90,7 +90,7 @@ spec:
             {{- toYaml $s.livenessProbe | nindent 12 }}
           readinessProbe:
             httpGet:
-              path: /healthz
+              path: /readyz
               port: metrics
             {{- toYaml $s.readinessProbe | nindent 12 }}
           {{- with $resources }}
