@@ -29,11 +29,14 @@ from optimus._C import (  # noqa: F401
     TensorInfo,
     Unavailable,
 )
-from optimus.config import JobConfig, load_job_config, parse_job_config  # noqa: F401
+from optimus.config import (  # noqa: F401
+    JobConfig, assign_groups, glob_match, load_job_config, parse_job_config)
+from optimus._C import Session  # noqa: F401
 
 __all__ = [
     "AlreadyExists", "Client", "DeadlineExceeded", "FailedPrecondition", "Internal",
     "InvalidArgument", "JobConfig", "JobDef", "NotFound", "OptimizerSpec", "OptimusError",
     "OutOfRange", "ParamGroup", "ResourceExhausted", "StepReport", "TensorDef", "TensorInfo",
-    "Unavailable", "load_job_config", "parse_job_config",
+    "Session", "Unavailable", "assign_groups", "glob_match", "load_job_config",
+    "parse_job_config",
 ]

@@ -22,6 +22,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 #include "client/client.h"
+#include "client/job_config.h"
+#include "client/session.h"
 #include "common/dtype.h"
 
 namespace py = pybind11;
@@ -142,11 +144,14 @@ class PyClient {
     return c_.get();
   }
 
+  // Hands the client over (a re-join replaces it); this object is closed.
+  std::unique_ptr<Client> Release() { return std::move(c_); }
+
  private:
   std::unique_ptr<Client> c_;
 };
 
-std::unique_ptr<PyClient> Connect(const std::string& coordinator, const std::string& transports,
+std::shared_ptr<PyClient> Connect(const std::string& coordinator, const std::string& transports,
                                   const std::string& net_devices, const std::string& name,
                                   double rpc_timeout_s, double ready_timeout_s,
                                   uint64_t registration_cache_bytes) {
@@ -163,8 +168,64 @@ std::unique_ptr<PyClient> Connect(const std::string& coordinator, const std::str
     py::gil_scoped_release release;
     c = Client::Connect(o);
   }
-  return std::make_unique<PyClient>(Value(std::move(c)));
+  return std::make_shared<PyClient>(Value(std::move(c)));
 }
+
+// client::Session for Python: the joined client (an optimus._C.Client) and
+// who this rank is; rejoin() after a rollback swaps in a new client.
+class PySession {
+ public:
+  static std::unique_ptr<PySession> JoinOrCreate(const JobDef& def, const std::string& coordinator,
+                                                 int64_t rank, int64_t world_size,
+                                                 const std::string& job_name,
+                                                 const std::string& job_spec_path,
+                                                 double join_timeout_s,
+                                                 const std::string& transports,
+                                                 const std::string& net_devices,
+                                                 double rpc_timeout_s, double ready_timeout_s) {
+    auto ps = std::make_unique<PySession>();
+    SessionOptions& o = ps->options_;
+    o.coordinator = coordinator;
+    o.rank = rank;
+    o.world_size = world_size;
+    o.job_name = job_name;
+    o.job_spec_path = job_spec_path;
+    o.join_timeout = Secs(join_timeout_s);
+    o.client.transport.transports = transports;
+    o.client.transport.net_devices = net_devices;
+    o.client.transport.name = "worker";  // Session names it worker<rank>.
+    o.client.rpc_timeout = Secs(rpc_timeout_s);
+    o.client.ready_timeout = Secs(ready_timeout_s);
+    absl::StatusOr<Session> s;
+    {
+      py::gil_scoped_release release;
+      s = client::JoinOrCreate(o, def);
+    }
+    ps->session_ = Value(std::move(s));
+    ps->client_ = std::make_shared<PyClient>(std::move(ps->session_.client));
+    return ps;
+  }
+
+  std::shared_ptr<PyClient> client() const { return client_; }
+  const Session& session() const { return session_; }
+
+  std::shared_ptr<PyClient> Rejoin() {
+    session_.client = client_->Release();
+    absl::Status st;
+    {
+      py::gil_scoped_release release;
+      st = RejoinAfterRollback(options_, &session_);
+    }
+    Check(st);
+    client_ = std::make_shared<PyClient>(std::move(session_.client));
+    return client_;
+  }
+
+ private:
+  SessionOptions options_;
+  Session session_;
+  std::shared_ptr<PyClient> client_;
+};
 
 }  // namespace
 }  // namespace client
@@ -241,6 +302,34 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("max_grad_norm", &JobDef::max_grad_norm)
       .def_readwrite("skip_nonfinite", &JobDef::skip_nonfinite);
 
+  py::class_<JobConfig>(m, "JobConfig", "A parsed job spec (client/job_config.h, docs/job-spec.md).")
+      .def_readonly("job", &JobConfig::def, "The JobDef the document describes.")
+      .def_readonly("group_match", &JobConfig::group_match,
+                    "Per parameter group, its tensor-name globs (empty: the default group).")
+      .def_readonly("has_name", &JobConfig::has_name)
+      .def_readonly("has_world_size", &JobConfig::has_world_size)
+      .def_readonly("has_tensors", &JobConfig::has_tensors);
+  m.def(
+      "parse_job_config",
+      [](const std::string& text, const std::string& source) {
+        return Value(ParseJobConfig(text, source));
+      },
+      py::arg("text"), py::arg("source") = "<inline>",
+      "Parses a YAML/JSON job spec; InvalidArgument naming source:line: field.");
+  m.def(
+      "load_job_config", [](const std::string& path) { return Value(LoadJobConfig(path)); },
+      py::arg("path"));
+  m.def(
+      "assign_groups",
+      [](const JobConfig& config, JobDef def) {
+        Check(AssignGroups(config, &def));
+        return def;
+      },
+      py::arg("config"), py::arg("job"),
+      "A copy of `job` whose tensors' groups come from the config's patterns (and whose "
+      "param_groups may gain the default group).");
+  m.def("glob_match", &GlobMatch, py::arg("pattern"), py::arg("name"));
+
   py::class_<StepReport>(m, "StepReport")
       .def_readonly("grad_norm", &StepReport::grad_norm)
       .def_readonly("clip_coef", &StepReport::clip_coef)
@@ -260,7 +349,7 @@ PYBIND11_MODULE(_C, m) {
       .def_readonly("group", &TensorInfo::group)
       .def_readonly("frozen", &TensorInfo::frozen);
 
-  py::class_<PyClient>(m, "Client")
+  py::class_<PyClient, std::shared_ptr<PyClient>>(m, "Client")
       .def_static("connect", &Connect, py::arg("coordinator"), py::arg("transports") = "",
                   py::arg("net_devices") = "", py::arg("name") = "",
                   py::arg("rpc_timeout_s") = 10.0, py::arg("ready_timeout_s") = 60.0,
@@ -456,4 +545,28 @@ PYBIND11_MODULE(_C, m) {
         py::gil_scoped_release release;
         cl->Uncork();
       });
+
+  py::class_<PySession>(m, "Session",
+                        "client::JoinOrCreate's session: rank 0 creates the job, every rank "
+                        "joins with retries; rank/world size/coordinator/job name from the "
+                        "arguments or RANK, WORLD_SIZE, OPTIMUS_COORDINATOR, OPTIMUS_JOB; a job "
+                        "spec file (OPTIMUS_JOB_SPEC) replaces the job's settings.")
+      .def_static("join_or_create", &PySession::JoinOrCreate, py::arg("job"),
+                  py::arg("coordinator") = "", py::arg("rank") = -1, py::arg("world_size") = -1,
+                  py::arg("job_name") = "", py::arg("job_spec_path") = "",
+                  py::arg("join_timeout_s") = 120.0, py::arg("transports") = "",
+                  py::arg("net_devices") = "", py::arg("rpc_timeout_s") = 10.0,
+                  py::arg("ready_timeout_s") = 60.0)
+      .def_property_readonly("client", &PySession::client)
+      .def_property_readonly("rank", [](const PySession& s) { return s.session().rank; })
+      .def_property_readonly("world_size",
+                             [](const PySession& s) { return s.session().world_size; })
+      .def_property_readonly("job_name", [](const PySession& s) { return s.session().job_name; })
+      .def_property_readonly("job", [](const PySession& s) { return s.session().def; })
+      .def_property_readonly("created", [](const PySession& s) { return s.session().created; })
+      .def_property_readonly("needs_init",
+                             [](const PySession& s) { return s.session().needs_init; })
+      .def("rejoin", &PySession::Rejoin,
+           "After the job failed and the coordinator restored it from a checkpoint: joins "
+           "the restored job with a new client (returned; the old one is closed).");
 }

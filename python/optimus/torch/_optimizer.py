@@ -78,16 +78,6 @@ class _Tensor:
         self.model_version = 0      # The version param holds.
 
 
-def _env_int(name):
-    v = os.environ.get(name)
-    if v is None or v == "":
-        return None
-    try:
-        return int(v)
-    except ValueError:
-        raise ValueError(f"${name}={v!r} is not a whole number") from None
-
-
 def _carve(tensors, dtype, attr):
     """One arena of `dtype` for all tensors, each view starting on a 64-byte
     boundary; sets t.<attr> to each tensor's view. Returns the arena."""
@@ -161,70 +151,65 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if backward_passes_per_step < 1:
             raise ValueError("backward_passes_per_step must be >= 1")
-        if isinstance(config, str):
-            config = optimus.load_job_config(config)
-        cfg = config if config is not None else optimus.JobConfig()
-
-        def pick(arg, from_cfg, default):
-            if arg is not None:
-                return arg
-            return from_cfg if from_cfg is not None else default
-
-        kind = pick(optimizer, cfg.optimizer, "adamw").lower()
-        if kind not in ("adamw", "adam", "sgd", "lion"):
-            raise ValueError(f"optimizer must be adamw, adam, sgd or lion, got {optimizer!r}")
-        default_betas = (0.9, 0.99) if kind == "lion" else (0.9, 0.999)
-        defaults = dict(
-            lr=pick(lr, cfg.lr, 1e-3),
-            betas=tuple(pick(betas, cfg.betas, default_betas)),
-            eps=pick(eps, cfg.eps, 1e-8),
-            weight_decay=pick(weight_decay, cfg.weight_decay, 1e-2 if kind == "adamw" else 0.0),
-            momentum=pick(momentum, cfg.momentum, 0.0),
-        )
-        if defaults["lr"] < 0:
-            raise ValueError(f"invalid learning rate {defaults['lr']}")
-        self._kind = kind
-        self._cfg = cfg
-        self._mode = mode
+        if lr is not None and lr < 0:
+            raise ValueError(f"invalid learning rate {lr}")
         self._model = model
+        self._mode = mode
         self._loss_scale = loss_scale
         self._bpps = int(backward_passes_per_step)
         self._follow_rollback = follow_rollback
         self._timeout = float(timeout_s)
         self._join_timeout = float(join_timeout_s)
-        self._transports = pick(transports, None, "")
-        self._net_devices = pick(net_devices, None, "")
-        self._max_grad_norm = float(pick(max_grad_norm, cfg.gradient_clipping, 0.0))
-        self._skip_nonfinite = bool(pick(skip_nonfinite, cfg.skip_nonfinite, True))
-        self._grad_dtype = pick(grad_dtype, cfg.grad_dtype, "bf16")
-        self._param_dtype = pick(param_dtype, cfg.param_dtype, "bf16")
-        for d in (self._grad_dtype, self._param_dtype):
-            if d not in _TORCH_DTYPES:
-                raise ValueError(f"dtypes are bf16, fp16 or fp32, got {d!r}")
-        self._replication = int(pick(replication, cfg.replication, 0))
-        self._ckpt_every = int(pick(checkpoint_every_steps, cfg.checkpoint_every_steps, 0))
-        self._chunk_bytes = int(pick(chunk_payload_bytes, cfg.chunk_payload_bytes, 0))
-
-        self._coordinator = coordinator or os.environ.get("OPTIMUS_COORDINATOR")
-        if not self._coordinator:
-            raise ValueError("no coordinator: pass coordinator='host:port' or set "
-                             "$OPTIMUS_COORDINATOR")
-        self._job_name = job_name or os.environ.get("OPTIMUS_JOB") or cfg.name or "optimus-job"
-        r = rank if rank is not None else _env_int("RANK")
-        w = world_size if world_size is not None else _env_int("WORLD_SIZE")
-        self._rank = 0 if r is None else int(r)
-        self._world = int(w if w is not None else (cfg.world_size or 1))
-        if self._world < 1 or not 0 <= self._rank < self._world:
-            raise ValueError(f"rank {self._rank} is not in [0, world_size={self._world})")
-
-        # A single group of params and a config with param_groups: split it
-        # by the config's name patterns (needs the model's names).
         params = list(params)
-        if params and not isinstance(params[0], dict) and cfg.param_groups:
-            params = self._groups_from_config(params, cfg, defaults)
-        super().__init__(params, defaults)
+        if not params:
+            raise ValueError("DistributedOptimizer got an empty parameter list")
+        self._spec_world = False
 
+        spec_path = os.fspath(config) if config is not None else \
+            os.environ.get("OPTIMUS_JOB_SPEC", "")
+        if spec_path:
+            # The job spec file decides the job (client::JoinOrCreate applies
+            # it); the torch groups mirror its groups.
+            ignored = [k for k, v in dict(
+                optimizer=optimizer, betas=betas, eps=eps, weight_decay=weight_decay,
+                momentum=momentum, max_grad_norm=max_grad_norm, skip_nonfinite=skip_nonfinite,
+                grad_dtype=grad_dtype, param_dtype=param_dtype, replication=replication,
+                checkpoint_every_steps=checkpoint_every_steps,
+                chunk_payload_bytes=chunk_payload_bytes).items() if v is not None]
+            if ignored:
+                warnings.warn(f"optimus: the job spec {spec_path} sets the job's settings; "
+                              f"ignoring {', '.join(ignored)}")
+            job, groups, defaults = self._from_spec(spec_path, params, lr)
+        else:
+            kind = (optimizer or "adamw").lower()
+            if kind not in self._MOMENTS:
+                raise ValueError(f"optimizer must be adamw, adam, sgd or lion, got {optimizer!r}")
+            defaults = dict(
+                lr=1e-3 if lr is None else lr,
+                betas=tuple(betas) if betas is not None else
+                ((0.9, 0.99) if kind == "lion" else (0.9, 0.999)),
+                eps=1e-8 if eps is None else eps,
+                weight_decay=(1e-2 if kind == "adamw" else 0.0) if weight_decay is None
+                else weight_decay,
+                momentum=0.0 if momentum is None else momentum)
+            job = _C.JobDef()
+            job.optimizer = _C.OptimizerSpec()
+            job.optimizer.kind = kind
+            job.max_grad_norm = float(max_grad_norm or 0.0)
+            job.skip_nonfinite = True if skip_nonfinite is None else bool(skip_nonfinite)
+            job.grad_dtype = grad_dtype or "bf16"
+            job.param_dtype = param_dtype or "bf16"
+            job.replication = int(replication or 0)
+            job.checkpoint_every_steps = int(checkpoint_every_steps or 0)
+            job.chunk_payload_bytes = int(chunk_payload_bytes or 0)
+            groups = params
+        super().__init__(groups, defaults)
         self._tensors = self._map_tensors()
+        self._kind = job.optimizer.kind
+        self._max_grad_norm = job.max_grad_norm
+        self._skip_nonfinite = job.skip_nonfinite
+        self._fill_job(job, from_spec=bool(spec_path))
+
         self._client = None
         self._arenas = []
         self._started = False
@@ -238,7 +223,21 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._need_pull_all = False
         self._warned_stale = False
         self._hooks = []
-        self._connect_and_join()
+        if world_size is None and rank is None and not self._spec_world and \
+                not os.environ.get("RANK") and not os.environ.get("WORLD_SIZE"):
+            world_size = 1  # One process, as torch.optim (client::Session would refuse).
+        # client::JoinOrCreate: rank 0 creates (or joins the existing job),
+        # every rank joins with retries; the joined job's tensors are checked.
+        self._session = _C.Session.join_or_create(
+            job, coordinator=coordinator or "", rank=-1 if rank is None else int(rank),
+            world_size=-1 if world_size is None else int(world_size), job_name=job_name or "",
+            job_spec_path=spec_path, join_timeout_s=self._join_timeout,
+            transports=transports or "", net_devices=net_devices or "",
+            ready_timeout_s=self._join_timeout)
+        self._rank = self._session.rank
+        self._world = self._session.world_size
+        self._job_name = self._session.job_name
+        self._adopt(self._session.client)
         self._install_hooks()
         if self._model is None and (self._rank != 0 or self._resume > 1):
             # No forward pre-hook to start from: take the job's values now
@@ -247,44 +246,61 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ setup
 
-    def _groups_from_config(self, params, cfg, defaults):
+    def _names(self):
         if self._model is None:
-            raise ValueError("a config with param_groups needs model= (groups match by name)")
-        names = {id(p): n for n, p in self._model.named_parameters()}
-        groups = [dict(params=[], name=g["name"]) for g in cfg.param_groups]
-        extra = None
-        for p in params:
-            n = names.get(id(p))
-            if n is None:
-                raise ValueError("a parameter given to DistributedOptimizer is not in model")
-            gi = cfg.group_of(n)
-            if gi is None:
-                if extra is None:
-                    extra = dict(params=[], name="default")
-                extra["params"].append(p)
-            else:
-                groups[gi]["params"].append(p)
-        for g, spec in zip(groups, cfg.param_groups):
-            if spec["match"] and not g["params"]:
-                raise ValueError(f"{cfg.source}: param_groups: group {spec['name']!r}: its "
-                                 f"patterns {spec['match']} match no parameter")
-            if spec["weight_decay"] is not None:
-                g["weight_decay"] = spec["weight_decay"]
-            if spec["betas"] is not None:
-                g["betas"] = spec["betas"]
-            if spec["momentum"] is not None:
-                g["momentum"] = spec["momentum"]
-            if spec["lr_mult"] is not None:
-                g["lr"] = defaults["lr"] * spec["lr_mult"]
-        groups = [g for g in groups if g["params"]]
-        if extra is not None:
-            groups.append(extra)
-        return groups
+            return None
+        return {id(p): n for n, p in self._model.named_parameters()}
+
+    def _from_spec(self, path, params, lr):
+        """The job, torch param groups and defaults from a job spec file."""
+        spec = optimus.load_job_config(path)
+        self._spec_world = spec.has_world_size
+        if spec.has_tensors:
+            raise ValueError(f"{path}: a trainer's job spec must not list tensors (they come "
+                             "from the model)")
+        if isinstance(params[0], dict):
+            if len(params) > 1:
+                raise ValueError(f"with a job spec ({path}), the parameter groups come from its "
+                                 "param_groups: pass the parameters as one list "
+                                 "(e.g. model.parameters())")
+            params = list(params[0]["params"])
+        names = self._names()
+        if names is None and spec.group_match:
+            raise ValueError(f"{path} has param_groups, matched by name: pass model=")
+        job = spec.job
+        tensors = []
+        for i, p in enumerate(params):
+            name = names.get(id(p)) if names is not None else f"group0.{i}"
+            if name is None:
+                raise ValueError(f"parameter {i} (shape {tuple(p.shape)}) is not a parameter "
+                                 "of model")
+            tensors.append(_C.TensorDef(name, list(p.shape), 0, not p.requires_grad))
+        job.tensors = tensors
+        job = optimus.assign_groups(spec, job)
+        o = job.optimizer
+        b1, b2 = (0.9, 0.99) if o.kind == "lion" else (0.9, 0.999)
+        defaults = dict(lr=o.lr if lr is None else lr, betas=(o.beta1 or b1, o.beta2 or b2),
+                        eps=o.eps or 1e-8, weight_decay=o.weight_decay, momentum=o.momentum)
+        if not job.param_groups:
+            return job, [{"params": params}], defaults
+        groups = []
+        for gi, pg in enumerate(job.param_groups):
+            g = {"params": [p for p, t in zip(params, job.tensors) if t.group == gi],
+                 "name": pg.name}
+            if pg.weight_decay is not None:
+                g["weight_decay"] = pg.weight_decay
+            if pg.beta1 is not None or pg.beta2 is not None:
+                g["betas"] = (pg.beta1 if pg.beta1 is not None else defaults["betas"][0],
+                              pg.beta2 if pg.beta2 is not None else defaults["betas"][1])
+            if pg.momentum is not None:
+                g["momentum"] = pg.momentum
+            # The group's lr_mult stays in the job: every push carries the
+            # base lr (the torch group's), the shards multiply.
+            groups.append(g)
+        return job, groups, defaults
 
     def _map_tensors(self):
-        names = {}
-        if self._model is not None:
-            names = {id(p): n for n, p in self._model.named_parameters()}
+        names = self._names() or {}
         tensors, seen = [], set()
         for gi, group in enumerate(self.param_groups):
             for pi, p in enumerate(group["params"]):
@@ -309,23 +325,23 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise ValueError("DistributedOptimizer got no parameters")
         return tensors
 
-    def _job_def(self):
-        d = _C.JobDef()
-        d.name = self._job_name
-        d.world_size = self._world
-        d.tensors = [_C.TensorDef(t.name, list(t.param.shape), t.group,
-                                  not t.param.requires_grad) for t in self._tensors]
-        spec = _C.OptimizerSpec()
-        spec.kind = self._kind
+    def _fill_job(self, job, from_spec):
+        """The job's tensors in torch's order (group by group, as state_dict
+        indexes them); without a spec, its groups and optimizer from torch's
+        param groups (lr_mult 1: each push carries its group's lr)."""
+        job.tensors = [_C.TensorDef(t.name, list(t.param.shape), t.group,
+                                    not t.param.requires_grad) for t in self._tensors]
+        if from_spec:
+            return
+        job.name = "optimus-job"  # $OPTIMUS_JOB or job_name= override it.
+        spec = job.optimizer
         g0 = self.defaults
         spec.lr = float(g0["lr"]) if g0["lr"] > 0 else _TINY_LR
         spec.beta1, spec.beta2 = (float(b) for b in g0["betas"])
         spec.eps = float(g0["eps"])
         spec.weight_decay = float(g0["weight_decay"])
         spec.momentum = float(g0["momentum"])
-        if self._cfg.grad_scale is not None:
-            spec.grad_scale = float(self._cfg.grad_scale)
-        d.optimizer = spec
+        job.optimizer = spec
         groups = []
         for gi, g in enumerate(self.param_groups):
             pg = _C.ParamGroup()
@@ -335,65 +351,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
             pg.beta1, pg.beta2 = (float(b) for b in g["betas"])
             pg.momentum = float(g["momentum"])
             groups.append(pg)
-        d.param_groups = groups
-        d.grad_dtype = self._grad_dtype
-        d.param_dtype = self._param_dtype
-        d.max_grad_norm = self._max_grad_norm
-        d.skip_nonfinite = self._skip_nonfinite
-        d.replication = self._replication
-        d.checkpoint_every_steps = self._ckpt_every
-        if self._cfg.checkpoint_every_seconds:
-            d.checkpoint_every_seconds = self._cfg.checkpoint_every_seconds
-        if self._cfg.checkpoint_keep_last:
-            d.checkpoint_keep_last = self._cfg.checkpoint_keep_last
-        d.chunk_payload_bytes = self._chunk_bytes
-        if self._cfg.max_chunk_bytes:
-            d.max_chunk_bytes = self._cfg.max_chunk_bytes
-        return d
-
-    def _connect(self):
-        return _C.Client.connect(self._coordinator, transports=self._transports,
-                                 net_devices=self._net_devices, name=f"rank{self._rank}",
-                                 ready_timeout_s=self._join_timeout)
-
-    def _connect_and_join(self):
-        client = self._connect()
-        if self._rank == 0:
-            try:
-                client.create_job(self._job_def())
-            except optimus.AlreadyExists:
-                pass  # Joined below (a restart, or a job restored from a checkpoint).
-        # Other ranks may get here before rank 0 created the job.
-        give_up = time.monotonic() + self._join_timeout
-        while True:
-            try:
-                client.join(self._job_name, self._rank, self._world)
-                break
-            except optimus.NotFound as e:
-                if time.monotonic() > give_up:
-                    raise optimus.NotFound(
-                        f"job '{self._job_name}' did not appear within {self._join_timeout:.0f} s "
-                        f"(rank 0 creates it): {e}") from e
-                time.sleep(0.1)
-        self._adopt(client)
+        job.param_groups = groups
 
     def _adopt(self, client):
-        """Checks the joined job against the parameters and takes the client."""
-        infos = client.tensors
-        problems = []
-        if len(infos) != len(self._tensors):
-            problems.append(f"the job has {len(infos)} tensors, the optimizer "
-                            f"{len(self._tensors)} parameters")
-        for t, info in zip(self._tensors, infos):
-            if info.name != t.name or list(info.shape) != list(t.param.shape):
-                problems.append(f"tensor {t.index}: the job has {info.name} "
-                                f"{list(info.shape)}, the optimizer {t.name} "
-                                f"{list(t.param.shape)}")
-        if problems:
-            client.close()
-            raise optimus.InvalidArgument(
-                f"job '{self._job_name}' does not hold these parameters: "
-                + "; ".join(problems[:4]) + ("; ..." if len(problems) > 4 else ""))
+        """Takes the joined client: staging buffers of its dtypes, registered."""
         self._client = client
         self._resume = client.resume_step
         self._job_id = client.job_id
@@ -816,26 +777,18 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def _rejoin(self, why):
         """The job failed (or was replaced by the restore of its checkpoint):
-        joins the restored job and pulls its resume step's parameters."""
+        joins the restored job (client::RejoinAfterRollback) and pulls its
+        resume step's parameters into the model."""
         warnings.warn(f"optimus: step {self._step} failed ({why}); re-joining job "
                       f"'{self._job_name}'")
-        old_job = self._job_id
-        self._drop_client()
-        give_up = time.monotonic() + max(self._join_timeout, 60.0)
-        last = why
-        while time.monotonic() < give_up:
-            client = self._connect()
-            try:
-                client.join(self._job_name, self._rank, self._world)
-                if client.job_id != old_job:
-                    self._adopt(client)
-                    break
-            except (optimus.NotFound, optimus.Unavailable, optimus.DeadlineExceeded) as e:
-                last = e
-            client.close()
-            time.sleep(0.2)
-        else:
-            raise optimus.Unavailable(f"no restored job '{self._job_name}' to re-join: {last}")
+        old = self._client
+        if old is not None:
+            for a in self._arenas:
+                try:
+                    old.forget_buffer(a.data_ptr(), a.numel() * a.element_size())
+                except optimus.OptimusError:
+                    pass
+        self._adopt(self._session.rejoin())
         self._started = True
         self._reports.clear()
         self._deferred = None
