@@ -19,12 +19,17 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 #include "client/client.h"
 #include "client/job_config.h"
 #include "client/session.h"
+#include "common/checkpoint_files.h"
 #include "common/dtype.h"
+#include "common/grpc_status.h"
+#include "grpcpp/grpcpp.h"
+#include "proto/optimus.grpc.pb.h"
 
 namespace py = pybind11;
 
@@ -169,6 +174,87 @@ std::shared_ptr<PyClient> Connect(const std::string& coordinator, const std::str
     c = Client::Connect(o);
   }
   return std::make_shared<PyClient>(Value(std::move(c)));
+}
+
+// ---- Optimizer state from the shards, through a checkpoint --------------
+
+std::unique_ptr<grpc::ClientContext> Ctx(absl::Duration timeout) {
+  auto ctx = std::make_unique<grpc::ClientContext>();
+  ctx->set_deadline(absl::ToChronoTime(absl::Now() + timeout));
+  return ctx;
+}
+
+// Checkpoints job `name` at version `step` and waits until it is complete;
+// returns its folder. The caller makes sure no chunk passes `step` meanwhile
+// (its rank has not pushed step `step`): the coordinator orders a checkpoint
+// at the step after the highest one applied, so this first waits until the
+// shards' reports show every chunk at `step`.
+absl::StatusOr<std::string> CheckpointAt(const std::string& coordinator, const std::string& name,
+                                         uint64_t step, absl::Duration timeout) {
+  auto stub = v1::Coordinator::NewStub(
+      grpc::CreateChannel(coordinator, grpc::InsecureChannelCredentials()));
+  const absl::Time deadline = absl::Now() + timeout;
+  const absl::Duration rpc = absl::Seconds(10);
+  auto late = [&](const std::string& what) {
+    return absl::DeadlineExceededError(absl::StrCat(
+        "checkpointing job '", name, "' at step ", step, ": ", what, " after ",
+        absl::FormatDuration(timeout)));
+  };
+  // 1. The shards' reports reach the step (heartbeats: about a second).
+  for (;;) {
+    v1::StatusResponse st;
+    absl::Status s = FromGrpc(stub->Status(Ctx(rpc).get(), v1::StatusRequest(), &st));
+    if (!s.ok()) return s;
+    bool at = false;
+    for (const auto& j : st.jobs()) {
+      if (j.name() == name && j.current_step() + 1 >= step) at = true;
+    }
+    if (at) break;
+    if (absl::Now() > deadline) return late("the shards did not report the step");
+    absl::SleepFor(absl::Milliseconds(100));
+  }
+  // 2. Order it (another checkpoint of the job in progress: wait for it).
+  v1::CheckpointInfo info;
+  for (;;) {
+    v1::CreateCheckpointRequest req;
+    req.set_job_name(name);
+    v1::CreateCheckpointResponse resp;
+    absl::Status s = FromGrpc(stub->CreateCheckpoint(Ctx(rpc).get(), req, &resp));
+    if (s.ok()) {
+      info = resp.checkpoint();
+      break;
+    }
+    if (!absl::IsFailedPrecondition(s) || absl::StrContains(s.message(), "off") ||
+        absl::StrContains(s.message(), "checkpoint dir") || absl::Now() > deadline) {
+      return absl::Status(s.code(), absl::StrCat("checkpointing job '", name, "': ", s.message()));
+    }
+    absl::SleepFor(absl::Milliseconds(200));
+  }
+  // 3. Until it is complete.
+  for (;;) {
+    v1::ListCheckpointsRequest req;
+    req.set_job_name(name);
+    v1::ListCheckpointsResponse resp;
+    absl::Status s = FromGrpc(stub->ListCheckpoints(Ctx(rpc).get(), req, &resp));
+    if (!s.ok()) return s;
+    for (const auto& c : resp.checkpoints()) {
+      if (c.checkpoint_id() < info.checkpoint_id()) continue;
+      if (c.state() == v1::CHECKPOINT_STATE_COMPLETE) {
+        if (c.step() != step) {
+          return absl::FailedPreconditionError(absl::StrCat(
+              "job '", name, "' was checkpointed at step ", c.step(), ", not ", step,
+              " (another rank or a policy checkpoint moved it)"));
+        }
+        return c.path();
+      }
+      if (c.state() == v1::CHECKPOINT_STATE_FAILED && c.checkpoint_id() == info.checkpoint_id()) {
+        return absl::AbortedError(absl::StrCat("checkpoint of job '", name, "' failed: ",
+                                               c.error()));
+      }
+    }
+    if (absl::Now() > deadline) return late("the checkpoint did not complete");
+    absl::SleepFor(absl::Milliseconds(50));
+  }
 }
 
 // client::Session for Python: the joined client (an optimus._C.Client) and
@@ -329,6 +415,81 @@ PYBIND11_MODULE(_C, m) {
       "A copy of `job` whose tensors' groups come from the config's patterns (and whose "
       "param_groups may gain the default group).");
   m.def("glob_match", &GlobMatch, py::arg("pattern"), py::arg("name"));
+
+  m.def(
+      "checkpoint_at",
+      [](const std::string& coordinator, const std::string& job_name, uint64_t step,
+         double timeout_s) {
+        absl::StatusOr<std::string> path;
+        {
+          py::gil_scoped_release release;
+          path = CheckpointAt(coordinator, job_name, step, Secs(timeout_s));
+        }
+        return Value(std::move(path));
+      },
+      py::arg("coordinator"), py::arg("job_name"), py::arg("step"), py::arg("timeout_s") = 120.0,
+      "Checkpoints the job at version `step` (no rank may push step `step` meanwhile) and "
+      "returns the complete checkpoint's folder (the coordinator's --checkpoint_dir must be "
+      "readable here).");
+  m.def(
+      "read_checkpoint",
+      [](const std::string& dir) {
+        v1::CheckpointManifest manifest;
+        std::vector<uint64_t> steps;
+        {
+          py::gil_scoped_release release;
+          auto mf = ckpt::ReadManifest(dir);
+          if (mf.ok()) {
+            manifest = *std::move(mf);
+            auto st = ckpt::OptimizerStepsOf(dir, manifest);
+            if (!st.ok()) mf = st.status();
+            else steps = *std::move(st);
+          }
+          if (!mf.ok()) {
+            py::gil_scoped_acquire acquire;
+            Raise(mf.status());
+          }
+        }
+        py::dict out;
+        out["step"] = manifest.step();
+        out["job_name"] = manifest.job_name();
+        out["last_lr"] = manifest.last_lr();
+        out["arrays"] = std::vector<std::string>(manifest.arrays().begin(), manifest.arrays().end());
+        py::list tensors;
+        for (int i = 0; i < manifest.spec().tensors_size(); ++i) {
+          const auto& t = manifest.spec().tensors(i);
+          py::dict d;
+          d["name"] = t.name();
+          d["shape"] = std::vector<int64_t>(t.shape().begin(), t.shape().end());
+          d["optimizer_steps"] = i < static_cast<int>(steps.size()) ? steps[i] : 0;
+          tensors.append(d);
+        }
+        out["tensors"] = tensors;
+        return out;
+      },
+      py::arg("dir"), "A checkpoint folder's manifest: step, arrays, tensors.");
+  m.def(
+      "read_checkpoint_tensor",
+      [](const std::string& dir, uint32_t tensor, const std::vector<uintptr_t>& dst,
+         uint64_t num_elems) {
+        absl::Status s;
+        {
+          py::gil_scoped_release release;
+          auto mf = ckpt::ReadManifest(dir);
+          if (!mf.ok()) {
+            s = mf.status();
+          } else if (tensor >= static_cast<uint32_t>(mf->spec().tensors_size())) {
+            s = absl::InvalidArgumentError(absl::StrCat("no tensor ", tensor, " in ", dir));
+          } else {
+            std::vector<float*> out;
+            for (uintptr_t a : dst) out.push_back(reinterpret_cast<float*>(a));
+            s = ckpt::ReadTensorRange(dir, *mf, tensor, 0, num_elems, out);
+          }
+        }
+        Check(s);
+      },
+      py::arg("dir"), py::arg("tensor"), py::arg("dst"), py::arg("num_elems"),
+      "Reads tensor `tensor`'s arrays (master, then moments) into the fp32 buffers at `dst`.");
 
   py::class_<StepReport>(m, "StepReport")
       .def_readonly("grad_norm", &StepReport::grad_norm)

@@ -58,3 +58,57 @@ def test_step_rejoins_the_restored_job(tmp_path):
         opt.close()
     finally:
         c.stop()
+
+
+def test_state_dict_holds_the_shards_moments(tmp_path):
+    """state_dict() after 6 steps (W=1, fp32 on the wire): the moments and
+    step counts torch.optim.AdamW holds after the same 6 steps (1e-5), and
+    torch.optim.AdamW.load_state_dict takes it and steps on as the original
+    torch run does."""
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    c = cluster_mod.Cluster(shards=2, checkpoint_dir=str(ckpt), work_dir=str(tmp_path / "c"))
+    try:
+        model = task.make_model()
+        opt = optimus.torch.DistributedOptimizer(
+            task.param_groups(model), lr=1e-2, model=model, coordinator=c.address,
+            job_name="state-dict", grad_dtype="fp32", param_dtype="fp32", net_devices="lo")
+        ref = task.make_model()
+        ref_opt = torch.optim.AdamW(task.param_groups(ref), lr=1e-2, foreach=False)
+        for step in range(1, 7):
+            for m, o in ((model, opt), (ref, ref_opt)):
+                x, y = task.full_batch(step, 1)
+                o.zero_grad(set_to_none=True)
+                torch.nn.functional.mse_loss(m(x), y).backward()
+                o.step()
+        sd = opt.state_dict()
+        want = ref_opt.state_dict()
+        assert sorted(sd["state"]) == sorted(want["state"])  # "unused" never stepped: absent
+        for i, st in want["state"].items():
+            assert float(sd["state"][i]["step"]) == float(st["step"]) == 6
+            for k in ("exp_avg", "exp_avg_sq"):
+                assert torch.allclose(sd["state"][i][k], st[k], rtol=1e-4, atol=1e-7), (i, k)
+        for name, p in ref.named_parameters():
+            assert torch.allclose(sd["optimus"]["master"][name], p.detach(), atol=1e-5), name
+        assert [g["weight_decay"] for g in sd["param_groups"]] == [task.WEIGHT_DECAY, 0.0]
+        # torch.optim.AdamW takes it and steps on like the original.
+        again = task.make_model()
+        again.load_state_dict(ref.state_dict())
+        again_opt = torch.optim.AdamW(task.param_groups(again), lr=1e-2, foreach=False)
+        again_opt.load_state_dict(sd)
+        for step in range(7, 10):
+            for m, o in ((again, again_opt), (ref, ref_opt)):
+                x, y = task.full_batch(step, 1)
+                o.zero_grad(set_to_none=True)
+                torch.nn.functional.mse_loss(m(x), y).backward()
+                o.step()
+        for (n, a), b in zip(again.named_parameters(), ref.parameters()):
+            assert torch.allclose(a, b, atol=1e-5), n
+        # Training goes on after the checkpoint.
+        x, y = task.full_batch(7, 1)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.close()
+    finally:
+        c.stop()

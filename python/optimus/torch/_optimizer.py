@@ -234,6 +234,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             job_spec_path=spec_path, join_timeout_s=self._join_timeout,
             transports=transports or "", net_devices=net_devices or "",
             ready_timeout_s=self._join_timeout)
+        self._coordinator = coordinator or os.environ.get("OPTIMUS_COORDINATOR", "")
         self._rank = self._session.rank
         self._world = self._session.world_size
         self._job_name = self._session.job_name
@@ -383,13 +384,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self._resume == 1 and self._rank == 0:
             with torch.no_grad():
                 for t in self._tensors:
-                    values = t.param.detach().contiguous()
                     st = self._init_state.get(t.index) if self._init_state else None
+                    values = t.param.detach().contiguous()
+                    if st is not None and st[3] is not None:
+                        values = st[3]
                     try:
                         if st is None:
                             c.init_tensor(t.index, values.data_ptr(), t.numel)
                         else:
-                            m, v, steps = st
+                            m, v, steps, _ = st
                             c.init_tensor_state(t.index, values.data_ptr(),
                                                 m.data_ptr() if m is not None else 0,
                                                 v.data_ptr() if v is not None else 0,
@@ -813,7 +816,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 "sgd": ("momentum_buffer",), "lion": ("exp_avg",)}
 
     def load_state_dict(self, state_dict):
-        """Takes a torch.optim state_dict (e.g. torch.optim.AdamW's): its
+        """Takes a torch.optim state_dict (e.g. torch.optim.AdamW's, or this
+        class's, whose fp32 master weights are then used too): its
         param_groups' hyperparameters (lr, betas, weight_decay, ...) as torch
         does, and its per-parameter state (moments, step) as the new job's
         starting state: rank 0 sends it with the model's current values as
@@ -821,7 +825,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         before the first forward or step(). Other ranks keep only the
         hyperparameters. A job already started, or one restored from a
         checkpoint, keeps its own state (a warning says so)."""
-        super().load_state_dict(state_dict)
+        masters = (state_dict.get("optimus") or {}).get("master") or {}
+        super().load_state_dict({k: v for k, v in state_dict.items() if k != "optimus"})
         states = {}
         for t in self._tensors:
             st = self.state.pop(t.param, None)
@@ -852,7 +857,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
             while len(arrays) < 2:
                 arrays.append(None)
             steps = int(float(st.get("step", 0)))
-            init[index] = (arrays[0], arrays[1], steps)
+            master = masters.get(t.name)
+            if master is not None:  # This class's state_dict: fp32 masters too.
+                master = master.detach().to(torch.float32).contiguous()
+                if tuple(master.shape) != tuple(t.param.shape):
+                    raise ValueError(f"master of {t.name} has shape {tuple(master.shape)}")
+            init[index] = (arrays[0], arrays[1], steps, master)
         if self._rank != 0:
             return
         if self._started or self._resume != 1:
@@ -863,12 +873,43 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._init_state = init
 
     def state_dict(self):
-        """torch.optim's layout: "param_groups" (hyperparameters, parameter
-        indices) and "state" (per parameter: the moments and 'step' as
-        torch.optim.AdamW keeps them), which torch.optim.AdamW.load_state_dict
-        accepts. The moments live on the shards: they are read from the
-        checkpoint given (a folder of the coordinator's --checkpoint_dir, or
-        what `optimusctl checkpoint export --format=torch-optim` wrote, see
-        state_dict_from_checkpoint); without one, "state" is empty."""
+        """torch.optim's layout, which torch.optim.AdamW.load_state_dict (and
+        this class's) accepts: "param_groups" (hyperparameters, parameter
+        indices) and "state" (per parameter that has stepped: 'step' and the
+        moments, exp_avg / exp_avg_sq for Adam and AdamW). The moments live
+        on the shards: the coordinator checkpoints the job at the current
+        step and they are read from that checkpoint, so the coordinator and
+        shards need --checkpoint_dir, on a folder this process can read (the
+        same machine or a shared filesystem). Also "optimus": the job name,
+        the step and the fp32 master weights by parameter name. Call it on
+        one rank between step() and the next backward (it waits for the
+        step's pushes; other ranks wait meanwhile)."""
         sd = super().state_dict()
+        self.synchronize()
+        step = self._step
+        masters = {}
+        sd["optimus"] = {"job_name": self._job_name, "step": step, "master": masters}
+        if step <= 1:
+            return sd  # No step taken: torch has no state either.
+        path = _C.checkpoint_at(self._coordinator, self._job_name, step, self._timeout)
+        info = _C.read_checkpoint(path)
+        arrays = info["arrays"]
+        names = self._MOMENTS[self._kind]
+        state = {}
+        for t in self._tensors:
+            bufs = [torch.empty(t.param.shape, dtype=torch.float32) for _ in arrays]
+            _C.read_checkpoint_tensor(path, t.index, [b.data_ptr() for b in bufs], t.numel)
+            by_name = dict(zip(arrays, bufs))
+            masters[t.name] = by_name.get("master", bufs[0])
+            steps = info["tensors"][t.index]["optimizer_steps"]
+            if steps == 0:
+                continue  # Never stepped (no gradient yet, or frozen): torch keeps no state.
+            entry = {}
+            if self._kind in ("adamw", "adam"):
+                entry["step"] = torch.tensor(float(steps))
+            for n in names:
+                if n in by_name:
+                    entry[n] = by_name[n]
+            state[t.index] = entry
+        sd["state"] = state
         return sd
