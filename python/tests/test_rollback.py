@@ -91,6 +91,21 @@ def test_state_dict_holds_the_shards_moments(tmp_path):
         for name, p in ref.named_parameters():
             assert torch.allclose(sd["optimus"]["master"][name], p.detach(), atol=1e-5), name
         assert [g["weight_decay"] for g in sd["param_groups"]] == [task.WEIGHT_DECAY, 0.0]
+        # A new job started from it (this class's load_state_dict, masters
+        # included; the model's own values are not used) steps on like the
+        # original too.
+        moved = task.make_model(seed=5)
+        moved_opt = optimus.torch.DistributedOptimizer(
+            task.param_groups(moved), lr=1e-2, model=moved, coordinator=c.address,
+            job_name="state-dict-moved", grad_dtype="fp32", param_dtype="fp32",
+            net_devices="lo")
+        moved_opt.load_state_dict(sd)
+        for step in range(7, 10):
+            x, y = task.full_batch(step, 1)
+            moved_opt.zero_grad(set_to_none=True)
+            torch.nn.functional.mse_loss(moved(x), y).backward()
+            moved_opt.step()
+        moved_opt.close()
         # torch.optim.AdamW takes it and steps on like the original.
         again = task.make_model()
         again.load_state_dict(ref.state_dict())
@@ -102,8 +117,10 @@ def test_state_dict_holds_the_shards_moments(tmp_path):
                 o.zero_grad(set_to_none=True)
                 torch.nn.functional.mse_loss(m(x), y).backward()
                 o.step()
-        for (n, a), b in zip(again.named_parameters(), ref.parameters()):
+        for (n, a), b, c2 in zip(again.named_parameters(), ref.parameters(),
+                                 moved.parameters()):
             assert torch.allclose(a, b, atol=1e-5), n
+            assert torch.allclose(c2, b, atol=1e-5), n
         # Training goes on after the checkpoint.
         x, y = task.full_batch(7, 1)
         opt.zero_grad()

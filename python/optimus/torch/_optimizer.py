@@ -389,7 +389,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     if st is not None and st[3] is not None:
                         values = st[3]
                     try:
-                        if st is None:
+                        if st is None or (st[0] is None and st[1] is None and st[2] == 0):
                             c.init_tensor(t.index, values.data_ptr(), t.numel)
                         else:
                             m, v, steps, _ = st
@@ -830,14 +830,22 @@ class DistributedOptimizer(torch.optim.Optimizer):
         states = {}
         for t in self._tensors:
             st = self.state.pop(t.param, None)
-            if st:
-                states[t.index] = (t, st)
+            if st or t.name in masters:
+                states[t.index] = (t, st or {})
         self.state.clear()
         if not states:
             return
         names = self._MOMENTS[self._kind]
         init = {}
         for index, (t, st) in states.items():
+            master = masters.get(t.name)
+            if master is not None:  # This class's state_dict: fp32 masters too.
+                master = master.detach().to(torch.float32).contiguous()
+                if tuple(master.shape) != tuple(t.param.shape):
+                    raise ValueError(f"master of {t.name} has shape {tuple(master.shape)}")
+            if not st:
+                init[index] = (None, None, 0, master)
+                continue
             extra = sorted(k for k in st if k != "step" and k not in names)
             if extra:
                 raise ValueError(f"state of parameter {index} ({t.name}) holds {extra}, which "
@@ -857,11 +865,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
             while len(arrays) < 2:
                 arrays.append(None)
             steps = int(float(st.get("step", 0)))
-            master = masters.get(t.name)
-            if master is not None:  # This class's state_dict: fp32 masters too.
-                master = master.detach().to(torch.float32).contiguous()
-                if tuple(master.shape) != tuple(t.param.shape):
-                    raise ValueError(f"master of {t.name} has shape {tuple(master.shape)}")
             init[index] = (arrays[0], arrays[1], steps, master)
         if self._rank != 0:
             return
