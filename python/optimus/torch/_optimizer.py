@@ -42,7 +42,6 @@ _TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.fl
 # first step) travels as the smallest positive float, whose update is 0.
 _TINY_LR = struct.unpack("<f", struct.pack("<I", 1))[0]
 _ALIGN_BYTES = 64
-_DEBUG = bool(os.environ.get("OPTIMUS_DEBUG"))
 
 
 def _job_lost(e):
@@ -107,12 +106,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
         tensors are named "group{g}.{i}" and step() waits for the new
         parameters before it returns.
     coordinator: optimus-coord's "host:port"; default $OPTIMUS_COORDINATOR.
-    job_name: default $OPTIMUS_JOB, the config's name, or "optimus-job".
-    rank, world_size: default $RANK and $WORLD_SIZE (as torchrun sets them),
-        else 0 and 1 (the config's world_size when it has one).
-    config: a job spec (path of a JSON/YAML file, or an optimus.JobConfig):
-        optimizer, groups, clipping, dtypes, replication, checkpoints;
-        explicit arguments win over it.
+    job_name: default $OPTIMUS_JOB, the job spec's name, or "optimus-job".
+    rank, world_size: default $RANK and $WORLD_SIZE (as torchrun sets them);
+        with neither, the job spec's world_size, else one process.
+    config: a job spec file (YAML or JSON, docs/job-spec.md; default
+        $OPTIMUS_JOB_SPEC) read by the project's parser (client/job_config):
+        it then decides the job (optimizer, clipping, dtypes, replication,
+        checkpoints) and its param_groups, matched by name, become the torch
+        groups (pass the parameters as one list); the job-setting arguments
+        below are ignored with a warning; lr= still sets the base lr.
     optimizer: "adamw" (default), "adam", "sgd" (momentum=) or "lion".
     max_grad_norm: > 0: the shards clip the averaged gradient's global L2
         norm (clip_grad_norm_'s rule); the norm is ``grad_norm``.
@@ -123,7 +125,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         coordinator's policy (needs --checkpoint_dir there).
     mode: "layerwise" (default), "delayed" or "none" (see the module doc).
     loss_scale: a float, or an object with get_scale() (e.g. a GradScaler):
-        each step's gradients are multiplied by 1 / its value on the shards.
+        each step's gradients are multiplied by 1 / its value on the shards
+        (GradScaler itself is disabled without CUDA: use a float there).
     backward_passes_per_step: gradient accumulation: a parameter is pushed
         when this many backward passes reached it.
     follow_rollback: when the job fails and the coordinator restores it from
@@ -132,10 +135,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
     timeout_s: how long one wait may take before DeadlineExceeded.
     transports, net_devices: UCX settings (default: the environment's).
 
-    Rank 0 creates the job (or joins it when it exists) and, for a new job,
-    sends the model's values (or a state given to load_state_dict first);
-    other ranks join once it exists and pull. Call close() at the end: it
-    brings the model up to date and leaves the job.
+    Setup is client::JoinOrCreate: rank 0 creates the job (or joins it when
+    it exists), every rank joins with retries, and the joined job must hold
+    exactly these parameters (FailedPrecondition naming the first
+    difference). For a new job rank 0 sends the model's values (or a state
+    given to load_state_dict first) at the first forward; other ranks pull
+    them. Call close() at the end: it brings the model up to date and leaves
+    the job.
     """
 
     _step_supports_amp_scaling = True
@@ -269,6 +275,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if names is None and spec.group_match:
             raise ValueError(f"{path} has param_groups, matched by name: pass model=")
         job = spec.job
+        if not spec.has_name:
+            job.name = "optimus-job"  # $OPTIMUS_JOB or job_name= override it.
         tensors = []
         for i, p in enumerate(params):
             name = names.get(id(p)) if names is not None else f"group0.{i}"
@@ -507,8 +515,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------ pushes and pulls
 
     def _issue_pull(self, t, version):
-        if _DEBUG:
-            print(f"rank{self._rank} pull {t.name} v{version}", flush=True)
         t.pull_ticket = self._client.pull(t.index, version, t.param_stage.data_ptr(), t.numel)
         t.pull_version = version
 
@@ -516,8 +522,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if t.pull_ticket is None:
             return
         ticket, t.pull_ticket = t.pull_ticket, None
-        if _DEBUG:
-            print(f"rank{self._rank} wait pull {t.name} v{t.pull_version}", flush=True)
         self._client.wait(ticket, self._timeout)
         t.staged_version = t.pull_version
 
@@ -574,8 +578,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
         lr = float(self.param_groups[t.group]["lr"])
         if lr < 0:
             raise ValueError(f"param_groups[{t.group}]['lr'] = {lr} is negative")
-        if _DEBUG:
-            print(f"rank{self._rank} push {t.name} s{step} g={addr != 0}", flush=True)
         t.push_ticket = self._client.push(t.index, step, addr, t.numel,
                                           lr=lr if lr > 0 else _TINY_LR,
                                           grad_mult=self._current_grad_mult())
