@@ -192,3 +192,63 @@ def test_config_file_sets_groups_and_clipping(cluster, tmp_path):
     with pytest.raises(ValueError, match="optimizr: unknown field"):
         optimus.torch.DistributedOptimizer(model.parameters(), model=model,
                                            coordinator=cluster.address, config=str(bad))
+
+
+def test_delayed_mode_uses_the_parameters_of_the_step_before(cluster):
+    """mode="delayed": the forward of step t+1 uses the parameters after step
+    t-1 (version t). Against torch.optim.AdamW fed gradients computed on
+    those stale parameters (fp32 on the wire, W=1): the same final
+    parameters to 1e-5, and the losses seen are the stale ones."""
+    steps = 8
+    model = task.make_model()
+    opt = make(cluster, model, "api-delayed", mode="delayed", grad_dtype="fp32",
+               param_dtype="fp32")
+    losses = []
+    for step in range(1, steps + 1):
+        x, y = task.full_batch(step, 1)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    opt.close()  # Brings the model to version steps + 1.
+
+    master = task.make_model()
+    ref_opt = torch.optim.AdamW(master.parameters(), lr=1e-2, foreach=False)
+    versions = {1: copy.deepcopy(master.state_dict())}
+    stale = task.make_model()
+    ref_losses = []
+    for step in range(1, steps + 1):
+        stale.load_state_dict(versions[max(1, step - 1)])
+        x, y = task.full_batch(step, 1)
+        loss = torch.nn.functional.mse_loss(stale(x), y)
+        stale.zero_grad(set_to_none=True)
+        loss.backward()
+        for p, q in zip(master.parameters(), stale.parameters()):
+            p.grad = None if q.grad is None else q.grad.clone()
+        ref_opt.step()
+        versions[step + 1] = copy.deepcopy(master.state_dict())
+        ref_losses.append(loss.item())
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    for n, v in model.state_dict().items():
+        assert torch.allclose(v, versions[steps + 1][n], atol=1e-5), n
+
+
+def test_gradient_accumulation(cluster):
+    """backward_passes_per_step=2: two micro-batches accumulate in .grad and
+    the sum is pushed once (W=1, fp32), as torch.optim.AdamW after two
+    backward passes."""
+    model, ref = task.make_model(), task.make_model()
+    opt = make(cluster, model, "api-accumulate", grad_dtype="fp32", param_dtype="fp32",
+               backward_passes_per_step=2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+    for step in range(1, 5):
+        for m, o in ((model, opt), (ref, ref_opt)):
+            o.zero_grad(set_to_none=True)
+            for half in range(2):
+                x, y = task.batch(step, half, 2)
+                torch.nn.functional.mse_loss(m(x), y).backward()
+            o.step()
+    opt.close()
+    for (n, a), b in zip(model.named_parameters(), ref.parameters()):
+        assert torch.allclose(a, b, atol=1e-5), n
