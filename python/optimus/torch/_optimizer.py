@@ -596,6 +596,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         if grad_scaler is not None and self._loss_scale is None:
+            if self._mode != "none":
+                raise ValueError(
+                    "DistributedOptimizer(loss_scale=scaler) is needed with a GradScaler: the "
+                    "gradients leave during backward, before GradScaler.step calls step()")
             self._loss_scale = grad_scaler
         for attempt in range(2):
             try:
