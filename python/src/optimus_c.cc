@@ -436,20 +436,23 @@ PYBIND11_MODULE(_C, m) {
       [](const std::string& dir) {
         v1::CheckpointManifest manifest;
         std::vector<uint64_t> steps;
+        absl::Status status;
         {
           py::gil_scoped_release release;
           auto mf = ckpt::ReadManifest(dir);
-          if (mf.ok()) {
+          if (!mf.ok()) {
+            status = mf.status();
+          } else {
             manifest = *std::move(mf);
             auto st = ckpt::OptimizerStepsOf(dir, manifest);
-            if (!st.ok()) mf = st.status();
-            else steps = *std::move(st);
-          }
-          if (!mf.ok()) {
-            py::gil_scoped_acquire acquire;
-            Raise(mf.status());
+            if (st.ok()) {
+              steps = *std::move(st);
+            } else {
+              status = st.status();
+            }
           }
         }
+        Check(status);
         py::dict out;
         out["step"] = manifest.step();
         out["job_name"] = manifest.job_name();
