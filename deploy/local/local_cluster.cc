@@ -58,6 +58,14 @@ ABSL_FLAG(std::string, stop_when_file, "",
 ABSL_FLAG(int, drain_shard_at_step, 0,
           "drill: drain shard 0 (optimusctl drain) when rank 0 reports this step, stop it once "
           "it holds no chunk; training goes on (0: never)");
+ABSL_FLAG(bool, python_workers, false,
+          "run the Python example python/examples/train_gpt.py (a small GPT on synthetic data, "
+          "optimus.torch.DistributedOptimizer) as the W workers instead of the C++ MLP workers; "
+          "success is a lower final loss (no single-process reference run)");
+ABSL_FLAG(std::string, python_mode, "layerwise",
+          "with --python_workers: DistributedOptimizer's mode (layerwise, delayed or none)");
+ABSL_FLAG(std::string, python, "/usr/bin/python3",
+          "with --python_workers: the interpreter (Debian's, with python3-torch)");
 ABSL_FLAG(int, metrics_port, 0,
           "serve Prometheus /metrics and /healthz: the coordinator on this port, shard i on "
           "this port + 1 + i (0: off)");
@@ -112,10 +120,30 @@ std::string FindBinRoot(const char* argv0) {
   return "";
 }
 
+// Finds the folder holding python/optimus/ (sources and _C.so) and
+// python/examples/: this program's runfiles (a data dependency).
+std::string FindPythonRoot(const char* argv0, const std::string& bin_root) {
+  std::vector<std::string> candidates;
+  if (const char* r = std::getenv("RUNFILES_DIR")) candidates.push_back(absl::StrCat(r, "/optimus"));
+  candidates.push_back(absl::StrCat(argv0, ".runfiles/optimus"));
+  candidates.push_back(bin_root);
+  if (!absl::GetFlag(FLAGS_bin_dir).empty()) {
+    candidates.push_back(absl::StrCat(absl::GetFlag(FLAGS_bin_dir), "/deploy/local/local_cluster.runfiles/optimus"));
+  }
+  for (const auto& c : candidates) {
+    if (Exists(c + "/python/optimus/__init__.py") && Exists(c + "/python/optimus/_C.so") &&
+        Exists(c + "/python/examples/train_gpt.py")) {
+      return c;
+    }
+  }
+  return "";
+}
+
 // Starts argv with stdout/stderr to `log_path`, or stdout to a pipe when
 // stdout_pipe is given.
 pid_t Spawn(const std::vector<std::string>& args, const std::string& log_path,
-            int* stdout_pipe = nullptr) {
+            int* stdout_pipe = nullptr,
+            const std::vector<std::string>& env = std::vector<std::string>()) {
   int fds[2] = {-1, -1};
   if (stdout_pipe != nullptr && pipe(fds) != 0) return -1;
   const pid_t pid = fork();
@@ -131,6 +159,7 @@ pid_t Spawn(const std::vector<std::string>& args, const std::string& log_path,
     }
     // Die with the launcher even if it is killed with SIGKILL.
     prctl(PR_SET_PDEATHSIG, SIGKILL);
+    for (const auto& kv : env) putenv(const_cast<char*>(kv.c_str()));
     std::vector<char*> argv;
     for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
     argv.push_back(nullptr);
@@ -230,8 +259,30 @@ int main(int argc, char** argv) {
   } else {
     mkdir(dir.c_str(), 0755);
   }
-  std::fprintf(stderr, "optimus-local-cluster: %d shards, %d workers, %d steps; logs in %s\n",
-               shards, workers, steps, dir.c_str());
+  const bool python_workers = absl::GetFlag(FLAGS_python_workers);
+  std::string python_root;
+  if (python_workers) {
+    python_root = FindPythonRoot(argv[0], root);
+    if (python_root.empty()) {
+      return Die("cannot find python/optimus (with _C.so) and python/examples/train_gpt.py; "
+                 "build //deploy/local:local_cluster (they are its data) and run it from "
+                 "bazel-bin or through bazel run");
+    }
+    const std::string mode = absl::GetFlag(FLAGS_python_mode);
+    if (mode != "layerwise" && mode != "delayed" && mode != "none") {
+      return Die("--python_mode must be layerwise, delayed or none");
+    }
+    if (absl::GetFlag(FLAGS_kill_coordinator_at_step) > 0 ||
+        absl::GetFlag(FLAGS_kill_shard_at_step) > 0 ||
+        absl::GetFlag(FLAGS_drain_shard_at_step) > 0 ||
+        !absl::GetFlag(FLAGS_stop_when_file).empty() ||
+        absl::GetFlag(FLAGS_checkpoint_every_steps) > 0 || absl::GetFlag(FLAGS_replication) > 0) {
+      return Die("--python_workers runs plain training: the drills, checkpoints and "
+                 "replication flags are for the C++ workers");
+    }
+  }
+  std::fprintf(stderr, "optimus-local-cluster: %d shards, %d %sworkers, %d steps; logs in %s\n",
+               shards, workers, python_workers ? "Python " : "", steps, dir.c_str());
 
   // 1. Coordinator on an ephemeral port, its durable state in the work dir.
   const std::string port_file = dir + "/coord.port";
@@ -330,7 +381,22 @@ int main(int argc, char** argv) {
   const std::string params_file = dir + "/params-rank0.bin";
   std::vector<pid_t> worker_pids;
   int progress_fd = -1;
-  for (int r = 0; r < workers; ++r) {
+  for (int r = 0; r < workers && python_workers; ++r) {
+    // torchrun's variables, and the coordinator: the example's one-call setup.
+    std::vector<std::string> env = {
+        absl::StrCat("RANK=", r), absl::StrCat("WORLD_SIZE=", workers),
+        "OPTIMUS_COORDINATOR=" + coord_addr, "OPTIMUS_JOB=local-gpt",
+        "PYTHONPATH=" + python_root + "/python", "UCX_NET_DEVICES=lo",
+        "PYTHONDONTWRITEBYTECODE=1"};
+    std::vector<std::string> args = {absl::GetFlag(FLAGS_python),
+                                     python_root + "/python/examples/train_gpt.py",
+                                     absl::StrCat("--steps=", steps),
+                                     absl::StrCat("--seed=", absl::GetFlag(FLAGS_seed)),
+                                     "--mode=" + absl::GetFlag(FLAGS_python_mode)};
+    worker_pids.push_back(Spawn(args, absl::StrCat(dir, "/worker-", r, ".log"),
+                                r == 0 ? &progress_fd : nullptr, env));
+  }
+  for (int r = 0; r < workers && !python_workers; ++r) {
     std::vector<std::string> args = {root + "/deploy/local/optimus-train-worker",
                                      "--coordinator=" + coord_addr,
                                      absl::StrCat("--rank=", r),
@@ -513,6 +579,16 @@ int main(int argc, char** argv) {
   StopChild(coord);
   g_children.clear();
   if (!workers_ok) return Die("training failed");
+
+  if (python_workers) {
+    std::printf("{\"summary\": \"local_cluster\", \"workers\": %d, \"shards\": %d, "
+                "\"steps\": %d, \"python_workers\": true, \"mode\": \"%s\", "
+                "\"initial_loss\": %.6f, \"final_loss\": %.6f, \"step_ms_median\": %.3f}\n",
+                workers, shards, final_steps, absl::GetFlag(FLAGS_python_mode).c_str(),
+                initial_loss, final_loss, step_ms_median);
+    std::fflush(stdout);
+    return final_loss < initial_loss ? 0 : 1;
+  }
 
   // 6. The same training in one process with torch::optim::AdamW.
   std::fprintf(stderr, "running the single-process torch::optim::AdamW reference...\n");
