@@ -26,9 +26,9 @@
 // accelerator would do (casting gradients, copying parameters).
 //
 // Prints one JSON object per line: the cluster's commands; per (profile,
-// mode) the mean and median iteration and the exposed fraction
-// (iteration - compute) / compute, compute being the compute-only mode's
-// mean iteration in the same run; per profile a summary with the paper's
+// mode) the mean and median iteration (the slowest rank's) and the exposed
+// fraction (iteration - compute) / compute, compute being the compute-only
+// mode's mean (and median) iteration in the same run; per profile a summary with the paper's
 // ZeRO-Infinity figure beside them and the two goals.
 //
 // Profiles (the OptimusNIC paper's Table 3, A100, torch
@@ -559,7 +559,7 @@ absl::Status RunProfile(const std::string& root, const std::string& dir, const P
   const int iterations = absl::GetFlag(FLAGS_iterations);
   const int warmup = absl::GetFlag(FLAGS_warmup);
   uint64_t next_step = 1;
-  double compute_ms = 0;
+  double compute_ms = 0, compute_median_ms = 0;
   std::vector<std::pair<Mode, double>> exposed;
   for (Mode mode : {Mode::kCompute, Mode::kNoOverlap, Mode::kLayerwise, Mode::kDelayed}) {
     const uint64_t first = next_step;
@@ -588,21 +588,25 @@ absl::Status RunProfile(const std::string& root, const std::string& dir, const P
     }
     if (mode == Mode::kCompute) {
       compute_ms = f.mean_ms;
+      compute_median_ms = f.median_ms;
     } else {
       next_step = last + 1;
     }
     const double frac = compute_ms > 0 ? (f.mean_ms - compute_ms) / compute_ms : 0;
+    const double frac_median =
+        compute_median_ms > 0 ? (f.median_ms - compute_median_ms) / compute_median_ms : 0;
     if (mode != Mode::kCompute) exposed.emplace_back(mode, frac);
     std::fprintf(g_out,
                  "{\"bench\": \"e2e\", \"profile\": %s, \"mode\": %s, \"layers\": %d, "
                  "\"params\": %llu, \"workers\": %d, \"shards\": %d, \"iterations\": %d, "
                  "\"profile_compute_ms\": %.3f, \"iteration_ms\": %.3f, "
                  "\"iteration_ms_median\": %.3f, \"exposed_fraction\": %.4f, "
+                 "\"exposed_fraction_median\": %.4f, \"skip_nonfinite\": %s, "
                  "\"transports\": %s}\n",
                  JsonQuote(profile.name).c_str(), JsonQuote(ModeName(mode)).c_str(), layers,
                  static_cast<unsigned long long>(params), workers, shards, iterations,
-                 m.compute_ms(), f.mean_ms, f.median_ms, frac,
-                 JsonQuote(ws[0].client->transports_in_use()).c_str());
+                 m.compute_ms(), f.mean_ms, f.median_ms, frac, frac_median,
+                 absl::GetFlag(FLAGS_skip_nonfinite) ? "true" : "false", JsonQuote(ws[0].client->transports_in_use()).c_str());
     std::fflush(g_out);
   }
   double no_overlap = 0, layerwise = 0, delayed = 0;
