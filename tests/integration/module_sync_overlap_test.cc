@@ -37,7 +37,7 @@ using client::UpdateMode;
 
 constexpr absl::Duration kTimeout = absl::Seconds(60);
 
-enum class Loop { kBlocking, kLayerwise, kLayerwisePerModule, kDelayed };
+enum class Loop { kBlocking, kLayerwise, kLayerwisePerModule, kDelayed, kDelayedPerModule };
 
 std::string LoopName(Loop l) {
   switch (l) {
@@ -45,6 +45,7 @@ std::string LoopName(Loop l) {
     case Loop::kLayerwise: return "layerwise";
     case Loop::kLayerwisePerModule: return "layerwise-per-module";
     case Loop::kDelayed: return "delayed";
+    case Loop::kDelayedPerModule: return "delayed-per-module";
   }
   return "?";
 }
@@ -105,7 +106,8 @@ absl::StatusOr<torch::Tensor> ForwardPerModule(ModuleSync* sync, uint64_t step, 
 absl::Status TrainRank(client::Client* c, local::Mlp model, Loop loop, bool init,
                        const std::vector<local::Batch>& batches) {
   ModuleSyncOptions o;
-  o.mode = loop == Loop::kDelayed ? UpdateMode::kDelayed : UpdateMode::kLayerwise;
+  o.mode = loop == Loop::kDelayed || loop == Loop::kDelayedPerModule ? UpdateMode::kDelayed
+                                                                     : UpdateMode::kLayerwise;
   auto made = ModuleSync::Create(c, model.get(), o);
   if (!made.ok()) return made.status();
   std::unique_ptr<ModuleSync> sync = std::move(*made);
@@ -123,7 +125,7 @@ absl::Status TrainRank(client::Client* c, local::Mlp model, Loop loop, bool init
       continue;
     }
     torch::Tensor out;
-    if (loop == Loop::kLayerwisePerModule) {
+    if (loop == Loop::kLayerwisePerModule || loop == Loop::kDelayedPerModule) {
       auto y = ForwardPerModule(sync.get(), step, model, b.x);
       if (!y.ok()) return y.status();
       out = *y;
@@ -237,6 +239,10 @@ TEST_F(ModuleSyncOverlapTest, DelayedTrainsToWithinTheMarginOfExactTraining) {
   EXPECT_LE(delayed.eval_loss, exact.eval_loss * 1.25f);
   // Not the same training: the delayed run's parameters differ.
   EXPECT_NE(delayed.params, exact.params);
+  // Waiting per submodule changes when values arrive, not which: the same
+  // bits as the whole-model waits.
+  const RunResult per_module = Train(cluster.get(), Loop::kDelayedPerModule, kSteps);
+  EXPECT_EQ(per_module.params, delayed.params);
 }
 
 // Two Linears, the second never used: its gradient hook never fires.
@@ -286,8 +292,12 @@ std::vector<float> Values(const torch::Tensor& t) {
 }
 
 TEST_F(ModuleSyncOverlapTest, AParameterWithoutAGradientIsLeftAlone) {
-  for (UpdateMode mode : {UpdateMode::kLayerwise, UpdateMode::kDelayed}) {
-    SCOPED_TRACE(mode == UpdateMode::kLayerwise ? "layerwise" : "delayed");
+  // Waiting per submodule, the unused Linear is never waited for: FinishStep
+  // moves its versions along by itself.
+  for (UpdateMode mode : {UpdateMode::kLayerwise, UpdateMode::kDelayed})
+  for (bool per_module : {false, true}) {
+    SCOPED_TRACE(absl::StrCat(mode == UpdateMode::kLayerwise ? "layerwise" : "delayed",
+                              per_module ? ", per submodule" : ""));
     OneRank o = StartOneRank("heads", mode);
     ASSERT_NE(o.sync, nullptr);
     // As published (bf16), before any step.
@@ -298,7 +308,12 @@ TEST_F(ModuleSyncOverlapTest, AParameterWithoutAGradientIsLeftAlone) {
     torch::Tensor x = torch::randn({8, 16});
     torch::Tensor y = torch::randn({8, 4});
     for (uint64_t step = 1; step <= 4; ++step) {
-      if (step > 1) ASSERT_OK(o.sync->WaitParams(step, kTimeout));
+      if (per_module) {
+        ASSERT_OK(o.sync->WaitParams(step, *o.model->bn, kTimeout));
+        ASSERT_OK(o.sync->WaitParams(step, *o.model->used, kTimeout));
+      } else if (step > 1) {
+        ASSERT_OK(o.sync->WaitParams(step, kTimeout));
+      }
       torch::Tensor loss = torch::mse_loss(o.model->forward(x), y);
       ASSERT_OK(o.sync->ArmStep(step, kTimeout));
       o.model->zero_grad();
