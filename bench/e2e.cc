@@ -13,9 +13,9 @@
 //               PushGrads);
 //   layerwise   ModuleSync's layerwise mode: each tensor's gradient is pushed
 //               when the backward reaches it (its share of the layer's
-//               backward time, in backward order), the next version's pulls
-//               go out at the end of backward, and each layer's forward waits
-//               only for its own tensors;
+//               backward time, in backward order) and its next version is
+//               pulled right after (answered as its chunks publish); each
+//               layer's forward waits only for its own tensors;
 //   delayed     ModuleSync's delayed mode: step t's forward uses version
 //               t - 1; version t is pulled during iteration t and each push
 //               of step t goes out once its tensor's version t has landed
@@ -382,7 +382,9 @@ absl::Status RunWorker(const Model& m, Worker* w, Mode mode, uint64_t first, uin
       for (size_t i : m.backward_tensors[l]) {
         gpu.Run(m.profile.layers[l].backward_ms * m.backward_share[i]);
         if (mode == Mode::kLayerwise) {
+          // Pushed, then its next version pulled: answered as it publishes.
           if (absl::Status s = IssuePush(m, w, i, t); !s.ok()) return s;
+          if (absl::Status s = IssuePull(m, w, i, t + 1); !s.ok()) return s;
         } else if (mode == Mode::kDelayed) {
           // Step t goes only to a chunk that published version t, and the
           // previous push must be answered: else FinishStep pushes it.
@@ -411,11 +413,6 @@ absl::Status RunWorker(const Model& m, Worker* w, Mode mode, uint64_t first, uin
         }
       }
       if (absl::Status s = CompleteAll(w); !s.ok()) return s;
-    } else if (mode == Mode::kLayerwise) {
-      client::BatchScope batch(c);
-      for (size_t i = 0; i < n; ++i) {
-        if (absl::Status s = IssuePull(m, w, i, t + 1); !s.ok()) return s;
-      }
     } else if (mode == Mode::kDelayed) {
       for (size_t i : deferred) {
         if (absl::Status s = Complete(&w->pulls[i], c, kWait); !s.ok()) return s;

@@ -296,8 +296,9 @@ absl::Status ModuleSync::PullParams(uint64_t version, absl::Duration timeout) {
 // and the version after it landed (the client may send a push again, after
 // a failover, until the next version of its tensor is pulled).
 //
-// Layerwise: WaitParams(t) writes version t (pulled by FinishStep(t - 1));
-// hooks push step t; FinishStep(t) pushes the rest and pulls version t + 1.
+// Layerwise: WaitParams(t) writes version t (pulled by a hook or by
+// FinishStep(t - 1)); a hook pushes step t and pulls version t + 1 of its
+// parameter; FinishStep(t) pushes the rest and pulls what is not out yet.
 // Delayed: WaitParams(t) writes version t - 1 (landed by FinishStep(t - 1))
 // and pulls version t; a hook pushes step t once version t has landed
 // (step t may only be pushed to a chunk that published version t), else
@@ -607,7 +608,15 @@ void ModuleSync::OnGradReady(size_t i) {
     st.deferred = true;
     return;
   }
-  if (absl::Status s = PushOne(i, params_[i].grad()); !s.ok()) hook_error_ = s;
+  if (absl::Status s = PushOne(i, params_[i].grad()); !s.ok()) {
+    hook_error_ = s;
+    return;
+  }
+  if (!delayed && st.pull_version == 0 && st.staged_version == 0) {
+    // The next version: parked on the shards until the step is applied,
+    // answered as each chunk publishes (often before backward ends).
+    if (absl::Status s = IssuePull(i, step_ + 1); !s.ok()) hook_error_ = s;
+  }
 }
 
 absl::Status ModuleSync::FinishStep() {
@@ -634,10 +643,16 @@ absl::Status ModuleSync::FinishStep() {
   const bool layerwise = options_.mode == UpdateMode::kLayerwise;
   if (layerwise) {
     // The next pull needs the staging view: what a forward did not take
-    // (a submodule that did not run) goes into the module now.
+    // (a submodule that did not run) goes into the module now. (Pulls of
+    // the next version, issued by the hooks, stay in flight.)
     for (size_t i = 0; i < params_.size(); ++i) {
-      if (absl::Status s = CompletePull(i, deadline); !s.ok()) return hook_error_ = s;
-      if (absl::Status s = WriteStaged(i); !s.ok()) return hook_error_ = s;
+      ParamState& st = state_[i];
+      if (st.pull_version != 0 && st.pull_version <= step_) {
+        if (absl::Status s = CompletePull(i, deadline); !s.ok()) return hook_error_ = s;
+      }
+      if (st.staged_version != 0 && st.staged_version <= step_) {
+        if (absl::Status s = WriteStaged(i); !s.ok()) return hook_error_ = s;
+      }
     }
   }
   {
@@ -651,6 +666,8 @@ absl::Status ModuleSync::FinishStep() {
     }
     if (layerwise) {
       for (size_t i = 0; i < params_.size(); ++i) {
+        const ParamState& st = state_[i];
+        if (st.pull_version != 0 || st.staged_version != 0) continue;  // From its hook.
         if (absl::Status s = IssuePull(i, step_ + 1); !s.ok()) return hook_error_ = s;
       }
     }

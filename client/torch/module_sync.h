@@ -191,8 +191,9 @@ class ModuleSync {
 
   // After the armed step's backward: pushes every parameter not pushed yet
   // (its accumulated .grad, or "no gradient"), then issues the pulls the
-  // next step needs (layerwise: version step + 1 of every parameter, which
-  // come back as their chunks publish). Does not wait for the pushes
+  // next step needs that are not out yet (layerwise: version step + 1 of
+  // every parameter; a hook pulls its parameter's right after pushing it,
+  // and each comes back as its chunks publish). Does not wait for the pushes
   // (delayed mode: a push waits for its tensor's previous step to be
   // published, which has normally happened during the backward). The
   // step's StepReport is then client->StepResult(step). Errors:
