@@ -29,7 +29,8 @@
 // mode) the mean and median iteration (the slowest rank's) and the exposed
 // fraction (iteration - compute) / compute, compute being the compute-only
 // mode's mean (and median) iteration in the same run; per profile a summary with the paper's
-// ZeRO-Infinity figure beside them and the two goals.
+// ZeRO-Infinity figure beside them and the two goals. It fails
+// unless every rank ends with the same parameters and training moved them.
 //
 // Profiles (the OptimusNIC paper's Table 3, A100, torch
 // TransformerDecoderLayer of d_model 3072 and dim_feedforward 12288: 151M
@@ -606,6 +607,16 @@ absl::Status RunProfile(const std::string& root, const std::string& dir, const P
                  absl::GetFlag(FLAGS_skip_nonfinite) ? "true" : "false", JsonQuote(ws[0].client->transports_in_use()).c_str());
     std::fflush(g_out);
   }
+  // What came back is the job's parameters: every rank holds the same
+  // bytes of the last version, and training moved them off their initial
+  // values.
+  bool same = true;
+  for (int r = 1; r < workers; ++r) same = same && ws[r].params == ws[0].params;
+  size_t moved = 0;
+  const uint16_t initial = 0x3C24;  // 0.01f in bf16 (round to nearest even).
+  for (const auto& t : m.tensors) moved += ws[0].params[t.offset] != initial;
+  if (!same) return absl::InternalError("the ranks pulled different parameters");
+  if (moved == 0) return absl::InternalError("no tensor moved off its initial values");
   double no_overlap = 0, layerwise = 0, delayed = 0;
   for (const auto& [mode, frac] : exposed) {
     if (mode == Mode::kNoOverlap) no_overlap = frac;
