@@ -1,8 +1,11 @@
 #include "bench/proc_cluster.h"
 
+#include <arpa/inet.h>
 #include <fcntl.h>
+#include <netinet/in.h>
 #include <signal.h>
 #include <sys/prctl.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -36,22 +39,6 @@ bool Exists(const std::string& path) {
   return stat(path.c_str(), &st) == 0;
 }
 
-// Waits up to `timeout` for pid; true when it exited.
-bool WaitPid(pid_t pid, absl::Duration timeout) {
-  const absl::Time give_up = absl::Now() + timeout;
-  for (;;) {
-    int status = 0;
-    const pid_t r = waitpid(pid, &status, WNOHANG);
-    if (r == pid || r < 0) {
-      auto& c = Children();
-      c.erase(std::remove(c.begin(), c.end(), pid), c.end());
-      return true;
-    }
-    if (absl::Now() > give_up) return false;
-    absl::SleepFor(absl::Milliseconds(10));
-  }
-}
-
 }  // namespace
 
 std::string FindBinRoot(const char* argv0, const std::string& bin_dir) {
@@ -66,8 +53,23 @@ std::string FindBinRoot(const char* argv0, const std::string& bin_dir) {
   return "";
 }
 
-std::string ShellLine(const std::vector<std::string>& args) {
+bool WaitPid(pid_t pid, absl::Duration timeout, int* status) {
+  const absl::Time give_up = absl::Now() + timeout;
+  for (;;) {
+    const pid_t r = waitpid(pid, status, WNOHANG);
+    if (r == pid || r < 0) {
+      auto& c = Children();
+      c.erase(std::remove(c.begin(), c.end(), pid), c.end());
+      return true;
+    }
+    if (absl::Now() > give_up) return false;
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+}
+
+std::string ShellLine(const std::vector<std::string>& env, const std::vector<std::string>& args) {
   std::vector<std::string> parts;
+  for (const auto& e : env) parts.push_back(e);
   for (const auto& a : args) {
     const bool plain = a.find_first_of(" ;'\"$&|<>*?") == std::string::npos;
     parts.push_back(plain ? a : absl::StrCat("'", a, "'"));
@@ -76,13 +78,19 @@ std::string ShellLine(const std::vector<std::string>& args) {
 }
 
 pid_t Spawn(const std::vector<std::string>& env, const std::vector<std::string>& args,
-            const std::string& log_path) {
+            const std::string& log_path, int* stdout_fd) {
+  int fds[2] = {-1, -1};
+  if (stdout_fd != nullptr && pipe(fds) != 0) return -1;
   const pid_t pid = fork();
   if (pid == 0) {
     const int log = open(log_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
     if (log >= 0) {
-      dup2(log, 1);
       dup2(log, 2);
+      dup2(stdout_fd != nullptr ? fds[1] : log, 1);
+    }
+    if (stdout_fd != nullptr) {
+      close(fds[0]);
+      close(fds[1]);
     }
     prctl(PR_SET_PDEATHSIG, SIGKILL);
     for (const auto& e : env) putenv(const_cast<char*>(e.c_str()));
@@ -93,16 +101,21 @@ pid_t Spawn(const std::vector<std::string>& env, const std::vector<std::string>&
     std::fprintf(stderr, "exec %s: %s\n", argv[0], std::strerror(errno));
     _exit(127);
   }
+  if (stdout_fd != nullptr) {
+    close(fds[1]);
+    *stdout_fd = fds[0];
+  }
   if (pid > 0) Children().push_back(pid);
   return pid;
 }
 
 void Stop(pid_t pid) {
   if (pid <= 0) return;
+  int status = 0;
   kill(pid, SIGTERM);
-  if (!WaitPid(pid, absl::Seconds(10))) {
+  if (!WaitPid(pid, absl::Seconds(10), &status)) {
     kill(pid, SIGKILL);
-    WaitPid(pid, absl::Seconds(5));
+    WaitPid(pid, absl::Seconds(5), &status);
   }
 }
 
@@ -112,12 +125,33 @@ void KillChildren() {
   }
 }
 
-std::string Tail(const std::string& path) {
+std::string ReadFile(const std::string& path) {
   std::ifstream in(path);
   std::stringstream ss;
   ss << in.rdbuf();
-  std::string s = ss.str();
+  return ss.str();
+}
+
+std::string Tail(const std::string& path) {
+  std::string s = ReadFile(path);
   return s.size() > 1500 ? s.substr(s.size() - 1500) : s;
+}
+
+int FreePort() {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) return 0;
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  a.sin_port = 0;
+  socklen_t len = sizeof(a);
+  int port = 0;
+  if (bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0 &&
+      getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0) {
+    port = ntohs(a.sin_port);
+  }
+  close(fd);
+  return port;
 }
 
 absl::Status StartProcCluster(const ProcClusterOptions& o, ProcCluster* c) {
@@ -126,7 +160,8 @@ absl::Status StartProcCluster(const ProcClusterOptions& o, ProcCluster* c) {
   std::vector<std::string> coord_args{o.bin_root + "/coordinator/optimus-coord",
                                       "--listen=127.0.0.1:0", "--port_file=" + port_file,
                                       "--lease_ms=2000"};
-  c->commands.push_back(ShellLine(coord_args));
+  c->transports = o.transports;
+  c->commands.push_back(ShellLine({}, coord_args));
   c->coord = Spawn({}, coord_args, absl::StrCat(o.work_dir, "/coord.log"));
   if (c->coord < 0) return absl::InternalError("cannot start optimus-coord");
   std::string port;
@@ -145,11 +180,14 @@ absl::Status StartProcCluster(const ProcClusterOptions& o, ProcCluster* c) {
                                   "--net_devices=lo",
                                   absl::StrCat("--memory_limit_mb=", o.shard_memory_mb)};
     if (!o.transports.empty()) args.push_back("--transports=" + o.transports);
+    const int mport = o.metrics ? FreePort() : 0;
+    if (o.metrics) args.push_back(absl::StrCat("--metrics_port=", mport));
     args.insert(args.end(), o.shard_args.begin(), o.shard_args.end());
-    c->commands.push_back(ShellLine(args));
+    c->commands.push_back(ShellLine({}, args));
     const pid_t pid = Spawn({}, args, absl::StrCat(o.work_dir, "/shard-", i, ".log"));
     if (pid < 0) return absl::InternalError("cannot start optimus-shard");
     c->shards.push_back(pid);
+    if (o.metrics) c->metrics_ports.push_back(mport);
   }
   c->stub = v1::Coordinator::NewStub(
       grpc::CreateChannel(c->coord_addr, grpc::InsecureChannelCredentials()));

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/time/time.h"
 #include "proto/optimus.grpc.pb.h"
 
 namespace optimus {
@@ -23,18 +24,25 @@ namespace bench {
 // Empty when none holds both.
 std::string FindBinRoot(const char* argv0, const std::string& bin_dir);
 
-// Starts args (argv[0] searched in PATH) with `env` added, stdout and
-// stderr to log_path. -1 when fork fails.
+// Starts args (argv[0] searched in PATH) with `env` ("NAME=value") added,
+// stdout and stderr to log_path, or stdout to a pipe whose read end is
+// *stdout_fd when given. -1 when fork (or pipe) fails.
 pid_t Spawn(const std::vector<std::string>& env, const std::vector<std::string>& args,
-            const std::string& log_path);
+            const std::string& log_path, int* stdout_fd = nullptr);
+// Waits up to `timeout` for pid; true when it exited (*status set).
+bool WaitPid(pid_t pid, absl::Duration timeout, int* status);
 // SIGTERM, then SIGKILL after 10 s.
 void Stop(pid_t pid);
 // SIGKILL to every child still running (e.g. from a signal handler).
 void KillChildren();
-// The last 1500 bytes of a file (for error messages from logs).
+// A file's contents (empty if unreadable), and its last 1500 bytes (for
+// error messages from logs).
+std::string ReadFile(const std::string& path);
 std::string Tail(const std::string& path);
 // A command line as a shell would take it (for printing what was run).
-std::string ShellLine(const std::vector<std::string>& args);
+std::string ShellLine(const std::vector<std::string>& env, const std::vector<std::string>& args);
+// A TCP port free on 127.0.0.1 right now (0 if none).
+int FreePort();
 
 struct ProcClusterOptions {
   std::string bin_root;   // FindBinRoot's folder. Required.
@@ -45,12 +53,16 @@ struct ProcClusterOptions {
   uint64_t shard_memory_mb = 3072;
   // Extra optimus-shard flags.
   std::vector<std::string> shard_args;
+  // Each shard serves /metrics on a free port (ProcCluster::metrics_ports).
+  bool metrics = false;
 };
 
 struct ProcCluster {
+  std::string transports;  // ProcClusterOptions::transports.
   pid_t coord = -1;
   std::string coord_addr;  // host:port.
   std::vector<pid_t> shards;
+  std::vector<int> metrics_ports;  // With ProcClusterOptions::metrics, per shard.
   std::unique_ptr<v1::Coordinator::Stub> stub;
   std::vector<std::string> commands;  // What was started, as shell lines.
 };
