@@ -86,6 +86,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "bench/proc_cluster.h"
 #include "client/client.h"
 #include "common/dtype.h"
 #include "common/grpc_status.h"
@@ -176,15 +177,7 @@ FILE* g_out = stdout;
 
 namespace {
 
-// ---- Child processes ----
-
-std::vector<pid_t> g_children;
-
-void KillChildren() {
-  for (pid_t p : g_children) {
-    if (p > 0) kill(p, SIGKILL);
-  }
-}
+// ---- Child processes (bench/proc_cluster) ----
 
 void OnSignal(int sig) {
   KillChildren();
@@ -195,121 +188,6 @@ void OnSignal(int sig) {
   std::fprintf(stderr, "bench/dataplane: %s\n", msg.c_str());
   KillChildren();
   std::exit(1);
-}
-
-bool Exists(const std::string& path) {
-  struct stat st;
-  return stat(path.c_str(), &st) == 0;
-}
-
-std::string FindBinRoot(const char* argv0) {
-  std::vector<std::string> candidates;
-  if (!absl::GetFlag(FLAGS_bin_dir).empty()) candidates.push_back(absl::GetFlag(FLAGS_bin_dir));
-  if (const char* r = std::getenv("RUNFILES_DIR")) candidates.push_back(absl::StrCat(r, "/optimus"));
-  candidates.push_back(absl::StrCat(argv0, ".runfiles/optimus"));
-  candidates.push_back(".");
-  for (const auto& c : candidates) {
-    if (Exists(c + "/server/optimus-shard") && Exists(c + "/coordinator/optimus-coord")) return c;
-  }
-  return "";
-}
-
-// A command line as a shell would take it (for the printed commands).
-std::string ShellLine(const std::vector<std::string>& env, const std::vector<std::string>& args) {
-  std::vector<std::string> parts;
-  for (const auto& e : env) parts.push_back(e);
-  for (const auto& a : args) {
-    const bool plain = a.find_first_of(" ;'\"$&|<>*?") == std::string::npos;
-    parts.push_back(plain ? a : absl::StrCat("'", a, "'"));
-  }
-  return absl::StrJoin(parts, " ");
-}
-
-// Starts args with `env` added, stdout and stderr to log_path (or stdout to
-// *stdout_fd, a pipe, when given). Dies with this process.
-pid_t Spawn(const std::vector<std::string>& env, const std::vector<std::string>& args,
-            const std::string& log_path, int* stdout_fd = nullptr) {
-  int fds[2] = {-1, -1};
-  if (stdout_fd != nullptr && pipe(fds) != 0) return -1;
-  const pid_t pid = fork();
-  if (pid == 0) {
-    const int log = open(log_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    if (log >= 0) {
-      dup2(log, 2);
-      dup2(stdout_fd != nullptr ? fds[1] : log, 1);
-    }
-    if (stdout_fd != nullptr) {
-      close(fds[0]);
-      close(fds[1]);
-    }
-    prctl(PR_SET_PDEATHSIG, SIGKILL);
-    for (const auto& e : env) putenv(const_cast<char*>(e.c_str()));
-    std::vector<char*> argv;
-    for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
-    argv.push_back(nullptr);
-    execvp(argv[0], argv.data());
-    std::fprintf(stderr, "exec %s: %s\n", argv[0], std::strerror(errno));
-    _exit(127);
-  }
-  if (stdout_fd != nullptr) {
-    close(fds[1]);
-    *stdout_fd = fds[0];
-  }
-  if (pid > 0) g_children.push_back(pid);
-  return pid;
-}
-
-// Waits up to `timeout` for pid; true when it exited (*status set).
-bool WaitPid(pid_t pid, absl::Duration timeout, int* status) {
-  const absl::Time give_up = absl::Now() + timeout;
-  for (;;) {
-    const pid_t r = waitpid(pid, status, WNOHANG);
-    if (r == pid || r < 0) {
-      g_children.erase(std::remove(g_children.begin(), g_children.end(), pid), g_children.end());
-      return true;
-    }
-    if (absl::Now() > give_up) return false;
-    absl::SleepFor(absl::Milliseconds(10));
-  }
-}
-
-void Stop(pid_t pid) {
-  if (pid <= 0) return;
-  int status = 0;
-  kill(pid, SIGTERM);
-  if (!WaitPid(pid, absl::Seconds(10), &status)) {
-    kill(pid, SIGKILL);
-    WaitPid(pid, absl::Seconds(5), &status);
-  }
-}
-
-std::string ReadFile(const std::string& path) {
-  std::ifstream in(path);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
-std::string Tail(const std::string& path) {
-  std::string s = ReadFile(path);
-  return s.size() > 1500 ? s.substr(s.size() - 1500) : s;
-}
-
-// A TCP port free on 127.0.0.1 right now.
-int FreePort() {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  a.sin_port = 0;
-  socklen_t len = sizeof(a);
-  int port = 0;
-  if (bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0 &&
-      getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0) {
-    port = ntohs(a.sin_port);
-  }
-  close(fd);
-  return port;
 }
 
 // GET http://127.0.0.1:port/path; the body, or empty.
@@ -458,85 +336,25 @@ std::string StepTailJson(const Metrics& before, const Metrics& after) {
 
 // ---- A cluster of real processes ----
 
-struct ProcCluster {
-  std::string tls;
-  pid_t coord = -1;
-  std::string coord_addr;
-  std::vector<pid_t> shards;
-  std::vector<int> metrics_ports;
-  std::unique_ptr<v1::Coordinator::Stub> stub;
-  std::vector<std::string> commands;
-};
-
 absl::Status StartCluster(const std::string& root, const std::string& dir,
                           const std::string& tls, int num_shards, ProcCluster* c,
                           const std::vector<std::string>& extra_shard_args = {}) {
-  c->tls = tls;
-  const std::string port_file = absl::StrCat(dir, "/coord.port");
-  unlink(port_file.c_str());
-  std::vector<std::string> coord_args{root + "/coordinator/optimus-coord",
-                                      "--listen=127.0.0.1:0", "--port_file=" + port_file,
-                                      "--lease_ms=2000"};
-  c->commands.push_back(ShellLine({}, coord_args));
-  c->coord = Spawn({}, coord_args, absl::StrCat(dir, "/coord.log"));
-  if (c->coord < 0) return absl::InternalError("cannot start optimus-coord");
-  std::string port;
-  for (int i = 0; i < 300 && port.empty(); ++i) {
-    std::ifstream in(port_file);
-    std::getline(in, port);
-    if (port.empty()) absl::SleepFor(absl::Milliseconds(20));
+  ProcClusterOptions o;
+  o.bin_root = root;
+  o.work_dir = dir;
+  o.num_shards = num_shards;
+  o.transports = tls;
+  o.shard_memory_mb = static_cast<uint64_t>(absl::GetFlag(FLAGS_shard_memory_mb));
+  o.metrics = true;
+  for (absl::string_view a :
+       absl::StrSplit(absl::GetFlag(FLAGS_shard_args), ' ', absl::SkipEmpty())) {
+    o.shard_args.emplace_back(a);
   }
-  if (port.empty()) {
-    return absl::InternalError("optimus-coord did not start:\n" + Tail(dir + "/coord.log"));
-  }
-  c->coord_addr = "127.0.0.1:" + port;
-  for (int i = 0; i < num_shards; ++i) {
-    const int mport = FreePort();
-    std::vector<std::string> args{root + "/server/optimus-shard",
-                                  "--coordinator=" + c->coord_addr,
-                                  "--kind=host",
-                                  "--net_devices=lo",
-                                  "--transports=" + tls,
-                                  absl::StrCat("--memory_limit_mb=",
-                                               absl::GetFlag(FLAGS_shard_memory_mb)),
-                                  absl::StrCat("--metrics_port=", mport)};
-    for (absl::string_view a :
-         absl::StrSplit(absl::GetFlag(FLAGS_shard_args), ' ', absl::SkipEmpty())) {
-      args.emplace_back(a);
-    }
-    args.insert(args.end(), extra_shard_args.begin(), extra_shard_args.end());
-    c->commands.push_back(ShellLine({}, args));
-    const pid_t pid = Spawn({}, args, absl::StrCat(dir, "/shard-", i, ".log"));
-    if (pid < 0) return absl::InternalError("cannot start optimus-shard");
-    c->shards.push_back(pid);
-    c->metrics_ports.push_back(mport);
-  }
-  c->stub = v1::Coordinator::NewStub(
-      grpc::CreateChannel(c->coord_addr, grpc::InsecureChannelCredentials()));
-  int up = 0;
-  for (int i = 0; i < 500 && up < num_shards; ++i) {
-    v1::StatusResponse resp;
-    grpc::ClientContext ctx;
-    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(1));
-    up = 0;
-    if (c->stub->Status(&ctx, v1::StatusRequest(), &resp).ok()) {
-      for (const auto& s : resp.shards()) up += s.state() == v1::SHARD_STATE_UP;
-    }
-    if (up < num_shards) absl::SleepFor(absl::Milliseconds(20));
-  }
-  if (up < num_shards) {
-    return absl::InternalError(absl::StrCat(up, " of ", num_shards, " shards registered:\n",
-                                            Tail(dir + "/shard-0.log")));
-  }
-  return absl::OkStatus();
+  o.shard_args.insert(o.shard_args.end(), extra_shard_args.begin(), extra_shard_args.end());
+  return StartProcCluster(o, c);
 }
 
-void StopCluster(ProcCluster* c) {
-  for (pid_t p : c->shards) Stop(p);
-  Stop(c->coord);
-  c->shards.clear();
-  c->coord = -1;
-}
+void StopCluster(ProcCluster* c) { StopProcCluster(c); }
 
 std::vector<Metrics> ScrapeShards(const ProcCluster& c) {
   std::vector<Metrics> out;
@@ -619,7 +437,7 @@ absl::StatusOr<std::vector<std::unique_ptr<client::Client>>> StartJob(const Proc
     client::ClientOptions o;
     o.coordinator_address = c.coord_addr;
     o.transport.name = absl::StrCat("bench-worker", r);
-    o.transport.transports = c.tls;
+    o.transport.transports = c.transports;
     o.transport.net_devices = "lo";
     auto cl = client::Client::Connect(o);
     if (!cl.ok()) return cl.status();
@@ -988,7 +806,7 @@ void PrintCluster(int id, const ProcCluster& c, int shards) {
               "\"transport\": %s, \"shards\": %d, \"workers_in\": \"this process, one "
               "liboptimus client per thread, WorkerOptions.transports = transport, "
               "net_devices = lo\", \"commands\": [%s]}\n",
-              id, JsonQuote(c.tls).c_str(), shards, absl::StrJoin(quoted, ", ").c_str());
+              id, JsonQuote(c.transports).c_str(), shards, absl::StrJoin(quoted, ", ").c_str());
   std::fflush(g_out);
 }
 
@@ -1373,7 +1191,7 @@ int Main(const char* argv0) {
   signal(SIGINT, OnSignal);
   signal(SIGTERM, OnSignal);
   signal(SIGPIPE, SIG_IGN);
-  const std::string root = FindBinRoot(argv0);
+  const std::string root = FindBinRoot(argv0, absl::GetFlag(FLAGS_bin_dir));
   if (root.empty()) {
     Die("cannot find coordinator/optimus-coord and server/optimus-shard; run through "
         "`bazel run //bench:dataplane` or pass --bin_dir");
