@@ -110,7 +110,9 @@ struct ModuleSyncOptions {
 //
 // After the last step, Synchronize(timeout) waits for everything in flight
 // and writes the newest parameters (version last step + 1, in either mode)
-// into the module: call it before exporting or evaluating the model.
+// into the module: call it before exporting or evaluating the model. (A
+// forward without backward is not checked: evaluating between steps uses
+// whatever the module holds, i.e. the version the last WaitParams wrote.)
 //
 // Buffers (BatchNorm running statistics and the like) are kept per worker:
 // optimus never sends them (they are not job tensors), as with DDP's
