@@ -374,32 +374,6 @@ absl::Status DeleteJob(const ProcCluster& c, const std::string& name) {
 
 // ---- Workers ----
 
-class Barrier {
- public:
-  explicit Barrier(int n) : n_(n) {}
-  void Wait() {
-    absl::MutexLock lock(&mu_);
-    const uint64_t gen = gen_;
-    if (++waiting_ == n_) {
-      waiting_ = 0;
-      ++gen_;
-      return;
-    }
-    struct Arg {
-      const Barrier* self;
-      uint64_t gen;
-    } arg{this, gen};
-    mu_.Await(absl::Condition(
-        +[](Arg* a) ABSL_NO_THREAD_SAFETY_ANALYSIS { return a->self->gen_ != a->gen; }, &arg));
-  }
-
- private:
-  absl::Mutex mu_;
-  const int n_;
-  int waiting_ ABSL_GUARDED_BY(mu_) = 0;
-  uint64_t gen_ ABSL_GUARDED_BY(mu_) = 0;
-};
-
 // Runs fn(rank) on W threads; the first error.
 absl::Status OnWorkers(int workers, const std::function<absl::Status(int)>& fn) {
   std::vector<absl::Status> results(workers);

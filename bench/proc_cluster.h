@@ -8,11 +8,14 @@
 
 #include <sys/types.h>
 
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "proto/optimus.grpc.pb.h"
 
@@ -43,6 +46,35 @@ std::string Tail(const std::string& path);
 std::string ShellLine(const std::vector<std::string>& env, const std::vector<std::string>& args);
 // A TCP port free on 127.0.0.1 right now (0 if none).
 int FreePort();
+
+// Threads of a benchmark meeting at the start of each timed phase: Wait
+// returns once n threads have called it (then it is ready for the next
+// round).
+class Barrier {
+ public:
+  explicit Barrier(int n) : n_(n) {}
+  void Wait() ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&mu_);
+    const uint64_t gen = gen_;
+    if (++waiting_ == n_) {
+      waiting_ = 0;
+      ++gen_;
+      return;
+    }
+    struct Arg {
+      const Barrier* self;
+      uint64_t gen;
+    } arg{this, gen};
+    mu_.Await(absl::Condition(
+        +[](Arg* a) ABSL_NO_THREAD_SAFETY_ANALYSIS { return a->self->gen_ != a->gen; }, &arg));
+  }
+
+ private:
+  absl::Mutex mu_;
+  const int n_;
+  int waiting_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t gen_ ABSL_GUARDED_BY(mu_) = 0;
+};
 
 struct ProcClusterOptions {
   std::string bin_root;   // FindBinRoot's folder. Required.

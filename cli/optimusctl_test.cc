@@ -25,6 +25,7 @@
 #include "gmock/gmock.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
+#include "kernels/optimizer_spec.h"
 #include "proto/optimus.grpc.pb.h"
 
 namespace optimus {
@@ -201,9 +202,10 @@ TEST_F(OptimusctlTest, StatusJsonDescribesTheCluster) {
   EXPECT_EQ(shards.array[0]["state"].string, "up");
   EXPECT_EQ(shards.array[0]["memory_limit_bytes"].AsUint(), uint64_t{1} << 30);
   // 64064 elements at 12 (AdamW) + 2*2 (published) + 4 (the fp32 sum the
-  // 4 workers' gradients fold into, held until the commit) = 20 bytes each
-  // fit on the DPU alone.
-  EXPECT_EQ(shards.array[0]["memory_planned_bytes"].AsUint(), 64064u * 20);
+  // 4 workers' gradients fold into, held until the commit) = 20 bytes each,
+  // and each of the job's 5 chunks' bookkeeping, fit on the DPU alone.
+  EXPECT_EQ(shards.array[0]["memory_planned_bytes"].AsUint(),
+            64064u * 20 + 5 * kernels::kChunkOverheadBytes);
   EXPECT_EQ(shards.array[1]["memory_planned_bytes"].AsUint(), 0u);
   const JsonValue& jobs = (*doc)["jobs"];
   ASSERT_EQ(jobs.array.size(), 1u);
@@ -331,7 +333,7 @@ TEST_F(OptimusctlTest, JobDeleteEndsAJobAndIsRefusedWhileWorkersAreJoined) {
   ASSERT_EQ(r.exit_code, 0) << r.err;
   // 64064 elements at 20 bytes on the one shard.
   EXPECT_THAT(r.out, HasSubstr("job gpt-small (id 1, "));
-  EXPECT_THAT(r.out, HasSubstr(") deleted: 1.2 MiB of shard memory freed"));
+  EXPECT_THAT(r.out, HasSubstr(") deleted: 1.3 MiB of shard memory freed"));
   EXPECT_THAT(r.out, HasSubstr("1 workers were still joined"));
   r = RunOptimusctl(absl::StrCat(coord, " status --json"));
   doc = ParseJson(r.out);
