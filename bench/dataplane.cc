@@ -179,16 +179,7 @@ namespace {
 
 // ---- Child processes (bench/proc_cluster) ----
 
-void OnSignal(int sig) {
-  KillChildren();
-  _exit(128 + sig);
-}
-
-[[noreturn]] void Die(const std::string& msg) {
-  std::fprintf(stderr, "bench/dataplane: %s\n", msg.c_str());
-  KillChildren();
-  std::exit(1);
-}
+[[noreturn]] void Die(const std::string& msg) { bench::Die("bench/dataplane", msg); }
 
 // GET http://127.0.0.1:port/path; the body, or empty.
 std::string HttpGet(int port, const std::string& path) {
@@ -1162,22 +1153,15 @@ void RunStaging(const std::string& root, const std::string& dir) {
 }
 
 int Main(const char* argv0) {
-  signal(SIGINT, OnSignal);
-  signal(SIGTERM, OnSignal);
-  signal(SIGPIPE, SIG_IGN);
+  KillChildrenOnSignals();
   const std::string root = FindBinRoot(argv0, absl::GetFlag(FLAGS_bin_dir));
   if (root.empty()) {
     Die("cannot find coordinator/optimus-coord and server/optimus-shard; run through "
         "`bazel run //bench:dataplane` or pass --bin_dir");
   }
-  std::string dir = absl::GetFlag(FLAGS_work_dir);
-  if (dir.empty()) {
-    char tmpl[] = "/tmp/optimus-dataplane-XXXXXX";
-    if (mkdtemp(tmpl) == nullptr) Die("cannot create a temp dir");
-    dir = tmpl;
-  } else {
-    mkdir(dir.c_str(), 0755);
-  }
+  absl::StatusOr<std::string> made = MakeWorkDir(absl::GetFlag(FLAGS_work_dir), "dataplane");
+  if (!made.ok()) Die(made.status().ToString());
+  const std::string dir = *made;
   std::fprintf(stderr, "bench/dataplane: logs in %s\n", dir.c_str());
   const std::vector<std::string> cases = absl::StrSplit(absl::GetFlag(FLAGS_cases), ',');
   auto wants = [&](const char* c) {
@@ -1253,11 +1237,7 @@ int Main(const char* argv0) {
 
 int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
-  // The JSON lines go to the original stdout; whatever else writes to
-  // stdout (UCX logs there by default) goes to stderr.
-  const int json_fd = dup(1);
-  dup2(2, 1);
-  optimus::bench::g_out = fdopen(json_fd, "w");
+  optimus::bench::g_out = optimus::bench::TakeStdoutForJson();
   if (optimus::bench::g_out == nullptr) return 1;
   return optimus::bench::Main(argv[0]);
 }

@@ -94,16 +94,7 @@ FILE* g_out = stdout;
 
 constexpr absl::Duration kWait = absl::Seconds(120);
 
-void OnSignal(int sig) {
-  KillChildren();
-  _exit(128 + sig);
-}
-
-[[noreturn]] void Die(const std::string& msg) {
-  std::fprintf(stderr, "bench/e2e: %s\n", msg.c_str());
-  KillChildren();
-  std::exit(1);
-}
+[[noreturn]] void Die(const std::string& msg) { bench::Die("bench/e2e", msg); }
 
 // ---- Profiles ----
 
@@ -616,16 +607,12 @@ absl::Status RunProfile(const std::string& root, const std::string& dir, const P
 }
 
 int Main(const char* argv0) {
-  signal(SIGINT, OnSignal);
-  signal(SIGTERM, OnSignal);
+  KillChildrenOnSignals();
   const std::string root = FindBinRoot(argv0, absl::GetFlag(FLAGS_bin_dir));
   if (root.empty()) Die("cannot find optimus-coord and optimus-shard (use --bin_dir)");
-  std::string dir = absl::GetFlag(FLAGS_work_dir);
-  if (dir.empty()) {
-    char tmpl[] = "/tmp/optimus-e2e-XXXXXX";
-    if (mkdtemp(tmpl) == nullptr) Die("mkdtemp failed");
-    dir = tmpl;
-  }
+  absl::StatusOr<std::string> made = MakeWorkDir(absl::GetFlag(FLAGS_work_dir), "e2e");
+  if (!made.ok()) Die(made.status().ToString());
+  const std::string dir = *made;
   for (absl::string_view name :
        absl::StrSplit(absl::GetFlag(FLAGS_profiles), ',', absl::SkipEmpty())) {
     if (absl::Status s = RunProfile(root, dir, MakeProfile(std::string(name))); !s.ok()) {
@@ -641,11 +628,7 @@ int Main(const char* argv0) {
 
 int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
-  // The JSON lines go to the original stdout; whatever else writes to
-  // stdout (UCX logs there by default) goes to stderr.
-  const int json_fd = dup(1);
-  dup2(2, 1);
-  optimus::bench::g_out = fdopen(json_fd, "w");
+  optimus::bench::g_out = optimus::bench::TakeStdoutForJson();
   if (optimus::bench::g_out == nullptr) return 1;
   return optimus::bench::Main(argv[0]);
 }

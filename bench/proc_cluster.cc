@@ -125,6 +125,46 @@ void KillChildren() {
   }
 }
 
+namespace {
+void KillChildrenAndExit(int sig) {
+  KillChildren();
+  _exit(128 + sig);
+}
+}  // namespace
+
+void KillChildrenOnSignals() {
+  signal(SIGINT, KillChildrenAndExit);
+  signal(SIGTERM, KillChildrenAndExit);
+  signal(SIGPIPE, SIG_IGN);
+}
+
+FILE* TakeStdoutForJson() {
+  const int json_fd = dup(1);
+  if (json_fd < 0) return nullptr;
+  dup2(2, 1);
+  return fdopen(json_fd, "w");
+}
+
+[[noreturn]] void Die(const std::string& who, const std::string& msg) {
+  std::fprintf(stderr, "%s: %s\n", who.c_str(), msg.c_str());
+  KillChildren();
+  std::exit(1);
+}
+
+absl::StatusOr<std::string> MakeWorkDir(const std::string& work_dir, const std::string& name) {
+  if (!work_dir.empty()) {
+    if (mkdir(work_dir.c_str(), 0755) != 0 && errno != EEXIST) {
+      return absl::InternalError(absl::StrCat("mkdir ", work_dir, ": ", std::strerror(errno)));
+    }
+    return work_dir;
+  }
+  std::string tmpl = absl::StrCat("/tmp/optimus-", name, "-XXXXXX");
+  if (mkdtemp(tmpl.data()) == nullptr) {
+    return absl::InternalError(absl::StrCat("mkdtemp ", tmpl, ": ", std::strerror(errno)));
+  }
+  return tmpl;
+}
+
 std::string ReadFile(const std::string& path) {
   std::ifstream in(path);
   std::stringstream ss;

@@ -9,12 +9,14 @@
 #include <sys/types.h>
 
 #include <cstdint>
+#include <cstdio>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "proto/optimus.grpc.pb.h"
@@ -46,6 +48,20 @@ std::string Tail(const std::string& path);
 std::string ShellLine(const std::vector<std::string>& env, const std::vector<std::string>& args);
 // A TCP port free on 127.0.0.1 right now (0 if none).
 int FreePort();
+
+// ---- A benchmark process ----
+
+// Its JSON lines go to the original stdout (the FILE* returned; null when it
+// cannot be had); whatever else writes to stdout (UCX logs there by
+// default) goes to stderr from then on.
+FILE* TakeStdoutForJson();
+// SIGINT and SIGTERM kill the children (KillChildren) before the process
+// exits; SIGPIPE is ignored.
+void KillChildrenOnSignals();
+// Says "`who`: msg" on stderr, kills the children and exits with 1.
+[[noreturn]] void Die(const std::string& who, const std::string& msg);
+// `work_dir` (created if missing) or a new folder /tmp/optimus-`name`-XXXXXX.
+absl::StatusOr<std::string> MakeWorkDir(const std::string& work_dir, const std::string& name);
 
 // Threads of a benchmark meeting at the start of each timed phase: Wait
 // returns once n threads have called it (then it is ready for the next

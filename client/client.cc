@@ -12,6 +12,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
 #include "common/grpc_status.h"
 #include "common/logging.h"
 #include "common/wire.h"
@@ -555,11 +556,22 @@ class ClientImpl : public Client {
     v1::LeaveJobRequest req;
     req.set_job_name(job_name_);
     req.set_rank(rank_);
-    v1::LeaveJobResponse resp;
-    grpc::ClientContext ctx;
-    SetDeadline(&ctx);
-    return Annotate(FromGrpc(stub_->LeaveJob(&ctx, req, &resp)),
-                    absl::StrCat("leaving job '", job_name_, "'"));
+    // LeaveJob is idempotent: a connection the coordinator's restart broke
+    // (UNAVAILABLE, e.g. "Broken pipe" on the first RPC after it) is tried
+    // again on a fresh one, within rpc_timeout.
+    const absl::Time give_up = absl::Now() + options_.rpc_timeout;
+    absl::Duration pause = absl::Milliseconds(100);
+    absl::Status s;
+    for (;;) {
+      v1::LeaveJobResponse resp;
+      grpc::ClientContext ctx;
+      SetDeadline(&ctx);
+      s = FromGrpc(stub_->LeaveJob(&ctx, req, &resp));
+      if (!absl::IsUnavailable(s) || absl::Now() + pause > give_up) break;
+      absl::SleepFor(pause);
+      pause = std::min(pause * 2, absl::Seconds(1));
+    }
+    return Annotate(s, absl::StrCat("leaving job '", job_name_, "'"));
   }
 
   const std::vector<TensorInfo>& tensors() const override { return tensors_; }
@@ -1023,17 +1035,19 @@ class ClientImpl : public Client {
   absl::StatusOr<Ticket> Push(uint32_t tensor, uint64_t step, const void* grad, size_t num_elems,
                               const PushOptions& options) override {
     if (step == 0) return absl::InvalidArgumentError("steps start at 1");
-    if (!std::isfinite(options.lr) || options.lr < 0.0f) {
-      return absl::InvalidArgumentError(absl::StrCat("push lr ", options.lr, " is not >= 0"));
+    // Resolved here (the wire carries the step's lr as it is), so that
+    // ranks that leave it unset and ranks that spell out the job's value
+    // agree.
+    const float lr = options.lr.value_or(default_lr_);
+    if (!std::isfinite(lr) || lr < 0.0f) {
+      return absl::InvalidArgumentError(absl::StrCat("push lr ", lr, " is not >= 0"));
     }
     if (!std::isfinite(options.grad_mult) || options.grad_mult < 0.0f) {
       return absl::InvalidArgumentError(
           absl::StrCat("push grad_mult ", options.grad_mult, " is not >= 0"));
     }
     Pending proto;
-    // Resolved here, so that ranks that leave it 0 and ranks that spell out
-    // the job's value agree.
-    proto.lr = options.lr > 0.0f ? options.lr : default_lr_;
+    proto.lr = lr;
     proto.grad_mult = options.grad_mult > 0.0f ? options.grad_mult : 1.0f;
     // Fixed by Join (read without the lock, as tensors_).
     if (tensor < frozen_.size() && frozen_[tensor]) grad = nullptr;

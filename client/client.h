@@ -164,9 +164,11 @@ void SplitDecayGroups(JobDef* def, float weight_decay);
 
 // What travels with one push (every rank's push of a step must agree).
 struct PushOptions {
-  // The step's learning rate (before its group's lr_mult); 0: the job's
-  // OptimizerSpec::lr. Any schedule: the trainer computes it per step.
-  float lr = 0.0f;
+  // The step's learning rate (before its group's lr_mult); unset: the job's
+  // OptimizerSpec::lr. Any schedule: the trainer computes it per step. 0 is
+  // a step with learning rate 0 (e.g. the first step of a warmup from 0:
+  // the moments move, the parameters do not).
+  std::optional<float> lr;
   // Multiplies the averaged gradient: 1 / the loss scale of mixed-precision
   // training (GradScaler's unscale). 0 means 1.
   float grad_mult = 0.0f;
@@ -231,7 +233,8 @@ class Client {
   // usable until destroyed, but a job all of whose ranks left may be deleted
   // under it. FAILED_PRECONDITION before Join; NOT_FOUND when the job is gone
   // (deleted, or replaced by a restore); UNAVAILABLE when the coordinator
-  // cannot be reached.
+  // cannot be reached (an UNAVAILABLE answer is tried again within
+  // rpc_timeout first: a coordinator restarting).
   virtual absl::Status Leave() = 0;
 
   // The joined job's tensors, in definition order; index = position.

@@ -47,6 +47,11 @@ bool Retryable(const absl::Status& s) {
   }
 }
 
+// The job spec file: the option, else $OPTIMUS_JOB_SPEC (empty: none).
+std::string SpecPath(const SessionOptions& options) {
+  return options.job_spec_path.empty() ? Env("OPTIMUS_JOB_SPEC") : options.job_spec_path;
+}
+
 std::string Shape(const std::vector<int64_t>& s) { return absl::StrCat("[", absl::StrJoin(s, ","), "]"); }
 
 // The joined job must be the one this trainer describes.
@@ -98,7 +103,7 @@ absl::StatusOr<SessionOptions> ResolveSessionOptions(const SessionOptions& optio
         "no coordinator address: pass one, or set OPTIMUS_COORDINATOR=host:port");
   }
   if (r.job_name.empty()) r.job_name = Env("OPTIMUS_JOB");
-  if (r.job_spec_path.empty()) r.job_spec_path = Env("OPTIMUS_JOB_SPEC");
+  r.job_spec_path = SpecPath(options);
   if (r.rank < 0) {
     auto v = EnvInt("RANK");
     if (!v.ok()) return v.status();
@@ -127,8 +132,7 @@ absl::StatusOr<SessionOptions> ResolveSessionOptions(const SessionOptions& optio
 absl::StatusOr<Session> JoinOrCreate(const SessionOptions& options, JobDef def) {
   // The spec file first: its world_size may be the only one there is.
   JobConfig spec;
-  const std::string spec_path =
-      options.job_spec_path.empty() ? Env("OPTIMUS_JOB_SPEC") : options.job_spec_path;
+  const std::string spec_path = SpecPath(options);
   if (!spec_path.empty()) {
     auto loaded = LoadJobConfig(spec_path);
     if (!loaded.ok()) return loaded.status();

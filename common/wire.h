@@ -96,8 +96,10 @@ struct RequestHeader {
   uint8_t reserved[2] = {0, 0};
   uint64_t num_bytes = 0;    // Payload bytes sent (push/init) or expected (pull).
   uint64_t request_id = 0;   // Echoed in the reply.
-  // kPush: the step's learning rate (before the tensor's group lr_mult); 0:
-  // the job's. Every rank's push of a (chunk, step) must carry the same.
+  // kPush: the step's learning rate (before the tensor's group lr_mult), as
+  // it is (0 is a step with lr 0; the client fills in the job's lr when the
+  // trainer gives none). Every rank's push of a (chunk, step) must carry the
+  // same.
   // kReplicate (sum): the lr of the forwarded step. kInit (state): the
   // last lr the imported state was stepped with (0: none).
   float lr = 0.0f;

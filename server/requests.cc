@@ -301,7 +301,7 @@ void Shard::OnPush(transport::IncomingMessage& msg, const wire::RequestHeader& h
         msg.payload_size(), " bytes; it must carry none"));
   }
   StepParams params;
-  params.lr = h.lr > 0.0f ? h.lr : c.hyper.lr;
+  params.lr = h.lr;
   params.grad_mult = h.grad_mult > 0.0f ? h.grad_mult : 1.0f;
   PushDecision d;
   if (s.ok()) {

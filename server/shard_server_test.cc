@@ -199,6 +199,8 @@ class ShardServerTest : public ::testing::Test {
     h.dtype = static_cast<uint8_t>(DType::kFp32);
     h.num_bytes = kElems * 4;
     h.request_id = id;
+    // What a client sends: the step's lr (here the job's).
+    if (op == wire::Op::kPush) h.lr = 1e-2f;
     return h;
   }
 

@@ -3,7 +3,6 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "absl/time/clock.h"
 #include "common/logging.h"
 
 namespace optimus {
@@ -90,14 +89,8 @@ absl::Status Trainer::Finish() {
   if (sync_ == nullptr) return absl::FailedPreconditionError("Finish: the trainer failed");
   if (absl::Status s = sync_->Synchronize(options_.timeout); !s.ok()) return s;
   // Leaving only lets the job be deleted without --force: a coordinator
-  // that is restarting or unreachable is tried a few times, then reported.
-  absl::Status left;
-  for (int attempt = 0; attempt < 5; ++attempt) {
-    left = client()->Leave();
-    if (left.ok() || !absl::IsUnavailable(left)) break;
-    absl::SleepFor(absl::Milliseconds(200) * (attempt + 1));
-  }
-  if (!left.ok()) {
+  // that cannot be reached (Leave tries again for a while) is reported.
+  if (absl::Status left = client()->Leave(); !left.ok()) {
     OPTIMUS_LOG(Warning, kLog, "rank ", session_.rank, " could not leave job '",
                 session_.job_name, "' (", left.ToString(),
                 "): it can be deleted with optimusctl job delete --force");

@@ -89,9 +89,9 @@ class Trainer {
   absl::Status EndStep();
   // After the last step: writes the newest parameters into the module and
   // leaves the job (it can then be deleted without --force). Its error is
-  // Synchronize's; a coordinator that cannot be reached to leave (retried
-  // for a second or so) is only logged: the training result is in the
-  // module either way.
+  // Synchronize's; a coordinator that cannot be reached to leave
+  // (Client::Leave tries again within its rpc_timeout) is only logged: the
+  // training result is in the module either way.
   absl::Status Finish();
 
  private:

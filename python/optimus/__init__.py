@@ -24,6 +24,7 @@ from optimus._C import (  # noqa: F401
     OutOfRange,
     ParamGroup,
     ResourceExhausted,
+    Session,
     StepReport,
     TensorDef,
     TensorInfo,
@@ -31,7 +32,6 @@ from optimus._C import (  # noqa: F401
 )
 from optimus.config import (  # noqa: F401
     JobConfig, assign_groups, glob_match, load_job_config, parse_job_config)
-from optimus._C import Session  # noqa: F401
 
 __all__ = [
     "AlreadyExists", "Client", "DeadlineExceeded", "FailedPrecondition", "Internal",

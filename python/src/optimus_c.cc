@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -612,7 +613,7 @@ PYBIND11_MODULE(_C, m) {
       .def(
           "push",
           [](PyClient& c, uint32_t tensor, uint64_t step, uintptr_t grad, size_t num_elems,
-             float lr, float grad_mult) {
+             std::optional<float> lr, float grad_mult) {
             Client* cl = c.get();
             PushOptions o;
             o.lr = lr;
@@ -625,9 +626,9 @@ PYBIND11_MODULE(_C, m) {
             return Value(std::move(t));
           },
           py::arg("tensor"), py::arg("step"), py::arg("grad"), py::arg("num_elems"),
-          py::arg("lr") = 0.0f, py::arg("grad_mult") = 0.0f,
-          "Pushes num_elems of the grad dtype at address `grad` (0: no gradient) for `step`; "
-          "returns a ticket.")
+          py::arg("lr") = py::none(), py::arg("grad_mult") = 0.0f,
+          "Pushes num_elems of the grad dtype at address `grad` (0: no gradient) for `step` "
+          "with learning rate `lr` (None: the job's); returns a ticket.")
       .def(
           "pull",
           [](PyClient& c, uint32_t tensor, uint64_t version, uintptr_t dst, size_t num_elems) {

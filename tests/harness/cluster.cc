@@ -1,9 +1,11 @@
 #include "tests/harness/cluster.h"
 
 #include <stdlib.h>
+#include <unistd.h>
 
 #include <cerrno>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <cstdlib>
 #include <thread>
@@ -125,6 +127,15 @@ client::JobDef SmallJob(const std::string& name, uint32_t world_size, uint64_t m
   def.param_dtype = DType::kBf16;
   def.max_chunk_bytes = max_chunk_bytes;
   return def;
+}
+
+uint64_t ResidentBytes() {
+  long pages = 0, resident = 0;
+  FILE* f = std::fopen("/proc/self/statm", "r");
+  if (f == nullptr) return 0;
+  if (std::fscanf(f, "%ld %ld", &pages, &resident) != 2) resident = 0;
+  std::fclose(f);
+  return static_cast<uint64_t>(resident) * static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
 }
 
 absl::StatusOr<std::string> NewTempDir(absl::string_view prefix) {

@@ -70,6 +70,9 @@ client::JobDef SmallJob(const std::string& name, uint32_t world_size,
 // A fresh folder under $TEST_TMPDIR (or /tmp). INTERNAL if mkdtemp fails.
 absl::StatusOr<std::string> NewTempDir(absl::string_view prefix = "cluster");
 
+// This process's resident memory in bytes (/proc/self/statm; 0 if unreadable).
+uint64_t ResidentBytes();
+
 struct ClusterOptions {
   TransportKind transport = TransportKind::kLoopback;
   // Shard servers started with the cluster (more with AddShard). Default 2.

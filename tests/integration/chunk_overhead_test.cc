@@ -4,8 +4,7 @@
 // per-chunk cost is counted is refused up front. Loading a job of very many
 // chunks does not hold up the shard's heartbeat: no shard misses its lease
 // and a job already running keeps training meanwhile.
-#include <unistd.h>
-
+#include <atomic>
 #include <cstdio>
 #include <string>
 #include <thread>
@@ -18,15 +17,6 @@
 namespace optimus {
 namespace harness {
 namespace {
-
-uint64_t ResidentBytes() {
-  long pages = 0, resident = 0;
-  FILE* f = std::fopen("/proc/self/statm", "r");
-  if (f == nullptr) return 0;
-  if (std::fscanf(f, "%ld %ld", &pages, &resident) != 2) resident = 0;
-  std::fclose(f);
-  return static_cast<uint64_t>(resident) * static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
-}
 
 client::JobDef TinyChunks(const std::string& name, int64_t elems, uint32_t world) {
   client::JobDef def;
@@ -83,7 +73,6 @@ TEST(ChunkOverheadTest, LoadingManyChunksKeepsHeartbeatsAndOtherJobsGoing) {
   ASSERT_OK(c->CreateJob(SmallJob("running", 1)));
   ASSERT_OK(c->Train(1, 2));
   // The big job, created from another client while "running" trains.
-  ClusterOptions wo = o;
   auto creator = client::Client::Connect([&] {
     client::ClientOptions co;
     co.coordinator_address = c->coordinator_address();

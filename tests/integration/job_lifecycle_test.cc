@@ -44,15 +44,6 @@ client::JobDef BigJob(const std::string& name, uint32_t world_size, uint32_t rep
   return def;
 }
 
-uint64_t ResidentBytes() {
-  long pages = 0, resident = 0;
-  FILE* f = std::fopen("/proc/self/statm", "r");
-  if (f == nullptr) return 0;
-  if (std::fscanf(f, "%ld %ld", &pages, &resident) != 2) resident = 0;
-  std::fclose(f);
-  return static_cast<uint64_t>(resident) * static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
-}
-
 size_t Mismatches(const std::vector<float>& got, const std::vector<float>& want) {
   if (got.size() != want.size()) return SIZE_MAX;
   size_t n = 0;

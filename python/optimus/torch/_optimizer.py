@@ -26,7 +26,6 @@ torch groups' weight_decay and betas.
 
 import math
 import os
-import struct
 import time
 import warnings
 
@@ -38,9 +37,6 @@ from optimus import _C
 MODES = ("layerwise", "delayed", "none")
 
 _TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-# The shards read lr 0 as "the job's default lr": a zero lr (e.g. a warmup's
-# first step) travels as the smallest positive float, whose update is 0.
-_TINY_LR = struct.unpack("<f", struct.pack("<I", 1))[0]
 _ALIGN_BYTES = 64
 
 
@@ -579,7 +575,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if lr < 0:
             raise ValueError(f"param_groups[{t.group}]['lr'] = {lr} is negative")
         t.push_ticket = self._client.push(t.index, step, addr, t.numel,
-                                          lr=lr if lr > 0 else _TINY_LR,
+                                          lr=lr,
                                           grad_mult=self._current_grad_mult())
         t.pushed_step = step
 
