@@ -12,8 +12,7 @@ namespace optimus {
 
 absl::StatusOr<v1::DrainShardResponse> DrainShardRpc(const std::string& address,
                                                      absl::Duration timeout, uint64_t shard_id) {
-  auto stub =
-      v1::Coordinator::NewStub(grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+  auto stub = v1::Coordinator::NewStub(CoordinatorChannel(address));
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() +
                    std::chrono::milliseconds(absl::ToInt64Milliseconds(timeout)));

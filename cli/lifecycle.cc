@@ -12,7 +12,7 @@ namespace optimus {
 namespace {
 
 std::unique_ptr<v1::Coordinator::Stub> Stub(const std::string& address) {
-  return v1::Coordinator::NewStub(grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+  return v1::Coordinator::NewStub(CoordinatorChannel(address));
 }
 
 void SetDeadline(grpc::ClientContext* ctx, absl::Duration timeout) {

@@ -28,7 +28,13 @@
 namespace {
 
 constexpr char kUsage[] =
-    "usage: optimusctl [--coordinator=HOST:PORT] [--timeout_ms=N] <command> [options]\n"
+    "usage: optimusctl [--coordinator=HOST:PORT] [--timeout_ms=N]\n"
+    "                  [--tls_dir=DIR | --insecure_plaintext] <command> [options]\n"
+    "\n"
+    "  --tls_dir DIR     ca.crt, tls.crt, tls.key: TLS with this client certificate\n"
+    "                    (admin:<who> for most commands); default $OPTIMUS_TLS_DIR\n"
+    "  --insecure_plaintext\n"
+    "                    plain-text gRPC (a coordinator started with it; local only)\n"
     "\n"
     "commands:\n"
     "  status [--json]   shards (state, chunks, backups) and jobs (replicas in sync)\n"
@@ -267,6 +273,7 @@ int main(int argc, char** argv) {
   uint64_t max_chunk_bytes = 0;
   std::string as_name, out_path, ckpt_path;
   std::string format_name;  // Empty: the default layout.
+  optimus::security::TlsOptions tls;
   std::vector<std::string> positional;
   for (int i = 1; i < argc; ++i) {
     std::string arg = argv[i];
@@ -299,6 +306,11 @@ int main(int argc, char** argv) {
       if (!take_value() || !absl::SimpleAtoi(value, &timeout_ms) || timeout_ms <= 0) {
         return Usage("--timeout_ms needs a positive number of milliseconds");
       }
+    } else if (name == "-tls_dir") {
+      if (!take_value() || value.empty()) return Usage("--tls_dir needs a folder");
+      tls.dir = value;
+    } else if (name == "-insecure_plaintext" && !has_value) {
+      tls.plaintext = true;
     } else if (name == "-json" && !has_value) {
       json = true;
     } else if (name == "-wait" && !has_value) {
@@ -334,6 +346,14 @@ int main(int argc, char** argv) {
     }
   }
   if (positional.empty()) return Usage("no command given");
+  // `checkpoint export --path` reads files only.
+  const bool offline = !ckpt_path.empty();
+  if (!offline) {
+    if (absl::Status t = optimus::SetCliTls(tls); !t.ok()) {
+      std::cerr << "optimusctl: " << t.message() << "\n";
+      return 2;
+    }
+  }
   const std::string& command = positional[0];
   optimus::ExportFormat format = optimus::ExportFormat::kOptimus;
   if (!format_name.empty()) {

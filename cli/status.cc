@@ -3,12 +3,15 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdio>
+#include <optional>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "absl/synchronization/mutex.h"
 #include "common/grpc_status.h"
 #include "common/json.h"
 #include "grpcpp/grpcpp.h"
@@ -213,9 +216,38 @@ std::string ReplicaHealth(const v1::JobStatus& j) {
   return absl::StrCat(word, " ", j.backups_in_sync(), "/", j.num_chunks());
 }
 
+namespace {
+
+absl::Mutex tls_mu;
+std::optional<security::TlsMaterial> cli_tls ABSL_GUARDED_BY(tls_mu);
+
+}  // namespace
+
+absl::Status SetCliTls(const security::TlsOptions& options) {
+  absl::StatusOr<security::TlsMaterial> m = security::LoadTls(options, false, "optimusctl");
+  if (!m.ok()) return m.status();
+  absl::MutexLock lock(&tls_mu);
+  cli_tls = *std::move(m);
+  return absl::OkStatus();
+}
+
+std::shared_ptr<grpc::Channel> CoordinatorChannel(const std::string& address) {
+  absl::MutexLock lock(&tls_mu);
+  if (!cli_tls.has_value()) {
+    absl::StatusOr<security::TlsMaterial> m =
+        security::LoadTls(security::TlsOptions(), false, "optimusctl");
+    if (!m.ok()) {
+      std::fprintf(stderr, "optimusctl: %s\n", std::string(m.status().message()).c_str());
+      return grpc::CreateChannel(address, grpc::SslCredentials(grpc::SslCredentialsOptions()));
+    }
+    cli_tls = *std::move(m);
+  }
+  return grpc::CreateChannel(address, security::ChannelCredentials(*cli_tls));
+}
+
 absl::StatusOr<v1::StatusResponse> FetchStatus(const std::string& address,
                                                absl::Duration timeout) {
-  auto channel = grpc::CreateChannel(address, grpc::InsecureChannelCredentials());
+  auto channel = CoordinatorChannel(address);
   auto stub = v1::Coordinator::NewStub(channel);
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() +

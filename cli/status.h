@@ -9,10 +9,21 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "common/security.h"
+#include "grpcpp/grpcpp.h"
 #include "absl/time/time.h"
 #include "proto/optimus.pb.h"
 
 namespace optimus {
+
+// TLS for every call optimusctl makes: loads `options` (see
+// common/security.h) once; optimusctl's main calls it before any command.
+// An admin certificate ("admin:<who>") is what most commands need.
+absl::Status SetCliTls(const security::TlsOptions& options);
+// A channel to the coordinator at `address` under that TLS setting (loaded
+// from the environment if SetCliTls was not called; if that fails, a TLS
+// channel that trusts no CA: calls fail, nothing is sent in clear).
+std::shared_ptr<grpc::Channel> CoordinatorChannel(const std::string& address);
 
 // Asks the coordinator at `address` ("HOST:PORT") for its status, waiting at
 // most `timeout`. UNAVAILABLE with "cannot reach coordinator at ADDRESS: ..."

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstdlib>
 #include <cmath>
 #include <cstring>
 #include <map>
@@ -325,16 +326,33 @@ class ClientImpl : public Client {
       GiveBatchBuffer(TakeBatchBuffer());
       GiveBatchBuffer(std::move(first));
     }
-    channel_ = grpc::CreateChannel(options_.coordinator_address,
-                                   grpc::InsecureChannelCredentials());
+    auto channel = security::Dial(options_.coordinator_address, options_.tls, "optimus client");
+    if (!channel.ok()) return channel.status();
+    channel_ = *std::move(channel);
     stub_ = v1::Coordinator::NewStub(channel_);
+    {
+      absl::MutexLock lock(&mu_);
+      token_ = options_.job_token;
+      if (token_.empty()) {
+        const char* env = std::getenv(security::kJobTokenEnv);
+        if (env != nullptr) token_ = env;
+      }
+    }
     recovery_ = std::thread([this] { RecoveryLoop(); });
     return absl::OkStatus();
   }
 
+  // Every control-plane call: its deadline, and the job token if there is one.
   void SetDeadline(grpc::ClientContext* ctx) const {
     ctx->set_deadline(std::chrono::system_clock::now() +
                       absl::ToChronoMilliseconds(options_.rpc_timeout));
+    const std::string token = job_token();
+    if (!token.empty()) ctx->AddMetadata(security::kAuthorizationKey, "Bearer " + token);
+  }
+
+  std::string job_token() const override {
+    absl::MutexLock lock(&mu_);
+    return token_;
   }
 
   absl::Status Annotate(const absl::Status& s, absl::string_view what) const {
@@ -383,11 +401,16 @@ class ClientImpl : public Client {
     spec->mutable_checkpoint_policy()->set_every_seconds(def.checkpoint.every_seconds);
     spec->mutable_checkpoint_policy()->set_keep_last(def.checkpoint.keep_last);
     spec->set_replication(def.replication);
+    req.set_job_token(job_token());
     v1::CreateJobResponse resp;
     grpc::ClientContext ctx;
     SetDeadline(&ctx);
-    return Annotate(FromGrpc(stub_->CreateJob(&ctx, req, &resp)),
-                    absl::StrCat("creating job '", def.name, "'"));
+    absl::Status s = FromGrpc(stub_->CreateJob(&ctx, req, &resp));
+    if (s.ok() && !resp.job_token().empty()) {
+      absl::MutexLock lock(&mu_);
+      token_ = resp.job_token();
+    }
+    return Annotate(s, absl::StrCat("creating job '", def.name, "'"));
   }
 
   absl::Status Join(const std::string& name, uint32_t rank, uint32_t world_size) override {
@@ -1505,6 +1528,7 @@ class ClientImpl : public Client {
   std::vector<uint64_t> chunk_base_ = std::vector<uint64_t>(1, 0);
 
   mutable absl::Mutex mu_;
+  std::string token_ ABSL_GUARDED_BY(mu_);
   bool joined_ ABSL_GUARDED_BY(mu_) = false;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   uint64_t epoch_ ABSL_GUARDED_BY(mu_) = 0;

@@ -46,6 +46,7 @@
 #include "absl/time/time.h"
 #include "client/registration_cache.h"
 #include "common/dtype.h"
+#include "common/security.h"
 #include "transport/transport.h"
 
 namespace optimus {
@@ -54,6 +55,16 @@ namespace client {
 struct ClientOptions {
   // gRPC address of optimus-coord, "host:port". Required.
   std::string coordinator_address;
+  // TLS to the coordinator (its CA; a client certificate only to create
+  // jobs: "trainer:<who>" or "admin:<who>"), or plain text when asked for.
+  // Left empty: $OPTIMUS_TLS_DIR or $OPTIMUS_INSECURE_PLAINTEXT, else
+  // Connect fails saying how to choose. See common/security.h.
+  security::TlsOptions tls;
+  // The job's token: what this worker proves to join the job and reach its
+  // chunks. CreateJob sends it when set (the job then takes it; 32 to 256
+  // characters) and keeps the one the coordinator returns when not. Empty:
+  // $OPTIMUS_JOB_TOKEN.
+  std::string job_token;
   // Deadline for each control-plane RPC. Default 10 s.
   absl::Duration rpc_timeout = absl::Seconds(10);
   // How long Join waits for the shards to load the job, and how long a
@@ -220,6 +231,10 @@ class Client {
   // RESOURCE_EXHAUSTED (with the numbers) if its state does not fit on the
   // live shards, INVALID_ARGUMENT for a bad definition.
   virtual absl::Status CreateJob(const JobDef& def) = 0;
+
+  // The job token this client uses (ClientOptions.job_token, or the one
+  // CreateJob got back): hand it to the other ranks (OPTIMUS_JOB_TOKEN).
+  virtual std::string job_token() const = 0;
 
   // Joins job `name` as `rank` of `world_size`, waits until its shards are
   // ready (ready_timeout) and connects to them.

@@ -82,6 +82,11 @@ absl::Status JoinWithRetries(Client* client, const Session& s, absl::Time deadli
   absl::Duration pause = absl::Milliseconds(100);
   for (;;) {
     last = client->Join(s.job_name, s.rank, s.world_size);
+    if (absl::IsPermissionDenied(last) || absl::IsUnauthenticated(last)) {
+      return absl::Status(last.code(),
+                          absl::StrCat(last.message(), " (give every rank the job's token: ",
+                                       security::kJobTokenEnv, " or ClientOptions.job_token)"));
+    }
     if (last.ok() || !Retryable(last)) return last;
     if (absl::Now() + pause > deadline) break;
     absl::SleepFor(pause);

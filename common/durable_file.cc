@@ -101,10 +101,12 @@ absl::Status ErrnoToStatus(int err, absl::string_view what, absl::string_view pa
 
 absl::Status WritePiecesAtomically(const std::string& path,
                                    absl::Span<const absl::string_view> pieces,
-                                   uint64_t max_bytes_per_second) {
+                                   uint64_t max_bytes_per_second, unsigned mode) {
   const std::string tmp = path + ".tmp";
-  Fd fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
+  Fd fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, mode));
   if (fd.get() < 0) return ErrnoToStatus(errno, "creating", tmp);
+  // A leftover temporary file keeps its old bits through O_TRUNC.
+  if (::fchmod(fd.get(), mode) != 0) return ErrnoToStatus(errno, "setting the mode of", tmp);
   auto fail = [&](int err, absl::string_view what) {
     ::unlink(tmp.c_str());
     return ErrnoToStatus(err, what, tmp);
@@ -143,9 +145,9 @@ absl::Status WritePiecesAtomically(const std::string& path,
 }
 
 absl::Status WriteFileAtomically(const std::string& path, absl::string_view contents,
-                                 uint64_t max_bytes_per_second) {
+                                 uint64_t max_bytes_per_second, unsigned mode) {
   const absl::string_view pieces[] = {contents};
-  return WritePiecesAtomically(path, pieces, max_bytes_per_second);
+  return WritePiecesAtomically(path, pieces, max_bytes_per_second, mode);
 }
 
 absl::StatusOr<std::string> ReadWholeFile(const std::string& path, uint64_t max_bytes) {
@@ -256,11 +258,11 @@ uint32_t Crc32c(uint32_t crc, const void* data, size_t size_bytes) {
 }
 
 absl::Status WriteChecksummedFile(const std::string& path, absl::string_view magic,
-                                  absl::string_view payload) {
+                                  absl::string_view payload, unsigned mode) {
   std::string contents =
       absl::StrFormat("%s %08x %d\n", magic, Crc32c(payload), payload.size());
   contents.append(payload.data(), payload.size());
-  return WriteFileAtomically(path, contents);
+  return WriteFileAtomically(path, contents, 0, mode);
 }
 
 absl::StatusOr<std::string> ReadChecksummedFile(const std::string& path,

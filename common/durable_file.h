@@ -28,15 +28,16 @@ absl::Status ErrnoToStatus(int err, absl::string_view what, absl::string_view pa
 // say: RESOURCE_EXHAUSTED) `path` is untouched, the temporary file is
 // removed, and the error names the file. max_bytes_per_second > 0 paces the
 // writes (a background writer that must not starve others of the disk);
-// 0 writes at full speed.
+// 0 writes at full speed. `mode`: the file's permission bits (0600 for
+// files that hold secrets).
 absl::Status WriteFileAtomically(const std::string& path, absl::string_view contents,
-                                 uint64_t max_bytes_per_second = 0);
+                                 uint64_t max_bytes_per_second = 0, unsigned mode = 0644);
 
 // Same, for a file made of `pieces` written one after another (no copy into
 // one buffer).
 absl::Status WritePiecesAtomically(const std::string& path,
                                    absl::Span<const absl::string_view> pieces,
-                                   uint64_t max_bytes_per_second = 0);
+                                   uint64_t max_bytes_per_second = 0, unsigned mode = 0644);
 
 // Whole file. NOT_FOUND when it does not exist. A path that is not a
 // regular file (a device such as /dev/zero, a FIFO, a folder) or one larger
@@ -60,7 +61,7 @@ inline uint32_t Crc32c(absl::string_view data, uint32_t crc = 0) {
 // A file with a header line "<magic> <crc32c hex> <size>\n" before the
 // payload, so a torn or corrupted file is detected on read.
 absl::Status WriteChecksummedFile(const std::string& path, absl::string_view magic,
-                                  absl::string_view payload);
+                                  absl::string_view payload, unsigned mode = 0644);
 // DATA_LOSS naming the file when the magic, size or checksum do not match;
 // NOT_FOUND when it does not exist.
 absl::StatusOr<std::string> ReadChecksummedFile(const std::string& path,

@@ -47,6 +47,7 @@ absl::StatusOr<uint64_t> Coordinator::SnapshotLocked() {
     s->set_shard_id(id);
     *s->mutable_capabilities() = shard.capabilities;
     s->set_state(shard.state);
+    s->set_identity(shard.identity);
   }
   for (const auto& [id, job] : jobs_.all()) {
     if (job.deleting) continue;
@@ -61,6 +62,7 @@ absl::StatusOr<uint64_t> Coordinator::SnapshotLocked() {
     j->set_resume_step(job.resume_step);
     if (job.restore.has_value()) *j->mutable_restore() = *job.restore;
     j->set_rollback_tried(job.rollback_tried);
+    j->set_token(job.token);
     j->set_rollback_error(job.rollback_error);
   }
   std::string bytes;
@@ -106,6 +108,7 @@ absl::Status Coordinator::Recover() {
     r.id = s.shard_id();
     r.capabilities = s.capabilities();
     r.state = s.state();
+    r.identity = s.identity();
     // A fresh lease, doubled: it may have kept running, and needs a moment
     // to reconnect.
     r.last_heartbeat = now + options_.lease;
@@ -125,6 +128,7 @@ absl::Status Coordinator::Recover() {
     if (j.has_restore()) r.restore = j.restore();
     r.rollback_tried = j.rollback_tried();
     r.rollback_error = j.rollback_error();
+    r.token = j.token();
     // Backups count as much as primaries; whether they are in sync is
     // volatile and comes back with the next heartbeats.
     r.load = ComputeLoad(LayoutOfJob(r).chunks, r.bytes_per_elem);

@@ -93,6 +93,7 @@ absl::StatusOr<v1::RestoreCheckpointResponse> Coordinator::RestoreCheckpoint(
   v1::RestoreCheckpointResponse resp;
   resp.set_job_id(job->job_id());
   resp.set_resume_step(src->manifest().step());
+  resp.set_job_token(job->job_token());
   *resp.mutable_checkpoint() = info;
   return resp;
 }

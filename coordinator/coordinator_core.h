@@ -67,7 +67,21 @@ class Coordinator {
   // INVALID_ARGUMENT unless memory_limit_bytes > 0, kind is DPU or HOST and
   // data_address is non-empty. An error from saving the state changes
   // nothing.
-  absl::StatusOr<v1::RegisterShardResponse> RegisterShard(const v1::RegisterShardRequest& req);
+  // `identity`: the caller's certificate common name (empty in plain-text
+  // mode); only it may heartbeat as the new shard (ShardIdentityMatches).
+  absl::StatusOr<v1::RegisterShardResponse> RegisterShard(const v1::RegisterShardRequest& req,
+                                                          const std::string& identity = "");
+  // Whether `identity` registered shard `shard_id` (true for an unknown id:
+  // Heartbeat tells it to register again).
+  bool ShardIdentityMatches(uint64_t shard_id, const std::string& identity)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // Whether `token` is the token of job `job_id` (of the job named `name`).
+  // Never for a job without one (created before tokens existed: admins only).
+  bool JobTokenMatches(uint64_t job_id, const std::string& token) ABSL_LOCKS_EXCLUDED(mu_);
+  // By name: nullopt when no job has that name (the call then answers
+  // NOT_FOUND, so that ranks waiting for rank 0 to create it keep waiting).
+  std::optional<bool> JobTokenMatchesByName(const std::string& name, const std::string& token)
+      ABSL_LOCKS_EXCLUDED(mu_);
 
   // Renews the lease and records the shard's reported usage and per-job
   // progress; a PENDING job turns READY once every shard holding its chunks

@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/logging.h"
+#include "common/security.h"
 #include "coordinator/coordinator_core.h"
 
 namespace optimus {
@@ -35,6 +36,14 @@ absl::StatusOr<v1::CreateJobResponse> Coordinator::CreateJobInternal(
   v1::JobSpec spec = req.spec();
   absl::StatusOr<CheckedSpec> checked = CheckAndFillSpec(spec);
   if (!checked.ok()) return checked.status();
+  std::string token = req.job_token();
+  if (!token.empty()) {
+    if (absl::Status s = security::CheckToken(token); !s.ok()) return s;
+  } else {
+    absl::StatusOr<std::string> fresh = security::NewToken();
+    if (!fresh.ok()) return fresh.status();
+    token = *std::move(fresh);
+  }
   const uint64_t bytes_per_elem = checked->bytes_per_elem;
   std::vector<ChunkSpec> chunks =
       SplitTensors(checked->tensor_num_elems, spec.max_chunk_bytes() / 4);
@@ -83,6 +92,10 @@ absl::StatusOr<v1::CreateJobResponse> Coordinator::CreateJobInternal(
     JobRecord job;
     job.id = jobs_.TakeNextId();
     job.spec = spec;
+    // A restore over a FAILED job keeps its token: its workers re-join.
+    job.token = takes_over && req.job_token().empty() && !holder->token.empty() ? holder->token
+                                                                                : token;
+    resp.set_job_token(job.token);
     if (restore != nullptr) {
       job.restore = *restore;
       job.resume_step = restore->manifest().step();
@@ -309,6 +322,20 @@ absl::StatusOr<std::optional<v1::ShardMap>> Coordinator::WaitForShardMap(uint64_
     if (absl::Now() >= deadline) return std::optional<v1::ShardMap>();
     map_changed_.WaitWithDeadline(&mu_, deadline);
   }
+}
+
+bool Coordinator::JobTokenMatches(uint64_t job_id, const std::string& token) {
+  absl::MutexLock lock(&mu_);
+  const JobRecord* job = jobs_.Find(job_id);
+  return job != nullptr && !job->token.empty() && security::TokensEqual(job->token, token);
+}
+
+std::optional<bool> Coordinator::JobTokenMatchesByName(const std::string& name,
+                                                       const std::string& token) {
+  absl::MutexLock lock(&mu_);
+  const JobRecord* job = jobs_.FindByName(name);
+  if (job == nullptr) return std::nullopt;
+  return !job->token.empty() && security::TokensEqual(job->token, token);
 }
 
 }  // namespace optimus

@@ -11,6 +11,7 @@
 
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "common/security.h"
 #include "coordinator/state_store.h"
 
 namespace optimus {
@@ -19,6 +20,11 @@ struct CoordinatorOptions {
   // gRPC listen address, "HOST:PORT". Port 0 picks a free port (read it back
   // with CoordinatorServer::port()). Default: loopback only.
   std::string listen_address = "127.0.0.1:0";
+  // TLS for the gRPC server (its certificate, and the CA that client
+  // certificates are verified against), or plain text when asked for (no
+  // authorization). Left empty: $OPTIMUS_TLS_DIR or
+  // $OPTIMUS_INSECURE_PLAINTEXT, else the server refuses to start.
+  security::TlsOptions tls;
   // A shard with no heartbeat for this long is marked DOWN; the jobs that
   // hold chunks on it fail over to their backups (replication 1) or fail.
   // Shorter detects failures sooner but costs more

@@ -36,6 +36,9 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
     return absl::InvalidArgumentError(
         absl::StrCat("listen address \"", options.listen_address, "\" is not HOST:PORT"));
   }
+  absl::StatusOr<security::TlsMaterial> tls =
+      security::LoadTls(options.tls, /*need_cert=*/true, "optimus-coord");
+  if (!tls.ok()) return tls.status();
   std::unique_ptr<CoordinatorServer> s(new CoordinatorServer());
   s->host_ = options.listen_address.substr(0, colon);
   if (s->host_.empty() || s->host_ == "0.0.0.0" || s->host_ == "[::]" || s->host_ == "*") {
@@ -43,9 +46,9 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   }
   s->core_ = std::make_unique<Coordinator>(options);
   if (absl::Status r = s->core_->Recover(); !r.ok()) return r;
-  s->service_ = std::make_unique<CoordinatorService>(s->core_.get());
+  s->service_ = std::make_unique<CoordinatorService>(s->core_.get(), tls->plaintext);
   grpc::ServerBuilder builder;
-  builder.AddListeningPort(options.listen_address, grpc::InsecureServerCredentials(), &s->port_);
+  builder.AddListeningPort(options.listen_address, security::ServerCredentials(*tls), &s->port_);
   builder.RegisterService(s->service_.get());
   builder.SetMaxReceiveMessageSize(kMaxMessageBytes);
   builder.SetMaxSendMessageSize(kMaxMessageBytes);
@@ -79,6 +82,7 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
     s->http_ = std::move(*http);
   }
   OPTIMUS_LOG(Info, kLog, "coordinator listening on ", s->address(),
+              tls->plaintext ? " (INSECURE plain text)" : absl::StrCat(" (TLS from ", tls->dir, ")"),
               " lease=", absl::FormatDuration(options.lease),
               " down_shard_grace=", absl::FormatDuration(options.down_shard_grace));
   return s;

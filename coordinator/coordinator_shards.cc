@@ -24,7 +24,7 @@ const char* KindName(v1::ShardKind k) {
 }  // namespace
 
 absl::StatusOr<v1::RegisterShardResponse> Coordinator::RegisterShard(
-    const v1::RegisterShardRequest& req) {
+    const v1::RegisterShardRequest& req, const std::string& identity) {
   const v1::ShardCapabilities& caps = req.capabilities();
   if (caps.kind() != v1::SHARD_KIND_DPU && caps.kind() != v1::SHARD_KIND_HOST) {
     return absl::InvalidArgumentError("shard capabilities: kind must be DPU or HOST");
@@ -42,6 +42,7 @@ absl::StatusOr<v1::RegisterShardResponse> Coordinator::RegisterShard(
   {
     absl::MutexLock lock(&mu_);
     id = shards_.Register(caps, Now()).id;
+    shards_.Find(id)->identity = identity;
     seq = SnapshotLocked();
   }
   if (absl::Status s = WaitDurable(seq); !s.ok()) {
@@ -50,7 +51,8 @@ absl::StatusOr<v1::RegisterShardResponse> Coordinator::RegisterShard(
     SaveLaterLocked();
     return s;
   }
-  OPTIMUS_LOG(Info, kLog, "shard registered id=", id, " kind=", KindName(caps.kind()),
+  OPTIMUS_LOG(Info, kLog, "shard registered id=", id, " identity=", identity,
+              " kind=", KindName(caps.kind()),
               " host=", caps.hostname(), " arch=", caps.arch(),
               " memory_limit_bytes=", caps.memory_limit_bytes());
   v1::RegisterShardResponse resp;
@@ -305,6 +307,17 @@ absl::StatusOr<v1::DrainShardResponse> Coordinator::DrainShard(const v1::DrainSh
   OPTIMUS_LOG(Info, kLog, "shard ", req.shard_id(), " draining: ", chunks_held, " chunks (",
               backups_held, " of them backups) move to other shards");
   return resp;
+}
+
+}  // namespace optimus
+
+namespace optimus {
+
+bool Coordinator::ShardIdentityMatches(uint64_t shard_id, const std::string& identity) {
+  absl::MutexLock lock(&mu_);
+  const ShardRecord* shard = shards_.Find(shard_id);
+  // An unknown id is told so by Heartbeat (known=false): it registers again.
+  return shard == nullptr || shard->identity == identity;
 }
 
 }  // namespace optimus

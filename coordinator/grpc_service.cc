@@ -4,7 +4,10 @@
 #include <utility>
 
 #include "absl/time/time.h"
+#include "absl/strings/str_cat.h"
 #include "common/grpc_status.h"
+#include "common/logging.h"
+#include "common/security.h"
 
 namespace optimus {
 
@@ -13,6 +16,55 @@ std::vector<uint64_t> CoordinatorService::errors() const {
   for (int c = 0; c < kNumCodes; ++c) out[c] = errors_[c].load();
   return out;
 }
+
+
+using security::Caller;
+using security::Role;
+
+namespace {
+
+std::string Who(const Caller& c) {
+  if (!c.identity.empty()) return absl::StrCat("\"", c.identity, "\"");
+  return c.token.empty() ? "a caller with no certificate and no job token"
+                         : "a caller with a job token";
+}
+
+}  // namespace
+
+grpc::Status CoordinatorService::Refuse(const Caller& c, absl::string_view rpc,
+                                        absl::string_view needs) {
+  const bool anonymous = c.role == Role::kNone && c.token.empty();
+  const auto code = anonymous ? grpc::StatusCode::UNAUTHENTICATED
+                              : grpc::StatusCode::PERMISSION_DENIED;
+  errors_[static_cast<int>(code)].fetch_add(1);
+  OPTIMUS_LOG(Warning, "coord", "refused ", rpc, " from ", Who(c), " (", c.peer, "): needs ",
+              needs);
+  return grpc::Status(code, absl::StrCat(rpc, " refused: needs ", needs, "; the caller is ",
+                                         Who(c)));
+}
+
+Caller CoordinatorService::Identify(grpc::ServerContext* ctx) const {
+  Caller c = security::IdentifyCaller(*ctx, plaintext_);
+  c.peer = ctx->peer();
+  return c;
+}
+
+bool CoordinatorService::MayReadJob(const Caller& c, uint64_t job_id) {
+  return c.role == Role::kAdmin || c.role == Role::kShard ||
+         (!c.token.empty() && core_->JobTokenMatches(job_id, c.token));
+}
+
+bool CoordinatorService::MayUseJobNamed(const Caller& c, const std::string& name,
+                                        bool unknown_ok) {
+  if (c.role == Role::kAdmin) return true;
+  if (c.token.empty()) return false;
+  const std::optional<bool> match = core_->JobTokenMatchesByName(name, c.token);
+  return match.has_value() ? *match : unknown_ok;
+}
+
+constexpr char kNeedsAdmin[] = "the admin role (a client certificate \"admin:<who>\")";
+constexpr char kNeedsShard[] = "the shard role (a client certificate \"shard:<who>\")";
+constexpr char kNeedsJob[] = "the job's token (authorization: Bearer <token>) or the admin role";
 
 template <typename T>
 grpc::Status CoordinatorService::Reply(absl::StatusOr<T> result, T* resp) {
@@ -25,52 +77,89 @@ grpc::Status CoordinatorService::Reply(absl::StatusOr<T> result, T* resp) {
   return grpc::Status::OK;
 }
 
-grpc::Status CoordinatorService::RegisterShard(grpc::ServerContext*,
+grpc::Status CoordinatorService::RegisterShard(grpc::ServerContext* ctx,
                                                const v1::RegisterShardRequest* req,
                                                v1::RegisterShardResponse* resp) {
-  return Reply(core_->RegisterShard(*req), resp);
+  const Caller c = Identify(ctx);
+  if (c.role != Role::kShard && !plaintext_) return Refuse(c, "RegisterShard", kNeedsShard);
+  return Reply(core_->RegisterShard(*req, plaintext_ ? std::string() : c.identity), resp);
 }
 
-grpc::Status CoordinatorService::Heartbeat(grpc::ServerContext*, const v1::HeartbeatRequest* req,
+grpc::Status CoordinatorService::Heartbeat(grpc::ServerContext* ctx,
+                                           const v1::HeartbeatRequest* req,
                                            v1::HeartbeatResponse* resp) {
+  if (!plaintext_) {
+    const Caller c = Identify(ctx);
+    if (c.role != Role::kShard) return Refuse(c, "Heartbeat", kNeedsShard);
+    if (!core_->ShardIdentityMatches(req->shard_id(), c.identity)) {
+      return Refuse(c, "Heartbeat",
+                    absl::StrCat("the certificate that registered shard ", req->shard_id()));
+    }
+  }
   *resp = core_->Heartbeat(*req);
   return grpc::Status::OK;
 }
 
-grpc::Status CoordinatorService::CreateJob(grpc::ServerContext*, const v1::CreateJobRequest* req,
+grpc::Status CoordinatorService::CreateJob(grpc::ServerContext* ctx,
+                                           const v1::CreateJobRequest* req,
                                            v1::CreateJobResponse* resp) {
+  const Caller c = Identify(ctx);
+  if (c.role != Role::kAdmin && c.role != Role::kTrainer) {
+    return Refuse(c, "CreateJob",
+                  "the admin or trainer role (a client certificate \"trainer:<who>\")");
+  }
   return Reply(core_->CreateJob(*req), resp);
 }
 
-grpc::Status CoordinatorService::JoinJob(grpc::ServerContext*, const v1::JoinJobRequest* req,
+grpc::Status CoordinatorService::JoinJob(grpc::ServerContext* ctx,
+                                         const v1::JoinJobRequest* req,
                                          v1::JoinJobResponse* resp) {
+  const Caller c = Identify(ctx);
+  // A job not created yet is NOT_FOUND to a caller with a token: its ranks
+  // wait for rank 0 to create it.
+  if (!MayUseJobNamed(c, req->job_name(), /*unknown_ok=*/true)) {
+    return Refuse(c, "JoinJob", kNeedsJob);
+  }
   return Reply(core_->JoinJob(*req), resp);
 }
 
-grpc::Status CoordinatorService::LeaveJob(grpc::ServerContext*, const v1::LeaveJobRequest* req,
+grpc::Status CoordinatorService::LeaveJob(grpc::ServerContext* ctx,
+                                          const v1::LeaveJobRequest* req,
                                           v1::LeaveJobResponse* resp) {
+  const Caller c = Identify(ctx);
+  if (!MayUseJobNamed(c, req->job_name(), false)) return Refuse(c, "LeaveJob", kNeedsJob);
   return Reply(core_->LeaveJob(*req), resp);
 }
 
-grpc::Status CoordinatorService::DeleteJob(grpc::ServerContext*, const v1::DeleteJobRequest* req,
+grpc::Status CoordinatorService::DeleteJob(grpc::ServerContext* ctx,
+                                           const v1::DeleteJobRequest* req,
                                            v1::DeleteJobResponse* resp) {
+  const Caller c = Identify(ctx);
+  if (c.role != Role::kAdmin) return Refuse(c, "DeleteJob", kNeedsAdmin);
   return Reply(core_->DeleteJob(*req), resp);
 }
 
-grpc::Status CoordinatorService::GetJob(grpc::ServerContext*, const v1::GetJobRequest* req,
+grpc::Status CoordinatorService::GetJob(grpc::ServerContext* ctx,
+                                        const v1::GetJobRequest* req,
                                         v1::GetJobResponse* resp) {
+  const Caller c = Identify(ctx);
+  if (!MayReadJob(c, req->job_id())) return Refuse(c, "GetJob", kNeedsJob);
   return Reply(core_->GetJob(req->job_id()), resp);
 }
 
-grpc::Status CoordinatorService::GetShardMap(grpc::ServerContext*,
+grpc::Status CoordinatorService::GetShardMap(grpc::ServerContext* ctx,
                                              const v1::GetShardMapRequest* req,
                                              v1::ShardMap* resp) {
+  const Caller c = Identify(ctx);
+  if (!MayReadJob(c, req->job_id())) return Refuse(c, "GetShardMap", kNeedsJob);
   return Reply(core_->GetShardMap(req->job_id()), resp);
 }
 
 grpc::Status CoordinatorService::WatchShardMap(grpc::ServerContext* ctx,
                                                const v1::WatchShardMapRequest* req,
                                                grpc::ServerWriter<v1::ShardMap>* writer) {
+  const Caller c = Identify(ctx);
+  if (!MayReadJob(c, req->job_id())) return Refuse(c, "WatchShardMap", kNeedsJob);
   // The sync API has no cancellation callback: wait in short slices and
   // poll IsCancelled() between them.
   constexpr absl::Duration kPollInterval = absl::Milliseconds(100);
@@ -86,41 +175,62 @@ grpc::Status CoordinatorService::WatchShardMap(grpc::ServerContext* ctx,
   return grpc::Status(grpc::StatusCode::CANCELLED, "watch cancelled by the client");
 }
 
-grpc::Status CoordinatorService::Status(grpc::ServerContext*, const v1::StatusRequest*,
+grpc::Status CoordinatorService::Status(grpc::ServerContext* ctx, const v1::StatusRequest*,
                                         v1::StatusResponse* resp) {
+  const Caller c = Identify(ctx);
+  const bool everything = c.role == Role::kAdmin || c.role == Role::kShard;
+  if (!everything && c.token.empty()) return Refuse(c, "Status", kNeedsJob);
   *resp = core_->Status();
   core_->FillLastCheckpoints(resp);
+  if (!everything) {
+    // A job token sees its own job, and no shard.
+    resp->clear_shards();
+    auto* jobs = resp->mutable_jobs();
+    for (int i = jobs->size() - 1; i >= 0; --i) {
+      if (!core_->JobTokenMatches(jobs->Get(i).job_id(), c.token)) jobs->DeleteSubrange(i, 1);
+    }
+  }
   return grpc::Status::OK;
 }
 
-grpc::Status CoordinatorService::CreateCheckpoint(grpc::ServerContext*,
+grpc::Status CoordinatorService::CreateCheckpoint(grpc::ServerContext* ctx,
                                                   const v1::CreateCheckpointRequest* req,
                                                   v1::CreateCheckpointResponse* resp) {
+  const Caller c = Identify(ctx);
+  if (!MayUseJobNamed(c, req->job_name(), false)) return Refuse(c, "CreateCheckpoint", kNeedsJob);
   return Reply(core_->CreateCheckpoint(*req), resp);
 }
 
-grpc::Status CoordinatorService::ListCheckpoints(grpc::ServerContext*,
+grpc::Status CoordinatorService::ListCheckpoints(grpc::ServerContext* ctx,
                                                  const v1::ListCheckpointsRequest* req,
                                                  v1::ListCheckpointsResponse* resp) {
+  const Caller c = Identify(ctx);
+  if (!MayUseJobNamed(c, req->job_name(), false)) return Refuse(c, "ListCheckpoints", kNeedsJob);
   *resp = core_->ListCheckpoints(*req);
   return grpc::Status::OK;
 }
 
-grpc::Status CoordinatorService::RestoreCheckpoint(grpc::ServerContext*,
+grpc::Status CoordinatorService::RestoreCheckpoint(grpc::ServerContext* ctx,
                                                    const v1::RestoreCheckpointRequest* req,
                                                    v1::RestoreCheckpointResponse* resp) {
+  const Caller c = Identify(ctx);
+  if (c.role != Role::kAdmin) return Refuse(c, "RestoreCheckpoint", kNeedsAdmin);
   return Reply(core_->RestoreCheckpoint(*req), resp);
 }
 
-grpc::Status CoordinatorService::DrainShard(grpc::ServerContext*,
+grpc::Status CoordinatorService::DrainShard(grpc::ServerContext* ctx,
                                             const v1::DrainShardRequest* req,
                                             v1::DrainShardResponse* resp) {
+  const Caller c = Identify(ctx);
+  if (c.role != Role::kAdmin) return Refuse(c, "DrainShard", kNeedsAdmin);
   return Reply(core_->DrainShard(*req), resp);
 }
 
-grpc::Status CoordinatorService::ForgetShard(grpc::ServerContext*,
+grpc::Status CoordinatorService::ForgetShard(grpc::ServerContext* ctx,
                                              const v1::ForgetShardRequest* req,
                                              v1::ForgetShardResponse* resp) {
+  const Caller c = Identify(ctx);
+  if (c.role != Role::kAdmin) return Refuse(c, "ForgetShard", kNeedsAdmin);
   return Reply(core_->ForgetShard(*req), resp);
 }
 

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "common/security.h"
 #include "coordinator/coordinator_core.h"
 #include "proto/optimus.grpc.pb.h"
 
@@ -20,7 +21,10 @@ namespace optimus {
 
 class CoordinatorService final : public v1::Coordinator::Service {
  public:
-  explicit CoordinatorService(Coordinator* core) : core_(core) {}
+  // `plaintext`: the server runs without TLS, and so without authorization
+  // (every caller is an admin). Otherwise each call is checked against the
+  // caller's role and job token (common/security.h).
+  CoordinatorService(Coordinator* core, bool plaintext) : core_(core), plaintext_(plaintext) {}
 
   // Errors answered so far, by absl::StatusCode value (index 0 unused).
   std::vector<uint64_t> errors() const;
@@ -65,7 +69,16 @@ class CoordinatorService final : public v1::Coordinator::Service {
   template <typename T>
   grpc::Status Reply(absl::StatusOr<T> result, T* resp);
 
+  security::Caller Identify(grpc::ServerContext* ctx) const;
+  // PERMISSION_DENIED (UNAUTHENTICATED for a caller with no certificate and
+  // no token), counted and logged.
+  grpc::Status Refuse(const security::Caller& c, absl::string_view rpc, absl::string_view needs);
+  bool MayReadJob(const security::Caller& c, uint64_t job_id);
+  // `unknown_ok`: a caller with a token may ask about a name no job has.
+  bool MayUseJobNamed(const security::Caller& c, const std::string& name, bool unknown_ok);
+
   Coordinator* const core_;
+  const bool plaintext_;
   std::array<std::atomic<uint64_t>, kNumCodes> errors_{};
 };
 

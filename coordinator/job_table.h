@@ -51,6 +51,8 @@ struct JobRecord {
   // Being deleted: left out of saved snapshots while its deletion is made
   // durable; still served (and not released to shards) until it is gone.
   bool deleting = false;
+  // What its workers prove (CreateJobResponse.job_token); durable.
+  std::string token;
 };
 
 class JobTable {

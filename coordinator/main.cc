@@ -32,6 +32,12 @@ ABSL_FLAG(bool, rollback_on_shard_loss, true,
 ABSL_FLAG(absl::Duration, down_shard_grace, absl::Minutes(10),
           "A shard DOWN for longer than this leaves the coordinator's tables and status "
           "(optimusctl shard forget removes one at once); e.g. 10m, 1h; inf keeps them");
+ABSL_FLAG(std::string, tls_dir, "",
+          "Folder with ca.crt, tls.crt, tls.key (a Kubernetes TLS Secret with its CA): TLS for "
+          "gRPC, client certificates give roles (docs/operations.md, Security); empty: "
+          "$OPTIMUS_TLS_DIR");
+ABSL_FLAG(bool, insecure_plaintext, false,
+          "Serve plain-text gRPC with no authentication (local clusters and tests only)");
 ABSL_FLAG(bool, verbose, false, "Log debug lines too");
 ABSL_FLAG(std::string, log_format, "text", "text, or json (one object per line, for log collectors)");
 
@@ -77,6 +83,8 @@ int main(int argc, char** argv) {
 
   optimus::CoordinatorOptions options;
   options.listen_address = absl::GetFlag(FLAGS_listen);
+  options.tls.dir = absl::GetFlag(FLAGS_tls_dir);
+  options.tls.plaintext = absl::GetFlag(FLAGS_insecure_plaintext);
   options.lease = absl::Milliseconds(absl::GetFlag(FLAGS_lease_ms));
   options.sweep_interval = absl::Milliseconds(absl::GetFlag(FLAGS_sweep_ms));
   options.checkpoint_dir = absl::GetFlag(FLAGS_checkpoint_dir);

@@ -39,6 +39,9 @@ struct ShardRecord {
   // "drained" was logged.
   uint32_t drain_chunks_at_start = 0;
   bool drained_logged = false;
+  // The client certificate common name it registered with (empty in
+  // plain-text mode); durable. Heartbeats for its id must come from it.
+  std::string identity;
 };
 
 class ShardRegistry {

@@ -20,7 +20,7 @@ FileStateStore::FileStateStore(std::string dir)
     : dir_(std::move(dir)), path_(absl::StrCat(dir_, "/coordinator.state")) {}
 
 absl::Status FileStateStore::Save(absl::string_view bytes) {
-  absl::Status s = WriteChecksummedFile(path_, kStateMagic, bytes);
+  absl::Status s = WriteChecksummedFile(path_, kStateMagic, bytes, 0600);  // Holds job tokens.
   if (!s.ok()) {
     return absl::Status(s.code(), absl::StrCat("saving coordinator state: ", s.message()));
   }

@@ -15,6 +15,7 @@ PACKAGES=(
   clang
   nlohmann-json3-dev
   libyaml-cpp-dev
+  libssl-dev openssl
   python3-dev pybind11-dev python3-pytest python3-yaml
 )
 

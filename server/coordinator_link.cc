@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/checkpoint_files.h"
 #include "common/grpc_status.h"
+#include "common/security.h"
 #include "grpcpp/grpcpp.h"
 #include "proto/optimus.grpc.pb.h"
 
@@ -96,7 +97,9 @@ ShardMapView MapFromProto(const v1::ShardMap& map) {
 
 class GrpcCoordinatorLink : public CoordinatorLink {
  public:
-  explicit GrpcCoordinatorLink(const std::string& address) : address_(address) {
+  GrpcCoordinatorLink(const std::string& address,
+                      std::shared_ptr<grpc::ChannelCredentials> credentials)
+      : address_(address) {
     // Reconnect quickly after a coordinator restart: gRPC's default backoff
     // grows to minutes, and the restarted coordinator expects a heartbeat
     // within two leases.
@@ -107,7 +110,7 @@ class GrpcCoordinatorLink : public CoordinatorLink {
     // A large job's map can exceed gRPC's 4 MB default; the coordinator
     // allows 64 MiB.
     args.SetMaxReceiveMessageSize(64 << 20);
-    channel_ = grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
+    channel_ = grpc::CreateCustomChannel(address, std::move(credentials), args);
     stub_ = v1::Coordinator::NewStub(channel_);
   }
 
@@ -210,8 +213,13 @@ class GrpcCoordinatorLink : public CoordinatorLink {
 
 }  // namespace
 
-std::unique_ptr<CoordinatorLink> NewGrpcCoordinatorLink(const std::string& address) {
-  return std::make_unique<GrpcCoordinatorLink>(address);
+absl::StatusOr<std::unique_ptr<CoordinatorLink>> NewGrpcCoordinatorLink(
+    const std::string& address, const security::TlsOptions& tls_options) {
+  absl::StatusOr<security::TlsMaterial> tls =
+      security::LoadTls(tls_options, /*need_cert=*/true, "optimus-shard");
+  if (!tls.ok()) return tls.status();
+  return std::unique_ptr<CoordinatorLink>(
+      std::make_unique<GrpcCoordinatorLink>(address, security::ChannelCredentials(*tls)));
 }
 
 }  // namespace server

@@ -11,6 +11,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "common/security.h"
 #include "server/domain.h"
 
 namespace optimus {
@@ -28,8 +29,11 @@ class CoordinatorLink {
 
 // Talks to optimus-coord at "HOST:PORT" over gRPC; reconnects quickly after
 // a coordinator restart. Each call has a deadline (register and get 5 s,
-// heartbeat 2 s).
-std::unique_ptr<CoordinatorLink> NewGrpcCoordinatorLink(const std::string& address);
+// heartbeat 2 s). With TLS the shard's certificate ("shard:<who>") is its
+// identity: the coordinator lets only it heartbeat as the shard it
+// registers (common/security.h).
+absl::StatusOr<std::unique_ptr<CoordinatorLink>> NewGrpcCoordinatorLink(
+    const std::string& address, const security::TlsOptions& tls);
 
 }  // namespace server
 }  // namespace optimus

@@ -41,6 +41,11 @@ ABSL_FLAG(std::string, checkpoint_dir, "",
           "folder for checkpoints, shared with optimus-coord's --checkpoint_dir; empty: off");
 ABSL_FLAG(int64_t, checkpoint_max_mb_per_s, 0,
           "most MiB/s the background checkpoint writer puts on disk; 0: no limit");
+ABSL_FLAG(std::string, tls_dir, "",
+          "Folder with ca.crt, tls.crt, tls.key: TLS to the coordinator with this shard's client "
+          "certificate (common name shard:<who>); empty: $OPTIMUS_TLS_DIR");
+ABSL_FLAG(bool, insecure_plaintext, false,
+          "Plain-text gRPC to the coordinator, no authentication (local clusters and tests only)");
 ABSL_FLAG(bool, verbose, false, "debug logging");
 ABSL_FLAG(std::string, log_format, "text", "text, or json (one object per line, for log collectors)");
 
@@ -57,6 +62,8 @@ int main(int argc, char** argv) {
 
   optimus::server::ShardServerOptions options;
   options.coordinator_address = absl::GetFlag(FLAGS_coordinator);
+  options.tls.dir = absl::GetFlag(FLAGS_tls_dir);
+  options.tls.plaintext = absl::GetFlag(FLAGS_insecure_plaintext);
   const std::string kind = absl::GetFlag(FLAGS_kind);
   if (kind != "dpu" && kind != "host") {
     std::fprintf(stderr, "optimus-shard: --kind must be dpu or host, got '%s'\n", kind.c_str());

@@ -228,7 +228,10 @@ absl::StatusOr<std::unique_ptr<ShardServer>> ShardServer::Start(const ShardServe
   if (options.coordinator_address.empty()) {
     return absl::InvalidArgumentError("ShardServerOptions.coordinator_address is required");
   }
-  return StartWithLink(options, NewGrpcCoordinatorLink(options.coordinator_address));
+  absl::StatusOr<std::unique_ptr<CoordinatorLink>> link =
+      NewGrpcCoordinatorLink(options.coordinator_address, options.tls);
+  if (!link.ok()) return link.status();
+  return StartWithLink(options, *std::move(link));
 }
 
 absl::StatusOr<std::unique_ptr<ShardServer>> ShardServer::StartWithLink(

@@ -14,6 +14,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "common/security.h"
 #include "absl/time/time.h"
 #include "transport/transport.h"
 
@@ -23,6 +24,10 @@ namespace server {
 struct ShardServerOptions {
   // gRPC address of optimus-coord, "host:port". Required.
   std::string coordinator_address;
+  // TLS to the coordinator, with this shard's client certificate, or plain
+  // text when asked for. Left empty: $OPTIMUS_TLS_DIR or
+  // $OPTIMUS_INSECURE_PLAINTEXT, else the shard refuses to start.
+  security::TlsOptions tls;
   // True on a DPU (BlueField Arm cores); false on the host CPU fallback.
   bool is_dpu = false;
   // Budget for all jobs' state on this shard. Default 1 GiB.

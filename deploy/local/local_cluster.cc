@@ -29,6 +29,7 @@
 #include "absl/time/clock.h"
 #include "deploy/local/mlp_task.h"
 #include "grpcpp/grpcpp.h"
+#include "common/security.h"
 #include "proto/optimus.grpc.pb.h"
 
 ABSL_FLAG(int, workers, 2, "training worker processes (W)");
@@ -66,6 +67,9 @@ ABSL_FLAG(std::string, python_mode, "layerwise",
           "with --python_workers: DistributedOptimizer's mode (layerwise, delayed or none)");
 ABSL_FLAG(std::string, python, "/usr/bin/python3",
           "with --python_workers: the interpreter (Debian's, with python3-torch)");
+ABSL_FLAG(bool, insecure_plaintext, false,
+          "plain-text gRPC with no authentication; default: TLS with a CA and certificates "
+          "made in the work dir (scripts/make_local_ca.sh), workers proving a job token");
 ABSL_FLAG(int, metrics_port, 0,
           "serve Prometheus /metrics and /healthz: the coordinator on this port, shard i on "
           "this port + 1 + i (0: off)");
@@ -122,7 +126,9 @@ std::string FindBinRoot(const char* argv0) {
 
 // Finds the folder holding python/optimus/ (sources and _C.so) and
 // python/examples/: this program's runfiles (a data dependency).
-std::string FindPythonRoot(const char* argv0, const std::string& bin_root) {
+// The source-tree folder (runfiles) holding `relative_path`; "" if none.
+std::string FindRunfilesRoot(const char* argv0, const std::string& bin_root,
+                             const std::vector<std::string>& relative_paths) {
   std::vector<std::string> candidates;
   if (const char* r = std::getenv("RUNFILES_DIR")) candidates.push_back(absl::StrCat(r, "/optimus"));
   candidates.push_back(absl::StrCat(argv0, ".runfiles/optimus"));
@@ -131,12 +137,17 @@ std::string FindPythonRoot(const char* argv0, const std::string& bin_root) {
     candidates.push_back(absl::StrCat(absl::GetFlag(FLAGS_bin_dir), "/deploy/local/local_cluster.runfiles/optimus"));
   }
   for (const auto& c : candidates) {
-    if (Exists(c + "/python/optimus/__init__.py") && Exists(c + "/python/optimus/_C.so") &&
-        Exists(c + "/python/examples/train_gpt.py")) {
-      return c;
-    }
+    bool all = true;
+    for (const auto& p : relative_paths) all = all && Exists(c + "/" + p);
+    if (all) return c;
   }
   return "";
+}
+
+std::string FindPythonRoot(const char* argv0, const std::string& bin_root) {
+  return FindRunfilesRoot(argv0, bin_root,
+                          {"python/optimus/__init__.py", "python/optimus/_C.so",
+                           "python/examples/train_gpt.py"});
 }
 
 // Starts argv with stdout/stderr to `log_path`, or stdout to a pipe when
@@ -284,6 +295,33 @@ int main(int argc, char** argv) {
   std::fprintf(stderr, "optimus-local-cluster: %d shards, %d %sworkers, %d steps; logs in %s\n",
                shards, workers, python_workers ? "Python " : "", steps, dir.c_str());
 
+  // 0. TLS: a local CA and a certificate per process (scripts/make_local_ca.sh);
+  // workers prove a job token. Or plain text when asked for.
+  const bool plaintext = absl::GetFlag(FLAGS_insecure_plaintext);
+  const std::string tls_dir = dir + "/tls";
+  std::string job_token;
+  if (!plaintext) {
+    const std::string scripts = FindRunfilesRoot(argv[0], root, {"scripts/make_local_ca.sh"});
+    if (scripts.empty()) return Die("cannot find scripts/make_local_ca.sh (a data dependency)");
+    const std::string cmd = absl::StrCat(scripts, "/scripts/make_local_ca.sh ", tls_dir,
+                                         " --shards ", shards, " >/dev/null");
+    if (std::system(cmd.c_str()) != 0) return Die("making the local CA failed: " + cmd);
+    auto token = optimus::security::NewToken();
+    if (!token.ok()) return Die(std::string(token.status().message()));
+    job_token = *token;
+    std::fprintf(stderr,
+                 "optimus-local-cluster: TLS with the CA in %s (optimusctl --tls_dir=%s/admin)\n",
+                 tls_dir.c_str(), tls_dir.c_str());
+  }
+  // `who`: coordinator, shard-<i>, admin or trainer.
+  auto tls_flag = [&](const std::string& who) {
+    return plaintext ? std::string("--insecure_plaintext") : "--tls_dir=" + tls_dir + "/" + who;
+  };
+  std::vector<std::string> worker_env =
+      plaintext ? std::vector<std::string>{"OPTIMUS_INSECURE_PLAINTEXT=1"}
+                : std::vector<std::string>{"OPTIMUS_TLS_DIR=" + tls_dir + "/trainer",
+                                           "OPTIMUS_JOB_TOKEN=" + job_token};
+
   // 1. Coordinator on an ephemeral port, its durable state in the work dir.
   const std::string port_file = dir + "/coord.port";
   unlink(port_file.c_str());
@@ -309,7 +347,7 @@ int main(int argc, char** argv) {
   auto coord_args = [&](const std::string& listen) {
     std::vector<std::string> args{root + "/coordinator/optimus-coord", "--listen=" + listen,
                                   "--port_file=" + port_file, "--lease_ms=2000",
-                                  "--state_dir=" + state_dir};
+                                  "--state_dir=" + state_dir, tls_flag("coordinator")};
     if (metrics_port > 0) args.push_back(absl::StrCat("--metrics_port=", metrics_port));
     if (ckpt_every > 0) args.push_back("--checkpoint_dir=" + ckpt_dir);
     return args;
@@ -329,13 +367,21 @@ int main(int argc, char** argv) {
   std::vector<pid_t> shard_pids;
   for (int i = 0; i < shards; ++i) {
     std::vector<std::string> args{root + "/server/optimus-shard", "--coordinator=" + coord_addr,
-                                  "--kind=host", "--net_devices=lo", "--memory_limit_mb=512"};
+                                  "--kind=host", "--net_devices=lo", "--memory_limit_mb=512",
+                                  tls_flag(absl::StrCat("shard-", i))};
     if (metrics_port > 0) args.push_back(absl::StrCat("--metrics_port=", metrics_port + 1 + i));
     if (ckpt_every > 0) args.push_back("--checkpoint_dir=" + ckpt_dir);
     shard_pids.push_back(Spawn(args, absl::StrCat(dir, "/shard-", i, ".log")));
   }
-  auto stub = optimus::v1::Coordinator::NewStub(
-      grpc::CreateChannel(coord_addr, grpc::InsecureChannelCredentials()));
+  optimus::security::TlsOptions admin_tls;
+  if (plaintext) {
+    admin_tls.plaintext = true;
+  } else {
+    admin_tls.dir = tls_dir + "/admin";
+  }
+  auto admin_channel = optimus::security::Dial(coord_addr, admin_tls, "optimus-local-cluster");
+  if (!admin_channel.ok()) return Die(std::string(admin_channel.status().message()));
+  auto stub = optimus::v1::Coordinator::NewStub(*admin_channel);
   int up = 0;
   for (int i = 0; i < 200 && up < shards; ++i) {
     optimus::v1::StatusRequest req;
@@ -388,6 +434,7 @@ int main(int argc, char** argv) {
         "OPTIMUS_COORDINATOR=" + coord_addr, "OPTIMUS_JOB=local-gpt",
         "PYTHONPATH=" + python_root + "/python", "UCX_NET_DEVICES=lo",
         "PYTHONDONTWRITEBYTECODE=1"};
+    env.insert(env.end(), worker_env.begin(), worker_env.end());
     std::vector<std::string> args = {absl::GetFlag(FLAGS_python),
                                      python_root + "/python/examples/train_gpt.py",
                                      absl::StrCat("--steps=", steps),
@@ -411,7 +458,7 @@ int main(int argc, char** argv) {
     if (kill_shard_at > 0 && replication == 0) args.push_back("--follow_rollback");
     if (replication > 0) args.push_back(absl::StrCat("--replication=", replication));
     worker_pids.push_back(Spawn(args, absl::StrCat(dir, "/worker-", r, ".log"),
-                                r == 0 ? &progress_fd : nullptr));
+                                r == 0 ? &progress_fd : nullptr, worker_env));
   }
   double initial_loss = NAN, final_loss = NAN, step_ms_median = NAN;
   bool coord_down = false;

@@ -29,6 +29,7 @@
 #include "common/checkpoint_files.h"
 #include "common/dtype.h"
 #include "common/grpc_status.h"
+#include "common/security.h"
 #include "grpcpp/grpcpp.h"
 #include "proto/optimus.grpc.pb.h"
 
@@ -179,21 +180,24 @@ std::shared_ptr<PyClient> Connect(const std::string& coordinator, const std::str
 
 // ---- Optimizer state from the shards, through a checkpoint --------------
 
-std::unique_ptr<grpc::ClientContext> Ctx(absl::Duration timeout) {
-  auto ctx = std::make_unique<grpc::ClientContext>();
-  ctx->set_deadline(absl::ToChronoTime(absl::Now() + timeout));
-  return ctx;
-}
-
 // Checkpoints job `name` at version `step` and waits until it is complete;
 // returns its folder. The caller makes sure no chunk passes `step` meanwhile
 // (its rank has not pushed step `step`): the coordinator orders a checkpoint
 // at the step after the highest one applied, so this first waits until the
 // shards' reports show every chunk at `step`.
 absl::StatusOr<std::string> CheckpointAt(const std::string& coordinator, const std::string& name,
-                                         uint64_t step, absl::Duration timeout) {
-  auto stub = v1::Coordinator::NewStub(
-      grpc::CreateChannel(coordinator, grpc::InsecureChannelCredentials()));
+                                         const std::string& token, uint64_t step,
+                                         absl::Duration timeout) {
+  // TLS as the client's ($OPTIMUS_TLS_DIR or $OPTIMUS_INSECURE_PLAINTEXT).
+  auto channel = security::Dial(coordinator, security::TlsOptions(), "optimus python");
+  if (!channel.ok()) return channel.status();
+  auto stub = v1::Coordinator::NewStub(*channel);
+  auto Ctx = [&token](absl::Duration rpc_timeout) {
+    auto ctx = std::make_unique<grpc::ClientContext>();
+    ctx->set_deadline(absl::ToChronoTime(absl::Now() + rpc_timeout));
+    if (!token.empty()) ctx->AddMetadata(security::kAuthorizationKey, "Bearer " + token);
+    return ctx;
+  };
   const absl::Time deadline = absl::Now() + timeout;
   const absl::Duration rpc = absl::Seconds(10);
   auto late = [&](const std::string& what) {
@@ -420,15 +424,16 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "checkpoint_at",
       [](const std::string& coordinator, const std::string& job_name, uint64_t step,
-         double timeout_s) {
+         double timeout_s, const std::string& job_token) {
         absl::StatusOr<std::string> path;
         {
           py::gil_scoped_release release;
-          path = CheckpointAt(coordinator, job_name, step, Secs(timeout_s));
+          path = CheckpointAt(coordinator, job_name, job_token, step, Secs(timeout_s));
         }
         return Value(std::move(path));
       },
       py::arg("coordinator"), py::arg("job_name"), py::arg("step"), py::arg("timeout_s") = 120.0,
+      py::arg("job_token") = "",
       "Checkpoints the job at version `step` (no rank may push step `step` meanwhile) and "
       "returns the complete checkpoint's folder (the coordinator's --checkpoint_dir must be "
       "readable here).");
@@ -521,6 +526,9 @@ PYBIND11_MODULE(_C, m) {
                   py::arg("registration_cache_bytes") = uint64_t{4} << 30,
                   "Starts the data plane and opens the control channel (Client::Connect).")
       .def("close", &PyClient::Close, "Stops the data plane (the client is unusable after).")
+      .def_property_readonly(
+          "job_token", [](PyClient& c) { return c.get()->job_token(); },
+          "The job token this client uses (a secret: OPTIMUS_JOB_TOKEN for the other ranks).")
       .def(
           "create_job",
           [](PyClient& c, const JobDef& def) {

@@ -151,11 +151,40 @@ absl::StatusOr<std::string> NewTempDir(absl::string_view prefix) {
 
 Cluster::Cluster(const ClusterOptions& options) : options_(options) {}
 
+absl::StatusOr<std::string> MakeTestCa(int shards) {
+  auto dir = NewTempDir("ca");
+  if (!dir.ok()) return dir.status();
+  const char* runfiles = std::getenv("TEST_SRCDIR");
+  const std::string script =
+      absl::StrCat(runfiles != nullptr ? runfiles : ".", "/optimus/scripts/make_local_ca.sh");
+  const std::string cmd = absl::StrCat(script, " ", *dir, " --shards ", shards, " >/dev/null");
+  if (std::system(cmd.c_str()) != 0) {
+    return absl::InternalError(absl::StrCat("`", cmd, "` failed (is openssl installed?)"));
+  }
+  return *dir;
+}
+
+security::TlsOptions Cluster::TlsFor(const std::string& who) const {
+  security::TlsOptions t;
+  if (options_.tls_root.empty()) {
+    t.plaintext = true;
+  } else {
+    t.dir = absl::StrCat(options_.tls_root, "/", who);
+  }
+  return t;
+}
+
 absl::StatusOr<std::unique_ptr<Cluster>> Cluster::Start(const ClusterOptions& options) {
   if (options.num_shards < 0 || options.num_workers == 0) {
     return absl::InvalidArgumentError("a cluster needs num_shards >= 0 and num_workers >= 1");
   }
-  std::unique_ptr<Cluster> c(new Cluster(options));
+  ClusterOptions resolved = options;
+  if (!resolved.tls_root.empty() && resolved.job_token.empty()) {
+    auto token = security::NewToken();
+    if (!token.ok()) return token.status();
+    resolved.job_token = *token;
+  }
+  std::unique_ptr<Cluster> c(new Cluster(resolved));
   if (options.transport == TransportKind::kLoopback) {
     c->fabric_ = transport::LoopbackFabric::Create(options.loopback);
   }
@@ -169,6 +198,7 @@ absl::StatusOr<std::unique_ptr<Cluster>> Cluster::Start(const ClusterOptions& op
 absl::Status Cluster::StartCoordinator(const std::string& address) {
   CoordinatorOptions copts;
   copts.listen_address = address;
+  copts.tls = TlsFor("coordinator");
   copts.lease = options_.lease;
   copts.sweep_interval = options_.sweep_interval;
   copts.checkpoint_dir = options_.checkpoint_dir;
@@ -178,8 +208,9 @@ absl::Status Cluster::StartCoordinator(const std::string& address) {
   if (!coord.ok()) return coord.status();
   coord_ = std::move(*coord);
   coord_address_ = coord_->address();
-  stub_ = v1::Coordinator::NewStub(
-      grpc::CreateChannel(coord_address_, grpc::InsecureChannelCredentials()));
+  auto channel = security::Dial(coord_address_, TlsFor("admin"), "test harness");
+  if (!channel.ok()) return channel.status();
+  stub_ = v1::Coordinator::NewStub(*channel);
   return absl::OkStatus();
 }
 
@@ -228,6 +259,7 @@ absl::StatusOr<v1::StatusResponse> Cluster::Status() {
 absl::StatusOr<size_t> Cluster::AddShard() {
   server::ShardServerOptions s;
   s.coordinator_address = coord_address_;
+  s.tls = TlsFor(absl::StrCat("shard-", shards_.size()));
   s.memory_limit_bytes = options_.shard_memory_limit_bytes;
   s.kernel_threads = options_.kernel_threads;
   s.step_threads = options_.step_threads;
@@ -288,6 +320,8 @@ absl::Status Cluster::ConnectWorkers() {
   for (uint32_t r = 0; r < options_.num_workers; ++r) {
     client::ClientOptions o;
     o.coordinator_address = coord_address_;
+    o.tls = TlsFor("trainer");
+    o.job_token = options_.job_token;
     o.transport = TransportOptions(absl::StrCat("worker", r));
     auto c = client::Client::Connect(o);
     if (!c.ok()) {

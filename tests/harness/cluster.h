@@ -27,6 +27,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "client/client.h"
+#include "common/security.h"
 #include "coordinator/coordinator.h"
 #include "proto/optimus.grpc.pb.h"
 #include "server/shard_server.h"
@@ -70,6 +71,11 @@ client::JobDef SmallJob(const std::string& name, uint32_t world_size,
 // A fresh folder under $TEST_TMPDIR (or /tmp). INTERNAL if mkdtemp fails.
 absl::StatusOr<std::string> NewTempDir(absl::string_view prefix = "cluster");
 
+// A CA and certificates for `shards` shards under a fresh temporary folder
+// (scripts/make_local_ca.sh, found through the test's runfiles); returns
+// the folder, for ClusterOptions.tls_root.
+absl::StatusOr<std::string> MakeTestCa(int shards);
+
 // This process's resident memory in bytes (/proc/self/statm; 0 if unreadable).
 uint64_t ResidentBytes();
 
@@ -105,6 +111,13 @@ struct ClusterOptions {
   // The coordinator's durable state folder (StopCoordinator /
   // RestartCoordinator need one to come back knowing the jobs). Empty: none.
   std::string state_dir;
+  // TLS: a folder made by scripts/make_local_ca.sh (MakeTestCa): the
+  // coordinator serves with coordinator/, shard i presents shard-<i>/,
+  // workers trainer/ with job_token, and stub() admin/. Empty: plain text
+  // (no authentication), asked for explicitly. Default empty.
+  std::string tls_root;
+  // The token workers create and join jobs with (TLS); empty: a fresh one.
+  std::string job_token;
   // The loopback fabric's settings (loopback only).
   transport::LoopbackOptions loopback;
   // How long one harness call waits for something (a pull, a push, a state
@@ -251,6 +264,9 @@ class Cluster {
   std::unique_ptr<CoordinatorServer> coord_;
   std::string coord_address_;  // Kept across StopCoordinator.
   std::unique_ptr<v1::Coordinator::Stub> stub_;
+  // TLS options for the folder `who` of options_.tls_root (plain text
+  // without one).
+  security::TlsOptions TlsFor(const std::string& who) const;
   std::vector<std::unique_ptr<server::ShardServer>> shards_;
   std::vector<std::unique_ptr<client::Client>> workers_;
   std::string joined_job_;

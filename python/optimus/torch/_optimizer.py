@@ -896,7 +896,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         sd["optimus"] = {"job_name": self._job_name, "step": step, "master": masters}
         if step <= 1:
             return sd  # No step taken: torch has no state either.
-        path = _C.checkpoint_at(self._coordinator, self._job_name, step, self._timeout)
+        path = _C.checkpoint_at(self._coordinator, self._job_name, step, self._timeout,
+                                job_token=self._client.job_token)
         info = _C.read_checkpoint(path)
         arrays = info["arrays"]
         names = self._MOMENTS[self._kind]
