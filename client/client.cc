@@ -307,6 +307,21 @@ class ClientImpl : public Client {
     wopts.on_peer_failure = [this](transport::EndpointRef ep, const absl::Status& why) {
       OnPeerFailure(ep, why);
     };
+    // A worker talks only to the shards it connects to: nothing else gets
+    // a message (a forged reply) through to it.
+    wopts.verify_peer = [](absl::string_view, absl::string_view, absl::string_view) {
+      return absl::PermissionDeniedError("a worker accepts no connections");
+    };
+    // To each shard: "worker:<job>:<rank>" and the HMAC of its challenge
+    // under the job's data-plane key (from JoinJob).
+    wopts.prove = [this](absl::string_view challenge) {
+      absl::MutexLock lock(&identity_mu_);
+      std::string proof;
+      if (!data_plane_key_.empty()) {
+        proof = security::DataPlaneProof(data_plane_key_, challenge, data_plane_identity_);
+      }
+      return std::make_pair(data_plane_identity_, proof);
+    };
     auto worker = options_.make_worker ? options_.make_worker(wopts)
                                        : transport::Worker::Create(wopts);
     if (!worker.ok()) return worker.status();
@@ -428,6 +443,11 @@ class ClientImpl : public Client {
       SetDeadline(&ctx);
       auto s = FromGrpc(stub_->JoinJob(&ctx, req, &join));
       if (!s.ok()) return Annotate(s, absl::StrCat("joining job '", name, "'"));
+    }
+    {
+      absl::MutexLock lock(&identity_mu_);
+      data_plane_identity_ = security::WorkerIdentity(join.job_id(), rank);
+      data_plane_key_ = join.data_plane_key();
     }
     // Wait for the shards to load the job.
     v1::GetJobResponse job;
@@ -1529,6 +1549,11 @@ class ClientImpl : public Client {
 
   mutable absl::Mutex mu_;
   std::string token_ ABSL_GUARDED_BY(mu_);
+  // What this worker proves to shards (set by Join; read on the transport's
+  // thread during Connect, which may run while mu_ is held).
+  absl::Mutex identity_mu_;
+  std::string data_plane_identity_ ABSL_GUARDED_BY(identity_mu_);
+  std::string data_plane_key_ ABSL_GUARDED_BY(identity_mu_);
   bool joined_ ABSL_GUARDED_BY(mu_) = false;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   uint64_t epoch_ ABSL_GUARDED_BY(mu_) = 0;

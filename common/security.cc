@@ -197,5 +197,30 @@ std::string HmacSha256(absl::string_view key, absl::string_view message) {
   return std::string(reinterpret_cast<const char*>(out), len);
 }
 
+std::string JobDataPlaneKey(absl::string_view cluster_key, uint64_t job_id) {
+  return HmacSha256(cluster_key, absl::StrCat("optimus job data plane ", job_id));
+}
+
+std::string WorkerIdentity(uint64_t job_id, uint32_t rank) {
+  return absl::StrCat("worker:", job_id, ":", rank);
+}
+
+std::string ShardIdentity(uint64_t shard_id) { return absl::StrCat("shard:", shard_id); }
+
+std::string DataPlaneProof(absl::string_view key, absl::string_view challenge,
+                           absl::string_view identity) {
+  return HmacSha256(key, absl::StrCat(challenge, "|", identity));
+}
+
+absl::Status CheckDataPlaneProof(absl::string_view key, absl::string_view challenge,
+                                 absl::string_view identity, absl::string_view proof) {
+  if (challenge.size() != 32) return absl::UnauthenticatedError("no valid challenge");
+  if (!TokensEqual(DataPlaneProof(key, challenge, identity), proof)) {
+    return absl::UnauthenticatedError(
+        absl::StrCat("the proof for \"", identity, "\" does not check out"));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace security
 }  // namespace optimus

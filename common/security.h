@@ -105,6 +105,23 @@ bool TokensEqual(absl::string_view a, absl::string_view b);
 // HMAC-SHA256(key, message), 32 raw bytes.
 std::string HmacSha256(absl::string_view key, absl::string_view message);
 
+// ---- The data plane's handshake (transport::WorkerOptions::verify_peer) ----
+// The coordinator keeps one cluster secret (TLS mode); shards get it at
+// registration, a worker gets its job's key when it joins (proving the
+// job's token to the coordinator). A peer claims an identity and proves it
+// with HmacSha256(key, challenge + identity):
+//   "worker:<job id>:<rank>"  with JobDataPlaneKey(cluster secret, job id)
+//   "shard:<shard id>"        with the cluster secret itself
+std::string JobDataPlaneKey(absl::string_view cluster_key, uint64_t job_id);
+std::string WorkerIdentity(uint64_t job_id, uint32_t rank);
+std::string ShardIdentity(uint64_t shard_id);
+std::string DataPlaneProof(absl::string_view key, absl::string_view challenge,
+                           absl::string_view identity);
+// OK when `proof` is DataPlaneProof(key, challenge, identity) over a
+// 32-byte challenge; UNAUTHENTICATED otherwise.
+absl::Status CheckDataPlaneProof(absl::string_view key, absl::string_view challenge,
+                                 absl::string_view identity, absl::string_view proof);
+
 }  // namespace security
 }  // namespace optimus
 

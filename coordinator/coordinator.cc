@@ -6,6 +6,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "common/logging.h"
+#include "common/security.h"
 #include "coordinator/coordinator_core.h"
 
 namespace optimus {
@@ -42,6 +43,7 @@ absl::StatusOr<uint64_t> Coordinator::SnapshotLocked() {
   v1::CoordinatorState state;
   state.set_next_shard_id(shards_.next_id());
   state.set_next_job_id(jobs_.next_id());
+  state.set_data_plane_key(data_plane_key_);
   for (const auto& [id, shard] : shards_.all()) {
     v1::PersistedShard* s = state.add_shards();
     s->set_shard_id(id);
@@ -103,6 +105,7 @@ absl::Status Coordinator::Recover() {
   jobs_.Clear();
   shards_.set_next_id(state.next_shard_id());
   jobs_.set_next_id(state.next_job_id());
+  data_plane_key_ = state.data_plane_key();
   for (const v1::PersistedShard& s : state.shards()) {
     ShardRecord r;
     r.id = s.shard_id();
@@ -165,6 +168,25 @@ Coordinator::TableSizes Coordinator::table_sizes() {
 Coordinator::Counters Coordinator::counters() {
   absl::MutexLock lock(&mu_);
   return counters_;
+}
+
+absl::Status Coordinator::EnsureDataPlaneKey() {
+  absl::MutexLock commit(&commit_mu_);
+  absl::StatusOr<uint64_t> seq;
+  {
+    absl::MutexLock lock(&mu_);
+    if (!data_plane_key_.empty()) return absl::OkStatus();
+    absl::StatusOr<std::string> key = security::NewToken();
+    if (!key.ok()) return key.status();
+    data_plane_key_ = *key;
+    seq = SnapshotLocked();
+  }
+  return WaitDurable(seq);
+}
+
+std::string Coordinator::data_plane_key() {
+  absl::MutexLock lock(&mu_);
+  return data_plane_key_;
 }
 
 }  // namespace optimus

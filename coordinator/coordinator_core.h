@@ -60,6 +60,11 @@ class Coordinator {
   // again. DATA_LOSS naming the file when it is corrupted; nothing is
   // loaded then. Call once, before serving.
   absl::Status Recover();
+  // TLS mode: makes the cluster's data-plane secret if the state has none
+  // (durable before it returns); shards get it at registration, workers a
+  // key derived from it at join.
+  absl::Status EnsureDataPlaneKey() ABSL_LOCKS_EXCLUDED(mu_, commit_mu_);
+  std::string data_plane_key() ABSL_LOCKS_EXCLUDED(mu_);
 
   // ---- Shards (coordinator_shards.cc) ----
 
@@ -305,6 +310,7 @@ class Coordinator {
   // shutdown.
   absl::CondVar map_changed_;
   bool shutting_down_ ABSL_GUARDED_BY(mu_) = false;
+  std::string data_plane_key_ ABSL_GUARDED_BY(mu_);  // Empty: plain text.
   ShardRegistry shards_ ABSL_GUARDED_BY(mu_);
   JobTable jobs_ ABSL_GUARDED_BY(mu_);
   Counters counters_ ABSL_GUARDED_BY(mu_);

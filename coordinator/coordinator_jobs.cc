@@ -185,6 +185,9 @@ absl::StatusOr<v1::JoinJobResponse> Coordinator::JoinJob(const v1::JoinJobReques
     resp.set_resume_step(job->resume_step);
     resp.set_current_step(ViewLocked(*job).min_applied_step);
     if (job->restore.has_value()) *resp.mutable_restore() = *job->restore;
+    if (!data_plane_key_.empty()) {
+      resp.set_data_plane_key(security::JobDataPlaneKey(data_plane_key_, job->id));
+    }
   }
   if (absl::Status s = WaitDurable(seq); !s.ok()) {
     absl::MutexLock lock(&mu_);

@@ -46,6 +46,9 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   }
   s->core_ = std::make_unique<Coordinator>(options);
   if (absl::Status r = s->core_->Recover(); !r.ok()) return r;
+  if (!tls->plaintext) {
+    if (absl::Status k = s->core_->EnsureDataPlaneKey(); !k.ok()) return k;
+  }
   s->service_ = std::make_unique<CoordinatorService>(s->core_.get(), tls->plaintext);
   grpc::ServerBuilder builder;
   builder.AddListeningPort(options.listen_address, security::ServerCredentials(*tls), &s->port_);

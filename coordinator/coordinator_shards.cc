@@ -58,6 +58,7 @@ absl::StatusOr<v1::RegisterShardResponse> Coordinator::RegisterShard(
   v1::RegisterShardResponse resp;
   resp.set_shard_id(id);
   resp.set_lease_ms(static_cast<uint32_t>(absl::ToInt64Milliseconds(options_.lease)));
+  resp.set_data_plane_key(data_plane_key());
   return resp;
 }
 

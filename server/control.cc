@@ -11,6 +11,10 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/escaping.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_split.h"
+#include "common/security.h"
 #include "common/logging.h"
 #include "kernels/cpu/optimizer.h"
 #include "server/shard.h"
@@ -49,6 +53,10 @@ absl::Status Shard::Register() {
   r.checkpoints = !options_.checkpoint_dir.empty();
   absl::StatusOr<Registered> reg = link_->Register(r);
   if (!reg.ok()) return reg.status();
+  {
+    absl::MutexLock lock(&identity_mu_);
+    data_plane_key_ = reg->data_plane_key;
+  }
   shard_id_.store(reg->shard_id);
   lease_ms_.store(reg->lease_ms);
   last_beat_unix_ns_.store(absl::ToUnixNanos(absl::Now()));
@@ -341,6 +349,48 @@ void Shard::ReleaseJob(uint64_t job_id, const absl::Status& why, ReplyHint hint)
 
 void Shard::ReleaseAll(const absl::Status& why, ReplyHint hint) {
   for (const JobRef& job : table_.All()) ReleaseJob(job->config.job_id, why, hint);
+}
+
+absl::Status Shard::VerifyPeer(absl::string_view identity, absl::string_view challenge,
+                              absl::string_view proof) {
+  std::optional<std::string> key;
+  {
+    absl::MutexLock lock(&identity_mu_);
+    key = data_plane_key_;
+  }
+  if (!key.has_value()) return absl::UnavailableError("shard not registered yet");
+  if (key->empty()) return absl::OkStatus();  // Plain text: no identities.
+  uint64_t job_id = 0, shard = 0;
+  uint32_t rank = 0;
+  std::vector<absl::string_view> parts = absl::StrSplit(identity, ':');
+  if (parts.size() == 3 && parts[0] == "worker" && absl::SimpleAtoi(parts[1], &job_id) &&
+      absl::SimpleAtoi(parts[2], &rank) && security::WorkerIdentity(job_id, rank) == identity) {
+    return security::CheckDataPlaneProof(security::JobDataPlaneKey(*key, job_id), challenge,
+                                         identity, proof);
+  }
+  if (parts.size() == 2 && parts[0] == "shard" && absl::SimpleAtoi(parts[1], &shard) &&
+      security::ShardIdentity(shard) == identity) {
+    return security::CheckDataPlaneProof(*key, challenge, identity, proof);
+  }
+  return absl::UnauthenticatedError(
+      absl::StrCat("\"", absl::CHexEscape(identity.substr(0, 64)),
+                   "\" is no identity this shard knows (worker:<job>:<rank> or shard:<id>)"));
+}
+
+std::pair<std::string, std::string> Shard::ProveSelf(absl::string_view challenge) {
+  std::optional<std::string> key;
+  {
+    absl::MutexLock lock(&identity_mu_);
+    key = data_plane_key_;
+  }
+  const std::string identity = security::ShardIdentity(shard_id_.load());
+  if (!key.has_value() || key->empty()) return {identity, std::string()};
+  return {identity, security::DataPlaneProof(*key, challenge, identity)};
+}
+
+bool Shard::ChecksIdentities() {
+  absl::MutexLock lock(&identity_mu_);
+  return !data_plane_key_.has_value() || !data_plane_key_->empty();
 }
 
 }  // namespace server

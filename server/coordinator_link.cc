@@ -133,7 +133,8 @@ class GrpcCoordinatorLink : public CoordinatorLink {
       return absl::Status(s.code(), absl::StrCat("registering with coordinator at ", address_,
                                                  ": ", s.message()));
     }
-    return Registered{resp.shard_id(), static_cast<int64_t>(resp.lease_ms())};
+    return Registered{resp.shard_id(), static_cast<int64_t>(resp.lease_ms()),
+                      resp.data_plane_key()};
   }
 
   absl::StatusOr<HeartbeatReply> Heartbeat(const HeartbeatReport& r) override {

@@ -102,6 +102,9 @@ struct ShardRegistration {
 struct Registered {
   uint64_t shard_id = 0;
   int64_t lease_ms = 0;
+  // The cluster's data-plane secret; empty when the coordinator runs in
+  // plain text (no data-plane authentication).
+  std::string data_plane_key;
 };
 
 // Counts over the chunks a shard holds of one job, at its loaded epoch.

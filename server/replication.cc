@@ -8,6 +8,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "common/security.h"
 #include "common/logging.h"
 #include "kernels/cpu/optimizer.h"
 #include "server/shard.h"
@@ -35,7 +36,7 @@ void Shard::ConnectPeers(const ShardMapView& map) {
     }
     auto addr = map.addresses.find(id);
     if (addr == map.addresses.end()) continue;
-    auto ep = worker_->Connect(addr->second);
+    auto ep = worker_->Connect(addr->second, security::ShardIdentity(id));
     if (!ep.ok()) {
       // Forwards to it fail and wait for a map that replaces it.
       OPTIMUS_LOG(Warning, kLog, "cannot reach backup shard ", id, ": ", ep.status().ToString());

@@ -79,7 +79,18 @@ void Shard::OnRequest(transport::IncomingMessage& msg) {
     return Reply(from, 0, parsed.status());
   }
   const wire::RequestHeader& h = *parsed;
-  if (static_cast<wire::Op>(h.op) == wire::Op::kReplicate) return OnReplicate(msg, h);
+  if (static_cast<wire::Op>(h.op) == wire::Op::kReplicate) {
+    // Only the shard it names (its primary, checked next) may forward.
+    if (ChecksIdentities() && msg.peer_identity() != security::ShardIdentity(h.rank)) {
+      metrics_.requests_refused_identity.fetch_add(1);
+      metrics_.requests_rejected.fetch_add(1);
+      return Reply(from, h.request_id,
+                   absl::PermissionDeniedError(absl::StrCat(
+                       "replication from shard ", h.rank, " sent by a peer that proved \"",
+                       msg.peer_identity(), "\"")));
+    }
+    return OnReplicate(msg, h);
+  }
   if (static_cast<wire::Op>(h.op) == wire::Op::kBatch) return OnBatch(msg, h);
   Dispatch(msg, h);
 }
@@ -111,12 +122,15 @@ class BatchPayload : public transport::PendingPayload {
 class BatchItem : public transport::IncomingMessage {
  public:
   BatchItem(std::shared_ptr<std::vector<uint8_t>> batch, const uint8_t* header,
-            const uint8_t* payload, size_t payload_size, transport::EndpointRef from)
+            const uint8_t* payload, size_t payload_size, transport::EndpointRef from,
+            const std::string& identity)
       : batch_(std::move(batch)),
         header_(header),
         payload_(payload),
         size_(payload_size),
-        from_(from) {}
+        from_(from),
+        identity_(identity) {}
+  const std::string& peer_identity() const override { return identity_; }
   uint16_t am_id() const override { return wire::kAmRequest; }
   absl::Span<const uint8_t> header() const override {
     return absl::Span<const uint8_t>(header_, sizeof(wire::RequestHeader));
@@ -142,6 +156,7 @@ class BatchItem : public transport::IncomingMessage {
   const uint8_t* payload_;
   size_t size_;
   transport::EndpointRef from_;
+  const std::string& identity_;  // The batch's sender's, alive while items are handled.
   bool taken_ = false;
 };
 
@@ -169,7 +184,8 @@ void Shard::OnBatch(transport::IncomingMessage& msg, const wire::RequestHeader& 
   auto batch = std::make_shared<std::vector<uint8_t>>(size);
   const transport::EndpointRef ep = msg.reply_endpoint();
   const uint64_t batch_id = h.request_id;
-  msg.ReceiveInto(batch->data(), [this, batch, count, ep, from, batch_id](absl::Status rs) {
+  msg.ReceiveInto(batch->data(), [this, batch, count, ep, from, batch_id,
+                                  identity = msg.peer_identity()](absl::Status rs) {
     if (!rs.ok()) {
       metrics_.requests_rejected.fetch_add(1);
       return Reply(from, batch_id, rs);
@@ -221,7 +237,7 @@ void Shard::OnBatch(transport::IncomingMessage& msg, const wire::RequestHeader& 
       const wire::RequestHeader& item = items[i];
       const auto op = static_cast<wire::Op>(item.op);
       const size_t n = (op == wire::Op::kPush || op == wire::Op::kInit) ? item.num_bytes : 0;
-      BatchItem sub(batch, headers + i * sizeof(wire::RequestHeader), payload, n, ep);
+      BatchItem sub(batch, headers + i * sizeof(wire::RequestHeader), payload, n, ep, identity);
       Dispatch(sub, item);
       payload += n;
     }
@@ -234,6 +250,13 @@ void Shard::Dispatch(transport::IncomingMessage& msg, const wire::RequestHeader&
     metrics_.requests_rejected.fetch_add(1);
     Reply(from, h.request_id, s, hint);
   };
+  if (ChecksIdentities() &&
+      msg.peer_identity() != security::WorkerIdentity(h.job_id, h.rank)) {
+    metrics_.requests_refused_identity.fetch_add(1);
+    return refuse(absl::PermissionDeniedError(absl::StrCat(
+        "request for job ", h.job_id, " rank ", h.rank, " from a peer that proved \"",
+        msg.peer_identity(), "\"")));
+  }
   JobRef job = table_.Find(h.job_id);
   if (job == nullptr) {
     return refuse(absl::NotFoundError(

@@ -193,6 +193,17 @@ class Shard : public ShardServer {
     transport::EndpointRef ep;
     std::shared_ptr<std::vector<float>> staging;  // A seed's payload.
   };
+  // Data-plane identity (common/security.h): nullopt until registered (no
+  // peer is let in), then the cluster secret ("" in plain text: no checks).
+  absl::Status VerifyPeer(absl::string_view identity, absl::string_view challenge,
+                          absl::string_view proof) ABSL_LOCKS_EXCLUDED(identity_mu_);
+  std::pair<std::string, std::string> ProveSelf(absl::string_view challenge)
+      ABSL_LOCKS_EXCLUDED(identity_mu_);
+  // Whether the data plane checks identities (registered with a secret).
+  bool ChecksIdentities() ABSL_LOCKS_EXCLUDED(identity_mu_);
+  absl::Mutex identity_mu_;
+  std::optional<std::string> data_plane_key_ ABSL_GUARDED_BY(identity_mu_);
+
   absl::Mutex peers_mu_;
   std::map<uint64_t, transport::EndpointRef> peers_ ABSL_GUARDED_BY(peers_mu_);
   absl::Mutex fwd_mu_;

@@ -24,6 +24,12 @@ std::string RenderShardMetrics(const ShardMetrics& s, const ShardGauges& g) {
             s.pushed_bytes.load(), id);
   m.Counter("optimus_shard_pulled_bytes_total", "Parameter bytes sent to workers.",
             s.pulled_bytes.load(), id);
+  m.Counter("optimus_shard_data_plane_refused_total",
+            "Data-plane handshakes refused and messages dropped from peers that proved nothing.",
+            g.unproved_refused, id);
+  m.Counter("optimus_shard_identity_refused_total",
+            "Requests whose sender proved another job, rank or shard than they name.",
+            s.requests_refused_identity.load(), id);
   m.Counter("optimus_shard_duplicate_pushes_total", "Repeated pushes acknowledged and dropped.",
             s.pushes_duplicate.load(), id);
   m.Counter("optimus_shard_checkpoint_stall_seconds_total",

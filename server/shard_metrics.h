@@ -25,6 +25,9 @@ struct ShardMetrics {
   std::atomic<uint64_t> pulls_served{0};
   std::atomic<uint64_t> pulled_bytes{0};
   std::atomic<uint64_t> requests_rejected{0};   // Requests refused with an error.
+  // Requests whose sender proved another identity than the job and rank (or
+  // the primary shard) they name.
+  std::atomic<uint64_t> requests_refused_identity{0};
   std::atomic<uint64_t> checkpoint_stall_ns{0};
   std::atomic<uint64_t> forwards_sent{0};       // Sums and seeds sent to backups.
   std::atomic<uint64_t> backup_steps{0};        // Forwarded steps applied as a backup.
@@ -60,6 +63,9 @@ struct ShardGauges {
   uint64_t staging_in_use_bytes = 0;
   uint64_t staging_held_bytes = 0;
   uint64_t staging_waits = 0;
+  // Data-plane handshakes refused and messages dropped from peers that
+  // proved nothing (transport::Worker::refused_messages).
+  uint64_t unproved_refused = 0;
 };
 
 std::string RenderShardMetrics(const ShardMetrics& m, const ShardGauges& g);

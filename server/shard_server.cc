@@ -53,6 +53,13 @@ absl::Status Shard::Start() {
   wopts.on_peer_failure = [this](transport::EndpointRef ep, const absl::Status& why) {
     FailForwardsTo(ep, why);
   };
+  // Who may talk to this shard: workers of its jobs and other shards, each
+  // proving it at the handshake (the secret comes with registration).
+  wopts.verify_peer = [this](absl::string_view identity, absl::string_view challenge,
+                             absl::string_view proof) {
+    return VerifyPeer(identity, challenge, proof);
+  };
+  wopts.prove = [this](absl::string_view challenge) { return ProveSelf(challenge); };
   auto worker = transport::Worker::Create(wopts);
   if (!worker.ok()) return worker.status();
   worker_ = std::move(*worker);
@@ -88,6 +95,7 @@ absl::Status Shard::Start() {
               g.staging_waits = staging_pool_->waits();
             }
             g.chunks_owned = st.chunks_owned;
+            g.unproved_refused = worker_ != nullptr ? worker_->refused_messages() : 0;
             g.jobs = st.jobs;
             g.lease_age_seconds = absl::ToDoubleSeconds(
                 absl::Now() - absl::FromUnixNanos(last_beat_unix_ns_.load()));
@@ -148,6 +156,8 @@ ShardServerStats Shard::stats() const {
   s.steps_applied = metrics_.steps_applied.load();
   s.pushes_received = metrics_.pushes_received.load();
   s.requests_rejected = metrics_.requests_rejected.load();
+  s.requests_refused_identity = metrics_.requests_refused_identity.load();
+  s.unproved_refused = worker_ != nullptr ? worker_->refused_messages() : 0;
   s.pushes_duplicate = metrics_.pushes_duplicate.load();
   s.pulls_served = metrics_.pulls_served.load();
   s.checkpoint_stall_ns = metrics_.checkpoint_stall_ns.load();

@@ -79,6 +79,10 @@ struct ShardServerStats {
   uint64_t steps_applied = 0;       // Chunk steps, summed over chunks.
   uint64_t pushes_received = 0;
   uint64_t requests_rejected = 0;  // Pushes, pulls and inits refused with an error.
+  // Of those, refused because the sender proved another identity.
+  uint64_t requests_refused_identity = 0;
+  // Data-plane handshakes refused and messages dropped from unproved peers.
+  uint64_t unproved_refused = 0;
   uint64_t pushes_duplicate = 0;   // Repeated pushes acknowledged and dropped.
   uint64_t pulls_served = 0;
   uint32_t jobs = 0;  // Jobs with state on this shard.

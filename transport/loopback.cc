@@ -4,6 +4,7 @@
 #include <cstring>
 #include <deque>
 #include <map>
+#include <optional>
 #include <string>
 #include <thread>
 #include <utility>
@@ -80,8 +81,26 @@ struct RendezvousSend {
 };
 
 struct Core {
-  Core(uint64_t id, std::string address, std::string name, LoopbackWorker* worker)
-      : id(id), address(std::move(address)), name(std::move(name)), worker(worker) {}
+  Core(uint64_t id, std::string address, std::string name, LoopbackWorker* worker,
+       VerifyPeerCallback verify)
+      : id(id),
+        address(std::move(address)),
+        name(std::move(name)),
+        worker(worker),
+        verify(std::move(verify)) {}
+
+  // The identity this worker knows the worker `peer_id` as (proved to it,
+  // or given to its own Connect); nullopt when none.
+  std::optional<std::string> IdentityOf(uint64_t peer_id) {
+    absl::MutexLock lock(&mu);
+    auto it = identities.find(peer_id);
+    if (it == identities.end()) return std::nullopt;
+    return it->second;
+  }
+  void Trust(uint64_t peer_id, const std::string& identity) {
+    absl::MutexLock lock(&mu);
+    identities[peer_id] = identity;
+  }
 
   // Queues t for the worker's progress thread. False when the worker is
   // being or has been destroyed (t is dropped, not run).
@@ -107,8 +126,12 @@ struct Core {
   // Valid while a task can run: tasks run only on the worker's progress
   // thread or in its destructor.
   LoopbackWorker* const worker;
+  // WorkerOptions::verify_peer (may be empty).
+  const VerifyPeerCallback verify;
+  std::atomic<uint64_t> refused{0};
 
   absl::Mutex mu;
+  std::map<uint64_t, std::string> identities ABSL_GUARDED_BY(mu);
   std::deque<Task> queue ABSL_GUARDED_BY(mu);
   bool closed ABSL_GUARDED_BY(mu) = false;
   // This worker's rendezvous sends not finished yet (cancelled when it is
@@ -270,8 +293,10 @@ class LoopbackPendingPayload : public PendingPayload {
 
 class LoopbackMessage : public IncomingMessage {
  public:
-  LoopbackMessage(std::shared_ptr<Core> receiver, const Message& m, Peer* back)
-      : receiver_(std::move(receiver)), m_(m), back_(back) {}
+  LoopbackMessage(std::shared_ptr<Core> receiver, const Message& m, Peer* back,
+                  std::string identity)
+      : receiver_(std::move(receiver)), m_(m), back_(back), identity_(std::move(identity)) {}
+  const std::string& peer_identity() const override { return identity_; }
 
   uint16_t am_id() const override { return m_.am_id; }
   absl::Span<const uint8_t> header() const override {
@@ -334,6 +359,7 @@ class LoopbackMessage : public IncomingMessage {
   std::shared_ptr<Core> receiver_;
   const Message& m_;
   Peer* back_;
+  const std::string identity_;
   bool received_ = false;
 };
 
@@ -343,7 +369,7 @@ class LoopbackWorker : public Worker {
       : fabric_(std::move(fabric)),
         options_(options),
         core_(std::make_shared<Core>(id, absl::StrCat(kAddressPrefix, fabric_->id, ":", id),
-                                     options.name, this)) {
+                                     options.name, this, options.verify_peer)) {
     options_.loopback.reset();  // Workers keep the registry, not the handle.
   }
 
@@ -430,7 +456,11 @@ class LoopbackWorker : public Worker {
     return absl::OkStatus();
   }
 
-  absl::StatusOr<EndpointRef> Connect(const std::string& peer_address) override {
+  uint64_t refused_messages() const override { return core_->refused.load(); }
+
+  using Worker::Connect;
+  absl::StatusOr<EndpointRef> Connect(const std::string& peer_address,
+                                      const std::string& identity) override {
     if (!started_.load()) return absl::FailedPreconditionError("Connect before Start");
     if (peer_address.empty()) return absl::InvalidArgumentError("empty peer address");
     uint64_t fabric_id = 0, worker_id = 0;
@@ -456,6 +486,23 @@ class LoopbackWorker : public Worker {
     if (remote == nullptr || remote->IsClosed()) {
       return absl::UnavailableError(absl::StrCat("connecting to peer: no live loopback worker at ",
                                                  peer_address, " (destroyed, or never created)"));
+    }
+    core_->Trust(remote->id, identity);
+    if (remote->verify) {
+      // The handshake, done here at once: the peer's challenge, our proof,
+      // its verdict.
+      const std::string challenge = RandomChallenge(32);
+      std::pair<std::string, std::string> claim;
+      if (options_.prove) claim = options_.prove(challenge);
+      absl::Status verdict = challenge.empty()
+                                 ? absl::UnavailableError("no randomness for a challenge")
+                                 : remote->verify(claim.first, challenge, claim.second);
+      if (!verdict.ok()) {
+        remote->refused.fetch_add(1);
+        return absl::Status(verdict.code(),
+                            absl::StrCat("the peer refused this worker: ", verdict.message()));
+      }
+      remote->Trust(core_->id, claim.first);
     }
     return EndpointRef{AddPeer(std::move(remote))};
   }
@@ -540,8 +587,15 @@ class LoopbackWorker : public Worker {
       return;
     }
     used_.store(true);
+    std::optional<std::string> identity = core_->IdentityOf(m.sender->id);
+    if (core_->verify && !identity.has_value()) {
+      // The sender never proved who it is: dropped.
+      core_->refused.fetch_add(1);
+      if (m.rndv != nullptr) FinishOnSender(m.rndv, absl::OkStatus());
+      return;
+    }
     Peer* back = PeerFor(m.sender);
-    LoopbackMessage msg(core_, m, back);
+    LoopbackMessage msg(core_, m, back, identity.value_or(std::string()));
     auto it = handlers_.find(m.am_id);
     if (it == handlers_.end()) {
       OPTIMUS_LOG(Warning, kLog, options_.name, ": dropped active message ", m.am_id,

@@ -17,6 +17,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
 #include <functional>
 #include <memory>
 #include <string>
@@ -24,6 +25,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 
@@ -50,7 +52,30 @@ using PeerFailureCallback = std::function<void(EndpointRef ep, const absl::Statu
 // UCX implementation keeps two ids for its own handshake; every
 // implementation refuses ids above this one so that code that runs on one
 // runs on all.
-inline constexpr uint16_t kMaxAmId = 0xffff - 2;
+inline constexpr uint16_t kMaxAmId = 0xffff - 4;
+
+// `n` unpredictable bytes (the kernel's random source) for a handshake's
+// challenge; empty if that source cannot be read (the handshake then
+// refuses the peer).
+inline std::string RandomChallenge(size_t n) {
+  std::string out(n, '\0');
+  FILE* f = std::fopen("/dev/urandom", "rb");
+  const bool ok = f != nullptr && std::fread(out.data(), 1, n, f) == n;
+  if (f != nullptr) std::fclose(f);
+  return ok ? out : std::string();
+}
+
+// Acceptor side of the handshake: checks a connecting peer's claim (the
+// identity it says it is, and its proof over `challenge`, fresh random bytes
+// of this worker). OK binds the peer to `identity`; an error is answered to
+// the peer (its Connect fails with it). Runs on the progress thread: must
+// not block or call into the Worker.
+using VerifyPeerCallback = std::function<absl::Status(
+    absl::string_view identity, absl::string_view challenge, absl::string_view proof)>;
+// Connector side: the identity this worker claims and its proof over a
+// peer's challenge. Same thread rules.
+using ProveCallback =
+    std::function<std::pair<std::string, std::string>(absl::string_view challenge)>;
 
 struct WorkerOptions {
   // ---- Every implementation ----
@@ -83,6 +108,19 @@ struct WorkerOptions {
   // peer's reply instead of waiting for a timeout. Must not block or call
   // into the Worker. Default: none.
   PeerFailureCallback on_peer_failure;
+  // Peer identity. Set: a peer that connects to this worker must prove who
+  // it is before anything it sends is delivered: its hello is answered with
+  // a fresh 32-byte challenge, it answers with an identity and a proof, and
+  // verify_peer decides. Until then (and for good once refused) its
+  // messages are dropped and counted (refused_messages()) and the address
+  // it gave is never handed to UCX. Peers this worker connected to itself
+  // are trusted, as the identity given to Connect. Delivered messages carry
+  // the sender's identity (IncomingMessage::peer_identity()). Unset: every
+  // peer is delivered, with an empty identity. Default unset.
+  VerifyPeerCallback verify_peer;
+  // How this worker answers a peer's challenge when it connects. Unset:
+  // it claims the empty identity with no proof. Default unset.
+  ProveCallback prove;
 
   // ---- Which implementation ----
   // Set: Worker::Create makes an in-process loopback worker attached to this
@@ -155,6 +193,10 @@ class IncomingMessage {
   // aside. Afterwards ReceiveInto on this message fails with
   // FAILED_PRECONDITION.
   virtual std::unique_ptr<PendingPayload> Keep() = 0;
+  // Who sent it: the identity it proved at its handshake (see
+  // WorkerOptions::verify_peer), or the one given to Connect for a peer this
+  // worker connected to; empty when none.
+  virtual const std::string& peer_identity() const = 0;
 };
 
 using Handler = std::function<void(IncomingMessage& msg)>;
@@ -225,7 +267,18 @@ class Worker {
   // not answer. Callable from a handler or callback (it does not wait there).
   // Peer failures after this surface as errors on later Sends, never as a
   // crash.
-  virtual absl::StatusOr<EndpointRef> Connect(const std::string& peer_address) = 0;
+  virtual absl::StatusOr<EndpointRef> Connect(const std::string& peer_address) {
+    return Connect(peer_address, std::string());
+  }
+  // Same, naming who the peer is (e.g. "shard:3", from the coordinator's
+  // map): its messages to this worker carry that identity. UNAUTHENTICATED
+  // (or the peer's error) when the peer refuses this worker's proof.
+  virtual absl::StatusOr<EndpointRef> Connect(const std::string& peer_address,
+                                              const std::string& identity) = 0;
+
+  // Messages dropped because their sender had not proved who it is (see
+  // WorkerOptions::verify_peer), and handshakes refused. Thread-safe.
+  virtual uint64_t refused_messages() const { return 0; }
 
   // Sends `header` (copied before return) and `payload` (payload_size bytes,
   // may be null when 0) to `ep` as active message `am_id`. The payload must

@@ -53,7 +53,17 @@ constexpr size_t kMaxFreeOps = 4096;
 // UCX active-message ids: two internal ones, then the users' ids shifted up.
 constexpr uint32_t kHelloAmId = 0;
 constexpr uint32_t kHelloAckAmId = 1;
-constexpr uint32_t kFirstUserAmId = 2;
+// The proof a connecting peer sends when the acceptor verifies peers
+// (WorkerOptions::verify_peer), and the acceptor's verdict.
+constexpr uint32_t kAuthAmId = 2;
+constexpr uint32_t kAuthAckAmId = 3;
+constexpr uint32_t kFirstUserAmId = 4;
+// Bytes of the challenge a verifying worker sends in its hello answer.
+constexpr size_t kChallengeBytes = 32;
+// A UCX worker address is tens to a few hundred bytes; a hello whose
+// address is outside these bounds is dropped before UCX sees it.
+constexpr size_t kMinAddressBytes = 8;
+constexpr size_t kMaxAddressBytes = 8192;
 constexpr uint32_t kMaxUserAmId = 0xffff - kFirstUserAmId;  // UCX carries 16 bits.
 static_assert(kMaxUserAmId == kMaxAmId, "transport.h promises callers ids up to kMaxAmId");
 
@@ -219,6 +229,11 @@ struct Peer {
   ucp_ep_h ep = nullptr;
   absl::Status failure;  // Not OK once the endpoint has failed or closed.
   bool lanes_logged = false;
+  // Identity (WorkerOptions::verify_peer): trusted once this worker
+  // connected to it (`identity` given to Connect) or it proved `identity`.
+  bool trusted = false;
+  std::string identity;
+  std::string challenge;  // Sent in the hello answer; single use.
 };
 
 // One unit of work: a Send (posted to the progress thread, then in flight in
@@ -318,6 +333,10 @@ class UcxMessage : public IncomingMessage {
     return (param_->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0;
   }
   EndpointRef reply_endpoint() const override { return EndpointRef{sender_}; }
+  const std::string& peer_identity() const override {
+    static const std::string kNone;
+    return sender_ != nullptr ? sender_->identity : kNone;
+  }
   void ReceiveInto(void* dst, DoneCallback done) override {
     ReceiveInto(dst, nullptr, std::move(done));
   }
@@ -463,7 +482,7 @@ class UcxWorker : public Worker {
                   "); the progress thread will poll every ",
                   absl::FormatDuration(kNoWakeupNap));
     }
-    for (uint32_t id : {kHelloAmId, kHelloAckAmId}) {
+    for (uint32_t id : {kHelloAmId, kHelloAckAmId, kAuthAmId, kAuthAckAmId}) {
       auto entry = std::make_unique<HandlerEntry>();
       entry->worker = this;
       entry->ucx_id = id;
@@ -507,12 +526,14 @@ class UcxWorker : public Worker {
     return absl::OkStatus();
   }
 
-  absl::StatusOr<EndpointRef> Connect(const std::string& peer_address) override {
+  using Worker::Connect;
+  absl::StatusOr<EndpointRef> Connect(const std::string& peer_address,
+                                      const std::string& identity) override {
     if (peer_address.empty()) return absl::InvalidArgumentError("empty peer address");
     if (!started_) return absl::FailedPreconditionError("Connect before Start");
     auto pending = std::make_shared<PendingConnect>();
     Peer* peer = nullptr;
-    RunOnProgress([&] { peer = StartConnect(peer_address, pending); });
+    RunOnProgress([&] { peer = StartConnect(peer_address, identity, pending); });
     if (OnProgressThread()) {
       // Cannot wait for the hello's answer here. The hello is the first
       // message on the endpoint, so the peer learns who we are before any
@@ -575,6 +596,8 @@ class UcxWorker : public Worker {
     }
     if (gone) RunOp(op);
   }
+
+  uint64_t refused_messages() const override { return refused_.load(); }
 
   std::string transports_in_use() const override {
     absl::MutexLock lock(&tls_mu_);
@@ -897,9 +920,12 @@ class UcxWorker : public Worker {
   }
 
   // Progress thread: opens an endpoint and sends the hello.
-  Peer* StartConnect(const std::string& peer_address, std::shared_ptr<PendingConnect> pending) {
+  Peer* StartConnect(const std::string& peer_address, const std::string& identity,
+                     std::shared_ptr<PendingConnect> pending) {
     Peer* peer = NewPeer();
     peer->address = peer_address;
+    peer->trusted = true;  // Its address came from the caller (the coordinator's map).
+    peer->identity = identity;
     pending->peer = peer;
     if (absl::Status s = OpenEndpoint(peer); !s.ok()) {
       FinishConnect(pending, s);
@@ -1068,7 +1094,21 @@ class UcxWorker : public Worker {
       self->OnHelloAck(sender, rest, rest_length);
       return UCS_OK;
     }
+    if (entry->ucx_id == kAuthAmId) {
+      self->OnAuth(sender, rest, rest_length, param);
+      return UCS_OK;
+    }
+    if (entry->ucx_id == kAuthAckAmId) {
+      self->OnAuthAck(rest, rest_length);
+      return UCS_OK;
+    }
     auto it = self->by_instance_.find(sender);
+    if (self->options_.verify_peer &&
+        (it == self->by_instance_.end() || !it->second->trusted)) {
+      // Not proved who it is: dropped (a rendezvous payload with it).
+      self->Refused("a message from a peer that has not proved who it is");
+      return UCS_OK;
+    }
     UcxMessage msg(self, entry->user_id, absl::Span<const uint8_t>(rest, rest_length), data,
                    length, param, it == self->by_instance_.end() ? nullptr : it->second);
     entry->handler(msg);
@@ -1087,19 +1127,35 @@ class UcxWorker : public Worker {
       OPTIMUS_LOG(Warning, kLog, options_.name, ": dropped a malformed hello");
       return;
     }
+    if (length < kMinAddressBytes || length > kMaxAddressBytes) {
+      Refused("a hello with an address of impossible size");
+      return;
+    }
     const uint64_t token = LoadU64(rest);
-    if (by_instance_.find(sender) == by_instance_.end()) {
-      Peer* peer = NewPeer();
+    auto known = by_instance_.find(sender);
+    Peer* peer = known != by_instance_.end() ? known->second : nullptr;
+    if (peer == nullptr) {
+      peer = NewPeer();
       peer->address.assign(static_cast<const char*>(data), length);
       peer->name.assign(reinterpret_cast<const char*>(rest) + sizeof(uint64_t),
                         rest_length - sizeof(uint64_t));
       peer->instance = sender;
       by_instance_[sender] = peer;
     }
+    std::string challenge;
+    if (options_.verify_peer) {
+      challenge = RandomChallenge(kChallengeBytes);
+      // No randomness, no handshake: a one-byte challenge nobody can
+      // answer (verify_peer refuses proofs over it).
+      if (challenge.empty()) challenge = "?";
+      peer->challenge = challenge;
+    }
     Op* op = TakeOp();
     op->what = "hello answer";
     std::string answer;
     AppendU64(&answer, token);
+    answer.push_back(static_cast<char>(challenge.size()));
+    answer += challenge;
     answer += options_.name;
     op->SetHeader(instance_, answer.data(), answer.size());
     ucp_request_param_t p;
@@ -1114,18 +1170,128 @@ class UcxWorker : public Worker {
 
   void OnHelloAck(uint64_t sender, const uint8_t* rest, size_t rest_length) {
     if (rest_length < sizeof(uint64_t)) return;
-    if (LoadU64(rest) == kByeToken) return OnBye(sender);
-    auto it = pending_connects_.find(LoadU64(rest));
+    const uint64_t token = LoadU64(rest);
+    if (token == kByeToken) return OnBye(sender);
+    auto it = pending_connects_.find(token);
     if (it == pending_connects_.end()) return;  // Timed out meanwhile.
+    if (rest_length < sizeof(uint64_t) + 1) return;
+    const size_t challenge_len = rest[sizeof(uint64_t)];
+    const size_t name_at = sizeof(uint64_t) + 1 + challenge_len;
+    if (rest_length < name_at) return;
     std::shared_ptr<PendingConnect> pending = it->second;
     Peer* peer = pending->peer;
-    peer->name.assign(reinterpret_cast<const char*>(rest) + sizeof(uint64_t),
-                      rest_length - sizeof(uint64_t));
+    peer->name.assign(reinterpret_cast<const char*>(rest) + name_at, rest_length - name_at);
     peer->instance = sender;
     // Messages from this peer are answered on the endpoint we opened.
     by_instance_.emplace(sender, peer);
     LogLanes(peer);
-    FinishConnect(pending, absl::OkStatus());
+    if (challenge_len == 0) {
+      FinishConnect(pending, absl::OkStatus());
+      return;
+    }
+    // The peer verifies: prove who we are; Connect finishes with its verdict.
+    const absl::string_view challenge(reinterpret_cast<const char*>(rest) + sizeof(uint64_t) + 1,
+                                      challenge_len);
+    std::pair<std::string, std::string> claim;
+    if (options_.prove) claim = options_.prove(challenge);
+    std::string body;
+    AppendU64(&body, token);
+    const uint16_t id_len = static_cast<uint16_t>(std::min<size_t>(claim.first.size(), 0xffff));
+    body.append(reinterpret_cast<const char*>(&id_len), sizeof(id_len));
+    body.append(claim.first, 0, id_len);
+    body += claim.second;
+    Op* op = TakeOp();
+    op->what = "proof";
+    op->SetHeader(instance_, body.data(), body.size());
+    op->done = [this, pending](absl::Status s) {
+      if (!s.ok()) FinishConnect(pending, s);
+    };
+    ucp_request_param_t p;
+    std::memset(&p, 0, sizeof(p));
+    p.op_attr_mask =
+        UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
+    p.flags = UCP_AM_SEND_FLAG_REPLY | UCP_AM_SEND_FLAG_EAGER;
+    p.cb.send = &UcxWorker::OnSendDone;
+    p.user_data = op;
+    const uint64_t generation = op->generation;
+    Track(op, generation, ucp_am_send_nbx(peer->ep, kAuthAmId, op->header(), op->header_size,
+                                          nullptr, 0, &p));
+  }
+
+  // A connecting peer's proof: verify it, answer on UCX's reply endpoint
+  // (no endpoint is opened to an address before its peer is trusted).
+  void OnAuth(uint64_t sender, const uint8_t* rest, size_t rest_length,
+              const ucp_am_recv_param_t* param) {
+    if (!(param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) ||
+        rest_length < sizeof(uint64_t) + sizeof(uint16_t)) {
+      Refused("a malformed proof");
+      return;
+    }
+    const uint64_t token = LoadU64(rest);
+    uint16_t id_len = 0;
+    std::memcpy(&id_len, rest + sizeof(uint64_t), sizeof(id_len));
+    const size_t id_at = sizeof(uint64_t) + sizeof(uint16_t);
+    absl::Status verdict;
+    auto it = by_instance_.find(sender);
+    if (rest_length < id_at + id_len) {
+      verdict = absl::InvalidArgumentError("malformed proof");
+    } else if (!options_.verify_peer) {
+      verdict = absl::OkStatus();  // Asked for nothing: nothing to check.
+    } else if (it == by_instance_.end() || it->second->challenge.empty()) {
+      verdict = absl::UnauthenticatedError("a proof without a hello (or answered already)");
+    } else {
+      Peer* peer = it->second;
+      const std::string challenge = std::move(peer->challenge);
+      peer->challenge.clear();
+      const absl::string_view identity(reinterpret_cast<const char*>(rest) + id_at, id_len);
+      const absl::string_view proof(reinterpret_cast<const char*>(rest) + id_at + id_len,
+                                    rest_length - id_at - id_len);
+      verdict = options_.verify_peer(identity, challenge, proof);
+      if (verdict.ok()) {
+        peer->trusted = true;
+        peer->identity.assign(identity.data(), identity.size());
+      }
+    }
+    if (!verdict.ok()) {
+      Refused(absl::StrCat("a peer's proof (", verdict.message(), ")"));
+    }
+    std::string answer;
+    AppendU64(&answer, token);
+    answer.push_back(static_cast<char>(verdict.code()));
+    answer.append(verdict.message().data(), std::min<size_t>(verdict.message().size(), 512));
+    Op* op = TakeOp();
+    op->what = "proof answer";
+    op->SetHeader(instance_, answer.data(), answer.size());
+    ucp_request_param_t p;
+    std::memset(&p, 0, sizeof(p));
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+    p.cb.send = &UcxWorker::OnSendDone;
+    p.user_data = op;
+    const uint64_t generation = op->generation;
+    Track(op, generation, ucp_am_send_nbx(param->reply_ep, kAuthAckAmId, op->header(),
+                                          op->header_size, nullptr, 0, &p));
+  }
+
+  void OnAuthAck(const uint8_t* rest, size_t rest_length) {
+    if (rest_length < sizeof(uint64_t) + 1) return;
+    auto it = pending_connects_.find(LoadU64(rest));
+    if (it == pending_connects_.end()) return;  // Timed out meanwhile.
+    const auto code = static_cast<absl::StatusCode>(rest[sizeof(uint64_t)]);
+    const std::string message(reinterpret_cast<const char*>(rest) + sizeof(uint64_t) + 1,
+                              rest_length - sizeof(uint64_t) - 1);
+    std::shared_ptr<PendingConnect> pending = it->second;
+    FinishConnect(pending, code == absl::StatusCode::kOk
+                               ? absl::OkStatus()
+                               : absl::Status(code, absl::StrCat("the peer refused this worker: ",
+                                                                 message)));
+  }
+
+  // Counts a refusal; logs the first few and then every 1000th.
+  void Refused(absl::string_view what) {
+    const uint64_t n = refused_.fetch_add(1) + 1;
+    if (n <= 10 || n % 1000 == 0) {
+      OPTIMUS_LOG(Warning, kLog, options_.name, ": refused ", what, " (", n, " so far)");
+    }
   }
 
   // A peer said goodbye: its worker is being destroyed. Keepalive would not
@@ -1156,6 +1322,8 @@ class UcxWorker : public Worker {
       if (!peer->failure.ok() || peer->instance == 0 || !told.insert(peer->instance).second) {
         continue;
       }
+      // Never open an endpoint to an address a peer gave without proof.
+      if (options_.verify_peer && !peer->trusted) continue;
       if (peer->ep == nullptr && !OpenEndpoint(peer).ok()) continue;
       Op* op = TakeOp();
       op->what = "goodbye";
@@ -1419,6 +1587,7 @@ class UcxWorker : public Worker {
   std::map<uint64_t, Peer*> by_instance_;  // Sender instance id -> way back.
   std::map<uint64_t, std::shared_ptr<PendingConnect>> pending_connects_;  // By token.
   uint64_t next_token_ = 1;
+  std::atomic<uint64_t> refused_{0};
   std::set<ucp_mem_h> regions_;
   std::set<Kept*> kept_;
   int closing_ = 0;  // Endpoint closes not yet completed.

@@ -70,7 +70,7 @@ export PKG_CONFIG_PATH=""
 # The same pkg-config modules as the host build's WORKSPACE.
 PC_LIB=(grpc++ protobuf ucx absl_status absl_statusor absl_strings absl_str_format
         absl_synchronization absl_time absl_flags absl_flags_parse absl_hash
-        absl_raw_hash_set)
+        absl_raw_hash_set libcrypto)
 PC_TEST=(gtest gmock)
 pkg-config --exists "${PC_LIB[@]}" "${PC_TEST[@]}" 2>/dev/null ||
   fail "the sysroot $SYSROOT lacks arm64 libraries ($(pkg-config --print-errors --exists "${PC_LIB[@]}" "${PC_TEST[@]}" 2>&1 | head -1)); rerun deploy/aarch64/fetch_sysroot.sh"
@@ -120,6 +120,8 @@ protoc --proto_path="$ROOT/proto" --cpp_out="$OUT/gen/proto" --grpc_out="$OUT/ge
 # --- compile ----------------------------------------------------------------
 CXXFLAGS=(-std=c++17 $OPT -g0 -pthread -Wall -fPIC
           -I"$ROOT" -I"$OUT/gen"
+          # Multiarch headers (openssl/opensslconf.h) the cross compiler does not search.
+          -isystem "$SYSROOT/usr/include/aarch64-linux-gnu"
           $(pkg-config --cflags "${PC_LIB[@]}" "${PC_TEST[@]}" | sed "s|-I$SYSROOT|-isystem $SYSROOT|g"))
 
 # Unique sources (the x86-64 ISA files among them compile to nothing off

@@ -118,6 +118,7 @@ class CountingMessage : public transport::IncomingMessage {
   size_t payload_size() const override { return inner_.payload_size(); }
   bool is_rendezvous() const override { return inner_.is_rendezvous(); }
   transport::EndpointRef reply_endpoint() const override { return inner_.reply_endpoint(); }
+  const std::string& peer_identity() const override { return inner_.peer_identity(); }
   void ReceiveInto(void* dst, transport::DoneCallback done) override {
     ReceiveInto(dst, nullptr, std::move(done));
   }
@@ -147,8 +148,10 @@ class CountingWorker : public transport::Worker {
     });
   }
   absl::Status Start() override { return inner_->Start(); }
-  absl::StatusOr<transport::EndpointRef> Connect(const std::string& peer) override {
-    return inner_->Connect(peer);
+  using transport::Worker::Connect;
+  absl::StatusOr<transport::EndpointRef> Connect(const std::string& peer,
+                                                 const std::string& identity) override {
+    return inner_->Connect(peer, identity);
   }
   void Send(transport::EndpointRef ep, uint16_t am_id, absl::Span<const uint8_t> header,
             const void* payload, size_t payload_size, transport::DoneCallback done) override {
@@ -188,7 +191,8 @@ class FakeShardWorker : public transport::Worker {
     if (am_id == wire::kAmReply) reply_handler_ = std::move(handler);
   }
   absl::Status Start() override { return absl::OkStatus(); }
-  absl::StatusOr<transport::EndpointRef> Connect(const std::string&) override {
+  using transport::Worker::Connect;
+  absl::StatusOr<transport::EndpointRef> Connect(const std::string&, const std::string&) override {
     return transport::EndpointRef{&endpoint_};
   }
   void Send(transport::EndpointRef ep, uint16_t am_id, absl::Span<const uint8_t> header,
@@ -225,11 +229,13 @@ class FakeShardWorker : public transport::Worker {
    public:
     Message(absl::Span<const uint8_t> header, const uint8_t* payload, size_t size)
         : header_(header), payload_(payload), size_(size) {}
+    const std::string identity_;
     uint16_t am_id() const override { return wire::kAmReply; }
     absl::Span<const uint8_t> header() const override { return header_; }
     size_t payload_size() const override { return size_; }
     bool is_rendezvous() const override { return false; }
     transport::EndpointRef reply_endpoint() const override { return {}; }
+    const std::string& peer_identity() const override { return identity_; }
     void ReceiveInto(void* dst, transport::DoneCallback done) override {
       if (size_ > 0) std::memcpy(dst, payload_, size_);
       done(absl::OkStatus());

@@ -138,6 +138,7 @@ prometheus.io/path: /metrics
 --net_devices={{ . }}
 {{- end }}
 --metrics_port={{ int $s.metricsPort }}
+{{ include "optimus.tlsFlag" .root }}
 {{- if .root.Values.checkpoints.enabled }}
 --checkpoint_dir={{ .root.Values.checkpoints.mountPath }}
 --checkpoint_max_mb_per_s={{ int64 .root.Values.checkpoints.maxMbPerSec }}
@@ -163,6 +164,7 @@ prometheus.io/path: /metrics
 --sweep_ms={{ int $c.sweepMs }}
 --down_shard_grace={{ $c.downShardGrace }}
 --state_dir={{ trimSuffix "/" $c.persistence.mountPath }}/state
+{{ include "optimus.tlsFlag" . }}
 {{- if .Values.checkpoints.enabled }}
 --checkpoint_dir={{ .Values.checkpoints.mountPath }}
 {{- end }}
@@ -171,4 +173,13 @@ prometheus.io/path: /metrics
 {{- range $c.extraArgs }}
 {{ . }}
 {{- end }}
+{{- end -}}
+
+{{/* TLS for gRPC: the mounted Secret, or plain text when turned off. */}}
+{{- define "optimus.tlsFlag" -}}
+{{- if .Values.tls.enabled -}}
+--tls_dir=/etc/optimus-tls
+{{- else -}}
+--insecure_plaintext
+{{- end -}}
 {{- end -}}

@@ -115,6 +115,11 @@ spec:
               mountPath: /dev/shm
             - name: tmp
               mountPath: /tmp
+            {{- if $root.Values.tls.enabled }}
+            - name: tls
+              mountPath: /etc/optimus-tls
+              readOnly: true
+            {{- end }}
             {{- if $root.Values.checkpoints.enabled }}
             - name: checkpoints
               mountPath: {{ $root.Values.checkpoints.mountPath }}
@@ -132,6 +137,12 @@ spec:
             sizeLimit: {{ $s.shmSizeLimit }}
         - name: tmp
           emptyDir: {}
+        {{- if $root.Values.tls.enabled }}
+        - name: tls
+          secret:
+            secretName: {{ $root.Values.tls.shardSecret }}
+            defaultMode: 0440  # group: the pods run as fsGroup 65532
+        {{- end }}
         {{- if $root.Values.checkpoints.enabled }}
         - name: checkpoints
           persistentVolumeClaim:

@@ -1,0 +1,216 @@
+// The data plane under TLS, attacked over real UCX on loopback: a victim job
+// trains while an attacker, a legitimate worker of another job (it holds
+// that job's token and so its data-plane key), and a peer with no
+// credentials at all reach the victim's shards directly. A peer that
+// proves nothing cannot finish its handshake; the other job's worker is
+// refused every push, pull, init and forged replication seed for the
+// victim; every refusal is counted; and the victim trains on to exactly
+// the reference parameters.
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "common/grpc_status.h"
+#include "common/security.h"
+#include "common/wire.h"
+#include "gtest/gtest.h"
+#include "tests/harness/cluster.h"
+#include "tests/harness/status_assert.h"
+#include "transport/transport.h"
+
+namespace optimus {
+namespace harness {
+namespace {
+
+constexpr absl::Duration kWait = absl::Seconds(20);
+
+// A raw data-plane peer: sends hand-made requests, collects the replies.
+class RawPeer {
+ public:
+  static absl::StatusOr<std::unique_ptr<RawPeer>> Create(transport::WorkerOptions o) {
+    std::unique_ptr<RawPeer> p(new RawPeer());
+    auto w = transport::Worker::Create(o);
+    if (!w.ok()) return w.status();
+    p->worker_ = *std::move(w);
+    RawPeer* raw = p.get();
+    p->worker_->SetHandler(wire::kAmReply, [raw](transport::IncomingMessage& m) {
+      auto r = wire::ParseReply(m.header());
+      absl::MutexLock lock(&raw->mu_);
+      raw->replies_[r.ok() ? r->header.request_id : 0] = r.ok() ? r->status : r.status();
+    });
+    if (absl::Status s = p->worker_->Start(); !s.ok()) return s;
+    return p;
+  }
+  transport::Worker* worker() { return worker_.get(); }
+  // Sends `h` (with `payload`) and waits for its reply's status.
+  absl::Status Call(transport::EndpointRef ep, wire::RequestHeader h,
+                    const std::vector<uint8_t>& payload = {}) {
+    h.request_id = ++next_id_;
+    h.num_bytes = payload.size();
+    worker_->Send(ep, wire::kAmRequest, wire::AsBytes(h), payload.empty() ? nullptr : payload.data(),
+                  payload.size(), [](absl::Status) {});
+    const uint64_t id = h.request_id;
+    absl::MutexLock lock(&mu_);
+    auto there = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return replies_.count(id) != 0; };
+    if (!mu_.AwaitWithTimeout(absl::Condition(&there), kWait)) {
+      return absl::DeadlineExceededError("no reply");
+    }
+    return replies_[id];
+  }
+
+ private:
+  RawPeer() = default;
+  std::unique_ptr<transport::Worker> worker_;
+  absl::Mutex mu_;
+  std::map<uint64_t, absl::Status> replies_ ABSL_GUARDED_BY(mu_);
+  uint64_t next_id_ = 0;
+};
+
+TEST(DataPlaneAuthTest, OtherJobsWorkersAndStrangersAreRefused) {
+  ASSERT_OK_AND_ASSIGN(const std::string ca, MakeTestCa(2));
+  ClusterOptions o;
+  o.transport = TransportKind::kUcx;
+  o.num_shards = 2;
+  o.num_workers = 2;
+  o.tls_root = ca;
+  ASSERT_OK_AND_ASSIGN(auto cluster, Cluster::Start(o));
+  const client::JobDef def = SmallJob("victim", 2);
+  ASSERT_OK(cluster->CreateJob(def));
+  ASSERT_OK(cluster->Train(1, 3));
+  const uint64_t victim = cluster->worker(0)->job_id();
+  ASSERT_OK_AND_ASSIGN(v1::StatusResponse st0, cluster->Status());
+
+  // The attacker: a trainer that made a job of its own and joined it, so it
+  // holds a real data-plane key, for that job.
+  security::TlsOptions trainer_tls;
+  trainer_tls.dir = ca + "/trainer";
+  ASSERT_OK_AND_ASSIGN(auto channel,
+                       security::Dial(cluster->coordinator_address(), trainer_tls, "attacker"));
+  auto stub = v1::Coordinator::NewStub(channel);
+  v1::CreateJobRequest create;
+  create.mutable_spec()->set_name("attacker");
+  create.mutable_spec()->set_world_size(1);
+  auto* t = create.mutable_spec()->add_tensors();
+  t->set_name("w");
+  t->add_shape(64);
+  create.mutable_spec()->set_grad_dtype(v1::DTYPE_FP32);
+  create.mutable_spec()->set_param_dtype(v1::DTYPE_FP32);
+  v1::CreateJobResponse created;
+  {
+    grpc::ClientContext ctx;
+    ASSERT_OK(FromGrpc(stub->CreateJob(&ctx, create, &created)));
+  }
+  v1::JoinJobRequest join;
+  join.set_job_name("attacker");
+  join.set_rank(0);
+  join.set_world_size(1);
+  v1::JoinJobResponse joined;
+  {
+    grpc::ClientContext ctx;
+    ctx.AddMetadata("authorization", "Bearer " + created.job_token());
+    ASSERT_OK(FromGrpc(stub->JoinJob(&ctx, join, &joined)));
+  }
+  ASSERT_FALSE(joined.data_plane_key().empty());
+  const std::string key = joined.data_plane_key();
+  const uint64_t mine = joined.job_id();
+
+  // The victim's first chunk and its shard.
+  ASSERT_OK_AND_ASSIGN(v1::StatusResponse st, cluster->Status());
+  v1::GetJobRequest get;
+  get.set_job_id(victim);
+  v1::GetJobResponse job;
+  {
+    grpc::ClientContext ctx;
+    ASSERT_OK(FromGrpc(cluster->stub()->GetJob(&ctx, get, &job)));
+  }
+  const v1::ChunkPlacement chunk = job.map().chunks(0);
+  std::string shard_address;
+  for (const auto& e : job.map().shards()) {
+    if (e.shard_id() == chunk.shard_id()) shard_address = e.data_address();
+  }
+  ASSERT_FALSE(shard_address.empty());
+  server::ShardServer* target = nullptr;
+  for (size_t i = 0; i < cluster->num_shards(); ++i) {
+    if (cluster->shard(i)->shard_id() == chunk.shard_id()) target = cluster->shard(i);
+  }
+  ASSERT_NE(target, nullptr);
+
+  // 1. A stranger with no proof: its handshake is refused, it gets nowhere.
+  {
+    ASSERT_OK_AND_ASSIGN(auto stranger, RawPeer::Create(cluster->TransportOptions("stranger")));
+    auto ep = stranger->worker()->Connect(shard_address);
+    ASSERT_FALSE(ep.ok());
+    EXPECT_TRUE(absl::IsUnauthenticated(ep.status())) << ep.status();
+    // Claiming to be the victim's rank 0, with a made-up proof.
+    transport::WorkerOptions liar = cluster->TransportOptions("liar");
+    liar.prove = [victim](absl::string_view) {
+      return std::make_pair(security::WorkerIdentity(victim, 0), std::string(32, 'x'));
+    };
+    ASSERT_OK_AND_ASSIGN(auto impostor, RawPeer::Create(liar));
+    ep = impostor->worker()->Connect(shard_address);
+    ASSERT_FALSE(ep.ok());
+    EXPECT_TRUE(absl::IsUnauthenticated(ep.status())) << ep.status();
+  }
+  EXPECT_GE(target->stats().unproved_refused, 2u);
+
+  // 2. The other job's worker: its handshake succeeds (as itself), and then
+  // every request for the victim is refused.
+  transport::WorkerOptions wo = cluster->TransportOptions("other-job");
+  wo.prove = [key, mine](absl::string_view challenge) {
+    const std::string id = security::WorkerIdentity(mine, 0);
+    return std::make_pair(id, security::DataPlaneProof(key, challenge, id));
+  };
+  ASSERT_OK_AND_ASSIGN(auto attacker, RawPeer::Create(wo));
+  ASSERT_OK_AND_ASSIGN(transport::EndpointRef ep, attacker->worker()->Connect(shard_address));
+  const uint64_t refused_before = target->stats().requests_refused_identity;
+  wire::RequestHeader h;
+  h.job_id = victim;
+  h.map_epoch = job.map().epoch();
+  h.tensor = chunk.tensor();
+  h.chunk = chunk.chunk();
+  h.rank = 0;
+  h.dtype = static_cast<uint8_t>(DType::kBf16);
+  // A pull of the victim's parameters.
+  h.op = static_cast<uint16_t>(wire::Op::kPull);
+  h.step = 4;
+  absl::Status s = attacker->Call(ep, h);
+  EXPECT_TRUE(absl::IsPermissionDenied(s)) << "pull: " << s;
+  // A push for the victim's next step, before its real workers push it
+  // (it would otherwise take rank 0's slot).
+  h.op = static_cast<uint16_t>(wire::Op::kPush);
+  h.step = 4;
+  h.lr = 1e-2f;
+  s = attacker->Call(ep, h, std::vector<uint8_t>(chunk.num_elems() * 2, 0x7f));
+  EXPECT_TRUE(absl::IsPermissionDenied(s)) << "push: " << s;
+  // Initial values over the victim's.
+  h.op = static_cast<uint16_t>(wire::Op::kInit);
+  h.step = 1;
+  h.dtype = static_cast<uint8_t>(DType::kFp32);
+  s = attacker->Call(ep, h, std::vector<uint8_t>(chunk.num_elems() * 4, 0));
+  EXPECT_TRUE(absl::IsPermissionDenied(s)) << "init: " << s;
+  // A replication seed claiming to come from the chunk's primary.
+  h.op = static_cast<uint16_t>(wire::Op::kReplicate);
+  h.rank = static_cast<uint32_t>(chunk.shard_id());
+  h.flags = wire::kReplicateState;
+  h.step = 4;
+  s = attacker->Call(ep, h, std::vector<uint8_t>(chunk.num_elems() * 12, 0));
+  EXPECT_TRUE(absl::IsPermissionDenied(s)) << "replicate: " << s;
+  EXPECT_GE(target->stats().requests_refused_identity, refused_before + 4);
+
+  // The victim never noticed: same shards, and its parameters are the
+  // reference's after more steps.
+  ASSERT_OK_AND_ASSIGN(v1::StatusResponse st1, cluster->Status());
+  EXPECT_EQ(st1.shards_size(), st0.shards_size());
+  ASSERT_OK(cluster->Train(4, 8));
+  for (uint32_t i = 0; i < def.tensors.size(); ++i) {
+    ASSERT_OK_AND_ASSIGN(const std::vector<float> got, cluster->PullFp32(i, 9));
+    ASSERT_OK_AND_ASSIGN(const std::vector<float> want, ReferenceParams(def, i, 8));
+    EXPECT_EQ(got, want) << "tensor " << i;
+  }
+}
+
+}  // namespace
+}  // namespace harness
+}  // namespace optimus
