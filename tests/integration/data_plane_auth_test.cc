@@ -97,6 +97,8 @@ TEST(DataPlaneAuthTest, OtherJobsWorkersAndStrangersAreRefused) {
   t->add_shape(64);
   create.mutable_spec()->set_grad_dtype(v1::DTYPE_FP32);
   create.mutable_spec()->set_param_dtype(v1::DTYPE_FP32);
+  create.mutable_spec()->mutable_optimizer()->set_kind(v1::OPTIMIZER_SGD);
+  create.mutable_spec()->mutable_optimizer()->set_lr(0.1f);
   v1::CreateJobResponse created;
   {
     grpc::ClientContext ctx;
