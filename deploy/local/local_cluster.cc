@@ -66,6 +66,9 @@ ABSL_FLAG(std::string, python_mode, "layerwise",
           "with --python_workers: DistributedOptimizer's mode (layerwise, delayed or none)");
 ABSL_FLAG(std::string, python, "/usr/bin/python3",
           "with --python_workers: the interpreter (Debian's, with python3-torch)");
+ABSL_FLAG(int, worker_min_step_ms, 0,
+          "each worker step takes at least this long (drills that last minutes, e.g. "
+          "--coordinator_down_ms=180000, without tens of thousands of steps; same results)");
 ABSL_FLAG(int, metrics_port, 0,
           "serve Prometheus /metrics and /healthz: the coordinator on this port, shard i on "
           "this port + 1 + i (0: off)");
@@ -407,6 +410,9 @@ int main(int argc, char** argv) {
                                      "--net_devices=lo"};
     if (r == 0) args.push_back("--params_out=" + params_file);
     if (open_ended) args.push_back("--stop_file=" + stop_file);
+    if (absl::GetFlag(FLAGS_worker_min_step_ms) > 0) {
+      args.push_back(absl::StrCat("--min_step_ms=", absl::GetFlag(FLAGS_worker_min_step_ms)));
+    }
     if (ckpt_every > 0) args.push_back(absl::StrCat("--checkpoint_every_steps=", ckpt_every));
     if (kill_shard_at > 0 && replication == 0) args.push_back("--follow_rollback");
     if (replication > 0) args.push_back(absl::StrCat("--replication=", replication));
