@@ -16,6 +16,7 @@ PACKAGES=(
   nlohmann-json3-dev
   libyaml-cpp-dev
   python3-dev pybind11-dev python3-pytest python3-yaml
+  iproute2
 )
 
 missing=()
