@@ -36,12 +36,16 @@ esac
 steps=$((OUTAGE_S * 1000 / PACE_MS / 5))
 [ "${steps}" -ge 200 ] || steps=200
 
-# The coordinator's metrics port, then one per shard (local_cluster --metrics_port).
+# Ports below the ephemeral range (an outgoing connection may take a port
+# of the ephemeral range while the coordinator is down, and the restart could
+# not listen on it): the coordinator's gRPC port, its metrics port, then one
+# metrics port per shard (local_cluster --metrics_port).
 base_port=$(/usr/bin/python3 - "${SHARDS}" <<'PY'
 import random, socket, sys
-n = int(sys.argv[1]) + 1
+n = int(sys.argv[1]) + 2
+low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
 for _ in range(200):
-    base = random.randrange(20000, 60000 - n)
+    base = random.randrange(10000, max(10001, low - n))
     socks = []
     try:
         for p in range(base, base + n):
@@ -56,9 +60,11 @@ for _ in range(200):
     print(base)
     break
 else:
-    sys.exit("no free range of ports")
+    sys.exit("no free range of ports below the ephemeral range")
 PY
 )
+coord_port=${base_port}
+base_port=$((base_port + 1))
 ports=$(seq -s, $((base_port + 1)) $((base_port + SHARDS)))
 
 D="${TEST_TMPDIR}/drill"
@@ -66,7 +72,8 @@ echo "drill: coordinator down ${OUTAGE_S}s from step 20; shards' metrics on port
 timeout $((OUTAGE_S + 600)) "${root}/deploy/local/local_cluster" --bin_dir="${root}" \
   --work_dir="${D}" --shards="${SHARDS}" --hidden=64 --steps="${steps}" \
   --kill_coordinator_at_step=20 --coordinator_down_ms=$((OUTAGE_S * 1000)) \
-  --metrics_port="${base_port}" --worker_min_step_ms="${PACE_MS}" \
+  --coordinator_port="${coord_port}" --metrics_port="${base_port}" \
+  --worker_min_step_ms="${PACE_MS}" \
   >"${TEST_TMPDIR}/drill.out" 2>"${TEST_TMPDIR}/drill.err" &
 cluster=$!
 /usr/bin/python3 "${root}/tests/fault/kubelet_probes.py" \

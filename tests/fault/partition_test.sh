@@ -84,7 +84,7 @@ log_has() { grep -qE "$2" "$1" 2>/dev/null; }
 # step_of NAME: the last step rank 0 of run NAME reported (0 before any).
 step_of() {
   local s
-  s=$(grep '"event": "step"' "${TEST_TMPDIR}/$1/worker-0.out" 2>/dev/null | tail -n 1 |
+  s=$(grep '"event": "step".*}$' "${TEST_TMPDIR}/$1/worker-0.out" 2>/dev/null | tail -n 1 |
       sed -E 's/.*"step": ([0-9]+).*/\1/') || true
   echo "${s:-0}"
 }
