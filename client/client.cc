@@ -1468,6 +1468,22 @@ class ClientImpl : public Client {
       OPTIMUS_LOG(Info, kLog, "job ", job_id_, " rank ", rank_, ": map epoch ", epoch_, " -> ",
                   map.epoch());
       epoch_ = map.epoch();
+      // Requests still waiting on a chunk's old shard go to its new one
+      // (through the recovery thread, as after a peer failure): a deposed
+      // primary that is alive but cut off from the coordinator never hears
+      // of the new map, and would hold a parked pull, or a push waiting for
+      // its step, forever.
+      for (uint32_t i = 0; i < slots_.size(); ++i) {
+        Slot* s = slots_.At(i);
+        if (s->id == 0 || s->p.receiving || s->p.epoch >= epoch_) continue;
+        const uint64_t was = old[s->p.tensor][s->p.route].shard_id;
+        const uint64_t now = routes_[s->p.tensor][s->p.route].shard_id;
+        if (was == now) continue;
+        FailedLocked(s, absl::UnavailableError(absl::StrCat(
+                            "chunk moved from shard ", was, " to shard ", now,
+                            " under map epoch ", epoch_)),
+                     /*peer_failed=*/true, 0);
+      }
       for (uint32_t t = 0; t < routes_.size(); ++t) {
         const Retained& r = retained_[t];
         if (!r.valid) continue;

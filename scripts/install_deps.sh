@@ -17,6 +17,7 @@ PACKAGES=(
   libyaml-cpp-dev
   libssl-dev openssl
   python3-dev pybind11-dev python3-pytest python3-yaml
+  iproute2
 )
 
 missing=()

@@ -46,6 +46,10 @@ ABSL_FLAG(std::string, tls_dir, "",
           "certificate (common name shard:<who>); empty: $OPTIMUS_TLS_DIR");
 ABSL_FLAG(bool, insecure_plaintext, false,
           "Plain-text gRPC to the coordinator, no authentication (local clusters and tests only)");
+ABSL_FLAG(bool, audit_versions, false,
+          "log each chunk version this shard makes with the CRC-32C of its published copy "
+          "(drills: no two shards hold one version with different bytes); costs a pass over "
+          "each published copy");
 ABSL_FLAG(bool, verbose, false, "debug logging");
 ABSL_FLAG(std::string, log_format, "text", "text, or json (one object per line, for log collectors)");
 
@@ -92,6 +96,7 @@ int main(int argc, char** argv) {
   options.staging_bytes = static_cast<uint64_t>(staging_mb) << 20;
   options.fold_gradients = absl::GetFlag(FLAGS_fold_gradients);
   options.checkpoint_dir = absl::GetFlag(FLAGS_checkpoint_dir);
+  options.audit_versions = absl::GetFlag(FLAGS_audit_versions);
   if (absl::GetFlag(FLAGS_checkpoint_max_mb_per_s) < 0) {
     std::fprintf(stderr, "optimus-shard: --checkpoint_max_mb_per_s must be >= 0\n");
     return 2;

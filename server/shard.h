@@ -95,6 +95,9 @@ class Shard : public ShardServer {
   // ---- steps.cc ----
   // Carries out what an event returned (after the chunk's lock is released).
   void Carry(const JobRef& job, const ChunkRef& chunk, Actions actions);
+  // ShardServerOptions::audit_versions: logs version `version` of the chunk
+  // (made as its primary, or as its backup) with the CRC of its published copy.
+  void AuditVersion(const Job& job, const Chunk& chunk, uint64_t version, bool primary);
   void Schedule(std::function<void()> task) ABSL_LOCKS_EXCLUDED(exec_mu_);
   void RunStep(const JobRef& job, const ChunkRef& chunk);
   // Folds a chunk's landed gradients into its running sum (staging.h).

@@ -66,6 +66,13 @@ struct ShardServerOptions {
   // takes from the optimizer; a checkpoint of B bytes per shard takes at
   // least B / this. Default 0.
   uint64_t checkpoint_max_bytes_per_second = 0;
+  // Log one line per chunk version this shard makes, with the CRC-32C of its
+  // published copy: "audit: made job=J tensor=T chunk=C version=V
+  // role=primary|backup crc32c=X" (a primary publishes it, a backup holds it
+  // to be promoted). Lets a drill check that no two shards ever hold the same
+  // version with different bytes (tests/fault/partition_test.sh). Costs a
+  // pass over each published copy. Default off.
+  bool audit_versions = false;
 };
 
 struct ShardServerStats {

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/durable_file.h"
 #include "common/logging.h"
 #include "kernels/cpu/optimizer.h"
 #include "kernels/cpu/passes.h"
@@ -49,6 +50,7 @@ void Shard::Carry(const JobRef& job, const ChunkRef& chunk, Actions a) {
   if (a.reduce) Schedule([this, job, chunk] { RunReduce(job, chunk); });
   // Counted before any worker can see the version.
   if (a.published != 0) metrics_.steps_applied.fetch_add(1);
+  if (a.published != 0 && options_.audit_versions) AuditVersion(*job, *chunk, a.published, true);
   // Workers first: the copy and the next step come after their pulls.
   for (const PullReply& p : a.sends) SendVersion(job, chunk, p);
   if (a.step_waits_for_snapshot || a.step_released_by_snapshot) {
@@ -84,6 +86,15 @@ void Shard::Carry(const JobRef& job, const ChunkRef& chunk, Actions a) {
     auto it = job->chunks.find(ChunkKey(chunk->name.tensor, chunk->name.chunk));
     if (it != job->chunks.end() && it->second == chunk) job->chunks.erase(it);
   }
+}
+
+void Shard::AuditVersion(const Job& job, const Chunk& chunk, uint64_t version, bool primary) {
+  // Before the version's sends: the buffer holds it until the step after
+  // next, which needs every worker's pull of it first.
+  const uint32_t crc = Crc32c(0, chunk.published(version), chunk.published_bytes());
+  OPTIMUS_LOG(Info, kLog, "audit: made job=", job.config.job_id, " tensor=", chunk.name.tensor,
+              " chunk=", chunk.name.chunk, " version=", version,
+              " role=", primary ? "primary" : "backup", " crc32c=", absl::Hex(crc, absl::kZeroPad8));
 }
 
 void Shard::Schedule(std::function<void()> task) {
@@ -264,6 +275,7 @@ void Shard::RunForwardedStep(const JobRef& job, const ChunkRef& chunk) {
     a = chunk->machine.ForwardedStepDone(s.ok());
   }
   if (s.ok()) metrics_.backup_steps.fetch_add(1);
+  if (a.published != 0 && options_.audit_versions) AuditVersion(*job, *chunk, a.published, false);
   a.published = 0;  // Counted as a backup step, not a published one.
   Reply(from.peer, from.request_id, s);
   Carry(job, chunk, std::move(a));

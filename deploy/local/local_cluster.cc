@@ -45,6 +45,10 @@ ABSL_FLAG(int, kill_coordinator_at_step, 0,
           "fault drill: SIGKILL optimus-coord when rank 0 reports this step, restart it from its "
           "state after --coordinator_down_ms (0: never)");
 ABSL_FLAG(int, coordinator_down_ms, 1500, "how long the killed coordinator stays down");
+ABSL_FLAG(int, coordinator_port, 0,
+          "optimus-coord's port on 127.0.0.1 (0: any free one). A drill that keeps it down for "
+          "minutes wants one outside the ephemeral range: meanwhile an outgoing connection may "
+          "take the old port, and the restart could not listen on it");
 ABSL_FLAG(int, checkpoint_every_steps, 0,
           "checkpoint the job every N steps into the work dir's ckpt/ folder (0: never)");
 ABSL_FLAG(int, kill_shard_at_step, 0,
@@ -70,6 +74,9 @@ ABSL_FLAG(std::string, python, "/usr/bin/python3",
 ABSL_FLAG(bool, insecure_plaintext, false,
           "plain-text gRPC with no authentication; default: TLS with a CA and certificates "
           "made in the work dir (scripts/make_local_ca.sh), workers proving a job token");
+ABSL_FLAG(int, worker_min_step_ms, 0,
+          "each worker step takes at least this long (drills that last minutes, e.g. "
+          "--coordinator_down_ms=180000, without tens of thousands of steps; same results)");
 ABSL_FLAG(int, metrics_port, 0,
           "serve Prometheus /metrics and /healthz: the coordinator on this port, shard i on "
           "this port + 1 + i (0: off)");
@@ -352,7 +359,10 @@ int main(int argc, char** argv) {
     if (ckpt_every > 0) args.push_back("--checkpoint_dir=" + ckpt_dir);
     return args;
   };
-  pid_t coord = Spawn(coord_args("127.0.0.1:0"), dir + "/coord.log");
+  const int coordinator_port = absl::GetFlag(FLAGS_coordinator_port);
+  if (coordinator_port < 0 || coordinator_port > 65535) return Die("--coordinator_port out of range");
+  pid_t coord =
+      Spawn(coord_args(absl::StrCat("127.0.0.1:", coordinator_port)), dir + "/coord.log");
   if (coord < 0) return Die("cannot start optimus-coord");
   std::string port;
   for (int i = 0; i < 300 && port.empty(); ++i) {
@@ -454,6 +464,9 @@ int main(int argc, char** argv) {
                                      "--net_devices=lo"};
     if (r == 0) args.push_back("--params_out=" + params_file);
     if (open_ended) args.push_back("--stop_file=" + stop_file);
+    if (absl::GetFlag(FLAGS_worker_min_step_ms) > 0) {
+      args.push_back(absl::StrCat("--min_step_ms=", absl::GetFlag(FLAGS_worker_min_step_ms)));
+    }
     if (ckpt_every > 0) args.push_back(absl::StrCat("--checkpoint_every_steps=", ckpt_every));
     if (kill_shard_at > 0 && replication == 0) args.push_back("--follow_rollback");
     if (replication > 0) args.push_back(absl::StrCat("--replication=", replication));

@@ -50,6 +50,10 @@ ABSL_FLAG(std::string, stop_file, "",
 ABSL_FLAG(std::string, update_mode, "layerwise",
           "layerwise (exact: each step's forward uses the previous step's result) or delayed "
           "(one step stale: the optimizer step overlaps the whole next iteration)");
+ABSL_FLAG(int, min_step_ms, 0,
+          "each step takes at least this long (the worker sleeps the rest): lets a drill that "
+          "lasts minutes, e.g. a coordinator outage, run without tens of thousands of steps; "
+          "the results are the same bits. 0: no pause");
 ABSL_FLAG(bool, follow_rollback, false,
           "when a push or pull fails because the job lost a shard, re-join the job the "
           "coordinator restores from its last checkpoint and continue from its resume step");
@@ -139,6 +143,9 @@ int main(int argc, char** argv) {
     const double ms =
         std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
     step_ms.push_back(ms);
+    if (ms < absl::GetFlag(FLAGS_min_step_ms)) {
+      absl::SleepFor(absl::Milliseconds(absl::GetFlag(FLAGS_min_step_ms) - ms));
+    }
     if (rank == 0) {
       std::printf("{\"event\": \"step\", \"step\": %llu, \"steps\": %llu, \"loss\": %.6f, "
                   "\"step_ms\": %.3f}\n",

@@ -36,3 +36,150 @@ no_processes_left() {
     echo "processes left running:"; pgrep -af "${root}/"; exit 1
   fi
 }
+
+# skip_test MESSAGE: ends the test as skipped, saying why (a test case marked
+# skipped in the XML that scripts/count_tests.py counts).
+skip_test() {
+  echo "SKIPPED: $1"
+  if [ -n "${XML_OUTPUT_FILE:-}" ]; then
+    local name msg
+    name=$(basename "$0" .sh)
+    msg=$(printf '%s' "$1" | sed -e 's/&/\&amp;/g' -e 's/"/\&quot;/g' -e 's/</\&lt;/g' -e 's/>/\&gt;/g')
+    cat >"${XML_OUTPUT_FILE}" <<XML
+<?xml version="1.0" encoding="UTF-8"?>
+<testsuites><testsuite name="${name}" tests="1" skipped="1">
+<testcase name="${name}" classname="${name}"><skipped message="${msg}"/></testcase>
+</testsuite></testsuites>
+XML
+  fi
+  exit 0
+}
+
+# wait_for WHAT SECONDS COMMAND...: polls COMMAND until it succeeds; after
+# SECONDS (a generous deadline, not a timing check) fails the test saying
+# what it waited for, with the tail of every log of the test.
+wait_for() {
+  local what=$1 seconds=$2; shift 2
+  local give_up=$((SECONDS + seconds))
+  until "$@"; do
+    if [ "${SECONDS}" -ge "${give_up}" ]; then
+      echo "gave up after ${seconds}s waiting for ${what}"
+      for f in $(find "${TEST_TMPDIR}" -name '*.log' -o -name '*.err' | sort); do
+        echo "---- ${f}"; tail -n 15 "${f}"
+      done
+      exit 1
+    fi
+    sleep 0.2
+  done
+}
+
+# ---- Network namespaces (the partition drill) ------------------------------------
+# Every node (a process of the cluster) gets a namespace with one interface,
+# eth0, a veth pair whose other end is on a bridge in a hub namespace; node k
+# (in net_create's order) has 10.77.0.(k+1)/24. Nothing changes in the
+# machine's own namespace, and names carry this shell's pid.
+NET_PREFIX="optimus-drill-$$"
+declare -A NET_IP=()
+declare -A NET_PID=()
+
+# require_netns: skips the test when network namespaces cannot be made.
+require_netns() {
+  [ "$(id -u)" = 0 ] || skip_test "needs root to make network namespaces (uid $(id -u))"
+  command -v ip >/dev/null || skip_test "needs ip (iproute2) to make network namespaces"
+  local out
+  if ! out=$(ip netns add "${NET_PREFIX}-probe" 2>&1); then
+    skip_test "cannot make a network namespace: ${out}"
+  fi
+  if ! out=$(ip -n "${NET_PREFIX}-probe" link add probe0 type veth peer name probe1 2>&1); then
+    ip netns del "${NET_PREFIX}-probe" 2>/dev/null || true
+    skip_test "cannot make a veth pair in a network namespace: ${out}"
+  fi
+  ip netns del "${NET_PREFIX}-probe"
+}
+
+net_ns() { echo "${NET_PREFIX}-$1"; }
+net_ip() { echo "${NET_IP[$1]}"; }
+
+# net_create NODE...: the hub with its bridge, and a namespace per node.
+net_create() {
+  local hub k=1 node
+  hub=$(net_ns hub)
+  ip netns add "${hub}"
+  ip -n "${hub}" link add br0 type bridge
+  ip -n "${hub}" link set br0 up
+  for node in "$@"; do
+    local ns
+    ns=$(net_ns "${node}")
+    NET_IP[${node}]="10.77.0.${k}"
+    ip netns add "${ns}"
+    ip -n "${hub}" link add "p-${node}" type veth peer name eth0 netns "${ns}"
+    ip -n "${hub}" link set "p-${node}" master br0
+    ip -n "${hub}" link set "p-${node}" up
+    ip -n "${ns}" addr add "10.77.0.${k}/24" dev eth0
+    ip -n "${ns}" link set eth0 up
+    ip -n "${ns}" link set lo up
+    k=$((k + 1))
+  done
+}
+
+# net_cut A B / net_heal A B: drop, then restore, all traffic between nodes
+# A and B (a blackhole route to the other in each of the two namespaces).
+net_cut() {
+  ip -n "$(net_ns "$1")" route add blackhole "$(net_ip "$2")/32"
+  ip -n "$(net_ns "$2")" route add blackhole "$(net_ip "$1")/32"
+}
+net_heal() {
+  ip -n "$(net_ns "$1")" route del blackhole "$(net_ip "$2")/32"
+  ip -n "$(net_ns "$2")" route del blackhole "$(net_ip "$1")/32"
+}
+
+# netns_spawn NODE STDOUT STDERR COMMAND...: runs COMMAND in NODE's
+# namespace in the background (ip netns exec execs it: the pid is its own).
+netns_spawn() {
+  local node=$1 out=$2 err=$3; shift 3
+  if [ "${out}" = "${err}" ]; then
+    ip netns exec "$(net_ns "${node}")" "$@" >"${out}" 2>&1 &
+  else
+    ip netns exec "$(net_ns "${node}")" "$@" >"${out}" 2>"${err}" &
+  fi
+  NET_PID[${node}]=$!
+}
+
+# netns_wait NODE SECONDS: waits for NODE's process to exit; fails (returns
+# 1) if it exits with an error or is still running after SECONDS (then it is
+# killed).
+netns_wait() {
+  local pid=${NET_PID[$1]} give_up=$((SECONDS + $2)) rc=0
+  while kill -0 "${pid}" 2>/dev/null && [ "${SECONDS}" -lt "${give_up}" ]; do sleep 0.2; done
+  if kill -0 "${pid}" 2>/dev/null; then
+    echo "$1 (pid ${pid}) still running after $2s; killing it"
+    kill -KILL "${pid}" 2>/dev/null || true
+    wait "${pid}" 2>/dev/null || true
+    return 1
+  fi
+  wait "${pid}" || rc=$?
+  [ "${rc}" = 0 ] || echo "$1 (pid ${pid}) exited with status ${rc}"
+  return "${rc}"
+}
+
+# netns_stop NODE: SIGTERM (a clean shutdown), SIGKILL after 15 s.
+netns_stop() {
+  local pid=${NET_PID[$1]} give_up=$((SECONDS + 15))
+  kill -TERM "${pid}" 2>/dev/null || true
+  while kill -0 "${pid}" 2>/dev/null && [ "${SECONDS}" -lt "${give_up}" ]; do sleep 0.1; done
+  kill -KILL "${pid}" 2>/dev/null || true
+  wait "${pid}" 2>/dev/null || true
+}
+
+# net_cleanup: kills what netns_spawn started and is still running, removes
+# the namespaces (an EXIT trap).
+net_cleanup() {
+  local node ns
+  for node in "${!NET_PID[@]}"; do
+    kill -KILL "${NET_PID[${node}]}" 2>/dev/null || true
+    wait "${NET_PID[${node}]}" 2>/dev/null || true
+  done
+  for ns in $(ip netns list | awk '{print $1}' | grep "^${NET_PREFIX}-" || true); do
+    ip netns del "${ns}" 2>/dev/null || true
+  done
+}
