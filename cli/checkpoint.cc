@@ -6,6 +6,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "cli/status.h"
+#include "common/grpc_limits.h"
 #include "common/grpc_status.h"
 #include "common/json.h"
 #include "grpcpp/grpcpp.h"
@@ -16,7 +17,7 @@ namespace {
 
 std::unique_ptr<v1::Coordinator::Stub> Stub(const std::string& address) {
   return v1::Coordinator::NewStub(
-      grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+      CreateLimitedChannel(address, grpc::InsecureChannelCredentials()));
 }
 
 void SetDeadline(grpc::ClientContext* ctx, absl::Duration timeout) {

@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "cli/status.h"
+#include "common/grpc_limits.h"
 #include "common/grpc_status.h"
 #include "grpcpp/grpcpp.h"
 #include "proto/optimus.grpc.pb.h"
@@ -13,7 +14,7 @@ namespace optimus {
 absl::StatusOr<v1::DrainShardResponse> DrainShardRpc(const std::string& address,
                                                      absl::Duration timeout, uint64_t shard_id) {
   auto stub =
-      v1::Coordinator::NewStub(grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+      v1::Coordinator::NewStub(CreateLimitedChannel(address, grpc::InsecureChannelCredentials()));
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() +
                    std::chrono::milliseconds(absl::ToInt64Milliseconds(timeout)));

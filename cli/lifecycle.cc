@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "cli/status.h"
+#include "common/grpc_limits.h"
 #include "common/grpc_status.h"
 #include "grpcpp/grpcpp.h"
 #include "proto/optimus.grpc.pb.h"
@@ -12,7 +13,7 @@ namespace optimus {
 namespace {
 
 std::unique_ptr<v1::Coordinator::Stub> Stub(const std::string& address) {
-  return v1::Coordinator::NewStub(grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+  return v1::Coordinator::NewStub(CreateLimitedChannel(address, grpc::InsecureChannelCredentials()));
 }
 
 void SetDeadline(grpc::ClientContext* ctx, absl::Duration timeout) {

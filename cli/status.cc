@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "common/grpc_limits.h"
 #include "common/grpc_status.h"
 #include "common/json.h"
 #include "grpcpp/grpcpp.h"
@@ -215,7 +216,7 @@ std::string ReplicaHealth(const v1::JobStatus& j) {
 
 absl::StatusOr<v1::StatusResponse> FetchStatus(const std::string& address,
                                                absl::Duration timeout) {
-  auto channel = grpc::CreateChannel(address, grpc::InsecureChannelCredentials());
+  auto channel = CreateLimitedChannel(address, grpc::InsecureChannelCredentials());
   auto stub = v1::Coordinator::NewStub(channel);
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() +

@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
+#include "common/grpc_limits.h"
 #include "common/grpc_status.h"
 #include "common/logging.h"
 #include "common/wire.h"
@@ -325,7 +326,7 @@ class ClientImpl : public Client {
       GiveBatchBuffer(TakeBatchBuffer());
       GiveBatchBuffer(std::move(first));
     }
-    channel_ = grpc::CreateChannel(options_.coordinator_address,
+    channel_ = CreateLimitedChannel(options_.coordinator_address,
                                    grpc::InsecureChannelCredentials());
     stub_ = v1::Coordinator::NewStub(channel_);
     recovery_ = std::thread([this] { RecoveryLoop(); });

@@ -127,7 +127,8 @@ absl::Status Coordinator::Recover() {
     r.rollback_error = j.rollback_error();
     // Backups count as much as primaries; whether they are in sync is
     // volatile and comes back with the next heartbeats.
-    r.load = ComputeLoad(LayoutOfJob(r).chunks, r.bytes_per_elem);
+    r.load = ComputeLoad(LayoutOfJob(r).chunks, r.bytes_per_elem,
+                         kernels::ChunkOverheadBytes(r.spec.world_size()));
     r.backup_seeded.assign(r.map.chunks_size(), false);
     jobs_.Add(std::move(r));
   }
@@ -161,6 +162,11 @@ Coordinator::TableSizes Coordinator::table_sizes() {
 Coordinator::Counters Coordinator::counters() {
   absl::MutexLock lock(&mu_);
   return counters_;
+}
+
+void Coordinator::CountRefusal(JobRefusal why) {
+  absl::MutexLock lock(&mu_);
+  ++counters_.jobs_refused[static_cast<int>(why)];
 }
 
 }  // namespace optimus

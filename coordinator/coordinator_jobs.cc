@@ -5,6 +5,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/grpc_limits.h"
 #include "common/logging.h"
 #include "coordinator/coordinator_core.h"
 
@@ -33,8 +34,15 @@ absl::StatusOr<v1::CreateJobResponse> Coordinator::CreateJob(const v1::CreateJob
 absl::StatusOr<v1::CreateJobResponse> Coordinator::CreateJobInternal(
     const v1::CreateJobRequest& req, const v1::RestoreSource* restore) {
   v1::JobSpec spec = req.spec();
-  absl::StatusOr<CheckedSpec> checked = CheckAndFillSpec(spec);
-  if (!checked.ok()) return checked.status();
+  absl::StatusOr<CheckedSpec> checked = CheckAndFillSpec(spec, options_.job_limits);
+  if (!checked.ok()) {
+    if (checked.status().code() == absl::StatusCode::kResourceExhausted) {
+      CountRefusal(JobRefusal::kQuota);
+      OPTIMUS_LOG(Warning, kLog, "job refused name=", spec.name(), ": ",
+                  checked.status().message());
+    }
+    return checked.status();
+  }
   const uint64_t bytes_per_elem = checked->bytes_per_elem;
   std::vector<ChunkSpec> chunks =
       SplitTensors(checked->tensor_num_elems, spec.max_chunk_bytes() / 4);
@@ -55,13 +63,17 @@ absl::StatusOr<v1::CreateJobResponse> Coordinator::CreateJobInternal(
     }
     const std::vector<ShardInfo> live = PlacementCandidatesLocked();
     absl::StatusOr<std::vector<ChunkSpec>> placed =
-        PlaceChunks(std::move(chunks), live, bytes_per_elem);
+        PlaceChunks(std::move(chunks), live, bytes_per_elem, checked->chunk_overhead_bytes);
     // A job asking for a backup per chunk gets one from the start, or is
     // refused: it must not silently run without.
     if (placed.ok() && spec.replication() == 1) {
-      placed = PlaceBackups(*std::move(placed), live, bytes_per_elem);
+      placed = PlaceBackups(*std::move(placed), live, bytes_per_elem,
+                            checked->chunk_overhead_bytes);
     }
     if (!placed.ok()) {
+      if (placed.status().code() == absl::StatusCode::kResourceExhausted) {
+        ++counters_.jobs_refused[static_cast<int>(JobRefusal::kCapacity)];
+      }
       OPTIMUS_LOG(Warning, kLog, "job refused name=", spec.name(), ": ",
                   placed.status().message());
       return absl::Status(placed.status().code(),
@@ -100,7 +112,17 @@ absl::StatusOr<v1::CreateJobResponse> Coordinator::CreateJobInternal(
       p->set_shard_id(c.shard_id);
       p->set_backup_shard_id(c.backup_shard_id);
     }
-    job.load = ComputeLoad(*placed, bytes_per_elem);
+    // Every reader takes the map in one gRPC message (JoinJob, GetJob,
+    // a shard's load); the rest of a response (endpoints) gets 1 MiB.
+    const size_t map_bytes = job.map.ByteSizeLong();
+    if (map_bytes + (size_t{1} << 20) > static_cast<size_t>(kMaxGrpcMessageBytes)) {
+      ++counters_.jobs_refused[static_cast<int>(JobRefusal::kMapSize)];
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "job \"", spec.name(), "\": its shard map takes ", map_bytes,
+          " bytes, more than a gRPC message may carry (", kMaxGrpcMessageBytes,
+          " less 1 MiB); raise max_chunk_bytes"));
+    }
+    job.load = ComputeLoad(*placed, bytes_per_elem, checked->chunk_overhead_bytes);
     SetEndpointsLocked(job);
     job.backup_seeded.assign(job.map.chunks_size(), false);
     OPTIMUS_LOG(Info, kLog, "job created id=", job.id, " name=", spec.name(),

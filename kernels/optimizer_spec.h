@@ -113,6 +113,17 @@ inline constexpr uint64_t kChunkOverheadBytes = 8192;
 inline uint64_t ShardChunkBytes(uint64_t num_elems, uint64_t bytes_per_elem) {
   return num_elems * bytes_per_elem + kChunkOverheadBytes;
 }
+// What a chunk costs a shard per worker of its job, beyond the above: the
+// rank's entries in the chunk's state machine (slot state, the push to
+// answer) and staging (landing state, a waiting push); about 70 bytes,
+// rounded up. A job of a million workers costs 128 MiB per chunk: it is
+// planned (and refused) as such, not discovered when the shard allocates.
+inline constexpr uint64_t kChunkRankOverheadBytes = 128;
+// A chunk's bookkeeping for a job of `world_size` workers: what the
+// coordinator plans per chunk and the shard reserves before allocating it.
+inline uint64_t ChunkOverheadBytes(uint32_t world_size) {
+  return kChunkOverheadBytes + uint64_t{world_size} * kChunkRankOverheadBytes;
+}
 
 }  // namespace kernels
 }  // namespace optimus

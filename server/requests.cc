@@ -46,6 +46,23 @@ absl::Status CheckPayload(const transport::IncomingMessage& msg, const wire::Req
   return absl::OkStatus();
 }
 
+// A temporary receive buffer of `n` elements whose bytes were reserved in
+// `limits`; they are given back when its last holder lets go.
+template <typename T>
+std::shared_ptr<std::vector<T>> InflightBuffer(std::shared_ptr<PeerLimits> limits, size_t n) {
+  return std::shared_ptr<std::vector<T>>(new std::vector<T>(n),
+                                         [limits, n](std::vector<T>* v) {
+                                           delete v;
+                                           limits->ReleaseBytes(n * sizeof(T));
+                                         });
+}
+
+absl::Status InflightFull(uint64_t bytes, uint64_t limit) {
+  return absl::ResourceExhaustedError(absl::StrCat(
+      "a request of ", bytes, " bytes does not fit the shard's buffers for requests being "
+      "received (--max_inflight_mb, ", limit, " bytes, in use by others); send it again later"));
+}
+
 }  // namespace
 
 void Shard::SendAck(const Ack& ack) {
@@ -165,8 +182,12 @@ void Shard::OnBatch(transport::IncomingMessage& msg, const wire::RequestHeader& 
     metrics_.requests_rejected.fetch_add(1);
     return Reply(from, h.request_id, s);
   }
+  if (!limits_->TryReserveBytes(size)) {
+    metrics_.requests_rejected.fetch_add(1);
+    return Reply(from, h.request_id, InflightFull(size, limits_->options().max_inflight_bytes));
+  }
   metrics_.batches_received.fetch_add(1);
-  auto batch = std::make_shared<std::vector<uint8_t>>(size);
+  auto batch = InflightBuffer<uint8_t>(limits_, size);
   const transport::EndpointRef ep = msg.reply_endpoint();
   const uint64_t batch_id = h.request_id;
   msg.ReceiveInto(batch->data(), [this, batch, count, ep, from, batch_id](absl::Status rs) {
@@ -391,15 +412,31 @@ void Shard::OnPull(transport::IncomingMessage& msg, const wire::RequestHeader& h
     d.error = absl::InvalidArgumentError(absl::StrCat(
         "pull for tensor ", h.tensor, " chunk ", h.chunk, " expects ", h.num_bytes,
         " bytes; the chunk has ", chunk->published_bytes()));
+  } else if (!limits_->TryPark(from)) {
+    // Every pull holds a place from here until its version is sent (or it
+    // is refused): a peer cannot make the shard hold, and later send at
+    // once, more than its share.
+    d.error = absl::ResourceExhaustedError(absl::StrCat(
+        "pull for tensor ", h.tensor, " chunk ", h.chunk, " of job ", h.job_id, " refused: ",
+        limits_->parked() >= limits_->options().max_parked_pulls ? "shard " : "this peer has ",
+        limits_->parked() >= limits_->options().max_parked_pulls
+            ? absl::StrCat(shard_id_.load(), " has ", limits_->options().max_parked_pulls)
+            : absl::StrCat(limits_->options().max_parked_pulls_per_peer),
+        " pulls waiting or being sent (--max_parked_pulls", 
+        limits_->parked() >= limits_->options().max_parked_pulls ? "" : "_per_peer",
+        "); pull again once earlier ones are answered"));
   } else {
-    absl::MutexLock lock(&chunk->mu);
-    d = chunk->machine.PullRequested(h.step, Requester{from, h.request_id});
+    {
+      absl::MutexLock lock(&chunk->mu);
+      d = chunk->machine.PullRequested(h.step, Requester{from, h.request_id});
+    }
+    if (d.verdict == PullVerdict::kRefuse) limits_->Unpark(from);
   }
   switch (d.verdict) {
     case PullVerdict::kServe:
       return SendVersion(job, chunk, PullReply{Requester{from, h.request_id}, h.step});
     case PullVerdict::kParked:
-      return;
+      return;  // Its place is given back when it is sent or refused.
     case PullVerdict::kRefuse:
       metrics_.requests_rejected.fetch_add(1);
       return Reply(from, h.request_id, d.error, d.hint);
@@ -450,7 +487,13 @@ void Shard::OnInit(transport::IncomingMessage& msg, const wire::RequestHeader& h
   if (!with_state) return msg.ReceiveInto(chunk->master(), std::move(landed));
   // The arrays arrive back to back: land them in a staging buffer, then
   // copy each into its own.
-  auto staging = std::make_shared<std::vector<float>>(chunk->num_elems * arrays);
+  const uint64_t staging_bytes = chunk->num_elems * arrays * sizeof(float);
+  if (!limits_->TryReserveBytes(staging_bytes)) {
+    metrics_.requests_rejected.fetch_add(1);
+    // The machine took the init: tell it the values did not land.
+    return landed(InflightFull(staging_bytes, limits_->options().max_inflight_bytes));
+  }
+  auto staging = InflightBuffer<float>(limits_, chunk->num_elems * arrays);
   msg.ReceiveInto(staging->data(), [staging, chunk, landed](absl::Status rs) mutable {
     if (rs.ok()) chunk->UnpackState(staging->data());
     landed(rs);
@@ -458,13 +501,15 @@ void Shard::OnInit(transport::IncomingMessage& msg, const wire::RequestHeader& h
 }
 
 void Shard::SendVersion(const JobRef& job, const ChunkRef& chunk, const PullReply& p) {
-  if (closing_.load()) return;
+  const uintptr_t peer = p.to.peer;
+  if (closing_.load()) return limits_->Unpark(peer);
   const wire::ReplyHeader header = wire::OkReplyHeader(p.to.request_id, p.version, 0);
   const size_t bytes = chunk->published_bytes();
   const uint64_t version = p.version;
   worker_->Send(EndpointOf(p.to.peer), wire::kAmReply, wire::AsBytes(header),
                 chunk->published(version), bytes, chunk->published_region(version),
-                [this, job, chunk, version, bytes](absl::Status s) {
+                [this, job, chunk, version, bytes, peer](absl::Status s) {
+                  limits_->Unpark(peer);
                   if (!s.ok()) {
                     OPTIMUS_LOG(Warning, "shard", "pull reply failed: ", s.ToString());
                   } else {

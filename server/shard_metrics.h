@@ -60,6 +60,16 @@ struct ShardGauges {
   uint64_t staging_in_use_bytes = 0;
   uint64_t staging_held_bytes = 0;
   uint64_t staging_waits = 0;
+  // server/peer_limits.h.
+  uint64_t parked_pulls = 0;
+  uint64_t peers_with_parked_pulls = 0;
+  uint64_t parked_pull_refusals = 0;
+  uint64_t inflight_bytes = 0;
+  uint64_t inflight_refusals = 0;
+  // The data plane's peers (transport::Worker::peer_count) and hellos it
+  // refused for being over its peer limit.
+  uint64_t transport_peers = 0;
+  uint64_t transport_hellos_refused = 0;
 };
 
 std::string RenderShardMetrics(const ShardMetrics& m, const ShardGauges& g);

@@ -36,6 +36,9 @@ ShardServerOptions Resolved(ShardServerOptions o) {
 
 Shard::Shard(const ShardServerOptions& options, std::unique_ptr<CoordinatorLink> link)
     : options_(Resolved(options)),
+      limits_(std::make_shared<PeerLimits>(PeerLimitOptions{options_.max_parked_pulls_per_peer,
+                                                            options_.max_parked_pulls,
+                                                            options_.max_inflight_bytes})),
       table_(options_.memory_limit_bytes),
       kernel_pool_(std::make_unique<kernels::ThreadPool>(options_.kernel_threads)),
       executor_(std::make_unique<StepExecutor>(options_.step_threads)),
@@ -88,6 +91,11 @@ absl::Status Shard::Start() {
               g.staging_waits = staging_pool_->waits();
             }
             g.chunks_owned = st.chunks_owned;
+            g.parked_pulls = st.parked_pulls;
+            g.peers_with_parked_pulls = st.peers_with_parked_pulls;
+            g.parked_pull_refusals = st.parked_pull_refusals;
+            g.inflight_bytes = st.inflight_bytes;
+            g.inflight_refusals = st.inflight_refusals;
             g.jobs = st.jobs;
             g.lease_age_seconds = absl::ToDoubleSeconds(
                 absl::Now() - absl::FromUnixNanos(last_beat_unix_ns_.load()));
@@ -164,6 +172,11 @@ ShardServerStats Shard::stats() const {
     ++s.jobs;
     s.chunks_owned += static_cast<uint32_t>(job->num_chunks());
   }
+  s.parked_pulls = limits_->parked();
+  s.peers_with_parked_pulls = limits_->peers_with_parked();
+  s.parked_pull_refusals = limits_->parked_refusals();
+  s.inflight_bytes = limits_->inflight_bytes();
+  s.inflight_refusals = limits_->inflight_refusals();
   return s;
 }
 

@@ -61,6 +61,19 @@ struct ShardServerOptions {
   // takes from the optimizer; a checkpoint of B bytes per shard takes at
   // least B / this. Default 0.
   uint64_t checkpoint_max_bytes_per_second = 0;
+  // Most pulls one peer may have waiting for their version or being sent,
+  // over all chunks and jobs on this shard, and most of all peers
+  // together; a pull over either is refused with RESOURCE_EXHAUSTED. Each
+  // costs a small record and, when answered, a send of the chunk's
+  // published copy. Defaults 65536 and 262144 (a worker pulls each of its
+  // chunks on this shard once per step).
+  uint64_t max_parked_pulls_per_peer = 65536;
+  uint64_t max_parked_pulls = 262144;
+  // Most bytes of temporary buffers for requests being received (batches
+  // of small requests, inits with optimizer state), on top of
+  // memory_limit_bytes; a request over it is refused with
+  // RESOURCE_EXHAUSTED (the client sends it again). Default 256 MiB.
+  uint64_t max_inflight_bytes = uint64_t{256} << 20;
 };
 
 struct ShardServerStats {
@@ -81,6 +94,13 @@ struct ShardServerStats {
   // plus copies made while holding the chunk (requests to it wait then):
   // the stall checkpoints cause on the workers' path, summed over chunks.
   uint64_t checkpoint_stall_ns = 0;
+  // Bounded resources (peer_limits.h): pulls waiting or being sent now,
+  // the peers they are from, requests refused for being over a limit.
+  uint64_t parked_pulls = 0;
+  uint64_t peers_with_parked_pulls = 0;
+  uint64_t parked_pull_refusals = 0;
+  uint64_t inflight_bytes = 0;
+  uint64_t inflight_refusals = 0;
 };
 
 class CoordinatorLink;  // server/coordinator_link.h

@@ -27,6 +27,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/clock.h"
+#include "common/grpc_limits.h"
 #include "deploy/local/mlp_task.h"
 #include "grpcpp/grpcpp.h"
 #include "proto/optimus.grpc.pb.h"
@@ -335,7 +336,7 @@ int main(int argc, char** argv) {
     shard_pids.push_back(Spawn(args, absl::StrCat(dir, "/shard-", i, ".log")));
   }
   auto stub = optimus::v1::Coordinator::NewStub(
-      grpc::CreateChannel(coord_addr, grpc::InsecureChannelCredentials()));
+      optimus::CreateLimitedChannel(coord_addr, grpc::InsecureChannelCredentials()));
   int up = 0;
   for (int i = 0; i < 200 && up < shards; ++i) {
     optimus::v1::StatusRequest req;

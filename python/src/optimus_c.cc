@@ -28,6 +28,7 @@
 #include "client/session.h"
 #include "common/checkpoint_files.h"
 #include "common/dtype.h"
+#include "common/grpc_limits.h"
 #include "common/grpc_status.h"
 #include "grpcpp/grpcpp.h"
 #include "proto/optimus.grpc.pb.h"
@@ -193,7 +194,7 @@ std::unique_ptr<grpc::ClientContext> Ctx(absl::Duration timeout) {
 absl::StatusOr<std::string> CheckpointAt(const std::string& coordinator, const std::string& name,
                                          uint64_t step, absl::Duration timeout) {
   auto stub = v1::Coordinator::NewStub(
-      grpc::CreateChannel(coordinator, grpc::InsecureChannelCredentials()));
+      CreateLimitedChannel(coordinator, grpc::InsecureChannelCredentials()));
   const absl::Time deadline = absl::Now() + timeout;
   const absl::Duration rpc = absl::Seconds(10);
   auto late = [&](const std::string& what) {

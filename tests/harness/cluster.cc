@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/dtype.h"
+#include "common/grpc_limits.h"
 #include "common/grpc_status.h"
 #include "grpcpp/grpcpp.h"
 #include "kernels/cpu/optimizer.h"
@@ -179,7 +180,7 @@ absl::Status Cluster::StartCoordinator(const std::string& address) {
   coord_ = std::move(*coord);
   coord_address_ = coord_->address();
   stub_ = v1::Coordinator::NewStub(
-      grpc::CreateChannel(coord_address_, grpc::InsecureChannelCredentials()));
+      CreateLimitedChannel(coord_address_, grpc::InsecureChannelCredentials()));
   return absl::OkStatus();
 }
 
