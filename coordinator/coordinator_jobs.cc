@@ -46,6 +46,20 @@ absl::StatusOr<v1::CreateJobResponse> Coordinator::CreateJobInternal(
   const uint64_t bytes_per_elem = checked->bytes_per_elem;
   std::vector<ChunkSpec> chunks =
       SplitTensors(checked->tensor_num_elems, spec.max_chunk_bytes() / 4);
+  // Workers read the spec and the whole map in one gRPC message (JoinJob,
+  // GetJob), so do shards (their job loads): a job whose pair would not fit
+  // (1 MiB kept for the rest: endpoints, state) could never run.
+  const uint64_t message_bytes =
+      spec.ByteSizeLong() + MapBytesBound(chunks, spec.replication() > 0) + (uint64_t{1} << 20);
+  if (message_bytes > static_cast<uint64_t>(kMaxGrpcMessageBytes)) {
+    CountRefusal(JobRefusal::kMapSize);
+    OPTIMUS_LOG(Warning, kLog, "job refused name=", spec.name(), ": spec and map take up to ",
+                message_bytes, " bytes");
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "job \"", spec.name(), "\": its spec and shard map take up to ", message_bytes,
+        " bytes with 1 MiB for the rest of a message, more than one gRPC message may carry (",
+        kMaxGrpcMessageBytes, "); use fewer chunks (raise max_chunk_bytes) or shorter names"));
+  }
 
   absl::MutexLock commit(&commit_mu_);
   v1::CreateJobResponse resp;
@@ -111,16 +125,6 @@ absl::StatusOr<v1::CreateJobResponse> Coordinator::CreateJobInternal(
       p->set_num_elems(c.num_elems);
       p->set_shard_id(c.shard_id);
       p->set_backup_shard_id(c.backup_shard_id);
-    }
-    // Every reader takes the map in one gRPC message (JoinJob, GetJob,
-    // a shard's load); the rest of a response (endpoints) gets 1 MiB.
-    const size_t map_bytes = job.map.ByteSizeLong();
-    if (map_bytes + (size_t{1} << 20) > static_cast<size_t>(kMaxGrpcMessageBytes)) {
-      ++counters_.jobs_refused[static_cast<int>(JobRefusal::kMapSize)];
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "job \"", spec.name(), "\": its shard map takes ", map_bytes,
-          " bytes, more than a gRPC message may carry (", kMaxGrpcMessageBytes,
-          " less 1 MiB); raise max_chunk_bytes"));
     }
     job.load = ComputeLoad(*placed, bytes_per_elem, checked->chunk_overhead_bytes);
     SetEndpointsLocked(job);

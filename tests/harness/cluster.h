@@ -105,6 +105,12 @@ struct ClusterOptions {
   // The coordinator's durable state folder (StopCoordinator /
   // RestartCoordinator need one to come back knowing the jobs). Empty: none.
   std::string state_dir;
+  // The coordinator's job quotas (chunks, tensors, bytes per job).
+  JobLimits job_limits;
+  // Each shard's bounds on pulls waiting or being sent (per peer, in all;
+  // 0: the shard's default).
+  uint64_t max_parked_pulls_per_peer = 0;
+  uint64_t max_parked_pulls = 0;
   // The loopback fabric's settings (loopback only).
   transport::LoopbackOptions loopback;
   // How long one harness call waits for something (a pull, a push, a state
