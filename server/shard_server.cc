@@ -96,6 +96,8 @@ absl::Status Shard::Start() {
             g.parked_pull_refusals = st.parked_pull_refusals;
             g.inflight_bytes = st.inflight_bytes;
             g.inflight_refusals = st.inflight_refusals;
+            g.transport_peers = st.transport_peers;
+            g.transport_hellos_refused = st.hellos_refused;
             g.jobs = st.jobs;
             g.lease_age_seconds = absl::ToDoubleSeconds(
                 absl::Now() - absl::FromUnixNanos(last_beat_unix_ns_.load()));
@@ -177,6 +179,10 @@ ShardServerStats Shard::stats() const {
   s.parked_pull_refusals = limits_->parked_refusals();
   s.inflight_bytes = limits_->inflight_bytes();
   s.inflight_refusals = limits_->inflight_refusals();
+  if (worker_ != nullptr) {
+    s.transport_peers = worker_->peer_count();
+    s.hellos_refused = worker_->hellos_refused();
+  }
   return s;
 }
 

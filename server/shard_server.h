@@ -101,6 +101,10 @@ struct ShardServerStats {
   uint64_t parked_pull_refusals = 0;
   uint64_t inflight_bytes = 0;
   uint64_t inflight_refusals = 0;
+  // The data plane's peers known now, and hellos dropped at
+  // transport.max_peers (transport::Worker::peer_count, hellos_refused).
+  uint64_t transport_peers = 0;
+  uint64_t hellos_refused = 0;
 };
 
 class CoordinatorLink;  // server/coordinator_link.h

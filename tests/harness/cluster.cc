@@ -242,6 +242,7 @@ absl::StatusOr<size_t> Cluster::AddShard() {
     s.max_parked_pulls_per_peer = options_.max_parked_pulls_per_peer;
   }
   if (options_.max_parked_pulls > 0) s.max_parked_pulls = options_.max_parked_pulls;
+  if (options_.max_peers > 0) s.transport.max_peers = options_.max_peers;
   if (options_.serve_metrics) s.metrics_address = "127.0.0.1:0";
   auto shard = server::ShardServer::Start(s);
   if (!shard.ok()) {
