@@ -30,8 +30,11 @@ void PeerLimits::Unpark(uintptr_t peer) {
 
 bool PeerLimits::TryReserveBytes(uint64_t bytes) {
   absl::MutexLock lock(&mu_);
-  if (bytes > options_.max_inflight_bytes ||
-      inflight_bytes_ > options_.max_inflight_bytes - bytes) {
+  // One request larger than the whole limit (an init with optimizer state
+  // of a large chunk) goes through alone rather than never.
+  const bool alone = inflight_bytes_ == 0;
+  if (!alone && (bytes > options_.max_inflight_bytes ||
+                 inflight_bytes_ > options_.max_inflight_bytes - bytes)) {
     ++inflight_refusals_;
     return false;
   }

@@ -43,7 +43,8 @@ class PeerLimits {
   void Unpark(uintptr_t peer) ABSL_LOCKS_EXCLUDED(mu_);
 
   // Reserves `bytes` of in-flight receive buffers; false (counted) when
-  // they do not fit.
+  // they do not fit. A request larger than the whole limit is let through
+  // when nothing else is in flight (at most one such at a time).
   bool TryReserveBytes(uint64_t bytes) ABSL_LOCKS_EXCLUDED(mu_);
   void ReleaseBytes(uint64_t bytes) ABSL_LOCKS_EXCLUDED(mu_);
 

@@ -169,9 +169,15 @@ void Shard::OnBatch(transport::IncomingMessage& msg, const wire::RequestHeader& 
   const uint64_t count = h.step;
   const size_t size = msg.payload_size();
   absl::Status s;
+  // The client batches small requests up to 1 MiB; anything much larger is
+  // not a batch it sent.
+  constexpr size_t kMaxBatchBytes = size_t{16} << 20;
   if (count == 0 || count > wire::kMaxBatch) {
     s = absl::InvalidArgumentError(absl::StrCat("batch of ", count, " requests (1..",
                                                 wire::kMaxBatch, " allowed)"));
+  } else if (size > kMaxBatchBytes) {
+    s = absl::ResourceExhaustedError(absl::StrCat("batch of ", size, " bytes; a batch carries at most ",
+                                                  kMaxBatchBytes));
   } else if (h.num_bytes != size || size < count * sizeof(wire::RequestHeader)) {
     s = absl::InvalidArgumentError(absl::StrCat("batch of ", count, " requests carries ", size,
                                                 " bytes (header says ", h.num_bytes,
