@@ -1,5 +1,7 @@
 #include "server/peer_limits.h"
 
+#include "absl/strings/str_cat.h"
+
 namespace optimus {
 namespace server {
 
@@ -70,6 +72,12 @@ uint64_t PeerLimits::parked_refusals() const {
 uint64_t PeerLimits::inflight_refusals() const {
   absl::MutexLock lock(&mu_);
   return inflight_refusals_;
+}
+
+absl::Status InflightFull(uint64_t bytes, uint64_t limit) {
+  return absl::ResourceExhaustedError(absl::StrCat(
+      "a request of ", bytes, " bytes does not fit the shard's buffers for requests being "
+      "received (--max_inflight_mb, ", limit, " bytes, in use by others); send it again later"));
 }
 
 }  // namespace server

@@ -14,8 +14,11 @@
 #define OPTIMUS_SERVER_PEER_LIMITS_H_
 
 #include <cstdint>
+#include <memory>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/synchronization/mutex.h"
 
@@ -64,6 +67,20 @@ class PeerLimits {
   uint64_t parked_refusals_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t inflight_refusals_ ABSL_GUARDED_BY(mu_) = 0;
 };
+
+// A temporary receive buffer of `n` elements whose bytes were reserved in
+// `limits` (TryReserveBytes); they are given back when its last holder
+// lets go.
+template <typename T>
+std::shared_ptr<std::vector<T>> InflightBuffer(std::shared_ptr<PeerLimits> limits, size_t n) {
+  return std::shared_ptr<std::vector<T>>(new std::vector<T>(n), [limits, n](std::vector<T>* v) {
+    delete v;
+    limits->ReleaseBytes(n * sizeof(T));
+  });
+}
+
+// The answer to a request whose buffer did not fit: RESOURCE_EXHAUSTED.
+absl::Status InflightFull(uint64_t bytes, uint64_t limit);
 
 }  // namespace server
 }  // namespace optimus

@@ -46,23 +46,6 @@ absl::Status CheckPayload(const transport::IncomingMessage& msg, const wire::Req
   return absl::OkStatus();
 }
 
-// A temporary receive buffer of `n` elements whose bytes were reserved in
-// `limits`; they are given back when its last holder lets go.
-template <typename T>
-std::shared_ptr<std::vector<T>> InflightBuffer(std::shared_ptr<PeerLimits> limits, size_t n) {
-  return std::shared_ptr<std::vector<T>>(new std::vector<T>(n),
-                                         [limits, n](std::vector<T>* v) {
-                                           delete v;
-                                           limits->ReleaseBytes(n * sizeof(T));
-                                         });
-}
-
-absl::Status InflightFull(uint64_t bytes, uint64_t limit) {
-  return absl::ResourceExhaustedError(absl::StrCat(
-      "a request of ", bytes, " bytes does not fit the shard's buffers for requests being "
-      "received (--max_inflight_mb, ", limit, " bytes, in use by others); send it again later"));
-}
-
 }  // namespace
 
 void Shard::SendAck(const Ack& ack) {

@@ -70,9 +70,10 @@ struct ShardServerOptions {
   uint64_t max_parked_pulls_per_peer = 65536;
   uint64_t max_parked_pulls = 262144;
   // Most bytes of temporary buffers for requests being received (batches
-  // of small requests, inits with optimizer state), on top of
+  // of small requests, inits with optimizer state, backups' seeds), on top of
   // memory_limit_bytes; a request over it is refused with
-  // RESOURCE_EXHAUSTED (the client sends it again). Default 256 MiB.
+  // RESOURCE_EXHAUSTED (a seed from a primary: asked again later). Default
+  // 256 MiB.
   uint64_t max_inflight_bytes = uint64_t{256} << 20;
 };
 

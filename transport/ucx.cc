@@ -1196,6 +1196,16 @@ class UcxWorker : public Worker {
       peer->incoming = true;
       ++incoming_live_;
       silent_.push_back(peer->id);
+      if (silent_.size() > 2 * incoming_live_ + 1024) {
+        // Keep it to the peers still silent (it would grow with every
+        // hello ever received otherwise).
+        std::deque<uint64_t> still;
+        for (uint64_t id : silent_) {
+          const Peer* p = FindPeer(id);
+          if (p != nullptr && !p->heard && p->failure.ok()) still.push_back(id);
+        }
+        silent_.swap(still);
+      }
       peer->address.assign(static_cast<const char*>(data), length);
       peer->name.assign(reinterpret_cast<const char*>(rest) + sizeof(uint64_t),
                         rest_length - sizeof(uint64_t));
