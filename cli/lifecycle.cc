@@ -13,7 +13,8 @@ namespace optimus {
 namespace {
 
 std::unique_ptr<v1::Coordinator::Stub> Stub(const std::string& address) {
-  return v1::Coordinator::NewStub(CreateLimitedChannel(address, grpc::InsecureChannelCredentials()));
+  return v1::Coordinator::NewStub(
+      CreateLimitedChannel(address, grpc::InsecureChannelCredentials()));
 }
 
 void SetDeadline(grpc::ClientContext* ctx, absl::Duration timeout) {

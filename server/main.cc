@@ -49,7 +49,8 @@ ABSL_FLAG(uint64_t, max_parked_pulls, 262144,
           "RESOURCE_EXHAUSTED");
 ABSL_FLAG(int64_t, max_inflight_mb, 256,
           "Most MiB of temporary buffers for requests being received (batches, inits with "
-          "optimizer state), on top of --memory_limit_mb; more are refused with RESOURCE_EXHAUSTED");
+          "optimizer state, backups' seeds), on top of --memory_limit_mb; more are refused "
+          "with RESOURCE_EXHAUSTED");
 ABSL_FLAG(uint64_t, max_peers, 65536,
           "Most data-plane peers that connected to this shard kept at once (beyond it the one "
           "silent longest since its hello makes room, or the hello is dropped); peers that "

@@ -159,8 +159,8 @@ void Shard::OnBatch(transport::IncomingMessage& msg, const wire::RequestHeader& 
     s = absl::InvalidArgumentError(absl::StrCat("batch of ", count, " requests (1..",
                                                 wire::kMaxBatch, " allowed)"));
   } else if (size > kMaxBatchBytes) {
-    s = absl::ResourceExhaustedError(absl::StrCat("batch of ", size, " bytes; a batch carries at most ",
-                                                  kMaxBatchBytes));
+    s = absl::ResourceExhaustedError(
+        absl::StrCat("batch of ", size, " bytes; a batch carries at most ", kMaxBatchBytes));
   } else if (h.num_bytes != size || size < count * sizeof(wire::RequestHeader)) {
     s = absl::InvalidArgumentError(absl::StrCat("batch of ", count, " requests carries ", size,
                                                 " bytes (header says ", h.num_bytes,
@@ -405,15 +405,16 @@ void Shard::OnPull(transport::IncomingMessage& msg, const wire::RequestHeader& h
     // Every pull holds a place from here until its version is sent (or it
     // is refused): a peer cannot make the shard hold, and later send at
     // once, more than its share.
+    const PeerLimitOptions& lim = limits_->options();
+    const bool shard_full = limits_->parked() >= lim.max_parked_pulls;
     d.error = absl::ResourceExhaustedError(absl::StrCat(
         "pull for tensor ", h.tensor, " chunk ", h.chunk, " of job ", h.job_id, " refused: ",
-        limits_->parked() >= limits_->options().max_parked_pulls ? "shard " : "this peer has ",
-        limits_->parked() >= limits_->options().max_parked_pulls
-            ? absl::StrCat(shard_id_.load(), " has ", limits_->options().max_parked_pulls)
-            : absl::StrCat(limits_->options().max_parked_pulls_per_peer),
-        " pulls waiting or being sent (--max_parked_pulls", 
-        limits_->parked() >= limits_->options().max_parked_pulls ? "" : "_per_peer",
-        "); pull again once earlier ones are answered"));
+        shard_full ? absl::StrCat("shard ", shard_id_.load(), " has ", lim.max_parked_pulls,
+                                  " pulls waiting or being sent (--max_parked_pulls)")
+                   : absl::StrCat("this peer has ", lim.max_parked_pulls_per_peer,
+                                  " pulls waiting or being sent on shard ", shard_id_.load(),
+                                  " (--max_parked_pulls_per_peer)"),
+        "; pull again once earlier ones are answered"));
   } else {
     {
       absl::MutexLock lock(&chunk->mu);

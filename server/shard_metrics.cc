@@ -1,5 +1,7 @@
 #include "server/shard_metrics.h"
 
+#include <utility>
+
 #include "absl/strings/str_cat.h"
 
 namespace optimus {
@@ -69,15 +71,17 @@ std::string RenderShardMetrics(const ShardMetrics& s, const ShardGauges& g) {
   m.Gauge("optimus_shard_transport_peers",
           "Data-plane peers known (limit: --max_peers; dead ones are forgotten).",
           static_cast<double>(g.transport_peers), id);
-  m.Counter("optimus_shard_limit_refusals_total",
-            "Requests refused with RESOURCE_EXHAUSTED for being over a limit, by limit.",
-            g.parked_pull_refusals, {{"shard_id", absl::StrCat(g.shard_id)}, {"limit", "parked_pulls"}});
-  m.Counter("optimus_shard_limit_refusals_total",
-            "Requests refused with RESOURCE_EXHAUSTED for being over a limit, by limit.",
-            g.inflight_refusals, {{"shard_id", absl::StrCat(g.shard_id)}, {"limit", "inflight_bytes"}});
-  m.Counter("optimus_shard_limit_refusals_total",
-            "Requests refused with RESOURCE_EXHAUSTED for being over a limit, by limit.",
-            g.transport_hellos_refused, {{"shard_id", absl::StrCat(g.shard_id)}, {"limit", "peers"}});
+  const char* kRefusalsHelp =
+      "Requests refused with RESOURCE_EXHAUSTED for being over a limit, by limit.";
+  const std::pair<const char*, uint64_t> refusals[] = {
+      {"parked_pulls", g.parked_pull_refusals},
+      {"inflight_bytes", g.inflight_refusals},
+      {"peers", g.transport_hellos_refused},
+  };
+  for (const auto& [limit, count] : refusals) {
+    m.Counter("optimus_shard_limit_refusals_total", kRefusalsHelp, count,
+              {{"shard_id", absl::StrCat(g.shard_id)}, {"limit", limit}});
+  }
   for (int c = 1; c < ShardMetrics::kNumCodes; ++c) {
     m.Counter("optimus_shard_errors_total", "Requests refused, by error kind.", s.errors[c].load(),
               {{"shard_id", absl::StrCat(g.shard_id)},

@@ -902,7 +902,9 @@ class UcxWorker : public Worker {
       Peer* peer = FindPeer(id);
       if (peer == nullptr) continue;
       bool connecting = false;
-      for (const auto& entry : pending_connects_) connecting = connecting || entry.second->peer == peer;
+      for (const auto& entry : pending_connects_) {
+        connecting = connecting || entry.second->peer == peer;
+      }
       if (peer->ops > 0 || peer->closing || peer->ep != nullptr || connecting) {
         keep.push_back(id);
         continue;

@@ -302,6 +302,7 @@ TEST(ResourceLimitsTest, HundredThousandParkedPullsAreBounded) {
   o.num_workers = 1;
   o.max_parked_pulls_per_peer = 1000;
   o.max_parked_pulls = 3000;
+  o.serve_metrics = true;
   ASSERT_OK_AND_ASSIGN(auto c, Cluster::Start(o));
   const client::JobDef victim = SmallJob("victim", 1);
   ASSERT_OK(c->CreateJob(victim));
@@ -360,6 +361,12 @@ TEST(ResourceLimitsTest, HundredThousandParkedPullsAreBounded) {
   const server::ShardServerStats st = c->shard(index)->stats();
   EXPECT_EQ(st.parked_pulls, 1000u);
   EXPECT_EQ(st.parked_pull_refusals, kPulls - 1000);
+  ASSERT_OK_AND_ASSIGN(const std::string metrics,
+                       HttpGet(c->shard(index)->metrics_port(), "/metrics"));
+  EXPECT_NE(metrics.find(absl::StrCat("optimus_shard_limit_refusals_total{shard_id=\"", holder,
+                                      "\",limit=\"parked_pulls\"} ", kPulls - 1000)),
+            std::string::npos)
+      << metrics;
 
   // Training goes on; the victim's step 4 publishes version 5, which
   // answers the 1000 parked pulls, and their places are given back.
@@ -484,7 +491,8 @@ class HelloFlood {
       p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
       p.flags = UCP_EP_CLOSE_FLAG_FORCE;
       ucs_status_ptr_t st = ucp_ep_close_nbx(ep_, &p);
-      while (st != nullptr && !UCS_PTR_IS_ERR(st) && ucp_request_check_status(st) == UCS_INPROGRESS) {
+      while (st != nullptr && !UCS_PTR_IS_ERR(st) &&
+             ucp_request_check_status(st) == UCS_INPROGRESS) {
         ucp_worker_progress(worker_);
       }
       if (st != nullptr && !UCS_PTR_IS_ERR(st)) ucp_request_free(st);
