@@ -23,6 +23,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/grpc_limits.h"
 #include "absl/time/clock.h"
 
 namespace optimus {
@@ -230,7 +231,7 @@ absl::Status StartProcCluster(const ProcClusterOptions& o, ProcCluster* c) {
     if (o.metrics) c->metrics_ports.push_back(mport);
   }
   c->stub = v1::Coordinator::NewStub(
-      grpc::CreateChannel(c->coord_addr, grpc::InsecureChannelCredentials()));
+      CreateLimitedChannel(c->coord_addr, grpc::InsecureChannelCredentials()));
   int up = 0;
   for (int i = 0; i < 1000 && up < o.num_shards; ++i) {
     v1::StatusResponse resp;

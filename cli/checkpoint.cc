@@ -6,6 +6,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "cli/status.h"
+#include "common/grpc_limits.h"
 #include "common/grpc_status.h"
 #include "common/json.h"
 #include "grpcpp/grpcpp.h"

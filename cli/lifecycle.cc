@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "cli/status.h"
+#include "common/grpc_limits.h"
 #include "common/grpc_status.h"
 #include "grpcpp/grpcpp.h"
 #include "proto/optimus.grpc.pb.h"

@@ -205,7 +205,7 @@ TEST_F(OptimusctlTest, StatusJsonDescribesTheCluster) {
   // 4 workers' gradients fold into, held until the commit) = 20 bytes each,
   // and each of the job's 5 chunks' bookkeeping, fit on the DPU alone.
   EXPECT_EQ(shards.array[0]["memory_planned_bytes"].AsUint(),
-            64064u * 20 + 5 * kernels::kChunkOverheadBytes);
+            64064u * 20 + 5 * kernels::ChunkOverheadBytes(4));
   EXPECT_EQ(shards.array[1]["memory_planned_bytes"].AsUint(), 0u);
   const JsonValue& jobs = (*doc)["jobs"];
   ASSERT_EQ(jobs.array.size(), 1u);

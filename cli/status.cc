@@ -12,6 +12,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
+#include "common/grpc_limits.h"
 #include "common/grpc_status.h"
 #include "common/json.h"
 #include "grpcpp/grpcpp.h"
@@ -242,7 +243,7 @@ std::shared_ptr<grpc::Channel> CoordinatorChannel(const std::string& address) {
     }
     cli_tls = *std::move(m);
   }
-  return grpc::CreateChannel(address, security::ChannelCredentials(*cli_tls));
+  return CreateLimitedChannel(address, security::ChannelCredentials(*cli_tls));
 }
 
 absl::StatusOr<v1::StatusResponse> FetchStatus(const std::string& address,

@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
+#include "common/grpc_limits.h"
 #include "common/grpc_status.h"
 #include "common/logging.h"
 #include "common/wire.h"

@@ -1,5 +1,15 @@
 #include "common/metrics.h"
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "absl/time/clock.h"
 #include "common/http_server.h"
 #include "gtest/gtest.h"
 
@@ -47,6 +57,76 @@ TEST(HttpServerTest, ServesHandlersAnd404) {
   const int port = (*s)->port();
   s->reset();
   EXPECT_EQ(HttpGet(port, "/metrics").status().code(), absl::StatusCode::kUnavailable);
+}
+
+int ConnectTo(int port) {
+  const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in addr;
+  std::memset(&addr, 0, sizeof(addr));
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  EXPECT_EQ(connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  return fd;
+}
+
+// Polls `done` every 10 ms for up to a minute (a generous bound, not a
+// timing assert).
+bool Eventually(const std::function<bool()>& done) {
+  const absl::Time give_up = absl::Now() + absl::Minutes(1);
+  while (!done()) {
+    if (absl::Now() > give_up) return false;
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  return true;
+}
+
+TEST(HttpServerTest, AClientThatNeverReadsHoldsOneThreadUntilItsDeadline) {
+  HttpServerOptions o;
+  o.write_timeout = absl::Milliseconds(300);
+  const std::string big(64 << 20, 'x');
+  auto s = HttpServer::Start(
+      "127.0.0.1:0",
+      {{"/big", [&big] { return HttpResponse{200, "text/plain", big}; }},
+       {"/healthz", [] { return HttpResponse{200, "text/plain", "ok\n"}; }}},
+      o);
+  ASSERT_TRUE(s.ok()) << s.status();
+  const int deaf = ConnectTo((*s)->port());
+  const int small = 1;
+  setsockopt(deaf, SOL_SOCKET, SO_RCVBUF, &small, sizeof(small));
+  const std::string get = "GET /big HTTP/1.0\r\n\r\n";
+  ASSERT_EQ(send(deaf, get.data(), get.size(), MSG_NOSIGNAL), static_cast<ssize_t>(get.size()));
+  // Answered meanwhile by the other threads; the deaf client is dropped
+  // once its answer's deadline passes, though it never reads.
+  for (int i = 0; i < 10; ++i) EXPECT_TRUE(HttpGet((*s)->port(), "/healthz").ok());
+  EXPECT_TRUE(Eventually([&] { return (*s)->connections_timed_out() >= 1; }));
+  close(deaf);
+  EXPECT_TRUE(HttpGet((*s)->port(), "/healthz").ok());
+}
+
+TEST(HttpServerTest, ConnectionsBeyondThreadsAndQueueAreShedNotQueuedForever) {
+  HttpServerOptions o;
+  o.threads = 1;
+  o.max_queued = 1;
+  o.read_timeout = absl::Minutes(10);  // Only shedding can free room here.
+  auto s = HttpServer::Start(
+      "127.0.0.1:0", {{"/healthz", [] { return HttpResponse{200, "text/plain", "ok\n"}; }}}, o);
+  ASSERT_TRUE(s.ok()) << s.status();
+  std::vector<int> silent;
+  for (int i = 0; i < 6; ++i) silent.push_back(ConnectTo((*s)->port()));
+  // One is being served (waiting for its request), one waits in the
+  // queue, the other four are closed at once.
+  EXPECT_TRUE(Eventually([&] { return (*s)->connections_shed() >= 4; }));
+  for (int fd : silent) close(fd);
+  // The served one ends when its client goes; then probes are answered.
+  EXPECT_TRUE(Eventually([&] { return HttpGet((*s)->port(), "/healthz").ok(); }));
+}
+
+TEST(HttpServerTest, BadOptionsAreAnError) {
+  HttpServerOptions o;
+  o.threads = 0;
+  EXPECT_EQ(HttpServer::Start("127.0.0.1:0", {}, o).status().code(),
+            absl::StatusCode::kInvalidArgument);
 }
 
 TEST(HttpServerTest, BadAddressIsAnError) {

@@ -10,6 +10,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "common/grpc_limits.h"
 #include "common/logging.h"
 
 namespace optimus {
@@ -102,6 +103,9 @@ absl::StatusOr<std::shared_ptr<grpc::Channel>> Dial(const std::string& address,
                                                     grpc::ChannelArguments args) {
   auto tls = LoadTls(options, /*need_cert=*/false, who);
   if (!tls.ok()) return tls.status();
+  // The one message limit (common/grpc_limits.h).
+  args.SetMaxReceiveMessageSize(kMaxGrpcMessageBytes);
+  args.SetMaxSendMessageSize(kMaxGrpcMessageBytes);
   return grpc::CreateCustomChannel(address, ChannelCredentials(*tls), args);
 }
 

@@ -72,7 +72,8 @@ absl::StatusOr<TlsMaterial> LoadTls(const TlsOptions& options, bool need_cert,
 std::shared_ptr<grpc::ServerCredentials> ServerCredentials(const TlsMaterial& tls);
 std::shared_ptr<grpc::ChannelCredentials> ChannelCredentials(const TlsMaterial& tls);
 
-// A channel to `address` under `options` (see LoadTls), with `args`.
+// A channel to `address` under `options` (see LoadTls), with `args` and
+// the one message limit (common/grpc_limits.h).
 absl::StatusOr<std::shared_ptr<grpc::Channel>> Dial(const std::string& address,
                                                     const TlsOptions& options,
                                                     absl::string_view who,

@@ -134,7 +134,8 @@ absl::Status Coordinator::Recover() {
     r.token = j.token();
     // Backups count as much as primaries; whether they are in sync is
     // volatile and comes back with the next heartbeats.
-    r.load = ComputeLoad(LayoutOfJob(r).chunks, r.bytes_per_elem);
+    r.load = ComputeLoad(LayoutOfJob(r).chunks, r.bytes_per_elem,
+                         kernels::ChunkOverheadBytes(r.spec.world_size()));
     r.backup_seeded.assign(r.map.chunks_size(), false);
     jobs_.Add(std::move(r));
   }
@@ -187,6 +188,11 @@ absl::Status Coordinator::EnsureDataPlaneKey() {
 std::string Coordinator::data_plane_key() {
   absl::MutexLock lock(&mu_);
   return data_plane_key_;
+}
+
+void Coordinator::CountRefusal(JobRefusal why) {
+  absl::MutexLock lock(&mu_);
+  ++counters_.jobs_refused[static_cast<int>(why)];
 }
 
 }  // namespace optimus

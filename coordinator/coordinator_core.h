@@ -21,6 +21,7 @@
 #ifndef OPTIMUS_COORDINATOR_COORDINATOR_CORE_H_
 #define OPTIMUS_COORDINATOR_COORDINATOR_CORE_H_
 
+#include <array>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -234,12 +235,21 @@ class Coordinator {
   };
   TableSizes table_sizes();
 
+  // Why a CreateJob or restore was refused with RESOURCE_EXHAUSTED.
+  enum class JobRefusal {
+    kQuota = 0,     // Over options.job_limits (chunks, tensors, bytes).
+    kMapSize = 1,   // Its map would not fit a gRPC message.
+    kCapacity = 2,  // The live shards' memory cannot hold it.
+  };
+  static constexpr int kNumJobRefusals = 3;
   // Counts since start, for metrics.
   struct Counters {
     uint64_t jobs_deleted = 0;      // By DeleteJob or replaced by a restore.
     uint64_t shards_forgotten = 0;  // By ForgetShard or the grace period.
+    std::array<uint64_t, kNumJobRefusals> jobs_refused{};  // By JobRefusal.
   };
   Counters counters();
+  void CountRefusal(JobRefusal why) ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
   // ---- Durable state (coordinator.cc) ----

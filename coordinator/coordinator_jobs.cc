@@ -5,6 +5,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/grpc_limits.h"
 #include "common/logging.h"
 #include "common/security.h"
 #include "coordinator/coordinator_core.h"
@@ -34,8 +35,15 @@ absl::StatusOr<v1::CreateJobResponse> Coordinator::CreateJob(const v1::CreateJob
 absl::StatusOr<v1::CreateJobResponse> Coordinator::CreateJobInternal(
     const v1::CreateJobRequest& req, const v1::RestoreSource* restore) {
   v1::JobSpec spec = req.spec();
-  absl::StatusOr<CheckedSpec> checked = CheckAndFillSpec(spec);
-  if (!checked.ok()) return checked.status();
+  absl::StatusOr<CheckedSpec> checked = CheckAndFillSpec(spec, options_.job_limits);
+  if (!checked.ok()) {
+    if (checked.status().code() == absl::StatusCode::kResourceExhausted) {
+      CountRefusal(JobRefusal::kQuota);
+      OPTIMUS_LOG(Warning, kLog, "job refused name=", spec.name(), ": ",
+                  checked.status().message());
+    }
+    return checked.status();
+  }
   std::string token = req.job_token();
   if (!token.empty()) {
     if (absl::Status s = security::CheckToken(token); !s.ok()) return s;
@@ -47,6 +55,20 @@ absl::StatusOr<v1::CreateJobResponse> Coordinator::CreateJobInternal(
   const uint64_t bytes_per_elem = checked->bytes_per_elem;
   std::vector<ChunkSpec> chunks =
       SplitTensors(checked->tensor_num_elems, spec.max_chunk_bytes() / 4);
+  // Workers read the spec and the whole map in one gRPC message (JoinJob,
+  // GetJob), so do shards (their job loads): a job whose pair would not fit
+  // (1 MiB kept for the rest: endpoints, state) could never run.
+  const uint64_t message_bytes =
+      spec.ByteSizeLong() + MapBytesBound(chunks, spec.replication() > 0) + (uint64_t{1} << 20);
+  if (message_bytes > static_cast<uint64_t>(kMaxGrpcMessageBytes)) {
+    CountRefusal(JobRefusal::kMapSize);
+    OPTIMUS_LOG(Warning, kLog, "job refused name=", spec.name(), ": spec and map take up to ",
+                message_bytes, " bytes");
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "job \"", spec.name(), "\": its spec and shard map take up to ", message_bytes,
+        " bytes with 1 MiB for the rest of a message, more than one gRPC message may carry (",
+        kMaxGrpcMessageBytes, "); use fewer chunks (raise max_chunk_bytes) or shorter names"));
+  }
 
   absl::MutexLock commit(&commit_mu_);
   v1::CreateJobResponse resp;
@@ -64,13 +86,17 @@ absl::StatusOr<v1::CreateJobResponse> Coordinator::CreateJobInternal(
     }
     const std::vector<ShardInfo> live = PlacementCandidatesLocked();
     absl::StatusOr<std::vector<ChunkSpec>> placed =
-        PlaceChunks(std::move(chunks), live, bytes_per_elem);
+        PlaceChunks(std::move(chunks), live, bytes_per_elem, checked->chunk_overhead_bytes);
     // A job asking for a backup per chunk gets one from the start, or is
     // refused: it must not silently run without.
     if (placed.ok() && spec.replication() == 1) {
-      placed = PlaceBackups(*std::move(placed), live, bytes_per_elem);
+      placed = PlaceBackups(*std::move(placed), live, bytes_per_elem,
+                            checked->chunk_overhead_bytes);
     }
     if (!placed.ok()) {
+      if (placed.status().code() == absl::StatusCode::kResourceExhausted) {
+        ++counters_.jobs_refused[static_cast<int>(JobRefusal::kCapacity)];
+      }
       OPTIMUS_LOG(Warning, kLog, "job refused name=", spec.name(), ": ",
                   placed.status().message());
       return absl::Status(placed.status().code(),
@@ -113,7 +139,7 @@ absl::StatusOr<v1::CreateJobResponse> Coordinator::CreateJobInternal(
       p->set_shard_id(c.shard_id);
       p->set_backup_shard_id(c.backup_shard_id);
     }
-    job.load = ComputeLoad(*placed, bytes_per_elem);
+    job.load = ComputeLoad(*placed, bytes_per_elem, checked->chunk_overhead_bytes);
     SetEndpointsLocked(job);
     job.backup_seeded.assign(job.map.chunks_size(), false);
     OPTIMUS_LOG(Info, kLog, "job created id=", job.id, " name=", spec.name(),

@@ -69,7 +69,8 @@ void Coordinator::SetEndpointsLocked(JobRecord& job) const {
 void Coordinator::CommitMapChangeLocked(JobRecord& job) {
   job.map.set_epoch(job.map.epoch() + 1);
   const std::map<uint64_t, ShardLoad> old_load = std::move(job.load);
-  job.load = ComputeLoad(LayoutOfJob(job).chunks, job.bytes_per_elem);
+  job.load = ComputeLoad(LayoutOfJob(job).chunks, job.bytes_per_elem,
+                         kernels::ChunkOverheadBytes(job.spec.world_size()));
   // A live shard whose chunks all moved away must still learn the new map:
   // until it does, it would serve as a primary that no longer is one.
   for (const auto& [shard_id, load] : old_load) {

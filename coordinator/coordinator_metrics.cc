@@ -73,6 +73,16 @@ std::string RenderCoordinatorMetrics(const CoordinatorMetricsInput& in) {
   m.Counter("optimus_coord_shards_forgotten_total",
             "DOWN shards removed from the tables (optimusctl shard forget, or the grace period).",
             in.shards_forgotten);
+  const char* kRefusedHelp =
+      "CreateJob / restore refused with RESOURCE_EXHAUSTED, by the limit it hit (quota: "
+      "--max_chunks_per_job, --max_tensors_per_job, --max_job_bytes; map_size: the gRPC "
+      "message limit; capacity: the shards' memory).";
+  m.Counter("optimus_coord_jobs_refused_total", kRefusedHelp, in.jobs_refused_quota,
+            {{"limit", "quota"}});
+  m.Counter("optimus_coord_jobs_refused_total", kRefusedHelp, in.jobs_refused_map_size,
+            {{"limit", "map_size"}});
+  m.Counter("optimus_coord_jobs_refused_total", kRefusedHelp, in.jobs_refused_capacity,
+            {{"limit", "capacity"}});
   for (size_t c = 1; c < in.errors_by_code.size(); ++c) {
     m.Counter("optimus_coord_errors_total", "RPCs answered with an error, by kind.",
               in.errors_by_code[c],

@@ -20,6 +20,11 @@ struct CoordinatorMetricsInput {
   absl::Span<const uint64_t> errors_by_code;
   uint64_t jobs_deleted = 0;
   uint64_t shards_forgotten = 0;
+  // Jobs refused with RESOURCE_EXHAUSTED: over a job quota, a map too big
+  // for one gRPC message, more than the shards can hold.
+  uint64_t jobs_refused_quota = 0;
+  uint64_t jobs_refused_map_size = 0;
+  uint64_t jobs_refused_capacity = 0;
 };
 
 std::string RenderCoordinatorMetrics(const CoordinatorMetricsInput& in);

@@ -12,6 +12,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "common/security.h"
+#include "coordinator/job_spec.h"
 #include "coordinator/state_store.h"
 
 namespace optimus {
@@ -64,6 +65,10 @@ struct CoordinatorOptions {
   // the caller, who may keep it to start another coordinator over the same
   // state. Default none.
   std::shared_ptr<StateStore> state_store;
+  // What one job may cost (chunks, tensors, shard bytes): a CreateJob or
+  // restore over a limit is refused with RESOURCE_EXHAUSTED and counted
+  // (optimus_coord_jobs_refused_total). Defaults: job_spec.h.
+  JobLimits job_limits;
   // The clock for leases, lease ages and the DOWN grace period; empty means
   // absl::Now. Tests set a fake one to expire one shard's lease and not
   // another's.

@@ -4,6 +4,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "common/grpc_limits.h"
 #include "common/logging.h"
 #include "coordinator/coordinator.h"
 #include "coordinator/coordinator_metrics.h"
@@ -14,10 +15,6 @@ namespace optimus {
 namespace {
 
 constexpr char kLog[] = "coord";
-
-// gRPC message size limit of the server: a job's map travels whole in
-// CreateJob/JoinJob/GetJob responses (see kMaxChunksPerJob).
-constexpr int kMaxMessageBytes = 64 << 20;
 
 }  // namespace
 
@@ -53,8 +50,7 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   grpc::ServerBuilder builder;
   builder.AddListeningPort(options.listen_address, security::ServerCredentials(*tls), &s->port_);
   builder.RegisterService(s->service_.get());
-  builder.SetMaxReceiveMessageSize(kMaxMessageBytes);
-  builder.SetMaxSendMessageSize(kMaxMessageBytes);
+  ApplyGrpcLimits(builder);
   s->server_ = builder.BuildAndStart();
   if (s->server_ == nullptr || s->port_ == 0) {
     return absl::UnavailableError(
@@ -103,6 +99,10 @@ std::string CoordinatorServer::RenderMetrics() const {
   in.errors_by_code = errors;
   in.jobs_deleted = counters.jobs_deleted;
   in.shards_forgotten = counters.shards_forgotten;
+  using Why = Coordinator::JobRefusal;
+  in.jobs_refused_quota = counters.jobs_refused[static_cast<int>(Why::kQuota)];
+  in.jobs_refused_map_size = counters.jobs_refused[static_cast<int>(Why::kMapSize)];
+  in.jobs_refused_capacity = counters.jobs_refused[static_cast<int>(Why::kCapacity)];
   return RenderCoordinatorMetrics(in);
 }
 

@@ -361,12 +361,13 @@ TEST_F(CoordinatorTest, CreateJobWithoutShardsOrRoomIsRefused) {
   RegisterOk(Caps(v1::SHARD_KIND_DPU, 40000));
   RegisterOk(Caps(v1::SHARD_KIND_HOST, 20000));
   // world 1, bf16/bf16 AdamW: 12 + 2 + 4 = 18 bytes per element, and
-  // kChunkOverheadBytes per chunk: 1000 + 4 elements in 16 + 1 chunks of at
-  // most 64 elements = 18072 + 17 x 8192 = 157336 bytes against 60000 free.
+  // ChunkOverheadBytes(1) per chunk: 1000 + 4 elements in 16 + 1 chunks of
+  // at most 64 elements = 18072 + 17 x 8320 = 159512 bytes against 60000
+  // free.
   grpc::Status full = Create(Spec("big", 1, {1000}), &resp);
   EXPECT_EQ(full.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
-  EXPECT_THAT(full.error_message(), HasSubstr("needs 157336 bytes"));
-  EXPECT_THAT(full.error_message(), HasSubstr("8192 per chunk"));
+  EXPECT_THAT(full.error_message(), HasSubstr("needs 159512 bytes"));
+  EXPECT_THAT(full.error_message(), HasSubstr("8320 per chunk"));
   EXPECT_THAT(full.error_message(), HasSubstr("60000 bytes free over 2 live shards"));
   EXPECT_THAT(full.error_message(), HasSubstr("largest free 40000 bytes"));
   // A refused job leaves its name free.
@@ -436,7 +437,7 @@ TEST_F(CoordinatorTest, StatusReportsShardsAndJobs) {
   EXPECT_EQ(s0.capabilities().hostname(), "bf2");
   EXPECT_EQ(s0.state(), v1::SHARD_STATE_UP);
   EXPECT_EQ(s0.memory_used_bytes(), 1000 * dpu);  // As reported.
-  EXPECT_EQ(s0.memory_planned_bytes(), 4100u * 20 + chunks * kernels::kChunkOverheadBytes);
+  EXPECT_EQ(s0.memory_planned_bytes(), 4100u * 20 + chunks * kernels::ChunkOverheadBytes(2));
   EXPECT_EQ(s0.chunks_owned(), chunks);
   EXPECT_EQ(s0.transports(), dpu % 2 == 1 ? "sysv,cma" : "tcp");  // As reported.
   EXPECT_LT(s0.lease_age_ms(), 300u);

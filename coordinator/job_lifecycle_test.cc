@@ -286,7 +286,7 @@ TEST_F(JobLifecycleTest, DeleteIsRefusedWhileWorkersAreJoinedUnlessForcedOrTheyL
   EXPECT_EQ(deleted.job_id(), job);
   EXPECT_EQ(deleted.state(), v1::JOB_STATE_PENDING);
   EXPECT_EQ(deleted.workers_joined(), 0u);
-  EXPECT_EQ(deleted.state_bytes(), 4u * (64 * 20 + kernels::kChunkOverheadBytes));
+  EXPECT_EQ(deleted.state_bytes(), 4u * (64 * 20 + kernels::ChunkOverheadBytes(2)));
   // Gone from status, its bytes free at once, its id unknown, its name free.
   const v1::StatusResponse st = GetStatus();
   EXPECT_EQ(st.jobs_size(), 0);

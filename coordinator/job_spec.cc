@@ -94,6 +94,10 @@ absl::Status CheckGroups(const v1::JobSpec& spec) {
   return absl::OkStatus();
 }
 
+absl::Status OverQuota(absl::string_view what) {
+  return absl::ResourceExhaustedError(absl::StrCat("job quota: ", what));
+}
+
 }  // namespace
 
 uint64_t StateBytesPerElemOf(v1::OptimizerKind kind) {
@@ -101,7 +105,7 @@ uint64_t StateBytesPerElemOf(v1::OptimizerKind kind) {
   return k.ok() ? kernels::LayoutOf(*k).bytes_per_elem() : 0;
 }
 
-absl::StatusOr<CheckedSpec> CheckAndFillSpec(v1::JobSpec& spec) {
+absl::StatusOr<CheckedSpec> CheckAndFillSpec(v1::JobSpec& spec, const JobLimits& limits) {
   if (spec.name().empty()) return Invalid("name is empty");
   if (spec.world_size() < 1) return Invalid("world_size must be >= 1");
   if (spec.replication() > 1) {
@@ -112,6 +116,11 @@ absl::StatusOr<CheckedSpec> CheckAndFillSpec(v1::JobSpec& spec) {
     return Invalid(absl::StrCat("world_size must be <= ", kMaxWorldSize));
   }
   if (spec.tensors_size() < 1) return Invalid("at least one tensor is required");
+  if (static_cast<uint64_t>(spec.tensors_size()) > limits.max_tensors) {
+    return OverQuota(absl::StrCat("the job declares ", spec.tensors_size(),
+                                  " tensors, more than the ", limits.max_tensors,
+                                  " allowed (optimus-coord --max_tensors_per_job)"));
+  }
   CheckedSpec out;
   std::set<std::string> names;
   for (int t = 0; t < spec.tensors_size(); ++t) {
@@ -163,10 +172,13 @@ absl::StatusOr<CheckedSpec> CheckAndFillSpec(v1::JobSpec& spec) {
   const uint64_t max_chunk_elems = spec.max_chunk_bytes() / 4;
   uint64_t num_chunks = 0;
   for (uint64_t n : out.tensor_num_elems) num_chunks += (n + max_chunk_elems - 1) / max_chunk_elems;
-  if (num_chunks > kMaxChunksPerJob) {
-    return Invalid(absl::StrCat("the job would have ", num_chunks, " chunks, more than ",
-                                kMaxChunksPerJob, "; raise max_chunk_bytes"));
+  if (num_chunks > limits.max_chunks) {
+    return OverQuota(absl::StrCat("the job would have ", num_chunks, " chunks, more than the ",
+                                  limits.max_chunks,
+                                  " allowed (optimus-coord --max_chunks_per_job); raise "
+                                  "max_chunk_bytes"));
   }
+  out.num_chunks = num_chunks;
   const kernels::OptimizerKind kind = *kernels::OptimizerKindFromInt(spec.optimizer().kind());
   // A step that waits for a worker's commit (clipping, or skipping
   // non-finite steps) holds every chunk's gradients until then.
@@ -175,6 +187,19 @@ absl::StatusOr<CheckedSpec> CheckAndFillSpec(v1::JobSpec& spec) {
                                                   /*replicated=*/spec.replication() > 0,
                                                   holds_grads);
   out.state_bytes_per_elem = kernels::LayoutOf(kind).bytes_per_elem();
+  // Below 2^64: elements < 2^56, bytes per element and copies small.
+  const uint64_t copies = spec.replication() > 0 ? 2 : 1;
+  out.chunk_overhead_bytes = kernels::ChunkOverheadBytes(spec.world_size());
+  out.shard_bytes = copies * (out.num_params * out.bytes_per_elem +
+                              num_chunks * out.chunk_overhead_bytes);
+  if (limits.max_job_bytes > 0 && out.shard_bytes > limits.max_job_bytes) {
+    return OverQuota(absl::StrCat("the job would take ", out.shard_bytes,
+                                  " bytes of shard memory (", copies, " cop",
+                                  copies > 1 ? "ies" : "y", " of ", out.num_params,
+                                  " elements and ", num_chunks, " chunks), more than the ",
+                                  limits.max_job_bytes,
+                                  " allowed (optimus-coord --max_job_bytes)"));
+  }
   return out;
 }
 

@@ -39,6 +39,7 @@ JobLayout LayoutOfJob(const JobRecord& job) {
   JobLayout layout;
   layout.bytes_per_elem = job.bytes_per_elem;
   layout.replication = job.spec.replication();
+  layout.chunk_overhead_bytes = kernels::ChunkOverheadBytes(job.spec.world_size());
   layout.backup_in_sync = job.backup_seeded;
   layout.chunks.reserve(job.map.chunks_size());
   for (const v1::ChunkPlacement& p : job.map.chunks()) {

@@ -38,6 +38,14 @@ ABSL_FLAG(std::string, tls_dir, "",
           "$OPTIMUS_TLS_DIR");
 ABSL_FLAG(bool, insecure_plaintext, false,
           "Serve plain-text gRPC with no authentication (local clusters and tests only)");
+ABSL_FLAG(uint64_t, max_chunks_per_job, optimus::kMaxChunksPerJob,
+          "Most chunks one job may have (its map travels in one gRPC message; each chunk costs "
+          "a shard 8 KiB of bookkeeping); a job over it is refused with RESOURCE_EXHAUSTED");
+ABSL_FLAG(uint64_t, max_tensors_per_job, optimus::kMaxTensorsPerJob,
+          "Most tensors one job may declare; a job over it is refused with RESOURCE_EXHAUSTED");
+ABSL_FLAG(uint64_t, max_job_bytes, 0,
+          "Most shard memory one job may take over all its copies (state, published copies, "
+          "gradients held, per-chunk bookkeeping), in bytes; 0: no quota");
 ABSL_FLAG(bool, verbose, false, "Log debug lines too");
 ABSL_FLAG(std::string, log_format, "text", "text, or json (one object per line, for log collectors)");
 
@@ -86,6 +94,9 @@ int main(int argc, char** argv) {
   options.tls.dir = absl::GetFlag(FLAGS_tls_dir);
   options.tls.plaintext = absl::GetFlag(FLAGS_insecure_plaintext);
   options.lease = absl::Milliseconds(absl::GetFlag(FLAGS_lease_ms));
+  options.job_limits.max_chunks = absl::GetFlag(FLAGS_max_chunks_per_job);
+  options.job_limits.max_tensors = absl::GetFlag(FLAGS_max_tensors_per_job);
+  options.job_limits.max_job_bytes = absl::GetFlag(FLAGS_max_job_bytes);
   options.sweep_interval = absl::Milliseconds(absl::GetFlag(FLAGS_sweep_ms));
   options.checkpoint_dir = absl::GetFlag(FLAGS_checkpoint_dir);
   options.rollback_on_shard_loss = absl::GetFlag(FLAGS_rollback_on_shard_loss);

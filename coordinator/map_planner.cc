@@ -25,6 +25,30 @@ bool IsUp(const ShardHealthMap& health, uint64_t id) {
 
 }  // namespace
 
+namespace {
+uint64_t VarintBytes(uint64_t v) {
+  uint64_t n = 1;
+  while (v >= 0x80) {
+    v >>= 7;
+    ++n;
+  }
+  return n;
+}
+}  // namespace
+
+uint64_t MapBytesBound(absl::Span<const ChunkSpec> chunks, bool replicated) {
+  // Per field a one-byte tag and its varint; a shard id at most 10 bytes;
+  // per placement its tag and a length of at most 2 bytes (< 16 KiB).
+  constexpr uint64_t kIdBytes = 1 + 10;
+  uint64_t total = 0;
+  for (const ChunkSpec& c : chunks) {
+    total += 3 + (1 + VarintBytes(c.tensor)) + (1 + VarintBytes(c.chunk)) +
+             (1 + VarintBytes(c.offset_elems)) + (1 + VarintBytes(c.num_elems)) + kIdBytes +
+             (replicated ? kIdBytes : 0);
+  }
+  return total;
+}
+
 std::map<uint64_t, ShardLoad> ComputeLoad(absl::Span<const ChunkSpec> chunks,
                                           uint64_t bytes_per_elem,
                                           uint64_t chunk_overhead_bytes) {

@@ -54,6 +54,11 @@ struct ShardLoad {
   uint32_t unreleased_chunks = 0;
 };
 
+// At least the bytes the chunks take in a serialized v1::ShardMap, whatever
+// shards they land on (shard ids counted at their largest), so that a map
+// too big for one gRPC message is refused before anything is placed.
+uint64_t MapBytesBound(absl::Span<const ChunkSpec> chunks, bool replicated);
+
 // Load by shard over the chunks' primaries and backups.
 std::map<uint64_t, ShardLoad> ComputeLoad(
     absl::Span<const ChunkSpec> chunks, uint64_t bytes_per_elem,

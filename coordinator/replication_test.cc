@@ -30,10 +30,12 @@ constexpr absl::Duration kLease = absl::Seconds(2);
 // world 1, bf16 grads and params, AdamW: 12 + 2 + 2*2 = 18 bytes per element.
 constexpr uint64_t kBytesPerElem = 18;
 // Chunks of 64 elements (256 bytes of fp32): 1152 bytes of shard state each,
-// and the chunk's bookkeeping (kernels::kChunkOverheadBytes).
-constexpr uint64_t kChunkBytes = 64 * kBytesPerElem + kernels::kChunkOverheadBytes;
+// and the chunk's bookkeeping (kernels::ChunkOverheadBytes of world 1).
+constexpr uint64_t kChunkOverhead =
+    kernels::kChunkOverheadBytes + kernels::kChunkRankOverheadBytes;
+constexpr uint64_t kChunkBytes = 64 * kBytesPerElem + kChunkOverhead;
 // A replicated chunk also holds the fp32 gradient sum: 4 more per element.
-constexpr uint64_t kRepChunkBytes = 64 * (kBytesPerElem + 4) + kernels::kChunkOverheadBytes;
+constexpr uint64_t kRepChunkBytes = 64 * (kBytesPerElem + 4) + kChunkOverhead;
 
 // One tensor "w" of num_chunks * 64 elements.
 v1::CreateJobRequest Job(const std::string& name, int num_chunks, uint32_t replication) {

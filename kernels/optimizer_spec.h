@@ -110,8 +110,20 @@ uint64_t ShardBytesPerElem(OptimizerKind kind, uint32_t world_size, DType grad_d
 // planned with. The coordinator plans with ShardChunkBytes, the shard
 // reserves it per chunk.
 inline constexpr uint64_t kChunkOverheadBytes = 8192;
-inline uint64_t ShardChunkBytes(uint64_t num_elems, uint64_t bytes_per_elem) {
-  return num_elems * bytes_per_elem + kChunkOverheadBytes;
+// What a chunk costs a shard per worker of its job, beyond the above: the
+// rank's entries in the chunk's state machine (slot state, the push to
+// answer) and staging (landing state, a waiting push); about 70 bytes,
+// rounded up. A job of a million workers costs 128 MiB per chunk: it is
+// planned (and refused) as such, not discovered when the shard allocates.
+inline constexpr uint64_t kChunkRankOverheadBytes = 128;
+// A chunk's bookkeeping for a job of `world_size` workers: what the
+// coordinator plans per chunk and the shard reserves before allocating it.
+inline uint64_t ChunkOverheadBytes(uint32_t world_size) {
+  return kChunkOverheadBytes + uint64_t{world_size} * kChunkRankOverheadBytes;
+}
+// All a chunk of `num_elems` costs its shard.
+inline uint64_t ShardChunkBytes(uint64_t num_elems, uint64_t bytes_per_elem, uint32_t world_size) {
+  return num_elems * bytes_per_elem + ChunkOverheadBytes(world_size);
 }
 
 }  // namespace kernels

@@ -163,7 +163,7 @@ Actions ChunkMachine::Retire(const absl::Status& why, ReplyHint hint) {
   forward_ = Forward::kNone;
   ++gen_;
   capture_step_ = 0;
-  for (const PullReply& p : parked_) out.refusals.push_back(Refusal{p.to, why, hint});
+  for (const PullReply& p : parked_) out.refusals.push_back(Refusal{p.to, why, hint, true});
   parked_.clear();
   for (uint32_t r = 0; r < world_size_; ++r) {
     if (waiting_[r]) out.refusals.push_back(Refusal{waiters_[r], why, hint});

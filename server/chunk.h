@@ -90,6 +90,7 @@ struct Refusal {
   Requester to;
   absl::Status status;
   ReplyHint hint;
+  bool parked_pull = false;  // The refused request is a parked pull.
 };
 
 // What every push of one step carries; all W ranks' must be equal.

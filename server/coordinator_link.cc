@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/checkpoint_files.h"
+#include "common/grpc_limits.h"
 #include "common/grpc_status.h"
 #include "common/security.h"
 #include "grpcpp/grpcpp.h"
@@ -103,13 +104,10 @@ class GrpcCoordinatorLink : public CoordinatorLink {
     // Reconnect quickly after a coordinator restart: gRPC's default backoff
     // grows to minutes, and the restarted coordinator expects a heartbeat
     // within two leases.
-    grpc::ChannelArguments args;
+    grpc::ChannelArguments args = LimitedChannelArgs();
     args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
     args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
     args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 500);
-    // A large job's map can exceed gRPC's 4 MB default; the coordinator
-    // allows 64 MiB.
-    args.SetMaxReceiveMessageSize(64 << 20);
     channel_ = grpc::CreateCustomChannel(address, std::move(credentials), args);
     stub_ = v1::Coordinator::NewStub(channel_);
   }

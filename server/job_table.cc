@@ -86,7 +86,7 @@ Chunk::Chunk(ChunkName n, uint64_t offset, uint64_t elems, uint32_t world_size, 
     : name(n), offset_elems(offset), num_elems(elems), machine(n, world_size, role) {}
 
 Chunk::~Chunk() {
-  if (overhead_account_ != nullptr) overhead_account_->Release(kernels::kChunkOverheadBytes);
+  if (overhead_account_ != nullptr) overhead_account_->Release(overhead_bytes_);
 }
 
 absl::StatusOr<std::shared_ptr<Chunk>> Chunk::Create(const JobConfig& c,
@@ -96,19 +96,23 @@ absl::StatusOr<std::shared_ptr<Chunk>> Chunk::Create(const JobConfig& c,
                                                      const Registrar& registrar,
                                                      std::shared_ptr<StagingPool> pool) {
   const ChunkName name{c.job_id, p.tensor, p.chunk};
+  const std::string what = absl::StrCat("tensor ", p.tensor, " chunk ", p.chunk, " of job ",
+                                        c.job_id, " (", p.num_elems, " elements)");
+  // The chunk's bookkeeping, per chunk and per worker, as the coordinator
+  // planned it: reserved before anything of the chunk is allocated (its
+  // machine and staging hold world_size entries).
+  const uint64_t overhead = kernels::ChunkOverheadBytes(c.world_size);
+  if (absl::Status s = account->Reserve(overhead, what); !s.ok()) return s;
   std::shared_ptr<Chunk> ch(new Chunk(name, p.offset_elems, p.num_elems, c.world_size, role));
+  ch->overhead_account_ = account;
+  ch->overhead_bytes_ = overhead;
   {
     absl::MutexLock lock(&ch->mu);
     ch->machine.SetStepRules(c.commit_round,
                              p.tensor < c.tensors.size() && c.tensors[p.tensor].frozen);
   }
   const uint64_t n = p.num_elems;
-  const std::string what = absl::StrCat("tensor ", p.tensor, " chunk ", p.chunk, " of job ",
-                                        c.job_id, " (", n, " elements)");
   const kernels::StateLayout& layout = kernels::LayoutOf(c.hyper.kind);
-  // The chunk's bookkeeping, as the coordinator planned it.
-  if (absl::Status s = account->Reserve(kernels::kChunkOverheadBytes, what); !s.ok()) return s;
-  ch->overhead_account_ = account;
   // Only the buffers a transfer lands in or is read from are registered.
   const Registrar none;
   auto alloc = [&](size_t bytes, bool registered) {

@@ -143,8 +143,10 @@ class Chunk {
   Chunk(ChunkName n, uint64_t offset, uint64_t elems, uint32_t world_size, Role role);
 
   std::unique_ptr<Buffer> master_, m_, v_, published_[2];
-  // kernels::kChunkOverheadBytes, reserved for the chunk's bookkeeping.
+  // kernels::ChunkOverheadBytes(world size), reserved for the chunk's
+  // bookkeeping.
   std::shared_ptr<MemoryAccount> overhead_account_;
+  uint64_t overhead_bytes_ = 0;
   std::shared_ptr<ChunkStaging> staging_;
   std::unique_ptr<Buffer> sum_ ABSL_GUARDED_BY(mu);
   float* sum_ptr_ ABSL_GUARDED_BY(mu) = nullptr;

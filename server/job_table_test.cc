@@ -60,7 +60,8 @@ TEST(ChunkTest, CostsWhatShardBytesPerElemSays) {
           EXPECT_EQ(account->used(),
                     kernels::ShardChunkBytes(
                         1000, kernels::ShardBytesPerElem(kind, w, DType::kBf16, DType::kBf16,
-                                                         replication > 0, round)))
+                                                         replication > 0, round),
+                        w))
               << kernels::OptimizerName(kind) << " replication " << replication << " round "
               << round << " W " << w;
           EXPECT_EQ((*chunk)->state_arrays().size(), kernels::LayoutOf(kind).num_arrays);

@@ -50,6 +50,20 @@ ABSL_FLAG(bool, audit_versions, false,
           "log each chunk version this shard makes with the CRC-32C of its published copy "
           "(drills: no two shards hold one version with different bytes); costs a pass over "
           "each published copy");
+ABSL_FLAG(uint64_t, max_parked_pulls_per_peer, 65536,
+          "Most pulls one peer may have waiting for their version or being sent; more are "
+          "refused with RESOURCE_EXHAUSTED");
+ABSL_FLAG(uint64_t, max_parked_pulls, 262144,
+          "Most pulls waiting or being sent on this shard in all; more are refused with "
+          "RESOURCE_EXHAUSTED");
+ABSL_FLAG(int64_t, max_inflight_mb, 256,
+          "Most MiB of temporary buffers for requests being received (batches, inits with "
+          "optimizer state, backups' seeds), on top of --memory_limit_mb; more are refused "
+          "with RESOURCE_EXHAUSTED");
+ABSL_FLAG(uint64_t, max_peers, 65536,
+          "Most data-plane peers that connected to this shard kept at once (beyond it the one "
+          "silent longest since its hello makes room, or the hello is dropped); peers that "
+          "failed are forgotten");
 ABSL_FLAG(bool, verbose, false, "debug logging");
 ABSL_FLAG(std::string, log_format, "text", "text, or json (one object per line, for log collectors)");
 
@@ -111,6 +125,18 @@ int main(int argc, char** argv) {
   }
   options.transport.progress_spin = absl::Microseconds(absl::GetFlag(FLAGS_progress_spin_us));
   options.transport.name = "shard";
+  if (absl::GetFlag(FLAGS_max_inflight_mb) <= 0 || absl::GetFlag(FLAGS_max_peers) == 0 ||
+      absl::GetFlag(FLAGS_max_parked_pulls_per_peer) == 0 ||
+      absl::GetFlag(FLAGS_max_parked_pulls) == 0) {
+    std::fprintf(stderr,
+                 "optimus-shard: --max_inflight_mb, --max_peers, --max_parked_pulls_per_peer and "
+                 "--max_parked_pulls must be > 0\n");
+    return 2;
+  }
+  options.max_parked_pulls_per_peer = absl::GetFlag(FLAGS_max_parked_pulls_per_peer);
+  options.max_parked_pulls = absl::GetFlag(FLAGS_max_parked_pulls);
+  options.max_inflight_bytes = static_cast<uint64_t>(absl::GetFlag(FLAGS_max_inflight_mb)) << 20;
+  options.transport.max_peers = absl::GetFlag(FLAGS_max_peers);
   if (absl::GetFlag(FLAGS_metrics_port) > 0) {
     options.metrics_address = absl::StrCat("0.0.0.0:", absl::GetFlag(FLAGS_metrics_port));
   }

@@ -251,13 +251,22 @@ void Shard::OnReplicate(transport::IncomingMessage& msg, const wire::RequestHead
   const uint64_t optimizer_steps = h.optimizer_steps;
   const float lr = h.lr;
   if (state) {
+    // Room for the seed's landing buffer first (bounded with the other
+    // requests being received); the primary sends it again later.
+    const size_t elems = job->layout().num_arrays * n;
+    if (!limits_->TryReserveBytes(elems * sizeof(float))) {
+      ReplyHint retry;
+      retry.retry = true;
+      return refuse(InflightFull(elems * sizeof(float), limits_->options().max_inflight_bytes),
+                    retry);
+    }
+    auto staging = InflightBuffer<float>(limits_, elems);
     PushDecision d;
     {
       absl::MutexLock lock(&chunk->mu);
       d = chunk->machine.SeedOffered(step);
     }
     if (d.verdict != PushVerdict::kAccept) return refuse(d.error, d.hint);
-    auto staging = std::make_shared<std::vector<float>>(job->layout().num_arrays * n);
     msg.ReceiveInto(staging->data(), [this, from, request_id, step, job, chunk, staging,
                                       optimizer_steps, lr](absl::Status rs) {
       if (rs.ok()) {

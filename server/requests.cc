@@ -167,9 +167,15 @@ void Shard::OnBatch(transport::IncomingMessage& msg, const wire::RequestHeader& 
   const uint64_t count = h.step;
   const size_t size = msg.payload_size();
   absl::Status s;
+  // The client batches small requests up to 1 MiB; anything much larger is
+  // not a batch it sent.
+  constexpr size_t kMaxBatchBytes = size_t{16} << 20;
   if (count == 0 || count > wire::kMaxBatch) {
     s = absl::InvalidArgumentError(absl::StrCat("batch of ", count, " requests (1..",
                                                 wire::kMaxBatch, " allowed)"));
+  } else if (size > kMaxBatchBytes) {
+    s = absl::ResourceExhaustedError(
+        absl::StrCat("batch of ", size, " bytes; a batch carries at most ", kMaxBatchBytes));
   } else if (h.num_bytes != size || size < count * sizeof(wire::RequestHeader)) {
     s = absl::InvalidArgumentError(absl::StrCat("batch of ", count, " requests carries ", size,
                                                 " bytes (header says ", h.num_bytes,
@@ -180,8 +186,12 @@ void Shard::OnBatch(transport::IncomingMessage& msg, const wire::RequestHeader& 
     metrics_.requests_rejected.fetch_add(1);
     return Reply(from, h.request_id, s);
   }
+  if (!limits_->TryReserveBytes(size)) {
+    metrics_.requests_rejected.fetch_add(1);
+    return Reply(from, h.request_id, InflightFull(size, limits_->options().max_inflight_bytes));
+  }
   metrics_.batches_received.fetch_add(1);
-  auto batch = std::make_shared<std::vector<uint8_t>>(size);
+  auto batch = InflightBuffer<uint8_t>(limits_, size);
   const transport::EndpointRef ep = msg.reply_endpoint();
   const uint64_t batch_id = h.request_id;
   msg.ReceiveInto(batch->data(), [this, batch, count, ep, from, batch_id,
@@ -414,15 +424,32 @@ void Shard::OnPull(transport::IncomingMessage& msg, const wire::RequestHeader& h
     d.error = absl::InvalidArgumentError(absl::StrCat(
         "pull for tensor ", h.tensor, " chunk ", h.chunk, " expects ", h.num_bytes,
         " bytes; the chunk has ", chunk->published_bytes()));
+  } else if (!limits_->TryPark(from)) {
+    // Every pull holds a place from here until its version is sent (or it
+    // is refused): a peer cannot make the shard hold, and later send at
+    // once, more than its share.
+    const PeerLimitOptions& lim = limits_->options();
+    const bool shard_full = limits_->parked() >= lim.max_parked_pulls;
+    d.error = absl::ResourceExhaustedError(absl::StrCat(
+        "pull for tensor ", h.tensor, " chunk ", h.chunk, " of job ", h.job_id, " refused: ",
+        shard_full ? absl::StrCat("shard ", shard_id_.load(), " has ", lim.max_parked_pulls,
+                                  " pulls waiting or being sent (--max_parked_pulls)")
+                   : absl::StrCat("this peer has ", lim.max_parked_pulls_per_peer,
+                                  " pulls waiting or being sent on shard ", shard_id_.load(),
+                                  " (--max_parked_pulls_per_peer)"),
+        "; pull again once earlier ones are answered"));
   } else {
-    absl::MutexLock lock(&chunk->mu);
-    d = chunk->machine.PullRequested(h.step, Requester{from, h.request_id});
+    {
+      absl::MutexLock lock(&chunk->mu);
+      d = chunk->machine.PullRequested(h.step, Requester{from, h.request_id});
+    }
+    if (d.verdict == PullVerdict::kRefuse) limits_->Unpark(from);
   }
   switch (d.verdict) {
     case PullVerdict::kServe:
       return SendVersion(job, chunk, PullReply{Requester{from, h.request_id}, h.step});
     case PullVerdict::kParked:
-      return;
+      return;  // Its place is given back when it is sent or refused.
     case PullVerdict::kRefuse:
       metrics_.requests_rejected.fetch_add(1);
       return Reply(from, h.request_id, d.error, d.hint);
@@ -473,7 +500,13 @@ void Shard::OnInit(transport::IncomingMessage& msg, const wire::RequestHeader& h
   if (!with_state) return msg.ReceiveInto(chunk->master(), std::move(landed));
   // The arrays arrive back to back: land them in a staging buffer, then
   // copy each into its own.
-  auto staging = std::make_shared<std::vector<float>>(chunk->num_elems * arrays);
+  const uint64_t staging_bytes = chunk->num_elems * arrays * sizeof(float);
+  if (!limits_->TryReserveBytes(staging_bytes)) {
+    metrics_.requests_rejected.fetch_add(1);
+    // The machine took the init: tell it the values did not land.
+    return landed(InflightFull(staging_bytes, limits_->options().max_inflight_bytes));
+  }
+  auto staging = InflightBuffer<float>(limits_, chunk->num_elems * arrays);
   msg.ReceiveInto(staging->data(), [staging, chunk, landed](absl::Status rs) mutable {
     if (rs.ok()) chunk->UnpackState(staging->data());
     landed(rs);
@@ -481,13 +514,15 @@ void Shard::OnInit(transport::IncomingMessage& msg, const wire::RequestHeader& h
 }
 
 void Shard::SendVersion(const JobRef& job, const ChunkRef& chunk, const PullReply& p) {
-  if (closing_.load()) return;
+  const uintptr_t peer = p.to.peer;
+  if (closing_.load()) return limits_->Unpark(peer);
   const wire::ReplyHeader header = wire::OkReplyHeader(p.to.request_id, p.version, 0);
   const size_t bytes = chunk->published_bytes();
   const uint64_t version = p.version;
   worker_->Send(EndpointOf(p.to.peer), wire::kAmReply, wire::AsBytes(header),
                 chunk->published(version), bytes, chunk->published_region(version),
-                [this, job, chunk, version, bytes](absl::Status s) {
+                [this, job, chunk, version, bytes, peer](absl::Status s) {
+                  limits_->Unpark(peer);
                   if (!s.ok()) {
                     OPTIMUS_LOG(Warning, "shard", "pull reply failed: ", s.ToString());
                   } else {

@@ -44,6 +44,7 @@
 #include "server/coordinator_link.h"
 #include "server/domain.h"
 #include "server/job_table.h"
+#include "server/peer_limits.h"
 #include "server/shard_metrics.h"
 #include "server/shard_server.h"
 #include "server/staging.h"
@@ -169,6 +170,9 @@ class Shard : public ShardServer {
 
   const ShardServerOptions options_;
   ShardMetrics metrics_;
+  // Parked pulls and in-flight request bytes per peer (peer_limits.h);
+  // shared with the buffers it accounts, which may outlive the shard.
+  const std::shared_ptr<PeerLimits> limits_;
   JobTable table_;
   // Borrowed by every step; outlives executor_ (declared before it).
   std::unique_ptr<kernels::ThreadPool> kernel_pool_;

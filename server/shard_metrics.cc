@@ -1,5 +1,7 @@
 #include "server/shard_metrics.h"
 
+#include <utility>
+
 #include "absl/strings/str_cat.h"
 
 namespace optimus {
@@ -63,6 +65,29 @@ std::string RenderShardMetrics(const ShardMetrics& s, const ShardGauges& g) {
   m.Gauge("optimus_shard_jobs", "Jobs with state on this shard.", g.jobs, id);
   m.Gauge("optimus_shard_lease_age_seconds", "Time since the last accepted heartbeat.",
           g.lease_age_seconds, id);
+  m.Gauge("optimus_shard_parked_pulls",
+          "Pulls waiting for their version or being sent (limits: --max_parked_pulls, "
+          "--max_parked_pulls_per_peer).",
+          static_cast<double>(g.parked_pulls), id);
+  m.Gauge("optimus_shard_peers_with_parked_pulls", "Peers with pulls waiting or being sent.",
+          static_cast<double>(g.peers_with_parked_pulls), id);
+  m.Gauge("optimus_shard_inflight_bytes",
+          "Temporary buffers of requests being received (limit: --max_inflight_mb).",
+          static_cast<double>(g.inflight_bytes), id);
+  m.Gauge("optimus_shard_transport_peers",
+          "Data-plane peers known (limit: --max_peers; dead ones are forgotten).",
+          static_cast<double>(g.transport_peers), id);
+  const char* kRefusalsHelp =
+      "Requests refused with RESOURCE_EXHAUSTED for being over a limit, by limit.";
+  const std::pair<const char*, uint64_t> refusals[] = {
+      {"parked_pulls", g.parked_pull_refusals},
+      {"inflight_bytes", g.inflight_refusals},
+      {"peers", g.transport_hellos_refused},
+  };
+  for (const auto& [limit, count] : refusals) {
+    m.Counter("optimus_shard_limit_refusals_total", kRefusalsHelp, count,
+              {{"shard_id", absl::StrCat(g.shard_id)}, {"limit", limit}});
+  }
   for (int c = 1; c < ShardMetrics::kNumCodes; ++c) {
     m.Counter("optimus_shard_errors_total", "Requests refused, by error kind.", s.errors[c].load(),
               {{"shard_id", absl::StrCat(g.shard_id)},

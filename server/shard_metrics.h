@@ -66,6 +66,16 @@ struct ShardGauges {
   // Data-plane handshakes refused and messages dropped from peers that
   // proved nothing (transport::Worker::refused_messages).
   uint64_t unproved_refused = 0;
+  // server/peer_limits.h.
+  uint64_t parked_pulls = 0;
+  uint64_t peers_with_parked_pulls = 0;
+  uint64_t parked_pull_refusals = 0;
+  uint64_t inflight_bytes = 0;
+  uint64_t inflight_refusals = 0;
+  // The data plane's peers (transport::Worker::peer_count) and hellos it
+  // refused for being over its peer limit.
+  uint64_t transport_peers = 0;
+  uint64_t transport_hellos_refused = 0;
 };
 
 std::string RenderShardMetrics(const ShardMetrics& m, const ShardGauges& g);

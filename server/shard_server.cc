@@ -36,6 +36,9 @@ ShardServerOptions Resolved(ShardServerOptions o) {
 
 Shard::Shard(const ShardServerOptions& options, std::unique_ptr<CoordinatorLink> link)
     : options_(Resolved(options)),
+      limits_(std::make_shared<PeerLimits>(PeerLimitOptions{options_.max_parked_pulls_per_peer,
+                                                            options_.max_parked_pulls,
+                                                            options_.max_inflight_bytes})),
       table_(options_.memory_limit_bytes),
       kernel_pool_(std::make_unique<kernels::ThreadPool>(options_.kernel_threads)),
       executor_(std::make_unique<StepExecutor>(options_.step_threads)),
@@ -96,6 +99,13 @@ absl::Status Shard::Start() {
             }
             g.chunks_owned = st.chunks_owned;
             g.unproved_refused = worker_ != nullptr ? worker_->refused_messages() : 0;
+            g.parked_pulls = st.parked_pulls;
+            g.peers_with_parked_pulls = st.peers_with_parked_pulls;
+            g.parked_pull_refusals = st.parked_pull_refusals;
+            g.inflight_bytes = st.inflight_bytes;
+            g.inflight_refusals = st.inflight_refusals;
+            g.transport_peers = st.transport_peers;
+            g.transport_hellos_refused = st.hellos_refused;
             g.jobs = st.jobs;
             g.lease_age_seconds = absl::ToDoubleSeconds(
                 absl::Now() - absl::FromUnixNanos(last_beat_unix_ns_.load()));
@@ -173,6 +183,15 @@ ShardServerStats Shard::stats() const {
   for (const JobRef& job : table_.All()) {
     ++s.jobs;
     s.chunks_owned += static_cast<uint32_t>(job->num_chunks());
+  }
+  s.parked_pulls = limits_->parked();
+  s.peers_with_parked_pulls = limits_->peers_with_parked();
+  s.parked_pull_refusals = limits_->parked_refusals();
+  s.inflight_bytes = limits_->inflight_bytes();
+  s.inflight_refusals = limits_->inflight_refusals();
+  if (worker_ != nullptr) {
+    s.transport_peers = worker_->peer_count();
+    s.hellos_refused = worker_->hellos_refused();
   }
   return s;
 }

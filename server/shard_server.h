@@ -73,6 +73,20 @@ struct ShardServerOptions {
   // version with different bytes (tests/fault/partition_test.sh). Costs a
   // pass over each published copy. Default off.
   bool audit_versions = false;
+  // Most pulls one peer may have waiting for their version or being sent,
+  // over all chunks and jobs on this shard, and most of all peers
+  // together; a pull over either is refused with RESOURCE_EXHAUSTED. Each
+  // costs a small record and, when answered, a send of the chunk's
+  // published copy. Defaults 65536 and 262144 (a worker pulls each of its
+  // chunks on this shard once per step).
+  uint64_t max_parked_pulls_per_peer = 65536;
+  uint64_t max_parked_pulls = 262144;
+  // Most bytes of temporary buffers for requests being received (batches
+  // of small requests, inits with optimizer state, backups' seeds), on top of
+  // memory_limit_bytes; a request over it is refused with
+  // RESOURCE_EXHAUSTED (a seed from a primary: asked again later). Default
+  // 256 MiB.
+  uint64_t max_inflight_bytes = uint64_t{256} << 20;
 };
 
 struct ShardServerStats {
@@ -97,6 +111,17 @@ struct ShardServerStats {
   // plus copies made while holding the chunk (requests to it wait then):
   // the stall checkpoints cause on the workers' path, summed over chunks.
   uint64_t checkpoint_stall_ns = 0;
+  // Bounded resources (peer_limits.h): pulls waiting or being sent now,
+  // the peers they are from, requests refused for being over a limit.
+  uint64_t parked_pulls = 0;
+  uint64_t peers_with_parked_pulls = 0;
+  uint64_t parked_pull_refusals = 0;
+  uint64_t inflight_bytes = 0;
+  uint64_t inflight_refusals = 0;
+  // The data plane's peers known now, and hellos dropped at
+  // transport.max_peers (transport::Worker::peer_count, hellos_refused).
+  uint64_t transport_peers = 0;
+  uint64_t hellos_refused = 0;
 };
 
 class CoordinatorLink;  // server/coordinator_link.h

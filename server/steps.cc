@@ -44,6 +44,7 @@ void Shard::Carry(const JobRef& job, const ChunkRef& chunk, Actions a) {
   if (a.empty()) return;
   for (const Refusal& r : a.refusals) {
     metrics_.requests_rejected.fetch_add(1);
+    if (r.parked_pull) limits_->Unpark(r.to.peer);
     Reply(r.to.peer, r.to.request_id, r.status, r.hint);
   }
   for (const Ack& ack : a.acks) SendAck(ack);

@@ -121,6 +121,13 @@ struct WorkerOptions {
   // How this worker answers a peer's challenge when it connects. Unset:
   // it claims the empty identity with no proof. Default unset.
   ProveCallback prove;
+  // Most peers learned from hellos (peers that connected to this worker)
+  // kept at once. Beyond it the peer silent longest since its hello (it
+  // sent nothing else, so no EndpointRef to it exists) is dropped to make
+  // room, or, when every one has spoken, the hello is dropped (counted in
+  // hellos_refused; that Connect times out). Peers that failed are
+  // forgotten whatever the limit. UCX only. Default 65536.
+  size_t max_peers = 65536;
 
   // ---- Which implementation ----
   // Set: Worker::Create makes an in-process loopback worker attached to this
@@ -307,6 +314,12 @@ class Worker {
   // empty before any endpoint has carried a message). Thread-safe. For logs
   // and status.
   virtual std::string transports_in_use() const { return ""; }
+
+  // Peers this worker knows now (connected to or from, not yet forgotten),
+  // and hellos it dropped at max_peers. Thread-safe. For metrics and tests;
+  // 0 on loopback.
+  virtual size_t peer_count() const { return 0; }
+  virtual uint64_t hellos_refused() const { return 0; }
 
   // Registers [data, data + size_bytes) for rendezvous. Thread-safe. A no-op
   // region on loopback.

@@ -3,9 +3,11 @@
 #include <poll.h>
 #include <ucp/api/ucp.h>
 
+#include <atomic>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <map>
 #include <random>
 #include <set>
@@ -134,6 +136,12 @@ void AppendU64(std::string* s, uint64_t v) {
   s->append(reinterpret_cast<const char*>(&v), sizeof(v));
 }
 
+// Serials of this process's UCX workers (tags of their peer ids).
+uint64_t NextWorkerSerial() {
+  static std::atomic<uint64_t> next{1};
+  return next.fetch_add(1) & 0xffffffffu;
+}
+
 uint64_t RandomInstanceId() {
   std::random_device rd;
   uint64_t v = (uint64_t{rd()} << 32) ^ rd();
@@ -216,13 +224,19 @@ class UcxWorker;
 
 // A peer as seen by one worker: either opened by Connect (outgoing) or
 // learned from a peer's hello (incoming; its endpoint is opened on the first
-// reply). Owned by the worker until it is destroyed, so EndpointRefs (which
-// point here) stay valid even after UCX has dropped the connection. We do not
+// reply). Owned by the worker; EndpointRefs carry its id, not its address,
+// so a peer that failed can be forgotten (freed once UCX is done with it)
+// and a Send on an EndpointRef kept from before fails cleanly. We do not
 // hand out UCX's param->reply_ep: UCX 1.13 destroys such endpoints by itself
 // when the peer fails, so a reply sent later would use freed memory.
 // Progress thread only.
 struct Peer {
   UcxWorker* owner = nullptr;
+  uint64_t id = 0;        // What EndpointRefs to it carry: the worker's serial, then a count.
+  bool incoming = false;  // Learned from a hello (counted against max_peers).
+  bool heard = false;     // Incoming: sent something after its hello.
+  int ops = 0;            // Ops in UCX that point here (op->peer).
+  bool closing = false;   // Its endpoint's close has not completed.
   std::string address;  // Incoming peers: where to open the endpoint.
   std::string name;     // The peer worker's name, from the hello ("" if unknown).
   uint64_t instance = 0;  // The peer worker's instance id (0 until known).
@@ -262,7 +276,8 @@ struct Op {
   DoneCallback done;
   const char* what = "send";
   void* request = nullptr;
-  Peer* peer = nullptr;  // Sends: the endpoint's peer.
+  Peer* peer = nullptr;  // Sends in UCX: the endpoint's peer (counted in peer->ops).
+  uint64_t peer_id = 0;  // Sends until DoSend: the EndpointRef's peer id.
   // Send arguments.
   uint16_t am_id = 0;
   const void* payload = nullptr;
@@ -311,7 +326,7 @@ class UcxMemoryRegion : public MemoryRegion {
 struct Kept {
   void* desc = nullptr;
   size_t length = 0;
-  Peer* sender = nullptr;  // May be null (sender unknown).
+  uint64_t sender = 0;  // Peer id; 0 when the sender is unknown.
 };
 
 class UcxMessage : public IncomingMessage {
@@ -332,7 +347,7 @@ class UcxMessage : public IncomingMessage {
   bool is_rendezvous() const override {
     return (param_->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0;
   }
-  EndpointRef reply_endpoint() const override { return EndpointRef{sender_}; }
+  EndpointRef reply_endpoint() const override;
   const std::string& peer_identity() const override {
     static const std::string kNone;
     return sender_ != nullptr ? sender_->identity : kNone;
@@ -532,15 +547,15 @@ class UcxWorker : public Worker {
     if (peer_address.empty()) return absl::InvalidArgumentError("empty peer address");
     if (!started_) return absl::FailedPreconditionError("Connect before Start");
     auto pending = std::make_shared<PendingConnect>();
-    Peer* peer = nullptr;
-    RunOnProgress([&] { peer = StartConnect(peer_address, identity, pending); });
+    uint64_t id = 0;
+    RunOnProgress([&] { id = StartConnect(peer_address, identity, pending)->id; });
     if (OnProgressThread()) {
       // Cannot wait for the hello's answer here. The hello is the first
       // message on the endpoint, so the peer learns who we are before any
       // later message from us; failures surface on later Sends.
       absl::MutexLock lock(&pending->mu);
       if (pending->done && !pending->status.ok()) return pending->status;
-      return EndpointRef{peer};
+      return RefOf(id);
     }
     absl::Status result;
     {
@@ -554,11 +569,11 @@ class UcxWorker : public Worker {
     if (!result.ok()) {
       RunOnProgress([&] {
         FinishConnect(pending, result);
-        FailPeer(peer, result);
+        FailPeerById(id, result);
       });
       return result;
     }
-    return EndpointRef{peer};
+    return RefOf(id);
   }
 
   void Send(EndpointRef ep, uint16_t am_id, absl::Span<const uint8_t> header,
@@ -584,7 +599,7 @@ class UcxWorker : public Worker {
       absl::MutexLock lock(&mu_);
       op = TakeOpLocked();
       op->kind = Op::Kind::kSend;
-      op->peer = static_cast<Peer*>(ep.ep);
+      op->peer_id = static_cast<uint64_t>(reinterpret_cast<uintptr_t>(ep.ep));
       op->am_id = am_id;
       op->payload = payload;
       op->payload_size = payload_size;
@@ -671,8 +686,8 @@ class UcxWorker : public Worker {
   }
 
   // IncomingMessage::Keep of a rendezvous payload (progress thread).
-  Kept* AddKept(void* desc, size_t length, Peer* sender) {
-    auto* k = new Kept{desc, length, sender};
+  Kept* AddKept(void* desc, size_t length, const Peer* sender) {
+    auto* k = new Kept{desc, length, sender != nullptr ? sender->id : 0};
     kept_.insert(k);
     return k;
   }
@@ -685,11 +700,14 @@ class UcxWorker : public Worker {
       return;
     }
     std::unique_ptr<Kept> owned(k);
-    if (k->sender != nullptr && !k->sender->failure.ok()) {
-      // The sender is known dead: nothing will come.
+    const Peer* sender = k->sender != 0 ? FindPeer(k->sender) : nullptr;
+    if (k->sender != 0 && (sender == nullptr || !sender->failure.ok())) {
+      // The sender is known dead (or failed and forgotten): nothing will come.
       ucp_am_data_release(worker_, k->desc);
-      done(absl::Status(k->sender->failure.code(),
-                        absl::StrCat("receive: ", k->sender->failure.message())));
+      done(sender != nullptr
+               ? absl::Status(sender->failure.code(),
+                              absl::StrCat("receive: ", sender->failure.message()))
+               : absl::UnavailableError("receive: the sender failed"));
       return;
     }
     ReceiveRendezvous(k->desc, dst, k->length, memh, std::move(done));
@@ -718,6 +736,14 @@ class UcxWorker : public Worker {
   }
 
   const std::shared_ptr<Core>& core() const { return core_; }
+
+  size_t peer_count() const override { return peer_count_.load(); }
+  uint64_t hellos_refused() const override { return hellos_refused_.load(); }
+
+  // What EndpointRefs carry: a peer's id (0: none).
+  static EndpointRef RefOf(uint64_t id) {
+    return EndpointRef{reinterpret_cast<void*>(static_cast<uintptr_t>(id))};
+  }
 
  private:
   // State of one Connect: done once the peer answered the hello or failed.
@@ -791,6 +817,7 @@ class UcxWorker : public Worker {
     op->what = "send";
     op->request = nullptr;
     op->peer = nullptr;
+    op->peer_id = 0;
     op->memh = nullptr;
     op->foreign_region = false;
     op->prev = nullptr;
@@ -873,10 +900,64 @@ class UcxWorker : public Worker {
   // ---- Endpoints ----
 
   Peer* NewPeer() {
-    peers_.push_back(std::make_unique<Peer>());
-    Peer* peer = peers_.back().get();
+    SweepDead();
+    auto owned = std::make_unique<Peer>();
+    Peer* peer = owned.get();
     peer->owner = this;
+    peer->id = (serial_ << 32) | (next_peer_++ & 0xffffffffu);
+    peers_[peer->id] = std::move(owned);
+    peer_count_.store(peers_.size());
     return peer;
+  }
+
+  Peer* FindPeer(uint64_t id) const {
+    auto it = peers_.find(id);
+    return it == peers_.end() ? nullptr : it->second.get();
+  }
+
+  // Frees the failed peers UCX is done with: no op points to them, their
+  // endpoint is closed, no Connect waits on them. EndpointRefs to them
+  // then fail at Send (their id is gone).
+  void SweepDead() {
+    if (closed_ || dead_.empty()) return;
+    std::vector<uint64_t> keep;
+    for (uint64_t id : dead_) {
+      Peer* peer = FindPeer(id);
+      if (peer == nullptr) continue;
+      bool connecting = false;
+      for (const auto& entry : pending_connects_) {
+        connecting = connecting || entry.second->peer == peer;
+      }
+      if (peer->ops > 0 || peer->closing || peer->ep != nullptr || connecting) {
+        keep.push_back(id);
+        continue;
+      }
+      peers_.erase(id);
+    }
+    dead_.swap(keep);
+    peer_count_.store(peers_.size());
+  }
+
+  // At max_peers: frees the incoming peer that has been silent longest
+  // since its hello (nothing was delivered from it, so no EndpointRef to
+  // it was handed out). False when every incoming peer has spoken.
+  bool EvictSilentPeer() {
+    while (!silent_.empty()) {
+      const uint64_t id = silent_.front();
+      silent_.pop_front();
+      Peer* peer = FindPeer(id);
+      if (peer == nullptr || peer->heard || !peer->failure.ok() || peer->ep != nullptr ||
+          peer->ops > 0) {
+        continue;
+      }
+      auto it = by_instance_.find(peer->instance);
+      if (it != by_instance_.end() && it->second == peer) by_instance_.erase(it);
+      --incoming_live_;
+      peers_.erase(id);
+      peer_count_.store(peers_.size());
+      return true;
+    }
+    return false;
   }
 
   // Opens peer->ep to peer->address (progress thread).
@@ -972,12 +1053,18 @@ class UcxWorker : public Worker {
   }
 
   void DoSend(Op* op) {
-    Peer* peer = op->peer;
-    op->peer = nullptr;  // Set again below once the send goes to UCX.
+    const uint64_t id = op->peer_id;
+    op->peer_id = 0;
+    op->peer = nullptr;  // Set below once the send goes to UCX.
     if (closed_) return Complete(op, absl::CancelledError("send: the UCX worker is shutting down"));
-    if (peer == nullptr) return Complete(op, absl::InvalidArgumentError("send on a null endpoint"));
-    if (peer->owner != this) {
+    if (id == 0) return Complete(op, absl::InvalidArgumentError("send on a null endpoint"));
+    if ((id >> 32) != serial_) {
       return Complete(op, absl::InvalidArgumentError("send on another worker's endpoint"));
+    }
+    Peer* peer = FindPeer(id);
+    if (peer == nullptr) {
+      return Complete(op, absl::UnavailableError(
+                              "send: the peer failed and was forgotten (its endpoint is closed)"));
     }
     if (op->am_id > kMaxUserAmId) {
       return Complete(op, absl::InvalidArgumentError(absl::StrCat(
@@ -997,6 +1084,7 @@ class UcxWorker : public Worker {
                                        absl::StrCat("send: ", peer->failure.message())));
     }
     op->peer = peer;
+    ++peer->ops;
     ucp_request_param_t p;
     std::memset(&p, 0, sizeof(p));
     p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
@@ -1039,7 +1127,10 @@ class UcxWorker : public Worker {
   static void Complete(Op* op, absl::Status s) {
     UcxWorker* self = op->worker;
     self->UnlinkInFlight(op);
-    if (s.ok() && op->peer != nullptr && !op->peer->lanes_logged) self->LogLanes(op->peer);
+    if (op->peer != nullptr) {
+      if (s.ok() && !op->peer->lanes_logged) self->LogLanes(op->peer);
+      --op->peer->ops;
+    }
     DoneCallback done = std::move(op->done);
     self->Recycle(op);
     if (done) done(std::move(s));
@@ -1069,8 +1160,9 @@ class UcxWorker : public Worker {
   }
 
   static void OnCloseDone(void* request, ucs_status_t /*status*/, void* user) {
-    auto* self = static_cast<UcxWorker*>(user);
-    --self->closing_;
+    auto* peer = static_cast<Peer*>(user);
+    peer->closing = false;
+    --peer->owner->closing_;
     ucp_request_free(request);
   }
 
@@ -1109,8 +1201,10 @@ class UcxWorker : public Worker {
       self->Refused("a message from a peer that has not proved who it is");
       return UCS_OK;
     }
+    Peer* from = it == self->by_instance_.end() ? nullptr : it->second;
+    if (from != nullptr) from->heard = true;
     UcxMessage msg(self, entry->user_id, absl::Span<const uint8_t>(rest, rest_length), data,
-                   length, param, it == self->by_instance_.end() ? nullptr : it->second);
+                   length, param, from);
     entry->handler(msg);
     // A kept rendezvous payload stays with UCX until received or dropped.
     // One the handler did not take is dropped here: returning UCS_OK lets
@@ -1135,7 +1229,31 @@ class UcxWorker : public Worker {
     auto known = by_instance_.find(sender);
     Peer* peer = known != by_instance_.end() ? known->second : nullptr;
     if (peer == nullptr) {
+      // Bounded: beyond max_peers, the longest-silent peer makes room or
+      // the hello is dropped (its Connect times out).
+      if (incoming_live_ >= options_.max_peers) SweepDead();
+      if (incoming_live_ >= options_.max_peers && !EvictSilentPeer()) {
+        if (hellos_refused_.fetch_add(1) % 10000 == 0) {
+          OPTIMUS_LOG(Warning, kLog, options_.name, ": dropped a hello: ", incoming_live_,
+                      " peers known (max_peers), none silent since its hello (",
+                      hellos_refused_.load(), " dropped so far)");
+        }
+        return;
+      }
       peer = NewPeer();
+      peer->incoming = true;
+      ++incoming_live_;
+      silent_.push_back(peer->id);
+      if (silent_.size() > 2 * incoming_live_ + 1024) {
+        // Keep it to the peers still silent (it would grow with every
+        // hello ever received otherwise).
+        std::deque<uint64_t> still;
+        for (uint64_t id : silent_) {
+          const Peer* p = FindPeer(id);
+          if (p != nullptr && !p->heard && p->failure.ok()) still.push_back(id);
+        }
+        silent_.swap(still);
+      }
       peer->address.assign(static_cast<const char*>(data), length);
       peer->name.assign(reinterpret_cast<const char*>(rest) + sizeof(uint64_t),
                         rest_length - sizeof(uint64_t));
@@ -1300,14 +1418,15 @@ class UcxWorker : public Worker {
   // peer is reported then).
   void OnBye(uint64_t sender) {
     if (!options_.detect_peer_failure) return;
-    for (auto& p : peers_) {
-      Peer* peer = p.get();
+    for (auto& entry : peers_) {
+      Peer* peer = entry.second.get();
       if (peer->instance != sender || !peer->failure.ok()) continue;
       const absl::Status s = absl::UnavailableError(
           absl::StrCat("peer worker ", PeerName(peer), " was destroyed"));
       OPTIMUS_LOG(Info, kLog, options_.name, ": ", PeerName(peer), " said goodbye");
       // Closing from inside UCX's callback is not allowed; do it right after.
-      Post([this, peer, s] { FailPeer(peer, s); });
+      const uint64_t id = peer->id;
+      Post([this, id, s] { FailPeerById(id, s); });
     }
   }
 
@@ -1317,8 +1436,8 @@ class UcxWorker : public Worker {
   void SayGoodbye(absl::Time give_up) {
     int pending = 0;
     std::set<uint64_t> told;
-    for (auto& p : peers_) {
-      Peer* peer = p.get();
+    for (auto& entry : peers_) {
+      Peer* peer = entry.second.get();
       if (!peer->failure.ok() || peer->instance == 0 || !told.insert(peer->instance).second) {
         continue;
       }
@@ -1373,18 +1492,29 @@ class UcxWorker : public Worker {
       }
     }
     // Closing from inside UCX's callback is not allowed; do it right after.
-    self->Post([self, peer, s] { self->FailPeer(peer, s); });
+    const uint64_t id = peer->id;
+    self->Post([self, id, s] { self->FailPeerById(id, s); });
   }
 
   // Marks the peer failed and closes its endpoint; later Sends fail at once.
   // Not reported once this worker is closing (its owner is destroying it).
+  // The peer is then forgotten (freed once UCX is done with it): its
+  // instance no longer finds it, and EndpointRefs to it fail at Send.
   void FailPeer(Peer* peer, const absl::Status& s) {
     const bool first = peer->failure.ok();
     if (first) peer->failure = s;
     CloseEndpoint(peer);
-    if (first && !closed_ && options_.on_peer_failure) {
-      options_.on_peer_failure(EndpointRef{peer}, s);
-    }
+    if (!first || closed_) return;
+    auto it = by_instance_.find(peer->instance);
+    if (it != by_instance_.end() && it->second == peer) by_instance_.erase(it);
+    if (peer->incoming) --incoming_live_;
+    dead_.push_back(peer->id);
+    if (options_.on_peer_failure) options_.on_peer_failure(RefOf(peer->id), s);
+    SweepDead();
+  }
+
+  void FailPeerById(uint64_t id, const absl::Status& s) {
+    if (Peer* peer = FindPeer(id)) FailPeer(peer, s);
   }
 
   void CloseEndpoint(Peer* peer) {
@@ -1398,9 +1528,12 @@ class UcxWorker : public Worker {
     // leaves a rendezvous send to a dead peer pending, checked).
     p.flags = UCP_EP_CLOSE_FLAG_FORCE;
     p.cb.send = &UcxWorker::OnCloseDone;
-    p.user_data = this;
+    p.user_data = peer;
     ucs_status_ptr_t st = ucp_ep_close_nbx(peer->ep, &p);
-    if (st != nullptr && !UCS_PTR_IS_ERR(st)) ++closing_;
+    if (st != nullptr && !UCS_PTR_IS_ERR(st)) {
+      ++closing_;
+      peer->closing = true;
+    }
     peer->ep = nullptr;
     if (peer->failure.ok()) peer->failure = absl::UnavailableError("endpoint closed");
   }
@@ -1517,7 +1650,7 @@ class UcxWorker : public Worker {
     for (const auto& [op, generation] : to_cancel) {
       if (op->generation == generation && op->in_flight) ucp_request_cancel(worker_, op->request);
     }
-    for (auto& peer : peers_) CloseEndpoint(peer.get());
+    for (auto& entry : peers_) CloseEndpoint(entry.second.get());
     const absl::Time give_up = start + kTeardownBudget;
     while ((inflight_count_ > 0 || closing_ > 0) && absl::Now() < give_up) {
       ucp_worker_progress(worker_);
@@ -1555,6 +1688,10 @@ class UcxWorker : public Worker {
 
   const WorkerOptions options_;
   const uint64_t instance_;  // Identifies this worker in our message headers.
+  // Tags its peer ids, so an EndpointRef of another worker is told apart.
+  const uint64_t serial_ = NextWorkerSerial();
+  std::atomic<size_t> peer_count_{0};
+  std::atomic<uint64_t> hellos_refused_{0};
   std::shared_ptr<Core> core_;
   ucp_context_h context_ = nullptr;
   ucp_worker_h worker_ = nullptr;
@@ -1583,7 +1720,13 @@ class UcxWorker : public Worker {
   size_t local_free_count_ = 0;
   Op* inflight_head_ = nullptr;
   size_t inflight_count_ = 0;
-  std::vector<std::unique_ptr<Peer>> peers_;
+  // By id (Peer::id; EndpointRefs carry it). A map of unique_ptrs: Peers
+  // do not move while UCX holds pointers to them (error handler, closes).
+  std::map<uint64_t, std::unique_ptr<Peer>> peers_;
+  std::vector<uint64_t> dead_;     // Failed peers, freed by SweepDead.
+  std::deque<uint64_t> silent_;    // Incoming peers in hello order (EvictSilentPeer).
+  size_t incoming_live_ = 0;       // Incoming peers not failed (<= max_peers).
+  uint64_t next_peer_ = 1;
   std::map<uint64_t, Peer*> by_instance_;  // Sender instance id -> way back.
   std::map<uint64_t, std::shared_ptr<PendingConnect>> pending_connects_;  // By token.
   uint64_t next_token_ = 1;
@@ -1632,6 +1775,10 @@ std::unique_ptr<PendingPayload> UcxMessage::Keep() {
   kept_rendezvous_ = true;
   Kept* k = worker_->AddKept(data_, length_, sender_);
   return std::make_unique<UcxPendingPayload>(worker_->core(), k, length_);
+}
+
+EndpointRef UcxMessage::reply_endpoint() const {
+  return UcxWorker::RefOf(sender_ != nullptr ? sender_->id : 0);
 }
 
 UcxPendingPayload::~UcxPendingPayload() {

@@ -7,12 +7,14 @@
 
 #include <atomic>
 #include <cstdlib>
+#include <functional>
 #include <iostream>
 #include <memory>
 #include <new>
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
@@ -108,6 +110,106 @@ TEST(UcxWorkerTest, RendezvousToDeadSharedMemoryPeerCompletesOnlyAtTeardown) {
   EXPECT_EQ(status->code(), absl::StatusCode::kCancelled) << *status;
 }
 
+
+WorkerOptions Tcp(const std::string& name) {
+  WorkerOptions o;
+  o.transports = "tcp";
+  o.net_devices = "lo";
+  o.name = name;
+  return o;
+}
+
+// Polls `done` every 10 ms for up to a minute (generous, not a timing assert).
+bool Eventually(const std::function<bool()>& done) {
+  const absl::Time give_up = absl::Now() + absl::Minutes(1);
+  while (!done()) {
+    if (absl::Now() > give_up) return false;
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  return true;
+}
+
+// Peers that are gone are forgotten: the server's table empties, and a
+// reply to an endpoint kept from before fails cleanly (UNAVAILABLE).
+TEST(UcxWorkerTest, PeersThatLeaveAreForgotten) {
+  Sink sink;
+  absl::Mutex mu;
+  std::vector<EndpointRef> senders;
+  auto server = Worker::Create(Tcp("server"));
+  ASSERT_TRUE(server.ok()) << server.status();
+  (*server)->SetHandler(kData, [&](IncomingMessage& m) {
+    {
+      absl::MutexLock lock(&mu);
+      senders.push_back(m.reply_endpoint());
+    }
+    sink.Handle(m);
+  });
+  ASSERT_TRUE((*server)->Start().ok());
+  {
+    std::vector<std::unique_ptr<Worker>> clients;
+    for (int i = 0; i < 10; ++i) {
+      auto c = Worker::Create(Tcp(absl::StrCat("client", i)));
+      ASSERT_TRUE(c.ok()) << c.status();
+      ASSERT_TRUE((*c)->Start().ok());
+      auto ep = (*c)->Connect((*server)->address());
+      ASSERT_TRUE(ep.ok()) << ep.status();
+      ASSERT_TRUE(SendAndWait(c->get(), *ep, kData, "hi", nullptr, 0).ok());
+      clients.push_back(std::move(*c));
+    }
+    ASSERT_TRUE(sink.WaitFor(10));
+    EXPECT_EQ((*server)->peer_count(), 10u);
+    // A reply opens the endpoint back to the first client.
+    EndpointRef first;
+    {
+      absl::MutexLock lock(&mu);
+      first = senders[0];
+    }
+    EXPECT_TRUE(SendAndWait(server->get(), first, kData, "back", nullptr, 0).ok());
+  }  // The clients are destroyed and say goodbye.
+  EXPECT_TRUE(Eventually([&] { return (*server)->peer_count() == 0; }))
+      << (*server)->peer_count() << " peers left";
+  absl::MutexLock lock(&mu);
+  for (EndpointRef ep : senders) {
+    EXPECT_EQ(SendAndWait(server->get(), ep, kData, "gone", nullptr, 0).code(),
+              absl::StatusCode::kUnavailable);
+  }
+}
+
+// At max_peers, the peer silent longest since its hello makes room for a
+// new one; when every peer has spoken, the hello is dropped.
+TEST(UcxWorkerTest, PeersBeyondMaxPeersEvictTheSilentOrAreDropped) {
+  Sink sink;
+  WorkerOptions so = Tcp("server");
+  so.max_peers = 2;
+  auto server = Worker::Create(so);
+  ASSERT_TRUE(server.ok()) << server.status();
+  (*server)->SetHandler(kData, [&sink](IncomingMessage& m) { sink.Handle(m); });
+  ASSERT_TRUE((*server)->Start().ok());
+  std::vector<std::unique_ptr<Worker>> clients;
+  auto connect = [&](const std::string& name, bool speak) -> absl::Status {
+    auto c = Worker::Create(Tcp(name));
+    if (!c.ok()) return c.status();
+    if (absl::Status s = (*c)->Start(); !s.ok()) return s;
+    auto ep = (*c)->Connect((*server)->address());
+    if (!ep.ok()) return ep.status();
+    if (speak) {
+      if (absl::Status s = SendAndWait(c->get(), *ep, kData, name, nullptr, 0); !s.ok()) return s;
+    }
+    clients.push_back(std::move(*c));
+    return absl::OkStatus();
+  };
+  ASSERT_TRUE(connect("a", true).ok());
+  ASSERT_TRUE(connect("b", false).ok());   // Silent.
+  ASSERT_TRUE(connect("c", true).ok());    // b makes room.
+  ASSERT_TRUE(sink.WaitFor(2));
+  EXPECT_EQ((*server)->peer_count(), 2u);
+  EXPECT_EQ((*server)->hellos_refused(), 0u);
+  // a and c have spoken: d's hello is dropped and its Connect times out.
+  const absl::Status d = connect("d", false);
+  EXPECT_EQ(d.code(), absl::StatusCode::kDeadlineExceeded) << d;
+  EXPECT_EQ((*server)->hellos_refused(), 1u);
+  EXPECT_EQ((*server)->peer_count(), 2u);
+}
 
 // Sets an environment variable for one test (the UCX workers read it when
 // created), and restores it.

@@ -27,6 +27,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/clock.h"
+#include "common/grpc_limits.h"
 #include "deploy/local/mlp_task.h"
 #include "grpcpp/grpcpp.h"
 #include "common/security.h"

@@ -28,6 +28,7 @@
 #include "client/session.h"
 #include "common/checkpoint_files.h"
 #include "common/dtype.h"
+#include "common/grpc_limits.h"
 #include "common/grpc_status.h"
 #include "common/security.h"
 #include "grpcpp/grpcpp.h"

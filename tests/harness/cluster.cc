@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/dtype.h"
+#include "common/grpc_limits.h"
 #include "common/grpc_status.h"
 #include "grpcpp/grpcpp.h"
 #include "kernels/cpu/optimizer.h"
@@ -203,6 +204,7 @@ absl::Status Cluster::StartCoordinator(const std::string& address) {
   copts.sweep_interval = options_.sweep_interval;
   copts.checkpoint_dir = options_.checkpoint_dir;
   copts.state_dir = options_.state_dir;
+  copts.job_limits = options_.job_limits;
   if (options_.serve_metrics) copts.metrics_address = "127.0.0.1:0";
   auto coord = CoordinatorServer::Start(copts);
   if (!coord.ok()) return coord.status();
@@ -268,6 +270,11 @@ absl::StatusOr<size_t> Cluster::AddShard() {
   s.transport = TransportOptions(absl::StrCat("shard", shards_.size()));
   s.checkpoint_dir = options_.checkpoint_dir;
   s.checkpoint_max_bytes_per_second = options_.checkpoint_max_bytes_per_second;
+  if (options_.max_parked_pulls_per_peer > 0) {
+    s.max_parked_pulls_per_peer = options_.max_parked_pulls_per_peer;
+  }
+  if (options_.max_parked_pulls > 0) s.max_parked_pulls = options_.max_parked_pulls;
+  if (options_.max_peers > 0) s.transport.max_peers = options_.max_peers;
   if (options_.serve_metrics) s.metrics_address = "127.0.0.1:0";
   auto shard = server::ShardServer::Start(s);
   if (!shard.ok()) {

@@ -118,6 +118,15 @@ struct ClusterOptions {
   std::string tls_root;
   // The token workers create and join jobs with (TLS); empty: a fresh one.
   std::string job_token;
+  // The coordinator's job quotas (chunks, tensors, bytes per job).
+  JobLimits job_limits;
+  // Each shard's bounds on pulls waiting or being sent (per peer, in all;
+  // 0: the shard's default).
+  uint64_t max_parked_pulls_per_peer = 0;
+  uint64_t max_parked_pulls = 0;
+  // Each shard's data-plane peer limit (transport::WorkerOptions::max_peers;
+  // 0: its default).
+  size_t max_peers = 0;
   // The loopback fabric's settings (loopback only).
   transport::LoopbackOptions loopback;
   // How long one harness call waits for something (a pull, a push, a state

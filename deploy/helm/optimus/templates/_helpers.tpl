@@ -106,9 +106,9 @@ headroom. Call with (dict "root" $ "name" "dpu" "values" .Values.dpu).
 {{- $limit := dig "limits" "memory" "" ($v.resources | default dict) -}}
 {{- if $limit -}}
 {{- $limitMiB := include "optimus.quantityMiB" $limit | int64 -}}
-{{- $needMiB := add (int64 $v.memoryLimitMb) (int64 .root.Values.shard.memoryHeadroomMb) -}}
+{{- $needMiB := add (int64 $v.memoryLimitMb) (int64 .root.Values.shard.memoryHeadroomMb) (int64 .root.Values.shard.maxInflightMb) -}}
 {{- if and (ge $limitMiB 0) (lt $limitMiB $needMiB) -}}
-{{- fail (printf "%s.resources.limits.memory (%s = %d MiB) is below %s.memoryLimitMb (%d) + shard.memoryHeadroomMb (%d) = %d MiB: the shard would be OOM-killed before reaching its state budget; raise the limit or lower %s.memoryLimitMb" .name (toString $limit) $limitMiB .name (int64 $v.memoryLimitMb) (int64 .root.Values.shard.memoryHeadroomMb) $needMiB .name) -}}
+{{- fail (printf "%s.resources.limits.memory (%s = %d MiB) is below %s.memoryLimitMb (%d) + shard.maxInflightMb (%d) + shard.memoryHeadroomMb (%d) = %d MiB: the shard would be OOM-killed before reaching its state budget; raise the limit or lower %s.memoryLimitMb" .name (toString $limit) $limitMiB .name (int64 $v.memoryLimitMb) (int64 .root.Values.shard.maxInflightMb) (int64 .root.Values.shard.memoryHeadroomMb) $needMiB .name) -}}
 {{- end -}}
 {{- end -}}
 {{- end -}}
@@ -139,6 +139,10 @@ prometheus.io/path: /metrics
 {{- end }}
 --metrics_port={{ int $s.metricsPort }}
 {{ include "optimus.tlsFlag" .root }}
+--max_parked_pulls_per_peer={{ int64 $s.maxParkedPullsPerPeer }}
+--max_parked_pulls={{ int64 $s.maxParkedPulls }}
+--max_inflight_mb={{ int64 $s.maxInflightMb }}
+--max_peers={{ int64 $s.maxPeers }}
 {{- if .root.Values.checkpoints.enabled }}
 --checkpoint_dir={{ .root.Values.checkpoints.mountPath }}
 --checkpoint_max_mb_per_s={{ int64 .root.Values.checkpoints.maxMbPerSec }}
@@ -163,6 +167,9 @@ prometheus.io/path: /metrics
 --lease_ms={{ int $c.leaseMs }}
 --sweep_ms={{ int $c.sweepMs }}
 --down_shard_grace={{ $c.downShardGrace }}
+--max_chunks_per_job={{ int64 $c.maxChunksPerJob }}
+--max_tensors_per_job={{ int64 $c.maxTensorsPerJob }}
+--max_job_bytes={{ int64 $c.maxJobBytes }}
 --state_dir={{ trimSuffix "/" $c.persistence.mountPath }}/state
 {{ include "optimus.tlsFlag" . }}
 {{- if .Values.checkpoints.enabled }}
