@@ -78,7 +78,22 @@ absl::Status Shard::Start() {
               options_.staging_bytes >> 20, " MiB of it for gradients in flight), ",
               options_.step_threads, " step threads, ", options_.kernel_threads,
               " kernel threads");
-  if (absl::Status s = Register(); !s.ok()) return s;
+  // A coordinator that is starting (or a TLS handshake on a busy machine)
+  // may not answer the first try: retry what may pass for a while before
+  // giving up (then Kubernetes restarts the pod).
+  {
+    const absl::Time give_up = absl::Now() + absl::Seconds(30);
+    absl::Duration pause = absl::Milliseconds(200);
+    for (;;) {
+      absl::Status s = Register();
+      if (s.ok()) break;
+      const bool transient = absl::IsUnavailable(s) || absl::IsDeadlineExceeded(s);
+      if (!transient || absl::Now() + pause > give_up) return s;
+      OPTIMUS_LOG(Warning, kLog, "registering failed (", s.ToString(), "); retrying");
+      absl::SleepFor(pause);
+      pause = std::min(pause * 2, absl::Seconds(2));
+    }
+  }
   loader_thread_ = std::thread([this] { LoaderLoop(); });
   heartbeat_thread_ = std::thread([this] { HeartbeatLoop(); });
   if (!options_.metrics_address.empty()) {

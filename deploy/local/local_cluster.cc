@@ -394,7 +394,7 @@ int main(int argc, char** argv) {
   if (!admin_channel.ok()) return Die(std::string(admin_channel.status().message()));
   auto stub = optimus::v1::Coordinator::NewStub(*admin_channel);
   int up = 0;
-  for (int i = 0; i < 200 && up < shards; ++i) {
+  for (int i = 0; i < 900 && up < shards; ++i) {
     optimus::v1::StatusRequest req;
     optimus::v1::StatusResponse resp;
     grpc::ClientContext ctx;
