@@ -35,12 +35,21 @@ found=0
 for f in "${out}"/crash-* "${out}"/leak-* "${out}"/timeout-* "${out}"/oom-* "${out}"/slow-unit-*; do
   [ -e "${f}" ] || continue
   found=1
-  # The test's outputs stay under bazel-testlogs/<package>/<target>/test.outputs/.
-  echo "${name}: reproducer: ${f}"
-  echo "${name}:   $(stat -c %s "${f}") bytes; first 512 in hex:"
-  od -A d -t x1 -v "${f}" | head -n 32
-  echo "${name}:   reproduce: bazel run --config=fuzz //tests/fuzz:${name} -- ${f}"
-  echo "${name}:   once fixed, add it: cp ${f} tests/fuzz/corpus/${name%_fuzzer}/"
+  base="$(basename "${f}")"
+  echo "${name}: reproducer: ${base}, $(stat -c %s "${f}") bytes"
+  # Under bazel: the test's outputs folder, which stays (and is zipped to
+  # outputs.zip beside it) under $(bazel info --config=fuzz bazel-testlogs)
+  # /tests/fuzz/<target>_test/test.outputs/.
+  echo "${name}:   kept at ${f}"
+  echo "${name}:   first bytes in hex:"
+  od -A d -t x1 -v "${f}" | head -n 16
+  if [ "$(stat -c %s "${f}")" -le 65536 ]; then
+    echo "${name}:   the whole input, to recreate it from this log: base64 -d > ${base} <<'END'"
+    base64 "${f}"
+    echo "END"
+  fi
+  echo "${name}:   reproduce: bazel run --config=fuzz //tests/fuzz:${name} -- \$PWD/${base}"
+  echo "${name}:   once fixed, keep it: cp ${base} tests/fuzz/corpus/${name%_fuzzer}/<what_it_was>"
 done
-[ "${found}" -eq 1 ] || echo "${name}: libFuzzer kept no reproducer (see the output above)"
+[ "${found}" -eq 1 ] || echo "${name}: libFuzzer kept no reproducer (see its output above)"
 exit 1
