@@ -18,12 +18,14 @@
 // to match its segment, so that inputs reach the checks behind them.
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -106,6 +108,29 @@ const Folder& TheFolder() {
   return *folder;
 }
 
+// Whether the files of `tensor` tile [lo, lo + n) exactly: every element
+// in exactly one file (the harness's own reckoning, to check
+// ReadTensorRange's).
+bool TiledExactly(const optimus::v1::CheckpointManifest& m, uint32_t tensor, uint64_t lo,
+                  uint64_t n) {
+  std::vector<std::pair<uint64_t, uint64_t>> parts;  // [begin, end) within the range.
+  for (const optimus::v1::CheckpointFile& f : m.files()) {
+    if (f.tensor() != tensor) continue;
+    const uint64_t fb = f.offset_elems();
+    uint64_t fe = 0;
+    if (__builtin_add_overflow(fb, f.num_elems(), &fe)) fe = UINT64_MAX;
+    const uint64_t b = std::max(lo, fb), e = std::min(lo + n, fe);
+    if (b < e) parts.emplace_back(b, e);
+  }
+  std::sort(parts.begin(), parts.end());
+  uint64_t at = lo;
+  for (const auto& [b, e] : parts) {
+    if (b != at) return false;  // A gap or an overlap.
+    at = e;
+  }
+  return at == lo + n;
+}
+
 // What a restore does with an accepted manifest, after the coordinator
 // verified it.
 void ReadBack(const std::string& dir, const optimus::v1::CheckpointManifest& m) {
@@ -121,11 +146,14 @@ void ReadBack(const std::string& dir, const optimus::v1::CheckpointManifest& m) 
     std::vector<std::vector<float>> bufs(arrays, std::vector<float>(n));
     std::vector<float*> dst;
     for (auto& b : bufs) dst.push_back(b.data());
-    (void)optimus::ckpt::ReadTensorRange(dir, m, static_cast<uint32_t>(t), 0, n, dst);
-    // A shard's chunk: the second half of the tensor.
-    if (n >= 2) {
-      (void)optimus::ckpt::ReadTensorRange(dir, m, static_cast<uint32_t>(t), n / 2, n - n / 2,
-                                           dst);
+    // The whole tensor, and a shard's chunk: its second half.
+    for (const uint64_t lo : {uint64_t{0}, n / 2}) {
+      if (lo == n) continue;
+      const uint32_t tensor = static_cast<uint32_t>(t);
+      if (optimus::ckpt::ReadTensorRange(dir, m, tensor, lo, n - lo, dst).ok()) {
+        Require(TiledExactly(m, tensor, lo, n - lo),
+                "ReadTensorRange accepts only files that cover the range exactly once");
+      }
     }
   }
 }

@@ -301,6 +301,25 @@ void CheckpointSeeds() {
   google::protobuf::TextFormat::PrintToString(bad, &body);
   Put("checkpoint", "unknown_tensor", input(2, body, files));
   Put("checkpoint", "no_checksum", input(0, body, files));
+  // Files as real shards write them, but two overlap and leave a gap:
+  // tensor 0's elements [0, 6) and [2, 6), nothing for [6, 10).
+  {
+    v1::CheckpointManifest gap = m;
+    gap.clear_files();
+    std::vector<std::string> gap_files;
+    const std::vector<Part> gap_parts = {{"t0-c0.s1", 0, 0, 6}, {"t0-c1.s2", 0, 2, 4}, {"t1-c0.s1", 1, 0, 3}};
+    for (const Part& p : gap_parts) {
+      const std::string arrays = Floats(p.n, 0.25f, 3);
+      const float* base = reinterpret_cast<const float*>(arrays.data());
+      const float* ptrs[] = {base, base + p.n, base + 2 * p.n};
+      auto rec = ckpt::WriteDataFile(dir, p.name, p.tensor, p.offset, p.n, ptrs);
+      if (!rec.ok()) std::exit(1);
+      *gap.add_files() = *rec;
+      gap_files.push_back(ReadAll(absl::StrCat(dir, "/", p.name)));
+    }
+    google::protobuf::TextFormat::PrintToString(gap, &body);
+    Put("checkpoint", "overlap_and_gap", input(1, body, gap_files));
+  }
   (void)ckpt::RemoveTree(dir);
 }
 
