@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -47,6 +48,32 @@ TEST(CheckpointFilesTest, FolderNames) {
   EXPECT_EQ(ParseFolderName("ckpt-000042"), 42u);
   EXPECT_EQ(ParseFolderName("ckpt-x"), 0u);
   EXPECT_EQ(ParseFolderName("other"), 0u);
+}
+
+// Files that overlap and leave a gap are refused, not read as if they
+// covered the range (found by //tests/fuzz:checkpoint: counting covered
+// elements let [0, 6) + [2, 6) pass for [0, 10), leaving [6, 10) unread).
+TEST(CheckpointFilesTest, OverlappingFilesAreRefused) {
+  const std::string dir = TempDir();
+  std::vector<float> v(10, 1.0f);
+  const float* a[] = {v.data()};
+  v1::CheckpointManifest man;
+  for (const auto& [name, offset, n] :
+       std::vector<std::tuple<const char*, uint64_t, uint64_t>>{{"a", 0, 6}, {"b", 2, 4}}) {
+    auto f = WriteDataFile(dir, name, 0, offset, n, a);
+    ASSERT_TRUE(f.ok()) << f.status();
+    *man.add_files() = *f;
+  }
+  ASSERT_TRUE(VerifyCheckpoint(dir, man).ok());  // Each file is sound on its own.
+  std::vector<float> got(10, -1.0f);
+  float* dst[] = {got.data()};
+  absl::Status s = ReadTensorRange(dir, man, 0, 0, 10, dst);
+  EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << s;
+  EXPECT_NE(s.message().find("overlap"), absl::string_view::npos) << s;
+  // Where they do not overlap, they read.
+  EXPECT_TRUE(ReadTensorRange(dir, man, 0, 0, 2, dst).ok());
+  // A range past the end overflowing 64 bits is refused.
+  EXPECT_FALSE(ReadTensorRange(dir, man, 0, UINT64_MAX - 1, 4, dst).ok());
 }
 
 // Two files cut a tensor at 100 and 250; ranges read across both, and a

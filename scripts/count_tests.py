@@ -1,8 +1,10 @@
 #!/usr/bin/env python3
 """Counts test cases from bazel's test.xml files (GoogleTest results).
 
-Usage: count_tests.py BAZEL_OUTPUT_LOG TESTLOGS_DIR
-Prints "N passed, N failed, N skipped". A test target that failed to build,
+Usage: count_tests.py BAZEL_OUTPUT_LOG TESTLOGS_DIR [BAZEL_OUTPUT_LOG TESTLOGS_DIR ...]
+One pair per `bazel test` run (scripts/test.sh makes two: the default build,
+and --config=fuzz with its own testlogs folder). Prints one line for all of
+them: "N passed, N failed, N skipped". A test target that failed to build,
 timed out or crashed without a result file counts as one failure. Exits 1 if
 anything failed or nothing ran.
 """
@@ -12,8 +14,8 @@ import sys
 import xml.etree.ElementTree as ET
 
 
-def main():
-    log_path, testlogs = sys.argv[1], sys.argv[2]
+def count(log_path, testlogs):
+    """(passed, failed, skipped) of one bazel test run."""
     with open(log_path, errors="replace") as f:
         log = f.read()
     # Targets bazel reported in this run, with their outcome.
@@ -53,6 +55,18 @@ def main():
     if "FAILED: Build did NOT complete successfully" in log and not any(
             o == "FAILED TO BUILD" for o in outcomes.values()):
         failed += 1
+    return passed, failed, skipped
+
+
+def main():
+    args = sys.argv[1:]
+    if not args or len(args) % 2 != 0:
+        print("usage: count_tests.py BAZEL_OUTPUT_LOG TESTLOGS_DIR [...]", file=sys.stderr)
+        return 2
+    passed = failed = skipped = 0
+    for i in range(0, len(args), 2):
+        p, f, s = count(args[i], args[i + 1])
+        passed, failed, skipped = passed + p, failed + f, skipped + s
     print(f"{passed} passed, {failed} failed, {skipped} skipped")
     return 1 if failed or passed + skipped == 0 else 0
 

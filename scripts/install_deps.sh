@@ -12,7 +12,7 @@ PACKAGES=(
   golang-go golang-github-masterminds-sprig-dev golang-gopkg-yaml.v3-dev nodejs
   python3-kubernetes
   python3-torch
-  clang
+  clang lld
   nlohmann-json3-dev
   libyaml-cpp-dev
   libssl-dev openssl

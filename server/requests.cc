@@ -224,7 +224,19 @@ void Shard::OnBatch(transport::IncomingMessage& msg, const wire::RequestHeader& 
                          "; a batch holds pushes, pulls, inits and commits"));
         break;
       }
-      if (op == wire::Op::kPush || op == wire::Op::kInit) payload_bytes += item->num_bytes;
+      if (op == wire::Op::kPush || op == wire::Op::kInit) {
+        // Checked one item at a time: a sum of the peer's counts could wrap
+        // around and pass the total's check below, and an item would then
+        // read past the end of the batch.
+        const uint64_t left = batch->size() - header_bytes - payload_bytes;
+        if (item->num_bytes > left) {
+          bad = absl::InvalidArgumentError(
+              absl::StrCat("request ", i, " of a batch claims ", item->num_bytes,
+                           " payload bytes; the batch has ", left, " left"));
+          break;
+        }
+        payload_bytes += item->num_bytes;
+      }
       items.push_back(*item);
     }
     if (bad.ok() && header_bytes + payload_bytes != batch->size()) {

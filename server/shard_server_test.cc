@@ -361,6 +361,28 @@ TEST_F(ShardServerTest, ABatchIsHandledAsItsRequestsAndABadBatchChangesNothing) 
   EXPECT_EQ(shard_->stats().steps_applied, 1u);
 }
 
+// Found by //tests/fuzz:shard_requests under ASan: items' payload counts
+// that wrap around 2^64 passed the batch's total check, and the first
+// push read past the end of the batch.
+TEST_F(ShardServerTest, BatchWhosePayloadCountsWrapAroundIsRefused) {
+  Load(OneChunkJob(link_->shard_id()));
+  Peer peer(fabric_, shard_->data_address());
+  const std::vector<float> init = Ramp(0.01f);
+  ASSERT_TRUE(peer.Call(Header(wire::Op::kInit, 1, 1), init.data(), kElems * 4).reply.status.ok());
+  // Two pushes whose counts sum to 0 mod 2^64, and no payload at all.
+  wire::RequestHeader p0 = Header(wire::Op::kPush, 1, 2);
+  wire::RequestHeader p1 = Header(wire::Op::kPush, 1, 3);
+  p1.rank = 1;
+  p1.num_bytes = 0 - p0.num_bytes;
+  std::vector<uint8_t> bytes(wire::AsBytes(p0).begin(), wire::AsBytes(p0).end());
+  bytes.insert(bytes.end(), wire::AsBytes(p1).begin(), wire::AsBytes(p1).end());
+  wire::RequestHeader b = Header(wire::Op::kBatch, 2, 2);
+  b.num_bytes = bytes.size();
+  Peer::Answer refused = peer.Call(b, bytes.data(), bytes.size());
+  EXPECT_EQ(refused.reply.status.code(), absl::StatusCode::kInvalidArgument) << refused.reply.status;
+  EXPECT_EQ(shard_->stats().pushes_received, 0u);
+}
+
 TEST_F(ShardServerTest, DeletedJobGivesEveryByteBackAndAnswersItsParkedPulls) {
   const uint64_t baseline = shard_->stats().memory_used_bytes;
   Load(OneChunkJob(link_->shard_id()));

@@ -3,6 +3,10 @@
 // thread pool. The math itself lives in optimizer_{scalar,avx2,avx512,neon}.cc.
 #include "kernels/cpu/optimizer.h"
 
+#if defined(__x86_64__)
+#include <cpuid.h>
+#endif
+
 #include <cmath>
 #include <cstddef>
 #include <vector>
@@ -65,11 +69,17 @@ const IsaKernels kAvx512Kernels = {
     &CastToFp32Avx512, &SumGradsAvx512,  &TouchAvx512,
     &GradSquaresAvx512, &ReadGradsAvx512};
 
+// F16C from CPUID leaf 1 (ECX bit 29): clang 14's __builtin_cpu_supports
+// does not know "f16c" (the fuzz and sanitizer build uses clang).
+bool CpuHasF16c() {
+  unsigned int eax = 0, ebx = 0, ecx = 0, edx = 0;
+  return __get_cpuid(1, &eax, &ebx, &ecx, &edx) != 0 && (ecx & bit_F16C) != 0;
+}
+
 // __builtin_cpu_supports also checks that the OS saves the wider registers.
 bool CpuRunsAvx2() {
   __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-         __builtin_cpu_supports("f16c");
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && CpuHasF16c();
 }
 
 bool CpuRunsAvx512() {
