@@ -9,6 +9,7 @@ For a target NAME it makes:
                under --config=fuzz it fuzzes for OPTIMUS_FUZZ_SECONDS (60 by
                default) starting from the corpus. A crash, a sanitizer report
                or a leak fails it, and its log names the reproducer file.
+               Tagged "external": it runs every time, never from a cache.
 """
 
 def optimus_fuzz_test(name, srcs, deps = [], size = "medium", tags = []):
@@ -38,5 +39,7 @@ def optimus_fuzz_test(name, srcs, deps = [], size = "medium", tags = []):
             "//conditions:default": ["replay"],
         }),
         data = [":%s_fuzzer" % name] + corpus,
-        tags = tags,
+        # Never a cached result: each run fuzzes anew (a replay costs a
+        # second).
+        tags = tags + ["external"],
     )
