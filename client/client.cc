@@ -27,6 +27,9 @@ namespace client {
 namespace {
 
 constexpr char kLog[] = "client";
+// How long requests may wait with no reply at all before the client asks
+// the coordinator whether their chunks moved (RecoveryLoop).
+constexpr absl::Duration kStuckCheck = absl::Seconds(2);
 
 using Lease = RegistrationCache::Lease;
 
@@ -1308,6 +1311,7 @@ class ClientImpl : public Client {
     const transport::MemoryRegion* region = nullptr;
     {
       absl::MutexLock lock(&mu_);
+      last_reply_ = absl::Now();
       if (slot == nullptr || slot->id != id) {
         OPTIMUS_LOG(Debug, kLog, "reply for unknown request ", id, ": ",
                     reply->status.ToString());
@@ -1364,12 +1368,29 @@ class ClientImpl : public Client {
     return stopping_ || !stalled_.empty();
   }
 
+  bool AnyOutstandingLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    for (uint32_t i = 0; i < slots_.size(); ++i) {
+      if (slots_.At(i)->id != 0) return true;
+    }
+    return false;
+  }
+
   void RecoveryLoop() {
     for (;;) {
       uint64_t job_id;
       {
         absl::MutexLock lock(&mu_);
-        mu_.Await(absl::Condition(this, &ClientImpl::HasStalledOrStopping));
+        if (!mu_.AwaitWithTimeout(absl::Condition(this, &ClientImpl::HasStalledOrStopping),
+                                  kStuckCheck)) {
+          // Nothing failed, but requests have waited with no reply at all
+          // for a while: the map may have moved their chunks while the shard
+          // holding them cannot say so (cut off from the coordinator, it
+          // never learns it was replaced). Ask the coordinator; AdoptMap
+          // re-sends what moved.
+          if (!joined_ || absl::Now() - last_reply_ < kStuckCheck || !AnyOutstandingLocked()) {
+            continue;
+          }
+        }
         if (stopping_) return;
         job_id = job_id_;
       }
@@ -1585,6 +1606,9 @@ class ClientImpl : public Client {
   SlotTable slots_;
   // Requests waiting for a newer map, in the order they stalled.
   std::map<uint64_t, Stalled> stalled_ ABSL_GUARDED_BY(mu_);
+  // When the last reply came (RecoveryLoop's check for a map that moved
+  // under requests nobody refuses).
+  absl::Time last_reply_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
   uint64_t next_stalled_ ABSL_GUARDED_BY(mu_) = 0;
   static constexpr size_t kRoundsKept = 64;
   std::vector<Round> rounds_ ABSL_GUARDED_BY(mu_) = std::vector<Round>(kRoundsKept);
