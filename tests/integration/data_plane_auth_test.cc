@@ -18,6 +18,7 @@
 #include "gtest/gtest.h"
 #include "tests/harness/cluster.h"
 #include "tests/harness/status_assert.h"
+#include "tests/integration/raw_hello.h"
 #include "transport/transport.h"
 
 namespace optimus {
@@ -209,6 +210,56 @@ TEST(DataPlaneAuthTest, OtherJobsWorkersAndStrangersAreRefused) {
   for (uint32_t i = 0; i < def.tensors.size(); ++i) {
     ASSERT_OK_AND_ASSIGN(const std::vector<float> got, cluster->PullFp32(i, 9));
     ASSERT_OK_AND_ASSIGN(const std::vector<float> want, ReferenceParams(def, i, 8));
+    EXPECT_EQ(got, want) << "tensor " << i;
+  }
+}
+
+// Hellos whose "address" is garbage (the bytes that once aborted UCX inside
+// ucp_ep_create), each followed by a request as if the handshake had been
+// done: the shard never opens those addresses (the peers proved nothing),
+// drops the requests, counts them, and its job trains on untouched.
+TEST(DataPlaneAuthTest, GarbageHelloAddressesNeverReachUcx) {
+  ASSERT_OK_AND_ASSIGN(const std::string ca, MakeTestCa(1));
+  ClusterOptions o;
+  o.transport = TransportKind::kUcx;
+  o.num_shards = 1;
+  o.num_workers = 1;
+  o.tls_root = ca;
+  ASSERT_OK_AND_ASSIGN(auto cluster, Cluster::Start(o));
+  const client::JobDef def = SmallJob("victim", 1);
+  ASSERT_OK(cluster->CreateJob(def));
+  ASSERT_OK(cluster->Train(1, 2));
+  server::ShardServer* shard = cluster->shard(0);
+  const uint64_t refused_before = shard->stats().unproved_refused;
+
+  wire::RequestHeader h;
+  h.op = static_cast<uint16_t>(wire::Op::kPull);
+  h.job_id = cluster->worker(0)->job_id();
+  h.map_epoch = 1;
+  h.step = 3;
+  h.request_id = 1;
+  const std::string request(reinterpret_cast<const char*>(&h), sizeof(h));
+  constexpr uint32_t kUcxRequestAmId = 4 + wire::kAmRequest;  // transport/ucx.cc's shift.
+  {
+    HelloFlood raw(shard->data_address());
+    uint64_t instance = 0xbad0000000000000ull;
+    for (size_t size : {size_t{1}, size_t{7}, size_t{64}, size_t{300}, size_t{5000},
+                        size_t{9000}}) {
+      std::string garbage(size, '\0');
+      for (size_t i = 0; i < size; ++i) garbage[i] = static_cast<char>((i * 131 + size) & 0xff);
+      raw.SendAs(++instance, garbage, kUcxRequestAmId, request);
+      raw.SendAs(++instance, std::string(size, '\xff'), kUcxRequestAmId, request);
+    }
+    raw.Progress(absl::Milliseconds(200));
+  }
+  // Every request was dropped (and every impossible size too).
+  ASSERT_OK(cluster->WaitUntil("the garbage counted", [&] {
+    return shard->stats().unproved_refused >= refused_before + 12;
+  }));
+  ASSERT_OK(cluster->Train(3, 5));
+  for (uint32_t i = 0; i < def.tensors.size(); ++i) {
+    ASSERT_OK_AND_ASSIGN(const std::vector<float> got, cluster->PullFp32(i, 6));
+    ASSERT_OK_AND_ASSIGN(const std::vector<float> want, ReferenceParams(def, i, 5));
     EXPECT_EQ(got, want) << "tensor " << i;
   }
 }
