@@ -105,7 +105,9 @@ assert p["shards_found"] == p["shards_expected"], f"probed {p['shards_found']} o
 # No shard restarted by its liveness probe.
 assert not p["restarted_by_liveness"], f"shards restarted by the liveness probe: {p['restarted_by_liveness']}"
 # The outage lasted as long as asked (seen from the launcher's own lines).
-assert p["outage_seconds_seen"] is not None and p["outage_seconds_seen"] >= outage_s, p["outage_seconds_seen"]
+# The kill and the restart are seen in the launcher's log, polled every
+# 0.2 s: the gap seen may fall short of the real one by up to that twice.
+assert p["outage_seconds_seen"] is not None and p["outage_seconds_seen"] >= outage_s - 0.5, p["outage_seconds_seen"]
 for sh in p["shards"]:
     l, r = sh["livenessProbe"], sh["readinessProbe"]
     down_l = l["by_phase"].get("down", {"ok": 0, "failed": 0})
