@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/match.h"
 #include "coordinator/job_spec.h"
 #include "coordinator/shard_map.h"
 #include "proto/optimus.pb.h"
@@ -38,8 +39,13 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (!spec.ParseFromArray(data, static_cast<int>(size))) return 0;
   absl::StatusOr<optimus::CheckedSpec> checked = optimus::CheckAndFillSpec(spec);
   if (!checked.ok()) {
-    Require(checked.status().code() == absl::StatusCode::kInvalidArgument,
-            "a bad spec is INVALID_ARGUMENT");
+    // A malformed spec is INVALID_ARGUMENT; a well-formed one over a job
+    // quota (chunks, tensors, bytes) is RESOURCE_EXHAUSTED.
+    const absl::StatusCode code = checked.status().code();
+    Require(code == absl::StatusCode::kInvalidArgument ||
+                (code == absl::StatusCode::kResourceExhausted &&
+                 absl::StrContains(checked.status().message(), "job quota")),
+            "a bad spec is INVALID_ARGUMENT, or RESOURCE_EXHAUSTED over a quota");
     return 0;
   }
   Require(!spec.name().empty() && spec.world_size() >= 1 && spec.replication() <= 1,
