@@ -56,6 +56,7 @@ absl::Status Shard::Register() {
   {
     absl::MutexLock lock(&identity_mu_);
     data_plane_key_ = reg->data_plane_key;
+    checks_identities_.store(!reg->data_plane_key.empty(), std::memory_order_release);
   }
   shard_id_.store(reg->shard_id);
   lease_ms_.store(reg->lease_ms);
@@ -388,9 +389,8 @@ std::pair<std::string, std::string> Shard::ProveSelf(absl::string_view challenge
   return {identity, security::DataPlaneProof(*key, challenge, identity)};
 }
 
-bool Shard::ChecksIdentities() {
-  absl::MutexLock lock(&identity_mu_);
-  return !data_plane_key_.has_value() || !data_plane_key_->empty();
+bool Shard::ChecksIdentities() const {
+  return checks_identities_.load(std::memory_order_acquire);
 }
 
 }  // namespace server

@@ -207,7 +207,10 @@ class Shard : public ShardServer {
   std::pair<std::string, std::string> ProveSelf(absl::string_view challenge)
       ABSL_LOCKS_EXCLUDED(identity_mu_);
   // Whether the data plane checks identities (registered with a secret).
-  bool ChecksIdentities() ABSL_LOCKS_EXCLUDED(identity_mu_);
+  // Read on every request: an atomic copy of "the secret is not empty",
+  // set with it at registration (true before: nothing is let in then).
+  bool ChecksIdentities() const;
+  std::atomic<bool> checks_identities_{true};
   absl::Mutex identity_mu_;
   std::optional<std::string> data_plane_key_ ABSL_GUARDED_BY(identity_mu_);
 
