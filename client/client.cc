@@ -646,6 +646,9 @@ class ClientImpl : public Client {
     absl::MutexLock lock(&mu_);
     return resent_;
   }
+  uint64_t replies_refused() const override {
+    return replies_refused_.load(std::memory_order_relaxed);
+  }
   std::string transports_in_use() const override { return worker_->transports_in_use(); }
 
   // ---- Requests, tickets and their slots --------------------------------------
@@ -1318,6 +1321,15 @@ class ClientImpl : public Client {
         return;
       }
       Pending& p = slot->p;
+      if (msg.reply_endpoint().ep != p.ep) {
+        // Request ids are not secrets: only the shard a request went to
+        // answers it (an error such as "fenced" included).
+        replies_refused_.fetch_add(1, std::memory_order_relaxed);
+        OPTIMUS_LOG(Warning, kLog, "dropping a reply to request ", id,
+                    " from a shard it was not sent to (", msg.peer_identity(), "): ",
+                    reply->status.ToString());
+        return;
+      }
       if (!reply->status.ok()) {
         return FailedLocked(slot, reply->status, /*peer_failed=*/false, reply->header.flags);
       }
@@ -1550,6 +1562,7 @@ class ClientImpl : public Client {
   std::unique_ptr<RegistrationCache> cache_;
   std::atomic<bool> registration_warned_{false};
   std::atomic<uint64_t> batches_sent_{0};  // kBatch messages (Cork).
+  std::atomic<uint64_t> replies_refused_{0};
   static constexpr size_t kBatchBytes = size_t{1} << 20;
   static constexpr size_t kKeptBatchBuffers = 4;
   absl::Mutex batch_mu_;

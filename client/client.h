@@ -277,6 +277,10 @@ class Client {
   virtual uint64_t map_epoch() const = 0;
   // Requests sent again after a failover or map change, so far.
   virtual uint64_t requests_resent() const = 0;
+  // Replies dropped because they answered no request outstanding at the
+  // peer that sent them (a request id sent to another shard, or one already
+  // answered): a shard cannot answer, or fence, another shard's requests.
+  virtual uint64_t replies_refused() const = 0;
   // The transports the data plane's endpoints use so far, as the transport
   // names them (e.g. "tcp", "sysv,cma"; empty before any request or when
   // the transport does not say). For logs and benchmarks.

@@ -583,6 +583,8 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("map_epoch", [](PyClient& c) { return c.get()->map_epoch(); })
       .def_property_readonly("requests_resent",
                              [](PyClient& c) { return c.get()->requests_resent(); })
+      .def_property_readonly("replies_refused",
+                             [](PyClient& c) { return c.get()->replies_refused(); })
       .def_property_readonly("transports_in_use",
                              [](PyClient& c) { return c.get()->transports_in_use(); })
       .def(

@@ -330,6 +330,11 @@ absl::Status Cluster::ConnectWorkers() {
     o.tls = TlsFor("trainer");
     o.job_token = options_.job_token;
     o.transport = TransportOptions(absl::StrCat("worker", r));
+    if (options_.make_worker) {
+      o.make_worker = [make = options_.make_worker, r](const transport::WorkerOptions& w) {
+        return make(r, w);
+      };
+    }
     auto c = client::Client::Connect(o);
     if (!c.ok()) {
       return absl::Status(c.status().code(),

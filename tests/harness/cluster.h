@@ -133,6 +133,11 @@ struct ClusterOptions {
   // the coordinator should reach) before failing with DEADLINE_EXCEEDED.
   // Default 30 s: generous, so a loaded machine never fails a test.
   absl::Duration wait = absl::Seconds(30);
+  // Makes worker r's data-plane worker (ClientOptions::make_worker), e.g.
+  // to wrap the real one; unset: the transport's own.
+  std::function<absl::StatusOr<std::unique_ptr<transport::Worker>>(
+      uint32_t rank, const transport::WorkerOptions&)>
+      make_worker;
 };
 
 class Cluster {

@@ -216,7 +216,7 @@ class FakeShardWorker : public transport::Worker {
       r.grad_sum_squares = 1.0;
     }
     Message m(absl::Span<const uint8_t>(reinterpret_cast<const uint8_t*>(&r), sizeof(r)),
-              payload_.data(), reply_payload);
+              payload_.data(), reply_payload, transport::EndpointRef{&endpoint_});
     reply_handler_(m);
   }
   absl::StatusOr<std::unique_ptr<transport::MemoryRegion>> RegisterMemory(void*,
@@ -227,14 +227,15 @@ class FakeShardWorker : public transport::Worker {
  private:
   class Message : public transport::IncomingMessage {
    public:
-    Message(absl::Span<const uint8_t> header, const uint8_t* payload, size_t size)
-        : header_(header), payload_(payload), size_(size) {}
+    Message(absl::Span<const uint8_t> header, const uint8_t* payload, size_t size,
+            transport::EndpointRef from)
+        : header_(header), payload_(payload), size_(size), from_(from) {}
     const std::string identity_;
     uint16_t am_id() const override { return wire::kAmReply; }
     absl::Span<const uint8_t> header() const override { return header_; }
     size_t payload_size() const override { return size_; }
     bool is_rendezvous() const override { return false; }
-    transport::EndpointRef reply_endpoint() const override { return {}; }
+    transport::EndpointRef reply_endpoint() const override { return from_; }
     const std::string& peer_identity() const override { return identity_; }
     void ReceiveInto(void* dst, transport::DoneCallback done) override {
       if (size_ > 0) std::memcpy(dst, payload_, size_);
@@ -250,6 +251,7 @@ class FakeShardWorker : public transport::Worker {
     absl::Span<const uint8_t> header_;
     const uint8_t* payload_;
     size_t size_;
+    transport::EndpointRef from_;
   };
 
   const std::string address_ = "fake-shard";

@@ -5,7 +5,9 @@
 // proves nothing cannot finish its handshake; the other job's worker is
 // refused every push, pull, init and forged replication seed for the
 // victim; every refusal is counted; and the victim trains on to exactly
-// the reference parameters.
+// the reference parameters. A shard's reply to a request sent to another
+// shard (a forged "fenced") is dropped by the client.
+#include <atomic>
 #include <memory>
 #include <string>
 #include <vector>
@@ -260,6 +262,139 @@ TEST(DataPlaneAuthTest, GarbageHelloAddressesNeverReachUcx) {
   for (uint32_t i = 0; i < def.tensors.size(); ++i) {
     ASSERT_OK_AND_ASSIGN(const std::vector<float> got, cluster->PullFp32(i, 6));
     ASSERT_OK_AND_ASSIGN(const std::vector<float> want, ReferenceParams(def, i, 5));
+    EXPECT_EQ(got, want) << "tensor " << i;
+  }
+}
+
+// A shard answering (here: fencing) requests that were sent to another
+// shard. Request ids are not secrets, so a compromised or confused shard
+// could guess them; the client takes an answer only from the shard the
+// request went to. ForgingWorker wraps the worker's real UCX worker and,
+// before each push or pull goes out, hands the client a "fenced" reply to
+// it that comes from another shard's endpoint.
+class ForgingWorker : public transport::Worker {
+ public:
+  explicit ForgingWorker(std::unique_ptr<transport::Worker> inner) : inner_(std::move(inner)) {}
+  uint64_t forged() const { return forged_.load(); }
+
+  const std::string& address() const override { return inner_->address(); }
+  void SetHandler(uint16_t am_id, transport::Handler handler) override {
+    if (am_id == wire::kAmReply) {
+      absl::MutexLock lock(&mu_);
+      reply_handler_ = handler;
+    }
+    inner_->SetHandler(am_id, std::move(handler));
+  }
+  absl::Status Start() override { return inner_->Start(); }
+  using transport::Worker::Connect;
+  absl::StatusOr<transport::EndpointRef> Connect(const std::string& peer,
+                                                 const std::string& identity) override {
+    auto ep = inner_->Connect(peer, identity);
+    if (ep.ok()) {
+      absl::MutexLock lock(&mu_);
+      shards_.push_back(*ep);
+    }
+    return ep;
+  }
+  void Send(transport::EndpointRef ep, uint16_t am_id, absl::Span<const uint8_t> header,
+            const void* payload, size_t payload_size, transport::DoneCallback done) override {
+    Send(ep, am_id, header, payload, payload_size, nullptr, std::move(done));
+  }
+  void Send(transport::EndpointRef ep, uint16_t am_id, absl::Span<const uint8_t> header,
+            const void* payload, size_t payload_size, const transport::MemoryRegion* region,
+            transport::DoneCallback done) override {
+    auto h = wire::ParseRequestHeader(header);
+    if (am_id == wire::kAmRequest && h.ok() &&
+        (h->op == static_cast<uint16_t>(wire::Op::kPush) ||
+         h->op == static_cast<uint16_t>(wire::Op::kPull))) {
+      transport::EndpointRef other;
+      transport::Handler handler;
+      {
+        absl::MutexLock lock(&mu_);
+        for (const auto& s : shards_) {
+          if (s.ep != ep.ep) other = s;
+        }
+        handler = reply_handler_;
+      }
+      if (other.valid() && handler) {
+        ForgedReply m(wire::EncodeReply(h->request_id,
+                                        absl::FailedPreconditionError("fenced: a newer primary"),
+                                        0, wire::kReplyFenced),
+                      other);
+        handler(m);
+        forged_.fetch_add(1);
+      }
+    }
+    inner_->Send(ep, am_id, header, payload, payload_size, region, std::move(done));
+  }
+  std::string transports_in_use() const override { return inner_->transports_in_use(); }
+  absl::StatusOr<std::unique_ptr<transport::MemoryRegion>> RegisterMemory(
+      void* data, size_t size_bytes) override {
+    return inner_->RegisterMemory(data, size_bytes);
+  }
+
+ private:
+  class ForgedReply : public transport::IncomingMessage {
+   public:
+    ForgedReply(std::string header, transport::EndpointRef from)
+        : header_(std::move(header)), from_(from) {}
+    uint16_t am_id() const override { return wire::kAmReply; }
+    absl::Span<const uint8_t> header() const override {
+      return absl::Span<const uint8_t>(reinterpret_cast<const uint8_t*>(header_.data()),
+                                       header_.size());
+    }
+    size_t payload_size() const override { return 0; }
+    bool is_rendezvous() const override { return false; }
+    transport::EndpointRef reply_endpoint() const override { return from_; }
+    const std::string& peer_identity() const override { return identity_; }
+    void ReceiveInto(void*, transport::DoneCallback done) override { done(absl::OkStatus()); }
+    void ReceiveInto(void*, const transport::MemoryRegion*, transport::DoneCallback done) override {
+      done(absl::OkStatus());
+    }
+    std::unique_ptr<transport::PendingPayload> Keep() override { return nullptr; }
+
+   private:
+    std::string header_;
+    transport::EndpointRef from_;
+    const std::string identity_ = "shard:forger";
+  };
+
+  std::unique_ptr<transport::Worker> inner_;
+  absl::Mutex mu_;
+  std::vector<transport::EndpointRef> shards_ ABSL_GUARDED_BY(mu_);
+  transport::Handler reply_handler_ ABSL_GUARDED_BY(mu_);
+  std::atomic<uint64_t> forged_{0};
+};
+
+TEST(DataPlaneAuthTest, RepliesFromAShardARequestWasNotSentToAreDropped) {
+  ASSERT_OK_AND_ASSIGN(const std::string ca, MakeTestCa(2));
+  ClusterOptions o;
+  o.transport = TransportKind::kUcx;
+  o.num_shards = 2;
+  o.num_workers = 2;
+  o.tls_root = ca;
+  std::vector<ForgingWorker*> forgers(2, nullptr);
+  o.make_worker = [&forgers](uint32_t rank, const transport::WorkerOptions& w)
+      -> absl::StatusOr<std::unique_ptr<transport::Worker>> {
+    auto inner = transport::Worker::Create(w);
+    if (!inner.ok()) return inner.status();
+    auto f = std::make_unique<ForgingWorker>(std::move(*inner));
+    forgers[rank] = f.get();
+    return std::unique_ptr<transport::Worker>(std::move(f));
+  };
+  ASSERT_OK_AND_ASSIGN(auto cluster, Cluster::Start(o));
+  const client::JobDef def = SmallJob("victim", 2);
+  ASSERT_OK(cluster->CreateJob(def));
+  ASSERT_OK(cluster->Train(1, 6));
+  for (uint32_t r = 0; r < 2; ++r) {
+    ASSERT_NE(forgers[r], nullptr);
+    EXPECT_GT(forgers[r]->forged(), 0u) << "rank " << r;
+    // Every forgery was dropped (and counted) by the client it reached.
+    EXPECT_EQ(cluster->worker(r)->replies_refused(), forgers[r]->forged()) << "rank " << r;
+  }
+  for (uint32_t i = 0; i < def.tensors.size(); ++i) {
+    ASSERT_OK_AND_ASSIGN(const std::vector<float> got, cluster->PullFp32(i, 7));
+    ASSERT_OK_AND_ASSIGN(const std::vector<float> want, ReferenceParams(def, i, 6));
     EXPECT_EQ(got, want) << "tensor " << i;
   }
 }
