@@ -1,7 +1,7 @@
 // The control plane under TLS, attacked from loopback: a cluster with a
 // local CA (scripts/make_local_ca.sh) trains a victim job while callers
 // without the right certificate or token try to register as a shard,
-// heartbeat as another shard, drain or forget shards, delete the victim,
+// heartbeat as another shard (or report a checkpoint for it), drain or forget shards, delete the victim,
 // read or join it with another job's token. Each is refused (and counted),
 // the shards stay UP, and the victim goes on training to exactly the
 // reference parameters.
@@ -27,6 +27,7 @@ class ControlPlaneAuthTest : public ::testing::Test {
     o.num_shards = 2;
     o.num_workers = 2;
     o.tls_root = ca_;
+    ASSERT_OK_AND_ASSIGN(o.checkpoint_dir, NewTempDir("auth-ckpt"));
     ASSERT_OK_AND_ASSIGN(cluster_, Cluster::Start(o));
     def_ = SmallJob("victim", 2);
     ASSERT_OK(cluster_->CreateJob(def_));
@@ -135,6 +136,44 @@ TEST_F(ControlPlaneAuthTest, HeartbeatAsAnotherShardIsRefusedAndFailureStillDete
   stop = true;
   beating.join();
   ASSERT_OK(down);
+}
+
+// A checkpoint report naming a file outside the checkpoint's folder (the
+// `../../dev/zero` that once crash-looped the coordinator), sent in a
+// heartbeat by a certificate that did not register the shard it speaks
+// for: refused, and the checkpoint in progress completes from the real
+// shards' reports. (A shard that owns chunks and lies fails the checkpoint
+// instead: coordinator/checkpoints_test.cc.)
+TEST_F(ControlPlaneAuthTest, ForgedCheckpointReportIsRefused) {
+  ASSERT_OK(cluster_->WaitApplied("victim", 3));
+  ASSERT_OK_AND_ASSIGN(v1::CheckpointInfo info, cluster_->CreateCheckpoint("victim"));
+  v1::HeartbeatRequest hb;
+  hb.set_shard_id(cluster_->shard(0)->shard_id());
+  v1::ShardCheckpointReport* r = hb.add_checkpoints();
+  r->set_job_id(victim_id_);
+  r->set_checkpoint_id(info.checkpoint_id());
+  r->set_done(true);
+  v1::CheckpointFile* f = r->add_files();
+  f->set_name("../../../../dev/zero");
+  f->set_num_elems(1);
+  f->set_num_arrays(3);
+  f->set_size_bytes(uint64_t{1} << 40);
+  for (const std::string who : {"shard-2", "trainer", "admin", "worker"}) {
+    v1::HeartbeatResponse resp;
+    const absl::Status s = FromGrpc(StubAs(who)->Heartbeat(Ctx().get(), hb, &resp));
+    if (who == "worker") {
+      EXPECT_TRUE(absl::IsUnauthenticated(s)) << who << ": " << s;
+    } else {
+      EXPECT_TRUE(absl::IsPermissionDenied(s)) << who << ": " << s;
+    }
+  }
+  // The shards wait at step 3 (no training meanwhile, so they cannot pass
+  // the checkpoint's step before its order reaches them).
+  ASSERT_OK_AND_ASSIGN(v1::CheckpointInfo done,
+                       cluster_->WaitCheckpoint("victim", info.checkpoint_id()));
+  EXPECT_EQ(done.state(), v1::CHECKPOINT_STATE_COMPLETE) << done.error();
+  EXPECT_EQ(done.step(), info.step());
+  ExpectVictimUnharmed(4, 6);
 }
 
 TEST_F(ControlPlaneAuthTest, AdminOperationsNeedTheAdminRole) {
