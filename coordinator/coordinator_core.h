@@ -84,6 +84,13 @@ class Coordinator {
   // Whether `token` is the token of job `job_id` (of the job named `name`).
   // Never for a job without one (created before tokens existed: admins only).
   bool JobTokenMatches(uint64_t job_id, const std::string& token) ABSL_LOCKS_EXCLUDED(mu_);
+  // True when job `job_id` was created once and is gone now (deleted, or
+  // replaced by its own roll-back): a caller holding a token is then told
+  // NOT_FOUND rather than refused, which is how a worker learns that its job
+  // ended (and, after a roll-back, re-joins it by name). Ids never issued
+  // are not gone: those stay refused, so a token cannot reach a job created
+  // after the check.
+  bool JobGone(uint64_t job_id) ABSL_LOCKS_EXCLUDED(mu_);
   // By name: nullopt when no job has that name (the call then answers
   // NOT_FOUND, so that ranks waiting for rank 0 to create it keep waiting).
   std::optional<bool> JobTokenMatchesByName(const std::string& name, const std::string& token)

@@ -359,6 +359,11 @@ bool Coordinator::JobTokenMatches(uint64_t job_id, const std::string& token) {
   return job != nullptr && !job->token.empty() && security::TokensEqual(job->token, token);
 }
 
+bool Coordinator::JobGone(uint64_t job_id) {
+  absl::MutexLock lock(&mu_);
+  return job_id != 0 && job_id < jobs_.next_id() && jobs_.Find(job_id) == nullptr;
+}
+
 std::optional<bool> Coordinator::JobTokenMatchesByName(const std::string& name,
                                                        const std::string& token) {
   absl::MutexLock lock(&mu_);

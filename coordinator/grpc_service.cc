@@ -50,8 +50,12 @@ Caller CoordinatorService::Identify(grpc::ServerContext* ctx) const {
 }
 
 bool CoordinatorService::MayReadJob(const Caller& c, uint64_t job_id) {
-  return c.role == Role::kAdmin || c.role == Role::kShard ||
-         (!c.token.empty() && core_->JobTokenMatches(job_id, c.token));
+  if (c.role == Role::kAdmin || c.role == Role::kShard) return true;
+  if (c.token.empty()) return false;
+  // A job that is gone reads as NOT_FOUND to any token holder: its workers
+  // learn it ended (a roll-back can replace a FAILED job before they ever
+  // saw it FAILED) and re-join by name, where their token is checked.
+  return core_->JobTokenMatches(job_id, c.token) || core_->JobGone(job_id);
 }
 
 bool CoordinatorService::MayUseJobNamed(const Caller& c, const std::string& name,

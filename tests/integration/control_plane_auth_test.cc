@@ -176,6 +176,32 @@ TEST_F(ControlPlaneAuthTest, ForgedCheckpointReportIsRefused) {
   ExpectVictimUnharmed(4, 6);
 }
 
+// A job that is gone (deleted, or replaced by its own roll-back before its
+// workers saw it FAILED) reads as NOT_FOUND to its token holders, which is
+// how their clients learn to re-join by name; an id never issued stays
+// refused, so a token cannot read a job created after the check.
+TEST_F(ControlPlaneAuthTest, AGoneJobIsNotFoundForItsTokenAndUnissuedIdsAreRefused) {
+  const std::string token = cluster_->worker(0)->job_token();
+  ASSERT_FALSE(token.empty());
+  auto stub = StubAs("worker");
+  v1::GetJobRequest get;
+  get.set_job_id(victim_id_ + 1000);
+  v1::GetJobResponse job;
+  absl::Status s = FromGrpc(stub->GetJob(Ctx(token).get(), get, &job));
+  EXPECT_TRUE(absl::IsPermissionDenied(s)) << s;
+  v1::DeleteJobRequest del;
+  del.set_job_name("victim");
+  del.set_force(true);
+  v1::DeleteJobResponse deleted;
+  ASSERT_OK(FromGrpc(cluster_->stub()->DeleteJob(Ctx().get(), del, &deleted)));
+  get.set_job_id(victim_id_);
+  s = FromGrpc(stub->GetJob(Ctx(token).get(), get, &job));
+  EXPECT_TRUE(absl::IsNotFound(s)) << s;
+  // Without the token it is still refused, gone or not.
+  s = FromGrpc(stub->GetJob(Ctx().get(), get, &job));
+  EXPECT_TRUE(absl::IsUnauthenticated(s) || absl::IsPermissionDenied(s)) << s;
+}
+
 TEST_F(ControlPlaneAuthTest, AdminOperationsNeedTheAdminRole) {
   // A worker holding the victim's own token, and a trainer certificate.
   const std::string token = cluster_->worker(0)->job_token();
