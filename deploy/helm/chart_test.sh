@@ -286,7 +286,7 @@ BASE=full expect_validate_failure mutated-alert-threshold 's/^\( *\)> 0\.3$/\1> 
 BASE=full expect_validate_failure mutated-policy-without-shards \
   '/^kind: NetworkPolicy$/,/^---$/s/optimus.dev\/role: shard$/optimus.dev\/role: shards/' \
   "shards cannot reach the coordinator's gRPC port"
-BASE=full expect_validate_failure mutated-policy-open-rule '0,/^      from:$/{/^      from:$/d}' \
+BASE=full expect_validate_failure mutated-policy-open-rule '0,/^      from:$/s//      x-from:/' \
   "has no 'from', so it admits every source"
 
 sed '0,/livenessProbe:/s//livenessprobe:/' "$TMP/default/manifests.yaml" >"$TMP/misspelt-field.yaml"

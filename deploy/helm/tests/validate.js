@@ -503,6 +503,17 @@ if (np.enabled) {
   const range = (values.shard.ucxTcpPortRange || "").split("-").map(Number);
   const dataPort = range.length === 2 ? range[0] : 40123; // any port when no range is set
   const cidrIp = (c) => (c.includes(":") ? c.split("/")[0] : c.split("/")[0].replace(/\.0$/, ".7"));
+  // A source that a peer of values admits (null for selectors by expression).
+  const srcForPeer = (peer, ns) => {
+    if (peer.ipBlock) return { ip: cidrIp(peer.ipBlock.cidr) };
+    const sels = [peer.podSelector, peer.namespaceSelector].filter(Boolean);
+    if (sels.some((x) => (x.matchExpressions || []).length)) return null;
+    return {
+      labels: (peer.podSelector && peer.podSelector.matchLabels) || { app: "any" },
+      namespace: peer.namespaceSelector ? "peer-namespace" : ns,
+      nsLabels: peer.namespaceSelector ? peer.namespaceSelector.matchLabels || {} : { "kubernetes.io/metadata.name": ns },
+    };
+  };
   const srcOfSet = (d) => (d.spec.template.spec.hostNetwork
     ? (np.hostNetworkCIDRs || []).length ? { ip: cidrIp(np.hostNetworkCIDRs[0]) } : null
     : { labels: d.spec.template.metadata.labels, namespace: nsOf(d), nsLabels: { "kubernetes.io/metadata.name": nsOf(d) } });
@@ -518,6 +529,8 @@ if (np.enabled) {
     if (hookPod) expect(reaches({ labels: hookPod.metadata.labels, namespace: ns, nsLabels: {} }, labels, ns, grpc), "NetworkPolicy: the helm test pod cannot reach the coordinator's gRPC port");
     for (const peer of [...(np.workers || []), ...(np.coordinatorClients || [])]) {
       expect(ruleWithPeer(labels, ns, grpc, peer), `NetworkPolicy: the coordinator's gRPC port does not admit ${JSON.stringify(peer)} from values`);
+      const src = srcForPeer(peer, ns);
+      if (src) expect(reaches(src, labels, ns, grpc), `NetworkPolicy: ${JSON.stringify(peer)} cannot reach the coordinator's gRPC port`);
     }
     for (const peer of np.metrics || []) expect(ruleWithPeer(labels, ns, metricsPort, peer), `NetworkPolicy: the coordinator's metrics port does not admit ${JSON.stringify(peer)}`);
     for (const [port, peers] of [[grpc, [...(np.workers || []), ...(np.coordinatorClients || [])]], [metricsPort, np.metrics || []]]) {
@@ -546,11 +559,14 @@ if (np.enabled) {
           `NetworkPolicy: a pod ${JSON.stringify(src.labels)} of namespace ${src.namespace} ${listed ? "cannot reach" : "reaches"} ${d.metadata.name} on port ${port}`);
       }
     }
-    if (range.length === 2) {
-      const worker = (np.workers || []).find((p) => p.podSelector && !p.namespaceSelector && !(p.podSelector.matchExpressions || []).length);
-      if (worker) {
-        const src = { labels: worker.podSelector.matchLabels, namespace: ns, nsLabels: {} };
-        expect(reaches(src, labels, ns, range[1]) && !reaches(src, labels, ns, range[1] + 1),
+    // A source each worker peer describes reaches the data plane: with a port
+    // range, on its ends and not next to them.
+    for (const peer of np.workers || []) {
+      const src = srcForPeer(peer, ns);
+      if (!src) continue;
+      expect(reaches(src, labels, ns, dataPort), `NetworkPolicy: worker ${JSON.stringify(peer)} cannot reach ${d.metadata.name}'s data plane`);
+      if (range.length === 2) {
+        expect(reaches(src, labels, ns, range[1]) && !reaches(src, labels, ns, range[0] - 1) && !reaches(src, labels, ns, range[1] + 1),
           `NetworkPolicy: ${d.metadata.name}'s data plane is not limited to shard.ucxTcpPortRange ${values.shard.ucxTcpPortRange}`);
       }
     }
