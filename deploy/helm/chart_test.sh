@@ -20,8 +20,8 @@
 #      unknown flags and bad values;
 #   5. runs the `helm test` pod's command (the real optimusctl) against a real
 #      optimus-coord, plain text and TLS with an admin certificate from
-#      scripts/make_local_ca.sh: it passes, and fails with a non-admin
-#      certificate or with the coordinator down;
+#      scripts/make_local_ca.sh: it passes, and fails with a trainer's
+#      certificate (no status role) or with the coordinator down;
 #   6. checks that it fails when it should: a missing required value, a memory
 #      limit below the state budget, a NetworkPolicy that would cut off
 #      hostNetwork shards, a TLS test hook without an admin Secret, a bad alert
@@ -191,7 +191,7 @@ stop_coord
 if out=$(run_hook "$TMP/plaintext/hook.cmd" "$down_addr" ""); then
   die "plaintext: the helm test command passed with the coordinator down: $out"
 fi
-echo "helm-test-coordinator-down: fails as expected: $(echo "$out" | head -n1)"
+echo "helm-test-coordinator-down: fails as expected: $(echo "$out" | tail -n1)"
 
 CA="$TMP/hook-ca"
 bash "$MAKE_CA" "$CA" --shards 1 >/dev/null || die "make_local_ca.sh failed"
@@ -200,10 +200,10 @@ out=$(run_hook "$TMP/full/hook.cmd" "$COORD_ADDR" "$CA/admin") ||
   die "full: the helm test command failed against a TLS coordinator with an admin certificate: $out"
 [[ "$out" == *STATE* ]] || die "full: the helm test command printed no status: $out"
 echo "helm-test-tls: passes against a TLS optimus-coord with an admin certificate (tls.adminSecret)"
-if out=$(run_hook "$TMP/full/hook.cmd" "$COORD_ADDR" "$CA/shard-0"); then
-  die "full: the helm test command passed with a shard certificate; an admin one should be required: $out"
+if out=$(run_hook "$TMP/full/hook.cmd" "$COORD_ADDR" "$CA/trainer"); then
+  die "full: the helm test command passed with a trainer certificate, which may not read status: $out"
 fi
-echo "helm-test-tls-not-admin: fails as expected with a shard certificate: $(echo "$out" | head -n1)"
+echo "helm-test-tls-trainer: fails as expected with a trainer certificate: $(echo "$out" | grep -m1 -i refused)"
 stop_coord
 
 # ---- failures that must happen -----------------------------------------------------------------
