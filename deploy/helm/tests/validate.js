@@ -3,18 +3,28 @@
 //
 //   node validate.js --set=NAME --manifests=FILE --values=FILE --schema=FILE
 //                    --shard-main=server/main.cc --coord-main=coordinator/main.cc
-//                    [--flags-out=DIR] [--expect-schema-failure]
+//                    [--binaries=optimus-shard,optimus-coord] [--flags-out=DIR]
+//                    [--hook-out=FILE] [--expect-schema-failure]
 //
 // 1. YAML: every document parses, with no duplicate keys.
 // 2. Kubernetes API: every object validates against its API schema
-//    (kubernetes-models; ServiceMonitor from @kubernetes-models/prometheus-operator).
+//    (kubernetes-models; ServiceMonitor and PrometheusRule from
+//    @kubernetes-models/prometheus-operator).
 // 3. values.schema.json accepts the merged values (with --expect-schema-failure:
 //    rejects them, and nothing else is checked).
 // 4. Behaviour: workloads select their own pods, probes hit /healthz on the
 //    metrics port the flags open, flag files use only flags the binaries
 //    define, shard DaemonSets exist exactly for the enabled kinds and carry the
 //    values' nodeSelector/affinity/tolerations, Services, PDBs and
-//    ServiceMonitors select something.
+//    ServiceMonitors select something. The PrometheusRule has exactly the
+//    enabled alerts, only known fields, `for`/severity/thresholds from values,
+//    every selector scoped to the release, and only metrics the binaries
+//    (--binaries) export. The NetworkPolicies, evaluated as Kubernetes does,
+//    let the shards, the test pod and the listed peers reach their ports and
+//    keep other pods out, no rule admits every source, and UCX listens where
+//    the policy opens. The `helm test` pod runs optimusctl status against the
+//    coordinator the shards use, with the admin Secret under TLS (its command
+//    is written to --hook-out for chart_test.sh to run).
 // Prints a summary line per value set; exits 1 with every failure listed.
 "use strict";
 
@@ -333,6 +343,273 @@ for (const w of workloads) {
   }
 }
 expect(!objects.some((x) => /^(Cluster)?Role(Binding)?$/.test(x.obj.kind)), "the chart renders RBAC, but the processes never call the Kubernetes API");
+
+// ---- PrometheusRule: the alerts of values metrics.prometheusRule -------------------------
+// The CRD's schema accepts unknown keys: a misspelt `for:` or `expr:` would
+// pass it, so the keys are checked here (strict_fields.py skips custom resources).
+const ruleKeys = {
+  spec: ["groups"],
+  group: ["name", "interval", "rules", "limit", "partial_response_strategy"],
+  rule: ["alert", "record", "expr", "for", "keep_firing_for", "labels", "annotations"],
+};
+function strictKeys(obj, allowed, where) {
+  if (!obj || typeof obj !== "object") return;
+  for (const k of Object.keys(obj)) {
+    expect(allowed.includes(k), `${where}: unknown field '${k}' (the PrometheusRule CRD has ${allowed.join(", ")})`);
+  }
+}
+// Metric names the real binaries export (string literals in optimus-coord /
+// optimus-shard), so that a rule on a renamed or misspelt metric fails here
+// instead of never firing.
+let exportedMetrics = null;
+if (args.binaries) {
+  exportedMetrics = new Set();
+  for (const bin of args.binaries.split(",")) {
+    const text = fs.readFileSync(bin).toString("latin1");
+    for (const m of text.matchAll(/optimus_(?:coord|shard)_[a-z0-9_]+/g)) exportedMetrics.add(m[0]);
+  }
+}
+const alertOf = {
+  OptimusCoordinatorAbsent: "coordinatorAbsent",
+  OptimusShardDown: "shardDown",
+  OptimusReplicasDegraded: "replicasDegraded",
+  OptimusReplicasOutOfSync: "replicasOutOfSync",
+  OptimusCheckpointFailing: "checkpointFailing",
+  OptimusCheckpointBehind: "checkpointBehind",
+  OptimusStepLatencyHigh: "stepLatency",
+};
+const prValues = values.metrics.prometheusRule || {};
+const promRules = byKind("PrometheusRule");
+expect(promRules.length === (prValues.enabled ? 1 : 0),
+  `metrics.prometheusRule.enabled is ${!!prValues.enabled} but ${promRules.length} PrometheusRules rendered`);
+for (const pr of promRules) {
+  const id = `PrometheusRule ${pr.metadata.name}`;
+  for (const [k, v] of Object.entries(prValues.labels || {})) expect(pr.metadata.labels[k] === v, `${id}: label ${k}=${v} from values missing`);
+  strictKeys(pr.spec, ruleKeys.spec, `${id} spec`);
+  const sel = (prValues.selector || "").replace(/\{\{\s*\.Release\.Namespace\s*\}\}/g, pr.metadata.namespace).trim();
+  const seenAlerts = new Set();
+  for (const g of pr.spec.groups || []) {
+    strictKeys(g, ruleKeys.group, `${id} group ${g.name}`);
+    expect(Array.isArray(g.rules) && g.rules.length > 0, `${id} group ${g.name} has no rules`);
+    for (const r of g.rules || []) {
+      const rid = `${id} alert ${r.alert}`;
+      strictKeys(r, ruleKeys.rule, rid);
+      if (typeof r.expr !== "string") continue; // the schema check above reports it
+      const key = alertOf[r.alert];
+      if (!expect(key, `${rid}: not an alert the chart defines`)) continue;
+      expect(!seenAlerts.has(r.alert), `${rid}: rendered twice`);
+      seenAlerts.add(r.alert);
+      const av = prValues.alerts[key];
+      expect(av.enabled, `${rid} rendered although metrics.prometheusRule.alerts.${key}.enabled is false`);
+      expect(r.for === av.for, `${rid}: for ${r.for}, values say ${av.for}`);
+      expect(r.labels && r.labels.severity === av.severity, `${rid}: severity ${(r.labels || {}).severity}, values say ${av.severity}`);
+      for (const [k, v] of Object.entries(prValues.alertLabels || {})) expect(r.labels[k] === v, `${rid}: alert label ${k}=${v} from values missing`);
+      expect(r.annotations && r.annotations.summary && r.annotations.description, `${rid}: no summary or description`);
+      // PromQL shape: balanced brackets, and every metric selector carries the release's matchers.
+      const depth = { "(": 0, "{": 0, "[": 0 };
+      const close = { ")": "(", "}": "{", "]": "[" };
+      let balanced = true;
+      for (const ch of r.expr.replace(/"(?:[^"\\]|\\.)*"/g, '""')) {
+        if (ch in depth) depth[ch]++;
+        else if (ch in close && --depth[close[ch]] < 0) balanced = false;
+      }
+      expect(balanced && Object.values(depth).every((d) => d === 0), `${rid}: unbalanced brackets in ${r.expr}`);
+      const metrics = [...r.expr.matchAll(/\b(optimus_[a-z0-9_]+)(\{[^}]*\})?/g)];
+      expect(metrics.length > 0, `${rid}: uses no optimus metric`);
+      for (const [, name, matchers] of metrics) {
+        if (sel) expect(matchers && matchers.includes(sel), `${rid}: ${name} is not scoped by the selector ${sel}`);
+        if (exportedMetrics) {
+          const base = name.replace(/_(bucket|sum|count)$/, "");
+          expect(exportedMetrics.has(name) || exportedMetrics.has(base),
+            `${rid}: metric ${name} is not exported by optimus-coord or optimus-shard`);
+        }
+      }
+      if (key === "stepLatency") {
+        expect(r.expr.includes(`histogram_quantile(${av.quantile},`) && r.expr.includes(`[${av.window}]`) &&
+          new RegExp(`> ${String(av.thresholdSeconds).replace(".", "\\.")}$`).test(r.expr.trim()),
+          `${rid}: expr does not use quantile ${av.quantile}, window ${av.window} and threshold ${av.thresholdSeconds} from values`);
+      }
+      if (key === "checkpointBehind") expect(r.expr.trim().endsWith(`> ${av.steps}`), `${rid}: threshold is not ${av.steps} steps`);
+    }
+  }
+  const shardsOn = values.dpu.enabled || values.host.enabled;
+  for (const [alert, key] of Object.entries(alertOf)) {
+    const wanted = prValues.alerts[key].enabled && (key === "stepLatency" ? shardsOn : values.coordinator.enabled);
+    expect(seenAlerts.has(alert) === !!wanted, `${id}: alert ${alert} ${wanted ? "missing" : "rendered"} (alerts.${key}.enabled=${prValues.alerts[key].enabled})`);
+  }
+}
+
+// ---- NetworkPolicies: who reaches which port -------------------------------------------------
+function selectorMatches(sel, labels) {
+  if (!sel) return false;
+  labels = labels || {};
+  for (const [k, v] of Object.entries(sel.matchLabels || {})) if (labels[k] !== v) return false;
+  for (const e of sel.matchExpressions || []) {
+    const has = Object.prototype.hasOwnProperty.call(labels, e.key);
+    if (e.operator === "In" && !(has && e.values.includes(labels[e.key]))) return false;
+    if (e.operator === "NotIn" && has && e.values.includes(labels[e.key])) return false;
+    if (e.operator === "Exists" && !has) return false;
+    if (e.operator === "DoesNotExist" && has) return false;
+  }
+  return true;
+}
+// A source: {labels, namespace, nsLabels} for a pod, {ip} for an address.
+function peerAdmits(peer, src, policyNs) {
+  if (peer.ipBlock) {
+    if (!src.ip) return false;
+    if (peer.ipBlock.cidr.includes(":") || src.ip.includes(":")) return peer.ipBlock.cidr.split("/")[0] === src.ip;
+    const [net, bits] = peer.ipBlock.cidr.split("/");
+    const toInt = (a) => a.split(".").reduce((x, o) => x * 256 + Number(o), 0);
+    const mask = Number(bits) === 0 ? 0 : 2 ** 32 - 2 ** (32 - Number(bits));
+    return (toInt(src.ip) & mask) >>> 0 === (toInt(net) & mask) >>> 0;
+  }
+  if (!src.labels) return false;
+  const nsOk = peer.namespaceSelector ? selectorMatches(peer.namespaceSelector, src.nsLabels) : src.namespace === policyNs;
+  const podOk = peer.podSelector ? selectorMatches(peer.podSelector, src.labels) : true;
+  return nsOk && podOk;
+}
+function portAdmits(ports, port) {
+  if (!ports || ports.length === 0) return true;
+  return ports.some((p) => (p.protocol || "TCP") === "TCP" &&
+    (p.port === undefined || (p.endPort ? port >= p.port && port <= p.endPort : p.port === port)));
+}
+const policies = byKind("NetworkPolicy");
+// Whether src reaches a pod with these labels on this TCP port (Kubernetes
+// semantics: open when no policy selects the pod, else the union of the rules).
+function reaches(src, podLabels, ns, port) {
+  const selecting = policies.filter((p) => p.metadata.namespace === ns && selectorMatches(p.spec.podSelector, podLabels) &&
+    (p.spec.policyTypes || ["Ingress"]).includes("Ingress"));
+  if (selecting.length === 0) return true;
+  return selecting.some((p) => (p.spec.ingress || []).some((r) =>
+    portAdmits(r.ports, port) && (r.from === undefined || r.from.length === 0 || r.from.some((peer) => peerAdmits(peer, src, ns)))));
+}
+function ruleWithPeer(podLabels, ns, port, peer) {
+  return policies.some((p) => p.metadata.namespace === ns && selectorMatches(p.spec.podSelector, podLabels) &&
+    (p.spec.ingress || []).some((r) => portAdmits(r.ports, port) && (r.from || []).some((f) => deepEqual(f, peer))));
+}
+const np = values.networkPolicy || {};
+expect((policies.length > 0) === !!np.enabled, `networkPolicy.enabled is ${!!np.enabled} but ${policies.length} NetworkPolicies rendered`);
+for (const p of policies) {
+  for (const [i, r] of (p.spec.ingress || []).entries()) {
+    expect(Array.isArray(r.from) && r.from.length > 0, `NetworkPolicy ${p.metadata.name}: ingress rule ${i} has no 'from', so it admits every source`);
+  }
+}
+if (np.enabled) {
+  const nsOf = (o) => o.metadata.namespace;
+  const stranger = (ns) => ({ labels: { app: "stranger" }, namespace: ns, nsLabels: { "kubernetes.io/metadata.name": ns } });
+  const outsider = { labels: { app: "stranger", "optimus.dev/role": "worker" }, namespace: "elsewhere", nsLabels: { "kubernetes.io/metadata.name": "elsewhere" } };
+  const hookPod = objects.map((x) => x.obj).find((o) => o.kind === "Pod" && (o.metadata.annotations || {})["helm.sh/hook"] === "test");
+  const shardSets = byKind("DaemonSet").filter((d) => d.metadata.name.includes("-shard-"));
+  const range = (values.shard.ucxTcpPortRange || "").split("-").map(Number);
+  const dataPort = range.length === 2 ? range[0] : 40123; // any port when no range is set
+  const cidrIp = (c) => (c.includes(":") ? c.split("/")[0] : c.split("/")[0].replace(/\.0$/, ".7"));
+  // A source that a peer of values admits (null for selectors by expression).
+  const srcForPeer = (peer, ns) => {
+    if (peer.ipBlock) return { ip: cidrIp(peer.ipBlock.cidr) };
+    const sels = [peer.podSelector, peer.namespaceSelector].filter(Boolean);
+    if (sels.some((x) => (x.matchExpressions || []).length)) return null;
+    return {
+      labels: (peer.podSelector && peer.podSelector.matchLabels) || { app: "any" },
+      namespace: peer.namespaceSelector ? "peer-namespace" : ns,
+      nsLabels: peer.namespaceSelector ? peer.namespaceSelector.matchLabels || {} : { "kubernetes.io/metadata.name": ns },
+    };
+  };
+  const srcOfSet = (d) => (d.spec.template.spec.hostNetwork
+    ? (np.hostNetworkCIDRs || []).length ? { ip: cidrIp(np.hostNetworkCIDRs[0]) } : null
+    : { labels: d.spec.template.metadata.labels, namespace: nsOf(d), nsLabels: { "kubernetes.io/metadata.name": nsOf(d) } });
+  for (const s of sts) {
+    const labels = s.spec.template.metadata.labels;
+    const ns = nsOf(s);
+    const grpc = values.coordinator.port;
+    const metricsPort = values.coordinator.metricsPort;
+    for (const d of shardSets) {
+      const src = srcOfSet(d);
+      expect(src && reaches(src, labels, ns, grpc), `NetworkPolicy: the ${d.metadata.name} shards cannot reach the coordinator's gRPC port ${grpc}`);
+    }
+    if (hookPod) expect(reaches({ labels: hookPod.metadata.labels, namespace: ns, nsLabels: {} }, labels, ns, grpc), "NetworkPolicy: the helm test pod cannot reach the coordinator's gRPC port");
+    for (const peer of [...(np.workers || []), ...(np.coordinatorClients || [])]) {
+      expect(ruleWithPeer(labels, ns, grpc, peer), `NetworkPolicy: the coordinator's gRPC port does not admit ${JSON.stringify(peer)} from values`);
+      const src = srcForPeer(peer, ns);
+      if (src) expect(reaches(src, labels, ns, grpc), `NetworkPolicy: ${JSON.stringify(peer)} cannot reach the coordinator's gRPC port`);
+    }
+    for (const peer of np.metrics || []) expect(ruleWithPeer(labels, ns, metricsPort, peer), `NetworkPolicy: the coordinator's metrics port does not admit ${JSON.stringify(peer)}`);
+    for (const [port, peers] of [[grpc, [...(np.workers || []), ...(np.coordinatorClients || [])]], [metricsPort, np.metrics || []]]) {
+      for (const src of [stranger(ns), outsider]) {
+        const listed = peers.some((p) => peerAdmits(p, src, ns));
+        expect(reaches(src, labels, ns, port) === listed,
+          `NetworkPolicy: a pod ${JSON.stringify(src.labels)} of namespace ${src.namespace} ${listed ? "cannot reach" : "reaches"} the coordinator on port ${port}`);
+      }
+    }
+  }
+  for (const d of shardSets) {
+    const labels = d.spec.template.metadata.labels;
+    const ns = nsOf(d);
+    if (d.spec.template.spec.hostNetwork) continue; // a NetworkPolicy does not apply to hostNetwork pods
+    for (const other of shardSets) {
+      const src = srcOfSet(other);
+      expect(src && reaches(src, labels, ns, dataPort), `NetworkPolicy: ${other.metadata.name} cannot reach ${d.metadata.name}'s data plane (port ${dataPort})`);
+    }
+    for (const peer of np.workers || []) expect(ruleWithPeer(labels, ns, dataPort, peer), `NetworkPolicy: ${d.metadata.name}'s data plane does not admit worker ${JSON.stringify(peer)}`);
+    for (const peer of np.metrics || []) expect(ruleWithPeer(labels, ns, values.shard.metricsPort, peer), `NetworkPolicy: ${d.metadata.name}'s metrics port does not admit ${JSON.stringify(peer)}`);
+    const allPorts = range.length !== 2;
+    for (const [port, peers] of [[dataPort, np.workers || []], [values.shard.metricsPort, [...(np.metrics || []), ...(allPorts ? np.workers || [] : [])]]]) {
+      for (const src of [stranger(ns), outsider]) {
+        const listed = peers.some((p) => peerAdmits(p, src, ns));
+        expect(reaches(src, labels, ns, port) === listed,
+          `NetworkPolicy: a pod ${JSON.stringify(src.labels)} of namespace ${src.namespace} ${listed ? "cannot reach" : "reaches"} ${d.metadata.name} on port ${port}`);
+      }
+    }
+    // A source each worker peer describes reaches the data plane: with a port
+    // range, on its ends and not next to them.
+    for (const peer of np.workers || []) {
+      const src = srcForPeer(peer, ns);
+      if (!src) continue;
+      expect(reaches(src, labels, ns, dataPort), `NetworkPolicy: worker ${JSON.stringify(peer)} cannot reach ${d.metadata.name}'s data plane`);
+      if (range.length === 2) {
+        expect(reaches(src, labels, ns, range[1]) && !reaches(src, labels, ns, range[0] - 1) && !reaches(src, labels, ns, range[1] + 1),
+          `NetworkPolicy: ${d.metadata.name}'s data plane is not limited to shard.ucxTcpPortRange ${values.shard.ucxTcpPortRange}`);
+      }
+    }
+  }
+}
+// The shards' UCX tcp ports: what the NetworkPolicy opens is what UCX listens on.
+for (const d of byKind("DaemonSet")) {
+  const c = d.spec.template.spec.containers[0];
+  const env = (c.env || []).find((e) => e.name === "UCX_TCP_PORT_RANGE");
+  expect((env && env.value) === (values.shard.ucxTcpPortRange || undefined),
+    `DaemonSet ${d.metadata.name}: UCX_TCP_PORT_RANGE is ${env && env.value}, values shard.ucxTcpPortRange say '${values.shard.ucxTcpPortRange}'`);
+}
+
+// ---- `helm test`: optimusctl status against the coordinator the shards use -------------------
+const hooks = byKind("Pod").filter((p) => (p.metadata.annotations || {})["helm.sh/hook"] === "test");
+expect(hooks.length === (values.tests.enabled ? 1 : 0), `tests.enabled is ${values.tests.enabled} but ${hooks.length} helm test pods rendered`);
+for (const h of hooks) {
+  const id = `test pod ${h.metadata.name}`;
+  expect(h.spec.restartPolicy === "Never", `${id}: restartPolicy ${h.spec.restartPolicy}, a test pod must run once`);
+  const c = h.spec.containers[0];
+  const cmd = [...(c.command || []), ...(c.args || [])];
+  expect(cmd[0] === "/usr/local/bin/optimusctl" && cmd[cmd.length - 1] === "status", `${id}: does not run optimusctl ... status: ${cmd.join(" ")}`);
+  if (sts[0]) expect(c.image === sts[0].spec.template.spec.containers[0].image, `${id}: image ${c.image} is not the coordinator image (which has optimusctl)`);
+  const coordArg = cmd.find((a) => a.startsWith("--coordinator="));
+  const shardCoord = Object.entries(flagFiles).filter(([k]) => k.startsWith("shard-")).map(([, v]) => parseFlags(v).coordinator);
+  const want = values.coordinator.enabled
+    ? `${byKind("Service").find((s) => s.spec.clusterIP !== "None" && s.metadata.name.endsWith("-coord")).metadata.name}.${h.metadata.namespace}.svc:${values.coordinator.port}`
+    : values.coordinatorAddress;
+  expect(coordArg === `--coordinator=${want}`, `${id}: ${coordArg}, want --coordinator=${want}`);
+  for (const a of shardCoord) expect(`--coordinator=${a}` === coordArg, `${id}: checks ${coordArg} but the shards register with ${a}`);
+  const tlsArg = cmd.find((a) => a.startsWith("--tls_dir="));
+  if (values.tls.enabled) {
+    const dir = tlsArg && tlsArg.split("=")[1];
+    const mount = (c.volumeMounts || []).find((m) => m.mountPath === dir);
+    const vol = mount && h.spec.volumes.find((v) => v.name === mount.name);
+    expect(!cmd.includes("--insecure_plaintext"), `${id}: --insecure_plaintext although tls.enabled`);
+    expect(vol && vol.secret && vol.secret.secretName === values.tls.adminSecret,
+      `${id}: tls.enabled but --tls_dir (${dir}) is not the admin Secret ${values.tls.adminSecret}`);
+  } else {
+    expect(cmd.includes("--insecure_plaintext") && !tlsArg, `${id}: tls.enabled is false but optimusctl does not run --insecure_plaintext`);
+  }
+  if (args["hook-out"]) fs.writeFileSync(args["hook-out"], cmd.join("\n") + "\n");
+}
 
 const countText = Object.keys(counts).sort().map((k) => `${k} ${counts[k]}`).join(", ");
 finish(`${setName}: ${objects.length} objects valid against the Kubernetes API schemas (${countText}); ` +

@@ -190,3 +190,58 @@ prometheus.io/path: /metrics
 --insecure_plaintext
 {{- end -}}
 {{- end -}}
+
+{{/*
+metrics.prometheusRule.selector, rendered (tpl) and checked: PromQL label
+matchers without braces, e.g. namespace="training",cluster="a"; "" for none.
+*/}}
+{{- define "optimus.promSelector" -}}
+{{- $sel := tpl (.Values.metrics.prometheusRule.selector | default "") . | trim -}}
+{{- $m := `[a-zA-Z_][a-zA-Z0-9_]*\s*(=|!=|=~|!~)\s*"([^"\\]|\\.)*"` -}}
+{{- if and $sel (not (regexMatch (printf `^%s(\s*,\s*%s)*$` $m $m) $sel)) -}}
+{{- fail (printf "metrics.prometheusRule.selector must be PromQL label matchers without braces, such as namespace=\"training\",cluster=\"a\" (or empty), got %q" $sel) -}}
+{{- end -}}
+{{- $sel -}}
+{{- end -}}
+
+{{/* A PromQL matcher list from the non-empty strings in a list: {a="1",b="2"}, or nothing. */}}
+{{- define "optimus.promMatch" -}}
+{{- $parts := list -}}
+{{- range . -}}
+{{- if . -}}{{- $parts = append $parts . -}}{{- end -}}
+{{- end -}}
+{{- if $parts -}}{{- printf "{%s}" (join "," $parts) -}}{{- end -}}
+{{- end -}}
+
+{{/* An alert's labels. Call with (dict "root" $ "alert" .Values.metrics.prometheusRule.alerts.X). */}}
+{{- define "optimus.alertLabels" -}}
+severity: {{ .alert.severity | quote }}
+{{- with .root.Values.metrics.prometheusRule.alertLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{/*
+shard.ucxTcpPortRange, checked: "FIRST-LAST", or "" when unset.
+*/}}
+{{- define "optimus.ucxTcpPortRange" -}}
+{{- with .Values.shard.ucxTcpPortRange -}}
+{{- if not (regexMatch "^[0-9]{1,5}-[0-9]{1,5}$" .) -}}
+{{- fail (printf "shard.ucxTcpPortRange must be FIRST-LAST (e.g. 40000-40999), got %q" .) -}}
+{{- end -}}
+{{- $ends := splitList "-" . -}}
+{{- $first := index $ends 0 | atoi -}}
+{{- $last := index $ends 1 | atoi -}}
+{{- if or (lt $first 1024) (gt $last 65535) (gt $first $last) -}}
+{{- fail (printf "shard.ucxTcpPortRange %q: want 1024 <= FIRST <= LAST <= 65535" .) -}}
+{{- end -}}
+{{- printf "%d-%d" $first $last -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The Pod labels that select the release's shards, both kinds (as the shard Service does). */}}
+{{- define "optimus.shardPodSelector" -}}
+app.kubernetes.io/name: {{ include "optimus.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+optimus.dev/role: shard
+{{- end -}}

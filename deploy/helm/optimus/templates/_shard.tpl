@@ -79,6 +79,13 @@ spec:
           imagePullPolicy: {{ $s.image.pullPolicy }}
           command: ["/usr/local/bin/optimus-shard"]
           args: ["--flagfile=/etc/optimus/shard-{{ .kind }}.flags"]
+          {{- with include "optimus.ucxTcpPortRange" $root }}
+          env:
+            # UCX's tcp transport listens in this range (shard.ucxTcpPortRange),
+            # which the NetworkPolicy opens.
+            - name: UCX_TCP_PORT_RANGE
+              value: {{ . | quote }}
+          {{- end }}
           ports:
             - name: metrics
               containerPort: {{ int $s.metricsPort }}
