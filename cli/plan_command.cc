@@ -184,7 +184,11 @@ absl::StatusOr<PlanInput> BuildInput(const PlanFlags& f, Failure* failure) {
     in.model_name = c->model.empty() ? f.model_file : absl::StrCat(f.model_file, " (", c->model, ")");
     for (const client::TensorDef& t : c->def.tensors) {
       uint64_t n = 1;
-      for (int64_t d : t.shape) n *= static_cast<uint64_t>(d);
+      for (int64_t d : t.shape) {
+        if (__builtin_mul_overflow(n, static_cast<uint64_t>(d), &n)) {
+          return fail(absl::StrCat("--model_file: tensor '", t.name, "' has more than 2^64 elements"));
+        }
+      }
       in.tensor_num_elems.push_back(n);
     }
     const client::JobDef& def = c->def;
