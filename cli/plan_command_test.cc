@@ -36,7 +36,7 @@ struct Result {
 
 // What optimusctl does with its argv: parse; a CLI11 parse error is a
 // usage error (exit 2) with CLI11's message, --help exits 0.
-Result Run(std::vector<std::string> args) {
+Result RunCli(std::vector<std::string> args) {
   CLI::App app{"optimusctl"};
   app.require_subcommand(1);
   int rc = -1;
@@ -88,7 +88,7 @@ double TableNumber(const std::string& line, const std::string& label) {
 }
 
 TEST(PlanCommandTest, PaperExampleTablePrintsThePapersNumbersLabelled) {
-  Result r = Run(With(kPaper, {"--params=70e9"}));
+  Result r = RunCli(With(kPaper, {"--params=70e9"}));
   ASSERT_EQ(r.code, 0) << r.err;
   EXPECT_THAT(TableLine(r.out, "parameters held"), HasSubstr("8.75 B params"));
   EXPECT_THAT(TableLine(r.out, "model states, no ZeRO"), HasSubstr("140.00 GB"));
@@ -102,7 +102,7 @@ TEST(PlanCommandTest, PaperExampleTablePrintsThePapersNumbersLabelled) {
 }
 
 TEST(PlanCommandTest, PaperExampleJsonGivesTheSameNumbers) {
-  Result r = Run(With(kPaper, {"--params", "70B", "-o", "json"}));
+  Result r = RunCli(With(kPaper, {"--params", "70B", "-o", "json"}));
   ASSERT_EQ(r.code, 0) << r.err;
   nlohmann::json j = nlohmann::json::parse(r.out);
   const nlohmann::json& g = j["per_gpu"];
@@ -121,9 +121,9 @@ TEST(PlanCommandTest, PaperExampleJsonGivesTheSameNumbers) {
 
 // The preset has 68.98 B parameters where the paper rounds to 70 B.
 TEST(PlanCommandTest, PaperExampleWithThePresetIsWithinTwoPercentInTableAndJson) {
-  Result table = Run(With(kPaper, {"--model=llama-70b"}));
+  Result table = RunCli(With(kPaper, {"--model=llama-70b"}));
   ASSERT_EQ(table.code, 0) << table.err;
-  Result json = Run(With(kPaper, {"--model=llama-70b", "-o", "json"}));
+  Result json = RunCli(With(kPaper, {"--model=llama-70b", "-o", "json"}));
   ASSERT_EQ(json.code, 0) << json.err;
   nlohmann::json j = nlohmann::json::parse(json.out);
   struct Want {
@@ -152,8 +152,8 @@ TEST(PlanCommandTest, PaperExampleWithThePresetIsWithinTwoPercentInTableAndJson)
 }
 
 TEST(PlanCommandTest, YamlCarriesTheSameTree) {
-  Result json = Run(With(kPaper, {"--params=70e9", "-o", "json"}));
-  Result yaml = Run(With(kPaper, {"--params=70e9", "--output=yaml"}));
+  Result json = RunCli(With(kPaper, {"--params=70e9", "-o", "json"}));
+  Result yaml = RunCli(With(kPaper, {"--params=70e9", "--output=yaml"}));
   ASSERT_EQ(json.code, 0) << json.err;
   ASSERT_EQ(yaml.code, 0) << yaml.err;
   nlohmann::json j = nlohmann::json::parse(json.out);
@@ -186,7 +186,7 @@ TEST(PlanCommandTest, UsageErrorsExitTwoNamingTheFlag) {
       {{"plan", "--model_file=/nonexistent/job.yaml"}, "--model_file"},
   };
   for (const Case& c : cases) {
-    Result r = Run(c.args);
+    Result r = RunCli(c.args);
     EXPECT_EQ(r.code, 2) << c.args.back() << "\n" << r.err;
     EXPECT_THAT(r.err, HasSubstr(c.want)) << c.args.back();
     EXPECT_EQ(r.out.find("Per GPU"), std::string::npos) << "no report on a usage error";
@@ -194,7 +194,7 @@ TEST(PlanCommandTest, UsageErrorsExitTwoNamingTheFlag) {
 }
 
 TEST(PlanCommandTest, HelpListsTheFlags) {
-  Result r = Run({"plan", "--help"});
+  Result r = RunCli({"plan", "--help"});
   EXPECT_EQ(r.code, 0);
   for (const char* flag : {"--model", "--model_file", "--params", "--dp", "--tp", "--pp", "--zero",
                            "--optimizer", "--param_dtype", "--grad_dtype", "--master_dtype",
@@ -215,7 +215,7 @@ TEST(PlanCommandTest, AJobSpecFileGivesTheModelAndItsSettings) {
   const std::string spec = WriteFile(
       "job.yaml",
       "name: g\nworld_size: 4\nmodel: gpt2-124m\noptimizer: {type: sgd}\nreplication: 1\n");
-  Result r = Run({"plan", "--model_file", spec, "-o", "json"});
+  Result r = RunCli({"plan", "--model_file", spec, "-o", "json"});
   ASSERT_EQ(r.code, 0) << r.err;
   nlohmann::json j = nlohmann::json::parse(r.out);
   EXPECT_EQ(j["model"]["params"]["value"].get<uint64_t>(), 124439808u);
@@ -226,7 +226,7 @@ TEST(PlanCommandTest, AJobSpecFileGivesTheModelAndItsSettings) {
   // forwarded to the backup (4) and the gradients' fp32 sum (4).
   EXPECT_EQ(j["shards"]["bytes_per_elem"]["value"], 20);
   // A flag wins over the file.
-  r = Run({"plan", "--model_file", spec, "--dp=2", "--optimizer=adamw", "-o", "json"});
+  r = RunCli({"plan", "--model_file", spec, "--dp=2", "--optimizer=adamw", "-o", "json"});
   ASSERT_EQ(r.code, 0) << r.err;
   j = nlohmann::json::parse(r.out);
   EXPECT_EQ(j["input"]["dp"], 2);
@@ -235,18 +235,18 @@ TEST(PlanCommandTest, AJobSpecFileGivesTheModelAndItsSettings) {
   const std::string tensors = WriteFile(
       "tensors.json", "{\"tensors\": [{\"name\": \"w\", \"shape\": [1000, 1000]}, "
                       "{\"name\": \"b\", \"shape\": [1000]}]}");
-  r = Run({"plan", "--model_file", tensors, "-o", "json"});
+  r = RunCli({"plan", "--model_file", tensors, "-o", "json"});
   ASSERT_EQ(r.code, 0) << r.err;
   j = nlohmann::json::parse(r.out);
   EXPECT_EQ(j["model"]["params"]["value"].get<uint64_t>(), 1001000u);
   EXPECT_EQ(j["shards"]["chunks"]["value"], 2);
 
   const std::string none = WriteFile("none.yaml", "name: x\n");
-  r = Run({"plan", "--model_file", none});
+  r = RunCli({"plan", "--model_file", none});
   EXPECT_EQ(r.code, 1);
   EXPECT_THAT(r.err, HasSubstr("lists no `tensors` and names no `model`"));
   const std::string bad = WriteFile("bad.yaml", "name: x\nmodel: gpt5\n");
-  r = Run({"plan", "--model_file", bad});
+  r = RunCli({"plan", "--model_file", bad});
   EXPECT_EQ(r.code, 1);
   EXPECT_THAT(r.err, HasSubstr("bad.yaml:2: model: unknown model preset 'gpt5'"));
 }
@@ -256,7 +256,7 @@ TEST(PlanCommandTest, KernelBenchFileSetsTheStepTime) {
       "kernels.jsonl",
       "{\"bench\": \"server_step\", \"sweep\": \"headline\", \"workers\": 2, \"threads\": 2, "
       "\"gparams_per_s\": 2.0}\n");
-  Result r = Run({"plan", "--params=1e9", "--dp=2", "--dpu_cores=4", "--kernel_bench", bench,
+  Result r = RunCli({"plan", "--params=1e9", "--dp=2", "--dpu_cores=4", "--kernel_bench", bench,
                   "-o", "json"});
   ASSERT_EQ(r.code, 0) << r.err;
   nlohmann::json j = nlohmann::json::parse(r.out);
@@ -266,12 +266,12 @@ TEST(PlanCommandTest, KernelBenchFileSetsTheStepTime) {
   EXPECT_THAT(j["input"]["kernel_bench"].get<std::string>(), HasSubstr("kernels.jsonl"));
 
   const std::string broken = WriteFile("broken.jsonl", "{\"bench\": \"server_step\"\n");
-  r = Run({"plan", "--params=1e9", "--kernel_bench", broken});
+  r = RunCli({"plan", "--params=1e9", "--kernel_bench", broken});
   EXPECT_EQ(r.code, 1);
   EXPECT_THAT(r.err, HasSubstr("broken.jsonl:1: not a JSON object"));
 
   // Without the flag: the figures recorded in the repo, named.
-  r = Run({"plan", "--params=1e9"});
+  r = RunCli({"plan", "--params=1e9"});
   ASSERT_EQ(r.code, 0) << r.err;
   EXPECT_THAT(r.out, HasSubstr("bench/kernels of 2026-11-23"));
 }
