@@ -1,8 +1,9 @@
 // Job specs as files: a JSON or YAML document describing a job (optimizer,
 // parameter groups, clipping, dtypes, replication, checkpoints, and
-// optionally its tensors or a model preset), read into a client::JobDef. The one parser for
-// the project: trainers (client::JoinOrCreate, the Python package) and
-// operators' tools use it. The schema is in docs/job-spec.md.
+// optionally its tensors or a model preset), read into a client::JobDef.
+// The one parser for the project: trainers (client::JoinOrCreate, the
+// Python package) and operators' tools use it. The schema is in
+// docs/job-spec.md.
 //
 // Errors name the source, the line and the field:
 //   "train.yaml:7: optimizer.params.lr: expected a number, got 'fast'"
