@@ -18,6 +18,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/model_presets.h"
 
 namespace optimus {
 namespace client {
@@ -314,13 +315,30 @@ absl::Status ReadTensors(const Reader& r, const YAML::Node& n, JobConfig* c,
   return absl::OkStatus();
 }
 
+// `model: llama-7b`: the tensors of a preset (common/model_presets.h).
+absl::Status ReadModel(const Reader& r, const YAML::Node& n, JobConfig* c) {
+  std::string name;
+  OPTIMUS_ASSIGN(name, r.String(n, "model"));
+  absl::StatusOr<ModelPreset> preset = FindModelPreset(name);
+  if (!preset.ok()) return r.Error(n, "model", preset.status().message());
+  for (PresetTensor& t : preset->tensors) {
+    TensorDef td;
+    td.name = std::move(t.name);
+    td.shape = std::move(t.shape);
+    c->def.tensors.push_back(std::move(td));
+  }
+  c->model = preset->name;
+  c->has_tensors = true;
+  return absl::OkStatus();
+}
+
 absl::StatusOr<JobConfig> Read(const Reader& r, const YAML::Node& root) {
   JobConfig c;
   if (root.IsNull()) return r.Error(root, "", "the document is empty");
   OPTIMUS_CHECK_OK(r.Map(root, "",
                          {"name", "world_size", "optimizer", "gradient_clipping",
                           "skip_nonfinite", "dtypes", "chunk_payload_bytes", "max_chunk_bytes",
-                          "replication", "checkpoint", "param_groups", "tensors"}));
+                          "replication", "checkpoint", "param_groups", "model", "tensors"}));
   JobDef& def = c.def;
   if (root["name"]) {
     OPTIMUS_ASSIGN(def.name, r.String(root["name"], "name"));
@@ -377,6 +395,11 @@ absl::StatusOr<JobConfig> Read(const Reader& r, const YAML::Node& root) {
   }
   if (root["param_groups"]) OPTIMUS_CHECK_OK(ReadGroups(r, root["param_groups"], &c));
   std::vector<std::pair<size_t, YAML::Node>> group_refs;
+  if (root["model"] && root["tensors"]) {
+    return r.Error(root["tensors"], "tensors",
+                   "give either `model` (a preset) or `tensors`, not both");
+  }
+  if (root["model"]) OPTIMUS_CHECK_OK(ReadModel(r, root["model"], &c));
   if (root["tensors"]) OPTIMUS_CHECK_OK(ReadTensors(r, root["tensors"], &c, &group_refs));
   c.tensor_group_set.assign(def.tensors.size(), false);
   for (const auto& [t, node] : group_refs) {

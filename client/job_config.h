@@ -1,8 +1,9 @@
 // Job specs as files: a JSON or YAML document describing a job (optimizer,
 // parameter groups, clipping, dtypes, replication, checkpoints, and
-// optionally its tensors), read into a client::JobDef. The one parser for
-// the project: trainers (client::JoinOrCreate, the Python package) and
-// operators' tools use it. The schema is in docs/job-spec.md.
+// optionally its tensors or a model preset), read into a client::JobDef.
+// The one parser for the project: trainers (client::JoinOrCreate, the
+// Python package) and operators' tools use it. The schema is in
+// docs/job-spec.md.
 //
 // Errors name the source, the line and the field:
 //   "train.yaml:7: optimizer.params.lr: expected a number, got 'fast'"
@@ -22,8 +23,9 @@ namespace client {
 
 struct JobConfig {
   // Everything the document sets; what it does not set keeps JobDef's
-  // defaults. def.tensors is filled only from a `tensors:` list (a trainer
-  // takes its tensors from its model instead: AssignGroups).
+  // defaults. def.tensors is filled only from a `tensors:` list or a
+  // `model:` preset (a trainer takes its tensors from its model instead:
+  // AssignGroups).
   JobDef def;
   // Per entry of def.param_groups, the tensor-name patterns of its `match:`
   // list (shell globs: `*`, `?`, `[...]`, matched against the whole name).
@@ -34,6 +36,10 @@ struct JobConfig {
   // Per entry of def.tensors: whether its `group:` was given (AssignGroups
   // keeps it).
   std::vector<bool> tensor_group_set;
+  // The preset the document's `model:` named (its canonical name, e.g.
+  // "llama-7b"; def.tensors then holds the preset's tensors); empty when
+  // none.
+  std::string model;
   // Whether the document set these (a trainer's own values apply otherwise).
   bool has_name = false;
   bool has_world_size = false;

@@ -123,6 +123,12 @@ TEST(JobConfigTest, ErrorsNameTheLineAndTheField) {
       {"{\"name\": \"a\",\n \"tensors\": [1, 2}\n", "spec.yaml:2: not valid YAML or JSON"},
       {"", "the document is empty"},
       {"- 1\n- 2\n", "expected a mapping, got a list"},
+      {"name: a\nmodel: llama-8b\n",
+       "spec.yaml:2: model: unknown model preset 'llama-8b' (known: gpt2-124m, llama-7b, "
+       "llama-13b, llama-70b)"},
+      {"model: gpt2-124m\ntensors:\n  - {name: w, shape: [4]}\n",
+       "spec.yaml:3: tensors: give either `model` (a preset) or `tensors`, not both"},
+      {"model: [llama-7b]\n", "spec.yaml:1: model: expected a non-empty string, got a list"},
   };
   for (const Case& c : cases) {
     auto r = ParseJobConfig(c.text, "spec.yaml");
@@ -183,6 +189,37 @@ TEST(JobConfigTest, AGroupMatchingNothingIsAnError) {
   absl::Status s = AssignGroups(*c, &def);
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(std::string(s.message()), HasSubstr("'nd' matches no tensor"));
+}
+
+// `model:` instead of `tensors:`: the job gets the preset's tensors, from
+// YAML and JSON alike, and groups match them by pattern as any tensors.
+TEST(JobConfigTest, AModelPresetGivesItsTensors) {
+  for (const char* text : {"name: l7\nmodel: llama-7b\nparam_groups:\n"
+                           "  - {name: no_decay, match: '*norm*', weight_decay: 0}\n"
+                           "  - {name: decay}\n",
+                           "{\"name\": \"l7\", \"model\": \"LLaMA-7B\", \"param_groups\": "
+                           "[{\"name\": \"no_decay\", \"match\": \"*norm*\", \"weight_decay\": 0}, "
+                           "{\"name\": \"decay\"}]}"}) {
+    auto c = ParseJobConfig(text, "m.yaml");
+    ASSERT_TRUE(c.ok()) << c.status();
+    EXPECT_EQ(c->model, "llama-7b");
+    ASSERT_TRUE(c->has_tensors);
+    uint64_t params = 0;
+    for (const TensorDef& t : c->def.tensors) {
+      uint64_t n = 1;
+      for (int64_t d : t.shape) n *= static_cast<uint64_t>(d);
+      params += n;
+    }
+    EXPECT_EQ(params, 6738415616u);  // LLaMA-2 7B's published total.
+    ASSERT_EQ(c->def.tensors.size(), 32u * 9 + 3);
+    EXPECT_EQ(c->def.tensors[0].name, "model.embed_tokens.weight");
+    EXPECT_EQ(c->def.tensors[0].shape, (std::vector<int64_t>{32000, 4096}));
+    JobDef def = c->def;
+    ASSERT_TRUE(AssignGroups(*c, &def).ok());
+    EXPECT_EQ(def.tensors[0].group, 1u);                   // decay
+    EXPECT_EQ(def.tensors.back().group, 1u);               // lm_head.weight
+    EXPECT_EQ(def.tensors[def.tensors.size() - 2].group, 0u);  // model.norm.weight
+  }
 }
 
 TEST(JobConfigTest, LoadsFilesAndNamesThemInErrors) {

@@ -144,7 +144,9 @@ absl::StatusOr<Session> JoinOrCreate(const SessionOptions& options, JobDef def) 
     spec = *std::move(loaded);
     if (spec.has_tensors) {
       return absl::InvalidArgumentError(absl::StrCat(
-          spec_path, ": a trainer's job spec must not list tensors (they come from the model)"));
+          spec_path, ": a trainer's job spec must not list tensors",
+          spec.model.empty() ? "" : absl::StrCat(" or name a preset (model: ", spec.model, ")"),
+          " (they come from the trainer's model)"));
     }
     std::vector<TensorDef> tensors = std::move(def.tensors);
     const std::string name = def.name;

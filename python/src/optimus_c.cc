@@ -400,7 +400,9 @@ PYBIND11_MODULE(_C, m) {
                     "Per parameter group, its tensor-name globs (empty: the default group).")
       .def_readonly("has_name", &JobConfig::has_name)
       .def_readonly("has_world_size", &JobConfig::has_world_size)
-      .def_readonly("has_tensors", &JobConfig::has_tensors);
+      .def_readonly("has_tensors", &JobConfig::has_tensors)
+      .def_readonly("model", &JobConfig::model,
+                    "The preset the spec's `model:` named (e.g. 'llama-7b'); empty: none.");
   m.def(
       "parse_job_config",
       [](const std::string& text, const std::string& source) {

@@ -53,3 +53,17 @@ def test_job_spec_parser_errors_name_the_line(tmp_path):
         optimus.load_job_config(str(p))
     cfg = optimus.parse_job_config('{"gradient_clipping": 1.5, "dtypes": {"grad": "fp32"}}')
     assert cfg.job.max_grad_norm == 1.5 and cfg.job.grad_dtype == "fp32"
+
+
+def test_job_spec_model_preset_gives_its_tensors():
+    cfg = optimus.parse_job_config("name: g\nmodel: gpt2-124m\n", "g.yaml")
+    assert cfg.model == "gpt2-124m" and cfg.has_tensors
+    total = 0
+    for t in cfg.job.tensors:
+        n = 1
+        for d in t.shape:
+            n *= d
+        total += n
+    assert total == 124439808  # GPT-2 124M with tied embeddings
+    with pytest.raises(optimus.InvalidArgument, match=r"g.yaml:1: model: unknown model preset 'gpt5'"):
+        optimus.parse_job_config("model: gpt5\n", "g.yaml")

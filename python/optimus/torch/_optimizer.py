@@ -259,8 +259,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         spec = optimus.load_job_config(path)
         self._spec_world = spec.has_world_size
         if spec.has_tensors:
-            raise ValueError(f"{path}: a trainer's job spec must not list tensors (they come "
-                             "from the model)")
+            preset = f" or name a preset (model: {spec.model})" if spec.model else ""
+            raise ValueError(f"{path}: a trainer's job spec must not list tensors{preset} (they "
+                             "come from the model)")
         if isinstance(params[0], dict):
             if len(params) > 1:
                 raise ValueError(f"with a job spec ({path}), the parameter groups come from its "
