@@ -105,8 +105,7 @@ struct ExportFlags {
 
 int Export(const GlobalFlags& g, const ExportFlags& f) {
   if (f.job.empty() == f.path.empty()) {
-    throw CLI::ValidationError("checkpoint export",
-                               "needs a JOB (with the coordinator) or --path=DIR (without)");
+    throw CLI::ValidationError("needs a JOB (with the coordinator) or --path=DIR (without)");
   }
   std::string dir = f.path;
   if (dir.empty()) {

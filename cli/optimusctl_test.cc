@@ -653,9 +653,9 @@ TEST_F(OptimusctlTest, JsonAndYamlOutputsCarryTheSameFields) {
   RegisterShard(v1::SHARD_KIND_HOST, "true");  // A host name YAML would read as a bool.
   CreateJob();
   const std::string coord = absl::StrCat("--coordinator=", server_->address());
-  for (const std::string command :
-       {"status", "job list", "job describe gpt-small", "shard list",
-        absl::StrCat("shard describe ", a)}) {
+  for (const std::string& command :
+       std::vector<std::string>{"status", "job list", "job describe gpt-small", "shard list",
+                                absl::StrCat("shard describe ", a)}) {
     const RunResult json = RunOptimusctl(absl::StrCat(coord, " ", command, " -o json"));
     ASSERT_EQ(json.exit_code, 0) << command << ": " << json.err;
     const Json doc = ParseOrFail(json.out);

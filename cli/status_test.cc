@@ -298,6 +298,8 @@ TEST(RenderStatusTest, ShowsParamGroupsFrozenTensorsClippingAndNonFinite) {
   const Json& g = doc["jobs"][0];
   EXPECT_EQ(g["optimizer"]["kind"].get<std::string>(), "adamw");
   EXPECT_EQ(g["optimizer"]["lr"].get<double>(), 0.0003);
+  // Floats in their shortest form, not the float's full binary expansion.
+  EXPECT_THAT(RenderStatusJson(WithOptimizers()), HasSubstr("\"lr\":0.0003,"));
   EXPECT_EQ(g["frozen_tensors"].get<uint64_t>(), 1u);
   EXPECT_EQ(g["max_grad_norm"].get<double>(), 1);
   EXPECT_FALSE(g["skip_nonfinite"].get<bool>());
