@@ -152,7 +152,7 @@ CLI::Validator PositiveWhole(const std::string& what) {
         if (absl::SimpleAtoi(value, &n) && n > 0) return "";
         return absl::StrCat("\"", value, "\" is not ", what, " (a positive whole number)");
       },
-      "N>0", "positive whole number");
+      "", "positive whole number");
 }
 
 CLI::Validator NonEmpty(const std::string& what) {
