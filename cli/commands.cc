@@ -141,7 +141,11 @@ void OnRun(CLI::App* cmd, int* exit_code, std::function<int()> action) {
 
 absl::Status UseCoordinator(const GlobalFlags& globals) {
   absl::Status s = SetCliTls(globals.tls);
-  if (!s.ok()) std::cerr << "optimusctl: " << s.message() << "\n";
+  if (!s.ok()) {
+    // LoadTls names the program itself.
+    std::cerr << (absl::StartsWith(s.message(), "optimusctl") ? "" : "optimusctl: ")
+              << s.message() << "\n";
+  }
   return s;
 }
 
