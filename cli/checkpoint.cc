@@ -4,11 +4,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "absl/strings/str_join.h"
 #include "cli/status.h"
 #include "common/grpc_limits.h"
 #include "common/grpc_status.h"
-#include "common/json.h"
 #include "grpcpp/grpcpp.h"
 #include "proto/optimus.grpc.pb.h"
 
@@ -121,19 +119,25 @@ std::string RenderCheckpointsTable(const std::vector<v1::CheckpointInfo>& checkp
   return out;
 }
 
-std::string CheckpointJson(const v1::CheckpointInfo& c) {
-  return absl::StrCat("{\"checkpoint_id\":", c.checkpoint_id(),
-                      ",\"job_name\":", JsonQuote(c.job_name()), ",\"step\":", c.step(),
-                      ",\"state\":", JsonQuote(CheckpointStateName(c.state())),
-                      ",\"created_unix_ms\":", c.created_unix_ms(),
-                      ",\"size_bytes\":", c.size_bytes(), ",\"path\":", JsonQuote(c.path()),
-                      ",\"error\":", JsonQuote(c.error()), "}");
+Json CheckpointToJson(const v1::CheckpointInfo& c) {
+  return Json{{"checkpoint_id", c.checkpoint_id()},
+              {"job_name", c.job_name()},
+              {"step", c.step()},
+              {"state", CheckpointStateName(c.state())},
+              {"created_unix_ms", c.created_unix_ms()},
+              {"size_bytes", c.size_bytes()},
+              {"path", c.path()},
+              {"error", c.error()}};
+}
+
+Json CheckpointsToJson(const std::vector<v1::CheckpointInfo>& checkpoints) {
+  Json items = Json::array();
+  for (const auto& c : checkpoints) items.push_back(CheckpointToJson(c));
+  return Json{{"checkpoints", std::move(items)}};
 }
 
 std::string RenderCheckpointsJson(const std::vector<v1::CheckpointInfo>& checkpoints) {
-  std::vector<std::string> items;
-  for (const auto& c : checkpoints) items.push_back(CheckpointJson(c));
-  return absl::StrCat("{\"checkpoints\":[", absl::StrJoin(items, ","), "]}\n");
+  return ToJsonText(CheckpointsToJson(checkpoints));
 }
 
 }  // namespace optimus

@@ -10,6 +10,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "cli/output.h"
 #include "proto/optimus.pb.h"
 
 namespace optimus {
@@ -32,11 +33,13 @@ const char* CheckpointStateName(v1::CheckpointState state);
 
 // Table: ID, STEP, STATE, CREATED (UTC), SIZE, PATH or ERROR.
 std::string RenderCheckpointsTable(const std::vector<v1::CheckpointInfo>& checkpoints);
-// {"checkpoints":[{"checkpoint_id":..,"job_name":..,"step":..,"state":..,
-// "created_unix_ms":..,"size_bytes":..,"path":..,"error":..}]} and a newline.
+// One checkpoint: {"checkpoint_id", "job_name", "step", "state",
+// "created_unix_ms", "size_bytes", "path", "error"}.
+Json CheckpointToJson(const v1::CheckpointInfo& c);
+// {"checkpoints": [CheckpointToJson...]}.
+Json CheckpointsToJson(const std::vector<v1::CheckpointInfo>& checkpoints);
+// CheckpointsToJson as one line of JSON and a newline.
 std::string RenderCheckpointsJson(const std::vector<v1::CheckpointInfo>& checkpoints);
-// One checkpoint as a JSON object (no newline).
-std::string CheckpointJson(const v1::CheckpointInfo& c);
 
 }  // namespace optimus
 

@@ -41,6 +41,21 @@ const char* JobStateWord(v1::JobState s) {
 
 }  // namespace
 
+absl::StatusOr<v1::CreateJobResponse> CreateJobRpc(const std::string& address,
+                                                   absl::Duration timeout,
+                                                   const v1::JobSpec& spec,
+                                                   const std::string& job_token) {
+  grpc::ClientContext ctx;
+  SetDeadline(&ctx, timeout);
+  v1::CreateJobRequest req;
+  *req.mutable_spec() = spec;
+  req.set_job_token(job_token);
+  v1::CreateJobResponse resp;
+  const grpc::Status s = Stub(address)->CreateJob(&ctx, req, &resp);
+  if (!s.ok()) return Convert(s, address);
+  return resp;
+}
+
 absl::StatusOr<v1::DeleteJobResponse> DeleteJobRpc(const std::string& address,
                                                    absl::Duration timeout,
                                                    const std::string& job_name, bool force) {

@@ -1,5 +1,6 @@
-// `optimusctl job delete NAME [--force]` and `optimusctl shard forget ID`:
-// ending a job and removing a DOWN shard from the coordinator's tables. The
+// `optimusctl job create -f FILE`, `optimusctl job delete NAME [--force]`
+// and `optimusctl shard forget ID`: creating and ending a job, and removing
+// a DOWN shard from the coordinator's tables. The
 // RPC functions make one blocking call each on their own channel; the
 // Render functions are pure. All are thread-safe.
 #ifndef OPTIMUS_CLI_LIFECYCLE_H_
@@ -13,6 +14,17 @@
 #include "proto/optimus.pb.h"
 
 namespace optimus {
+
+// Creates the job `spec` describes, waiting at most `timeout`. `job_token`:
+// the token its workers will prove (32 to 256 characters), or empty for one
+// the coordinator makes; the response carries it either way. UNAVAILABLE
+// "cannot reach coordinator at ADDRESS: ..." when it cannot be reached;
+// otherwise the coordinator's error (ALREADY_EXISTS, INVALID_ARGUMENT for a
+// bad spec, RESOURCE_EXHAUSTED when it does not fit on the live shards).
+absl::StatusOr<v1::CreateJobResponse> CreateJobRpc(const std::string& address,
+                                                   absl::Duration timeout,
+                                                   const v1::JobSpec& spec,
+                                                   const std::string& job_token);
 
 // Deletes job `job_name`, waiting at most `timeout`. UNAVAILABLE "cannot
 // reach coordinator at ADDRESS: ..." when it cannot be reached; otherwise

@@ -5,6 +5,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -18,13 +19,14 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
-#include "cli/test_json.h"
+#include "cli/output.h"
 #include "cli/torch_pickle.h"
 #include "common/checkpoint_files.h"
 #include "coordinator/coordinator.h"
 #include "gmock/gmock.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
+#include "yaml-cpp/yaml.h"
 #include "kernels/optimizer_spec.h"
 #include "proto/optimus.grpc.pb.h"
 
@@ -32,6 +34,48 @@ namespace optimus {
 namespace {
 
 using ::testing::HasSubstr;
+using ::testing::Not;
+
+// The document `text` holds; discarded (and a test failure) when it is not
+// valid JSON.
+Json ParseOrFail(const std::string& text) {
+  Json doc = Json::parse(text, nullptr, /*allow_exceptions=*/false);
+  EXPECT_FALSE(doc.is_discarded()) << "not JSON: " << text;
+  return doc;
+}
+
+// A YAML document as the JSON tree it says: quoted scalars are strings,
+// plain ones null, booleans or numbers.
+Json YamlToJson(const YAML::Node& y) {
+  if (y.IsMap()) {
+    Json out = Json::object();
+    for (const auto& kv : y) out[kv.first.as<std::string>()] = YamlToJson(kv.second);
+    return out;
+  }
+  if (y.IsSequence()) {
+    Json out = Json::array();
+    for (const auto& v : y) out.push_back(YamlToJson(v));
+    return out;
+  }
+  if (y.IsNull()) return nullptr;
+  const std::string text = y.as<std::string>();
+  if (y.Tag() == "!") return text;  // Quoted.
+  if (text == "true" || text == "false") return text == "true";
+  const Json number = Json::parse(text, nullptr, false);
+  EXPECT_TRUE(number.is_number()) << "plain scalar that is no number: " << text;
+  return number;
+}
+
+// `doc` without the fields that change from one call to the next.
+Json WithoutLeaseAges(Json doc) {
+  if (doc.is_object()) {
+    doc.erase("lease_age_ms");
+    for (auto it = doc.begin(); it != doc.end(); ++it) *it = WithoutLeaseAges(*it);
+  } else if (doc.is_array()) {
+    for (Json& value : doc) value = WithoutLeaseAges(value);
+  }
+  return doc;
+}
 
 struct RunResult {
   int exit_code = -1;
@@ -39,14 +83,17 @@ struct RunResult {
   std::string err;
 };
 
-RunResult RunOptimusctl(const std::string& args) {
+// Runs optimusctl with `args` (and `env`, "NAME=VALUE ...", in its
+// environment).
+RunResult RunOptimusctl(const std::string& args, const std::string& env = "") {
   const char* srcdir = std::getenv("TEST_SRCDIR");
   const char* tmpdir = std::getenv("TEST_TMPDIR");
   EXPECT_NE(srcdir, nullptr);
   EXPECT_NE(tmpdir, nullptr);
   const std::string binary = absl::StrCat(srcdir, "/optimus/cli/optimusctl");
   const std::string err_path = absl::StrCat(tmpdir, "/optimusctl_stderr.txt");
-  const std::string command = absl::StrCat(binary, " ", args, " 2>", err_path);
+  const std::string command =
+      absl::StrCat(env.empty() ? "" : "env " + env + " ", binary, " ", args, " 2>", err_path);
   RunResult result;
   FILE* pipe = popen(command.c_str(), "r");
   if (pipe == nullptr) {
@@ -193,28 +240,28 @@ TEST_F(OptimusctlTest, StatusJsonDescribesTheCluster) {
 
   const RunResult r = RunOptimusctl(absl::StrCat("--coordinator=", server_->address(), " status --json"));
   ASSERT_EQ(r.exit_code, 0) << r.err;
-  absl::StatusOr<JsonValue> doc = ParseJson(r.out);
-  ASSERT_TRUE(doc.ok()) << doc.status() << "\n" << r.out;
-  const JsonValue& shards = (*doc)["shards"];
-  ASSERT_EQ(shards.array.size(), 2u);
-  EXPECT_EQ(shards.array[0]["kind"].string, "dpu");
-  EXPECT_EQ(shards.array[1]["kind"].string, "host");
-  EXPECT_EQ(shards.array[0]["state"].string, "up");
-  EXPECT_EQ(shards.array[0]["memory_limit_bytes"].AsUint(), uint64_t{1} << 30);
+  Json doc = ParseOrFail(r.out);
+  ASSERT_FALSE(doc.is_discarded()) << "\n" << r.out;
+  const Json& shards = doc["shards"];
+  ASSERT_EQ(shards.size(), 2u);
+  EXPECT_EQ(shards[0]["kind"].get<std::string>(), "dpu");
+  EXPECT_EQ(shards[1]["kind"].get<std::string>(), "host");
+  EXPECT_EQ(shards[0]["state"].get<std::string>(), "up");
+  EXPECT_EQ(shards[0]["memory_limit_bytes"].get<uint64_t>(), uint64_t{1} << 30);
   // 64064 elements at 12 (AdamW) + 2*2 (published) + 4 (the fp32 sum the
   // 4 workers' gradients fold into, held until the commit) = 20 bytes each,
   // and each of the job's 5 chunks' bookkeeping, fit on the DPU alone.
-  EXPECT_EQ(shards.array[0]["memory_planned_bytes"].AsUint(),
+  EXPECT_EQ(shards[0]["memory_planned_bytes"].get<uint64_t>(),
             64064u * 20 + 5 * kernels::ChunkOverheadBytes(4));
-  EXPECT_EQ(shards.array[1]["memory_planned_bytes"].AsUint(), 0u);
-  const JsonValue& jobs = (*doc)["jobs"];
-  ASSERT_EQ(jobs.array.size(), 1u);
-  EXPECT_EQ(jobs.array[0]["name"].string, "gpt-small");
-  EXPECT_EQ(jobs.array[0]["state"].string, "pending");
-  EXPECT_EQ(jobs.array[0]["world_size"].AsUint(), 4u);
-  EXPECT_TRUE(jobs.array[0]["num_params"].IsInteger());
-  EXPECT_EQ(jobs.array[0]["num_params"].AsUint(), 64064u);
-  EXPECT_EQ(jobs.array[0]["num_tensors"].AsUint(), 2u);
+  EXPECT_EQ(shards[1]["memory_planned_bytes"].get<uint64_t>(), 0u);
+  const Json& jobs = doc["jobs"];
+  ASSERT_EQ(jobs.size(), 1u);
+  EXPECT_EQ(jobs[0]["name"].get<std::string>(), "gpt-small");
+  EXPECT_EQ(jobs[0]["state"].get<std::string>(), "pending");
+  EXPECT_EQ(jobs[0]["world_size"].get<uint64_t>(), 4u);
+  EXPECT_TRUE(jobs[0]["num_params"].is_number_integer());
+  EXPECT_EQ(jobs[0]["num_params"].get<uint64_t>(), 64064u);
+  EXPECT_EQ(jobs[0]["num_tensors"].get<uint64_t>(), 2u);
 }
 
 TEST_F(OptimusctlTest, StatusTableNamesShardsAndJobs) {
@@ -241,10 +288,10 @@ TEST_F(OptimusctlTest, DrainMarksTheShardAndStatusShowsIt) {
   EXPECT_THAT(r.out, ::testing::MatchesRegex("shard 1 draining: [0-9]+ chunks to move\n"));
   r = RunOptimusctl(absl::StrCat(coord, " status --json"));
   ASSERT_EQ(r.exit_code, 0) << r.err;
-  absl::StatusOr<JsonValue> doc = ParseJson(r.out);
-  ASSERT_TRUE(doc.ok()) << doc.status();
-  EXPECT_EQ((*doc)["shards"].array[0]["state"].string, "draining");
-  EXPECT_EQ((*doc)["shards"].array[1]["state"].string, "up");
+  Json doc = ParseOrFail(r.out);
+  ASSERT_FALSE(doc.is_discarded());
+  EXPECT_EQ(doc["shards"][0]["state"].get<std::string>(), "draining");
+  EXPECT_EQ(doc["shards"][1]["state"].get<std::string>(), "up");
   r = RunOptimusctl(absl::StrCat(coord, " status"));
   EXPECT_THAT(r.out, HasSubstr("DRAINING"));
 
@@ -253,7 +300,8 @@ TEST_F(OptimusctlTest, DrainMarksTheShardAndStatusShowsIt) {
   EXPECT_THAT(r.err, HasSubstr("no shard with id 9"));
   r = RunOptimusctl(absl::StrCat(coord, " drain"));
   EXPECT_EQ(r.exit_code, 2);
-  EXPECT_THAT(r.err, HasSubstr("drain needs one shard id"));
+  EXPECT_THAT(r.err, HasSubstr("SHARD_ID is required"));
+  EXPECT_THAT(r.err, HasSubstr("usage: optimusctl drain"));
   r = RunOptimusctl(absl::StrCat(coord, " drain bf-0"));
   EXPECT_EQ(r.exit_code, 2);
   r = RunOptimusctl(absl::StrCat(coord, " drain 1 --wait --wait_s=0"));
@@ -284,12 +332,12 @@ TEST_F(OptimusctlTest, DrainWaitReturnsOnceTheShardHoldsNoChunk) {
   EXPECT_THAT(r.out, HasSubstr("shard 1 draining: "));
   EXPECT_THAT(r.out, HasSubstr("shard 1 drained: it holds no chunk and can be stopped"));
   r = RunOptimusctl(absl::StrCat(coord, " status --json"));
-  absl::StatusOr<JsonValue> doc = ParseJson(r.out);
-  ASSERT_TRUE(doc.ok()) << doc.status();
-  EXPECT_EQ((*doc)["shards"].array[0]["chunks_owned"].AsUint(), 0u);
-  EXPECT_EQ((*doc)["jobs"].array[0]["state"].string, "ready");  // Through the whole drain.
-  EXPECT_EQ((*doc)["jobs"].array[0]["replication"].AsUint(), 1u);
-  EXPECT_EQ((*doc)["jobs"].array[0]["chunks_with_backup"].AsUint(), 5u);
+  Json doc = ParseOrFail(r.out);
+  ASSERT_FALSE(doc.is_discarded());
+  EXPECT_EQ(doc["shards"][0]["chunks_owned"].get<uint64_t>(), 0u);
+  EXPECT_EQ(doc["jobs"][0]["state"].get<std::string>(), "ready");  // Through the whole drain.
+  EXPECT_EQ(doc["jobs"][0]["replication"].get<uint64_t>(), 1u);
+  EXPECT_EQ(doc["jobs"][0]["chunks_with_backup"].get<uint64_t>(), 5u);
 }
 
 TEST_F(OptimusctlTest, DrainWaitGivesUpAfterWaitSeconds) {
@@ -303,7 +351,8 @@ TEST_F(OptimusctlTest, DrainWaitGivesUpAfterWaitSeconds) {
       absl::StrCat("--coordinator=", server_->address(), " drain ", a, " --wait --wait_s=1"));
   EXPECT_EQ(r.exit_code, 1);
   EXPECT_THAT(r.err, HasSubstr("still holds"));
-  EXPECT_THAT(r.out, HasSubstr("shard 1: draining, "));
+  EXPECT_THAT(r.err, HasSubstr("shard 1: draining, "));  // Progress goes to stderr.
+  EXPECT_THAT(r.out, HasSubstr("shard 1 draining: "));
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(10));
 }
 
@@ -325,9 +374,9 @@ TEST_F(OptimusctlTest, JobDeleteEndsAJobAndIsRefusedWhileWorkersAreJoined) {
   EXPECT_EQ(r.exit_code, 1);
   EXPECT_THAT(r.err, HasSubstr("1 workers joined (ranks 2)"));
   r = RunOptimusctl(absl::StrCat(coord, " status --json"));
-  absl::StatusOr<JsonValue> doc = ParseJson(r.out);
-  ASSERT_TRUE(doc.ok()) << doc.status();
-  ASSERT_EQ((*doc)["jobs"].array.size(), 1u);  // Still there.
+  Json doc = ParseOrFail(r.out);
+  ASSERT_FALSE(doc.is_discarded());
+  ASSERT_EQ(doc["jobs"].size(), 1u);  // Still there.
 
   r = RunOptimusctl(absl::StrCat(coord, " job delete gpt-small --force"));
   ASSERT_EQ(r.exit_code, 0) << r.err;
@@ -336,10 +385,10 @@ TEST_F(OptimusctlTest, JobDeleteEndsAJobAndIsRefusedWhileWorkersAreJoined) {
   EXPECT_THAT(r.out, HasSubstr(") deleted: 1.3 MiB of shard memory freed"));
   EXPECT_THAT(r.out, HasSubstr("1 workers were still joined"));
   r = RunOptimusctl(absl::StrCat(coord, " status --json"));
-  doc = ParseJson(r.out);
-  ASSERT_TRUE(doc.ok()) << doc.status();
-  EXPECT_TRUE((*doc)["jobs"].array.empty());
-  EXPECT_EQ((*doc)["shards"].array[0]["memory_planned_bytes"].AsUint(), 0u);
+  doc = ParseOrFail(r.out);
+  ASSERT_FALSE(doc.is_discarded());
+  EXPECT_TRUE(doc["jobs"].empty());
+  EXPECT_EQ(doc["shards"][0]["memory_planned_bytes"].get<uint64_t>(), 0u);
 
   r = RunOptimusctl(absl::StrCat(coord, " job delete gpt-small"));
   EXPECT_EQ(r.exit_code, 1);
@@ -384,10 +433,10 @@ TEST_F(OptimusctlShortLeaseTest, ShardForgetRemovesOnlyADownShard) {
   EXPECT_EQ(r.out, "shard 1 (host bf-0) forgotten: it was DOWN; if it comes back it registers "
                    "under a new id\n");
   r = RunOptimusctl(absl::StrCat(coord, " status --json"));
-  absl::StatusOr<JsonValue> doc = ParseJson(r.out);
-  ASSERT_TRUE(doc.ok()) << doc.status();
-  ASSERT_EQ((*doc)["shards"].array.size(), 1u);
-  EXPECT_EQ((*doc)["shards"].array[0]["shard_id"].AsUint(), b);
+  Json doc = ParseOrFail(r.out);
+  ASSERT_FALSE(doc.is_discarded());
+  ASSERT_EQ(doc["shards"].size(), 1u);
+  EXPECT_EQ(doc["shards"][0]["shard_id"].get<uint64_t>(), b);
   r = RunOptimusctl(absl::StrCat(coord, " shard forget ", a));
   EXPECT_EQ(r.exit_code, 1);
   EXPECT_THAT(r.err, HasSubstr("no shard with id 1"));
@@ -417,13 +466,13 @@ TEST(OptimusctlErrorsTest, UsageErrorsExitTwo) {
   EXPECT_EQ(r.exit_code, 2);
   r = RunOptimusctl("status --bogus");
   EXPECT_EQ(r.exit_code, 2);
-  EXPECT_THAT(r.err, HasSubstr("unknown flag --bogus"));
+  EXPECT_THAT(r.err, HasSubstr("unknown flag --bogus for `optimusctl status`"));
   r = RunOptimusctl("checkpoint export --path=/nonexistent --out=/tmp/x.pt --format=pickle");
   EXPECT_EQ(r.exit_code, 2);
   EXPECT_THAT(r.err, HasSubstr("unknown export format \"pickle\" (optimus or torch-optim)"));
   r = RunOptimusctl("status --format=torch-optim");
   EXPECT_EQ(r.exit_code, 2);
-  EXPECT_THAT(r.err, HasSubstr("--format goes with checkpoint export only"));
+  EXPECT_THAT(r.err, HasSubstr("unknown flag --format=torch-optim for `optimusctl status`"));
 }
 
 // `checkpoint export --path=DIR --format=...` needs no coordinator.
@@ -457,6 +506,260 @@ TEST(OptimusctlExportTest, WritesTheLayoutItIsAskedFor) {
     EXPECT_EQ((*root)->Find("model") != nullptr, torch_optim) << format;
     EXPECT_EQ((*root)->Find("params") != nullptr, !torch_optim) << format;
   }
+}
+
+// ---- The command line itself: help, usage errors, output formats ----------
+
+TEST(OptimusctlHelpTest, RootHelpListsEveryCommandTheGlobalFlagsAndExitCodes) {
+  for (const char* args : {"--help", "-h"}) {
+    const RunResult r = RunOptimusctl(args);
+    ASSERT_EQ(r.exit_code, 0) << args << ": " << r.err;
+    EXPECT_THAT(r.out, HasSubstr("usage: optimusctl [OPTIONS] COMMAND"));
+    for (const char* command : {"status", "job", "shard", "checkpoint", "drain", "version"}) {
+      EXPECT_THAT(r.out, ::testing::ContainsRegex(absl::StrCat("\n  ", command, " ")))
+          << command;
+    }
+    for (const char* flag : {"--coordinator", "--timeout_ms", "--tls_dir",
+                             "--insecure_plaintext", "--version"}) {
+      EXPECT_THAT(r.out, HasSubstr(flag));
+    }
+    EXPECT_THAT(r.out, HasSubstr("OPTIMUS_COORDINATOR"));
+    EXPECT_THAT(r.out, HasSubstr("Exit codes:"));
+    EXPECT_THAT(r.out, HasSubstr("2  usage error"));
+    EXPECT_TRUE(r.err.empty()) << r.err;
+  }
+}
+
+TEST(OptimusctlHelpTest, GroupHelpListsItsCommands) {
+  const struct {
+    const char* group;
+    std::vector<std::string> commands;
+  } kGroups[] = {
+      {"job", {"list", "describe", "create", "delete"}},
+      {"shard", {"list", "describe", "drain", "forget"}},
+      {"checkpoint", {"create", "list", "restore", "export"}},
+  };
+  for (const auto& g : kGroups) {
+    const RunResult r = RunOptimusctl(absl::StrCat(g.group, " --help"));
+    ASSERT_EQ(r.exit_code, 0) << g.group << ": " << r.err;
+    EXPECT_THAT(r.out, HasSubstr(absl::StrCat("usage: optimusctl ", g.group, " [OPTIONS] COMMAND")));
+    for (const std::string& c : g.commands) {
+      EXPECT_THAT(r.out, ::testing::ContainsRegex("\n  " + c + " ")) << g.group << " " << c;
+    }
+  }
+}
+
+// Every command's --help names its own flags and arguments, and not the
+// flags of other commands.
+TEST(OptimusctlHelpTest, EveryCommandsHelpNamesItsOwnFlags) {
+  const std::vector<std::string> kOutput = {"-o,--output", "--json"};
+  const struct {
+    std::string command;
+    std::vector<std::string> names;
+  } kCommands[] = {
+      {"status", kOutput},
+      {"version", kOutput},
+      {"job list", kOutput},
+      {"job describe", {"NAME", "-o,--output", "--json"}},
+      {"job create", {"-f,--file", "--name", "--world_size", "-o,--output", "OPTIMUS_JOB_TOKEN"}},
+      {"job delete", {"NAME", "--force"}},
+      {"shard list", kOutput},
+      {"shard describe", {"SHARD_ID", "-o,--output"}},
+      {"shard drain", {"SHARD_ID", "--wait", "--wait_s"}},
+      {"shard forget", {"SHARD_ID"}},
+      {"drain", {"SHARD_ID", "--wait", "--wait_s", "shard drain"}},
+      {"checkpoint create", {"JOB", "--wait", "-o,--output"}},
+      {"checkpoint list", {"JOB", "-o,--output", "--json"}},
+      {"checkpoint restore", {"JOB", "--checkpoint", "--as", "--max_chunk_bytes", "-o,--output"}},
+      {"checkpoint export", {"JOB", "--checkpoint", "--path", "--out", "--format", "torch-optim"}},
+  };
+  const std::vector<std::string> kElsewhere = {"--force", "--wait_s", "--max_chunk_bytes",
+                                               "--path", "--file"};
+  for (const auto& c : kCommands) {
+    const RunResult r = RunOptimusctl(c.command + " --help");
+    ASSERT_EQ(r.exit_code, 0) << c.command << ": " << r.err;
+    EXPECT_THAT(r.out, HasSubstr("usage: optimusctl " + c.command)) << r.out;
+    for (const std::string& name : c.names) {
+      EXPECT_THAT(r.out, HasSubstr(name)) << c.command << " --help:\n" << r.out;
+    }
+    for (const std::string& other : kElsewhere) {
+      const bool own = std::find(c.names.begin(), c.names.end(), other) != c.names.end() ||
+                       (other == "--file" && c.command == "job create");
+      if (!own) {
+        EXPECT_THAT(r.out, Not(HasSubstr(other))) << c.command << " --help";
+      }
+    }
+    // The global flags are pointed to, not repeated as the command's own.
+    EXPECT_THAT(r.out, HasSubstr("Global flags (see optimusctl --help)"));
+  }
+}
+
+TEST(OptimusctlUsageTest, AFlagAnotherCommandTakesExitsTwoNamingIt) {
+  const struct {
+    std::string args, flag, command;
+  } kCases[] = {
+      {"status --as=x", "--as=x", "status"},
+      {"status --wait", "--wait", "status"},
+      {"job delete a --wait_s=3", "--wait_s=3", "job delete"},
+      {"checkpoint list j --force", "--force", "checkpoint list"},
+      {"shard forget 3 -o json", "-o", "shard forget"},
+      {"version --coordinatr=x", "--coordinatr=x", "version"},
+  };
+  for (const auto& c : kCases) {
+    // A coordinator that is never reached: nothing runs.
+    const RunResult r = RunOptimusctl("--coordinator=127.0.0.1:1 " + c.args);
+    EXPECT_EQ(r.exit_code, 2) << c.args;
+    EXPECT_THAT(r.err, HasSubstr("unknown flag " + c.flag + " for `optimusctl " + c.command + "`"))
+        << c.args;
+    EXPECT_THAT(r.err, HasSubstr("usage: optimusctl " + c.command)) << c.args;
+    EXPECT_TRUE(r.out.empty()) << c.args << ": " << r.out;
+  }
+  RunResult r = RunOptimusctl("status -o xml");
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_THAT(r.err, HasSubstr("unknown output format \"xml\" (table, json or yaml)"));
+  r = RunOptimusctl("status -o json --json");
+  EXPECT_EQ(r.exit_code, 2);
+  r = RunOptimusctl("--timeout_ms=0 status");
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_THAT(r.err, HasSubstr("--timeout_ms"));
+  r = RunOptimusctl("--coordinator= status");
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_THAT(r.err, HasSubstr("--coordinator"));
+  r = RunOptimusctl("job");
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_THAT(r.err, HasSubstr("`optimusctl job` needs a command"));
+  r = RunOptimusctl("checkpoint export --out=/tmp/x.pt");
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_THAT(r.err, HasSubstr("needs a JOB (with the coordinator) or --path=DIR"));
+  r = RunOptimusctl("checkpoint export j --path=/tmp/c --out=/tmp/x.pt");
+  EXPECT_EQ(r.exit_code, 2);
+}
+
+TEST(OptimusctlVersionTest, PrintsTheVersion) {
+  RunResult r = RunOptimusctl("version");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_THAT(r.out, ::testing::StartsWith("optimusctl "));
+  r = RunOptimusctl("--version");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_THAT(r.out, ::testing::StartsWith("optimusctl "));
+  r = RunOptimusctl("version -o json");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  Json doc = ParseOrFail(r.out);
+  EXPECT_TRUE(doc["version"].is_string());
+  EXPECT_EQ(YamlToJson(YAML::Load(RunOptimusctl("version -o yaml").out)), doc);
+}
+
+// -o json and -o yaml of every read command: the same document.
+TEST_F(OptimusctlTest, JsonAndYamlOutputsCarryTheSameFields) {
+  const uint64_t a = RegisterShard(v1::SHARD_KIND_DPU, "bf-0");
+  const uint64_t b = RegisterShard(v1::SHARD_KIND_HOST, "true");  // YAML would read a bool.
+  CreateJob();
+  StartBeating({a, b}, /*seeded=*/false);  // Keep their leases; the job gets READY.
+  const std::string coord = absl::StrCat("--coordinator=", server_->address());
+  // Compare outputs of a cluster that no longer changes (but for lease ages).
+  const absl::Time deadline = absl::Now() + absl::Seconds(30);
+  while (absl::Now() < deadline &&
+         RunOptimusctl(coord + " job list").out.find("READY") == std::string::npos) {
+    absl::SleepFor(absl::Milliseconds(100));
+  }
+  for (const std::string& command :
+       std::vector<std::string>{"status", "job list", "job describe gpt-small", "shard list",
+                                absl::StrCat("shard describe ", a)}) {
+    const RunResult json = RunOptimusctl(absl::StrCat(coord, " ", command, " -o json"));
+    ASSERT_EQ(json.exit_code, 0) << command << ": " << json.err;
+    const Json doc = ParseOrFail(json.out);
+    ASSERT_FALSE(doc.is_discarded()) << command;
+    EXPECT_EQ(ParseOrFail(RunOptimusctl(absl::StrCat(coord, " ", command, " --json")).out)
+                  .is_discarded(),
+              false);
+    const RunResult yaml = RunOptimusctl(absl::StrCat(coord, " ", command, " -o yaml"));
+    ASSERT_EQ(yaml.exit_code, 0) << command << ": " << yaml.err;
+    const Json from_yaml = YamlToJson(YAML::Load(yaml.out));
+    EXPECT_EQ(WithoutLeaseAges(from_yaml), WithoutLeaseAges(doc))
+        << command << "\nYAML:\n" << yaml.out << "\nJSON:\n" << json.out;
+  }
+  Json doc = ParseOrFail(RunOptimusctl(absl::StrCat(coord, " job describe gpt-small -o json")).out);
+  EXPECT_EQ(doc["name"].get<std::string>(), "gpt-small");
+  EXPECT_EQ(doc["world_size"].get<uint64_t>(), 4u);
+  EXPECT_EQ(doc["num_chunks"].get<uint64_t>(), 5u);
+  EXPECT_EQ(doc["optimizer"]["lr"].get<double>(), 0.0003);
+  doc = ParseOrFail(RunOptimusctl(absl::StrCat(coord, " shard list -o json")).out);
+  ASSERT_EQ(doc["shards"].size(), 2u);
+  EXPECT_EQ(doc["shards"][1]["hostname"].get<std::string>(), "true");
+  // Tables for people.
+  RunResult r = RunOptimusctl(absl::StrCat(coord, " job list"));
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_THAT(r.out, ::testing::ContainsRegex("gpt-small +READY +0/4 +0 +2 +64064 +.* +5 +1 +0 "));
+  r = RunOptimusctl(absl::StrCat(coord, " job describe gpt-small"));
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_THAT(r.out, HasSubstr("Name:             gpt-small\n"));
+  EXPECT_THAT(r.out, HasSubstr("Chunks:           5 (map epoch 1)\n"));
+  EXPECT_THAT(r.out, HasSubstr("adamw"));
+  r = RunOptimusctl(absl::StrCat(coord, " shard describe ", a));
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_THAT(r.out, HasSubstr("Host:            bf-0\n"));
+  r = RunOptimusctl(absl::StrCat(coord, " job describe nosuchjob"));
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_THAT(r.err, HasSubstr("no job named \"nosuchjob\""));
+  r = RunOptimusctl(absl::StrCat(coord, " shard describe 99"));
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_THAT(r.err, HasSubstr("no shard with id 99"));
+}
+
+TEST_F(OptimusctlTest, TheCoordinatorComesFromOptimusCoordinatorWhenNotGiven) {
+  RegisterShard(v1::SHARD_KIND_DPU, "bf-0");
+  const std::string env = "OPTIMUS_COORDINATOR=" + server_->address();
+  RunResult r = RunOptimusctl("shard list -o json", env);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(ParseOrFail(r.out)["shards"][0]["hostname"].get<std::string>(), "bf-0");
+  // --coordinator wins over the environment.
+  r = RunOptimusctl(absl::StrCat("shard list --coordinator=", server_->address()),
+                    "OPTIMUS_COORDINATOR=127.0.0.1:1");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_THAT(r.out, HasSubstr("bf-0"));
+  const std::string nobody = absl::StrCat("127.0.0.1:", UnusedPort());
+  r = RunOptimusctl("--timeout_ms=2000 status", "OPTIMUS_COORDINATOR=" + nobody);
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_THAT(r.err, HasSubstr("cannot reach coordinator at " + nobody));
+}
+
+// Bad job spec files: exit 1 with the file, line and field; nothing is sent.
+TEST(OptimusctlJobCreateTest, BadSpecFilesSayWhatIsWrong) {
+  const std::string dir = ::testing::TempDir();
+  const auto write = [&](const std::string& name, const std::string& text) {
+    const std::string path = dir + "/" + name;
+    std::ofstream(path) << text;
+    return path;
+  };
+  const std::string coord = absl::StrCat("--coordinator=127.0.0.1:", UnusedPort());
+  RunResult r = RunOptimusctl(
+      coord + " job create -f " + write("typo.yaml", "name: j\noptimizr: {type: adamw}\n"));
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_THAT(r.err, HasSubstr("typo.yaml:2: optimizr: unknown field"));
+  r = RunOptimusctl(coord + " job create -f " + write("notensors.yaml", "name: j\nworld_size: 2\n"));
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_THAT(r.err, HasSubstr("notensors.yaml: no `tensors:` list"));
+  r = RunOptimusctl(coord + " job create -f " +
+                    write("noname.yaml", "world_size: 2\ntensors: [{name: w, shape: [4]}]\n"));
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_THAT(r.err, HasSubstr("the job has no name (set `name:` or --name)"));
+  r = RunOptimusctl(coord + " job create -f " + dir + "/does-not-exist.yaml");
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_THAT(r.err, HasSubstr("does-not-exist.yaml"));
+  r = RunOptimusctl(coord + " job create");
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_THAT(r.err, HasSubstr("--file is required"));
+}
+
+// A job created from a file on a coordinator with no shards: refused,
+// exit 1, with the coordinator's reason.
+TEST_F(OptimusctlTest, JobCreateReportsTheCoordinatorsRefusal) {
+  const std::string path = ::testing::TempDir() + "/j.yaml";
+  std::ofstream(path) << "name: j\nworld_size: 2\ntensors: [{name: w, shape: [4]}]\n";
+  const RunResult r = RunOptimusctl(
+      absl::StrCat("--coordinator=", server_->address(), " job create -f ", path));
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_THAT(r.err, HasSubstr("job \"j\""));
 }
 
 }  // namespace

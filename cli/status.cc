@@ -14,7 +14,6 @@
 #include "absl/synchronization/mutex.h"
 #include "common/grpc_limits.h"
 #include "common/grpc_status.h"
-#include "common/json.h"
 #include "grpcpp/grpcpp.h"
 #include "proto/optimus.grpc.pb.h"
 
@@ -97,9 +96,6 @@ class Table {
 // A float for the table: shortest %g form ("0.001", "1e-08").
 std::string Num(float x) { return absl::StrCat(x); }
 
-// A float as a JSON number; null when not finite (JSON has no inf or NaN).
-std::string JsonNum(float x) { return std::isfinite(x) ? absl::StrCat(x) : "null"; }
-
 const char* OptimizerKindName(v1::OptimizerKind k) {
   switch (k) {
     case v1::OPTIMIZER_ADAMW: return "adamw";
@@ -165,30 +161,50 @@ std::string RenderOptimizers(const v1::StatusResponse& status, int* num_jobs) {
   return t.Render();
 }
 
-std::string OptimizerJson(const v1::JobStatus& j) {
+// The job's optimizer, parameter groups, frozen tensors, clipping and
+// non-finite handling, added to its JSON object.
+void AddOptimizerJson(const v1::JobStatus& j, Json* out) {
   const v1::OptimizerConfig& opt = j.optimizer();
-  std::vector<std::string> groups;
+  Json groups = Json::array();
   for (int g = 0; g < j.param_groups_size(); ++g) {
     const v1::ParamGroupStatus& pg = j.param_groups(g);
     const EffectiveGroup e = Effective(opt, pg.group());
-    std::vector<std::string> overrides;
-    for (const std::string& o : e.overrides) overrides.push_back(JsonQuote(o));
-    groups.push_back(absl::StrCat(
-        "{\"index\":", g, ",\"name\":", JsonQuote(pg.group().name()),
-        ",\"num_tensors\":", pg.num_tensors(), ",\"num_elems\":", pg.num_elems(),
-        ",\"lr_mult\":", JsonNum(e.lr_mult), ",\"weight_decay\":", JsonNum(e.weight_decay),
-        ",\"beta1\":", JsonNum(e.beta1), ",\"beta2\":", JsonNum(e.beta2),
-        ",\"momentum\":", JsonNum(e.momentum), ",\"overrides\":[",
-        absl::StrJoin(overrides, ","), "]}"));
+    groups.push_back(Json{{"index", g},
+                          {"name", pg.group().name()},
+                          {"num_tensors", pg.num_tensors()},
+                          {"num_elems", pg.num_elems()},
+                          {"lr_mult", JsonFloat(e.lr_mult)},
+                          {"weight_decay", JsonFloat(e.weight_decay)},
+                          {"beta1", JsonFloat(e.beta1)},
+                          {"beta2", JsonFloat(e.beta2)},
+                          {"momentum", JsonFloat(e.momentum)},
+                          {"overrides", e.overrides}});
   }
+  (*out)["optimizer"] = Json{{"kind", OptimizerKindName(opt.kind())},
+                             {"lr", JsonFloat(opt.lr())},
+                             {"beta1", JsonFloat(opt.beta1())},
+                             {"beta2", JsonFloat(opt.beta2())},
+                             {"eps", JsonFloat(opt.eps())},
+                             {"weight_decay", JsonFloat(opt.weight_decay())},
+                             {"momentum", JsonFloat(opt.momentum())}};
+  (*out)["param_groups"] = std::move(groups);
+  (*out)["frozen_tensors"] = j.frozen_tensors();
+  (*out)["max_grad_norm"] = JsonFloat(j.max_grad_norm());
+  (*out)["skip_nonfinite"] = !j.keep_nonfinite();
+}
+
+std::string LastCheckpointWord(const v1::JobStatus& j) {
+  if (!j.has_last_checkpoint()) return "-";
+  return absl::StrCat("#", j.last_checkpoint().checkpoint_id(), " step ",
+                      j.last_checkpoint().step(), " ",
+                      Upper(CkptStateName(j.last_checkpoint().state())));
+}
+
+std::string MemoryWord(const v1::ShardStatus& s) {
+  const v1::ShardCapabilities& caps = s.capabilities();
   return absl::StrCat(
-      ",\"optimizer\":{\"kind\":", JsonQuote(OptimizerKindName(opt.kind())),
-      ",\"lr\":", JsonNum(opt.lr()), ",\"beta1\":", JsonNum(opt.beta1()),
-      ",\"beta2\":", JsonNum(opt.beta2()), ",\"eps\":", JsonNum(opt.eps()),
-      ",\"weight_decay\":", JsonNum(opt.weight_decay()), ",\"momentum\":", JsonNum(opt.momentum()),
-      "},\"param_groups\":[", absl::StrJoin(groups, ","), "]",
-      ",\"frozen_tensors\":", j.frozen_tensors(), ",\"max_grad_norm\":", JsonNum(j.max_grad_norm()),
-      ",\"skip_nonfinite\":", j.keep_nonfinite() ? "false" : "true");
+      HumanBytes(s.memory_used_bytes()), " / ", HumanBytes(caps.memory_limit_bytes()),
+      caps.staging_bytes() > 0 ? absl::StrCat(" +", HumanBytes(caps.staging_bytes())) : "");
 }
 
 }  // namespace
@@ -279,7 +295,7 @@ std::string HumanBytes(uint64_t size_bytes) {
   return absl::StrFormat("%.1f %s", v, kUnits[unit]);
 }
 
-std::string RenderStatusTable(const v1::StatusResponse& status) {
+std::string RenderShardsTable(const v1::StatusResponse& status) {
   Table shards({"ID", "KIND", "ARCH", "HOST", "STATE", "MEM USED/LIMIT +STAGING", "PLANNED",
                 "CHUNKS", "BACKUPS", "TRANSPORTS", "LEASE AGE"});
   shards.RightAlign(0);
@@ -290,32 +306,32 @@ std::string RenderStatusTable(const v1::StatusResponse& status) {
     shards.Add({absl::StrCat(s.shard_id()), KindName(caps.kind()),
                 caps.arch().empty() ? "-" : caps.arch(),
                 caps.hostname().empty() ? "-" : caps.hostname(), Upper(ShardStateName(s.state())),
-                absl::StrCat(HumanBytes(s.memory_used_bytes()), " / ",
-                             HumanBytes(caps.memory_limit_bytes()),
-                             caps.staging_bytes() > 0
-                                 ? absl::StrCat(" +", HumanBytes(caps.staging_bytes()))
-                                 : ""),
-                HumanBytes(s.memory_planned_bytes()), absl::StrCat(s.chunks_owned()),
-                absl::StrCat(s.backup_chunks()),
+                MemoryWord(s), HumanBytes(s.memory_planned_bytes()),
+                absl::StrCat(s.chunks_owned()), absl::StrCat(s.backup_chunks()),
                 s.transports().empty() ? "-" : s.transports(), HumanAge(s.lease_age_ms())});
   }
+  return shards.Render();
+}
+
+std::string RenderJobsTable(const v1::StatusResponse& status) {
   Table jobs({"ID", "NAME", "STATE", "WORKERS", "STEP", "TENSORS", "PARAMS", "STATE BYTES",
-              "EPOCH", "REPL", "REPLICAS", "LAST CHECKPOINT"});
-  for (size_t c : {0, 4, 5, 6, 8, 9}) jobs.RightAlign(c);
+              "CHUNKS", "EPOCH", "REPL", "REPLICAS", "LAST CHECKPOINT"});
+  for (size_t c : {0, 4, 5, 6, 8, 9, 10}) jobs.RightAlign(c);
   for (const v1::JobStatus& j : status.jobs()) {
     jobs.Add({absl::StrCat(j.job_id()), j.name(), Upper(JobStateName(j.state())),
               absl::StrCat(j.workers_joined(), "/", j.world_size()),
               absl::StrCat(j.current_step()), absl::StrCat(j.num_tensors()),
               absl::StrCat(j.num_params()), HumanBytes(j.state_bytes()),
-              absl::StrCat(j.map_epoch()), absl::StrCat(j.replication()), ReplicaHealth(j),
-              j.has_last_checkpoint()
-                  ? absl::StrCat("#", j.last_checkpoint().checkpoint_id(), " step ",
-                                 j.last_checkpoint().step(), " ",
-                                 Upper(CkptStateName(j.last_checkpoint().state())))
-                  : "-"});
+              absl::StrCat(j.num_chunks()), absl::StrCat(j.map_epoch()),
+              absl::StrCat(j.replication()), ReplicaHealth(j), LastCheckpointWord(j)});
   }
+  return jobs.Render();
+}
+
+std::string RenderStatusTable(const v1::StatusResponse& status) {
   std::string out = absl::StrCat("SHARDS (", status.shards_size(), ")\n");
-  absl::StrAppend(&out, shards.Render(), "\nJOBS (", status.jobs_size(), ")\n", jobs.Render());
+  absl::StrAppend(&out, RenderShardsTable(status), "\nJOBS (", status.jobs_size(), ")\n",
+                  RenderJobsTable(status));
   for (const v1::JobStatus& j : status.jobs()) {
     if (!j.rollback_error().empty()) {
       absl::StrAppend(&out, "job ", j.name(), " (", j.job_id(),
@@ -328,46 +344,140 @@ std::string RenderStatusTable(const v1::StatusResponse& status) {
   return out;
 }
 
-std::string RenderStatusJson(const v1::StatusResponse& status) {
-  std::vector<std::string> shards;
-  for (const v1::ShardStatus& s : status.shards()) {
-    const v1::ShardCapabilities& caps = s.capabilities();
-    shards.push_back(absl::StrCat(
-        "{\"shard_id\":", s.shard_id(), ",\"kind\":", JsonQuote(KindName(caps.kind())),
-        ",\"arch\":", JsonQuote(caps.arch()), ",\"cores\":", caps.cores(),
-        ",\"hostname\":", JsonQuote(caps.hostname()),
-        ",\"state\":", JsonQuote(ShardStateName(s.state())),
-        ",\"memory_used_bytes\":", s.memory_used_bytes(),
-        ",\"memory_planned_bytes\":", s.memory_planned_bytes(),
-        ",\"memory_limit_bytes\":", caps.memory_limit_bytes(),
-        ",\"staging_bytes\":", caps.staging_bytes(),
-        ",\"chunks_owned\":", s.chunks_owned(), ",\"backup_chunks\":", s.backup_chunks(),
-        ",\"transports\":", JsonQuote(s.transports()),
-        ",\"lease_age_ms\":", s.lease_age_ms(), "}"));
+namespace {
+
+// "Field:  value" lines, the values aligned.
+std::string Fields(const std::vector<std::pair<std::string, std::string>>& rows) {
+  size_t width = 0;
+  for (const auto& r : rows) width = std::max(width, r.first.size());
+  std::string out;
+  for (const auto& r : rows) {
+    absl::StrAppend(&out, r.first, ":", std::string(width - r.first.size() + 2, ' '), r.second,
+                    "\n");
   }
-  std::vector<std::string> jobs;
+  return out;
+}
+
+}  // namespace
+
+std::string RenderJobDetail(const v1::JobStatus& j) {
+  std::vector<std::pair<std::string, std::string>> rows = {
+      {"Name", j.name()},
+      {"ID", absl::StrCat(j.job_id())},
+      {"State", Upper(JobStateName(j.state()))},
+      {"Workers", absl::StrCat(j.workers_joined(), " of ", j.world_size(), " joined")},
+      {"Step", absl::StrCat(j.current_step(), " (lowest step applied over its shards)")},
+      {"Tensors", absl::StrCat(j.num_tensors(), " (", j.num_params(), " parameters, ",
+                               j.frozen_tensors(), " frozen)")},
+      {"State bytes", HumanBytes(j.state_bytes())},
+      {"Chunks", absl::StrCat(j.num_chunks(), " (map epoch ", j.map_epoch(), ")")},
+      {"Replication", absl::StrCat(j.replication(), " (replicas: ", ReplicaHealth(j), ")")},
+      {"Last checkpoint",
+       j.has_last_checkpoint() && !j.last_checkpoint().error().empty()
+           ? absl::StrCat(LastCheckpointWord(j), ": ", j.last_checkpoint().error())
+           : LastCheckpointWord(j)},
+  };
+  if (!j.rollback_error().empty()) rows.push_back({"Rollback error", j.rollback_error()});
+  std::string out = Fields(rows);
+  v1::StatusResponse one;
+  *one.add_jobs() = j;
+  int with_optimizer = 0;
+  const std::string optimizers = RenderOptimizers(one, &with_optimizer);
+  if (with_optimizer > 0) absl::StrAppend(&out, "\nOPTIMIZER\n", optimizers);
+  return out;
+}
+
+std::string RenderShardDetail(const v1::ShardStatus& s) {
+  const v1::ShardCapabilities& caps = s.capabilities();
+  return Fields({
+      {"ID", absl::StrCat(s.shard_id())},
+      {"Kind", KindName(caps.kind())},
+      {"Arch", caps.arch().empty() ? "-" : caps.arch()},
+      {"Cores", absl::StrCat(caps.cores())},
+      {"Host", caps.hostname().empty() ? "-" : caps.hostname()},
+      {"State", Upper(ShardStateName(s.state()))},
+      {"Memory used", absl::StrCat(HumanBytes(s.memory_used_bytes()), " of ",
+                                   HumanBytes(caps.memory_limit_bytes()))},
+      {"Memory planned", HumanBytes(s.memory_planned_bytes())},
+      {"Staging", HumanBytes(caps.staging_bytes())},
+      {"Chunks", absl::StrCat(s.chunks_owned(), " (", s.backup_chunks(), " of them backups)")},
+      {"Transports", s.transports().empty() ? "-" : s.transports()},
+      {"Lease age", HumanAge(s.lease_age_ms())},
+  });
+}
+
+const v1::JobStatus* FindJob(const v1::StatusResponse& status, const std::string& name) {
   for (const v1::JobStatus& j : status.jobs()) {
-    jobs.push_back(absl::StrCat(
-        "{\"job_id\":", j.job_id(), ",\"name\":", JsonQuote(j.name()),
-        ",\"state\":", JsonQuote(JobStateName(j.state())), ",\"world_size\":", j.world_size(),
-        ",\"workers_joined\":", j.workers_joined(), ",\"current_step\":", j.current_step(),
-        ",\"num_tensors\":", j.num_tensors(), ",\"num_params\":", j.num_params(),
-        ",\"state_bytes\":", j.state_bytes(), ",\"map_epoch\":", j.map_epoch(),
-        ",\"replication\":", j.replication(), ",\"num_chunks\":", j.num_chunks(),
-        ",\"chunks_with_backup\":", j.chunks_with_backup(),
-        ",\"backups_in_sync\":", j.backups_in_sync(),
-        ",\"replicas\":", JsonQuote(ReplicaHealthWord(j)),
-        ",\"last_checkpoint\":",
-        j.has_last_checkpoint()
-            ? absl::StrCat("{\"checkpoint_id\":", j.last_checkpoint().checkpoint_id(),
-                           ",\"step\":", j.last_checkpoint().step(),
-                           ",\"state\":", JsonQuote(CkptStateName(j.last_checkpoint().state())),
-                           ",\"error\":", JsonQuote(j.last_checkpoint().error()), "}")
-            : "null",
-        ",\"rollback_error\":", JsonQuote(j.rollback_error()), OptimizerJson(j), "}"));
+    if (j.name() == name) return &j;
   }
-  return absl::StrCat("{\"shards\":[", absl::StrJoin(shards, ","), "],\"jobs\":[",
-                      absl::StrJoin(jobs, ","), "]}\n");
+  return nullptr;
+}
+
+const v1::ShardStatus* FindShard(const v1::StatusResponse& status, uint64_t shard_id) {
+  for (const v1::ShardStatus& s : status.shards()) {
+    if (s.shard_id() == shard_id) return &s;
+  }
+  return nullptr;
+}
+
+Json ShardToJson(const v1::ShardStatus& s) {
+  const v1::ShardCapabilities& caps = s.capabilities();
+  return Json{{"shard_id", s.shard_id()},
+              {"kind", KindName(caps.kind())},
+              {"arch", caps.arch()},
+              {"cores", caps.cores()},
+              {"hostname", caps.hostname()},
+              {"state", ShardStateName(s.state())},
+              {"memory_used_bytes", s.memory_used_bytes()},
+              {"memory_planned_bytes", s.memory_planned_bytes()},
+              {"memory_limit_bytes", caps.memory_limit_bytes()},
+              {"staging_bytes", caps.staging_bytes()},
+              {"chunks_owned", s.chunks_owned()},
+              {"backup_chunks", s.backup_chunks()},
+              {"transports", s.transports()},
+              {"lease_age_ms", s.lease_age_ms()}};
+}
+
+Json JobToJson(const v1::JobStatus& j) {
+  Json out{{"job_id", j.job_id()},
+           {"name", j.name()},
+           {"state", JobStateName(j.state())},
+           {"world_size", j.world_size()},
+           {"workers_joined", j.workers_joined()},
+           {"current_step", j.current_step()},
+           {"num_tensors", j.num_tensors()},
+           {"num_params", j.num_params()},
+           {"state_bytes", j.state_bytes()},
+           {"map_epoch", j.map_epoch()},
+           {"replication", j.replication()},
+           {"num_chunks", j.num_chunks()},
+           {"chunks_with_backup", j.chunks_with_backup()},
+           {"backups_in_sync", j.backups_in_sync()},
+           {"replicas", ReplicaHealthWord(j)}};
+  if (j.has_last_checkpoint()) {
+    const v1::CheckpointInfo& c = j.last_checkpoint();
+    out["last_checkpoint"] = Json{{"checkpoint_id", c.checkpoint_id()},
+                                  {"step", c.step()},
+                                  {"state", CkptStateName(c.state())},
+                                  {"error", c.error()}};
+  } else {
+    out["last_checkpoint"] = nullptr;
+  }
+  out["rollback_error"] = j.rollback_error();
+  AddOptimizerJson(j, &out);
+  return out;
+}
+
+Json StatusToJson(const v1::StatusResponse& status) {
+  Json shards = Json::array();
+  for (const v1::ShardStatus& s : status.shards()) shards.push_back(ShardToJson(s));
+  Json jobs = Json::array();
+  for (const v1::JobStatus& j : status.jobs()) jobs.push_back(JobToJson(j));
+  return Json{{"shards", std::move(shards)}, {"jobs", std::move(jobs)}};
+}
+
+std::string RenderStatusJson(const v1::StatusResponse& status) {
+  return ToJsonText(StatusToJson(status));
 }
 
 }  // namespace optimus

@@ -9,6 +9,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "cli/output.h"
 #include "common/security.h"
 #include "grpcpp/grpcpp.h"
 #include "absl/time/time.h"
@@ -36,7 +37,7 @@ absl::StatusOr<v1::StatusResponse> FetchStatus(const std::string& address,
 // STATE is UP, DRAINING or DOWN, CHUNKS counts primaries and backups,
 // BACKUPS the latter, and TRANSPORTS names the UCX transports its data plane
 // uses ("sysv,cma", "rc_mlx5", "tcp"; "-" before any); a job's REPL is its replication and REPLICAS its
-// ReplicaHealth. Then OPTIMIZERS: a row per parameter group (a job without
+// ReplicaHealth; CHUNKS its chunks. Then OPTIMIZERS: a row per parameter group (a job without
 // param_groups has one, the implicit group "0"), the job's optimizer, lr,
 // CLIP (max_grad_norm, "-" for none), NON-FINITE ("skip" or "keep") and
 // FROZEN (tensors) on its first row; each group's TENSORS and PARAMS (frozen
@@ -45,22 +46,42 @@ absl::StatusOr<v1::StatusResponse> FetchStatus(const std::string& address,
 // Left out when no job reports an optimizer (an older coordinator).
 std::string RenderStatusTable(const v1::StatusResponse& status);
 
-// One JSON object {"shards":[...],"jobs":[...]} and a newline. Fields are
-// snake_case; counts and byte sizes are JSON numbers; enums are lower-case
-// strings ("dpu", "up", "ready"). Shard fields: shard_id, kind, arch, cores,
-// hostname, state ("up", "draining", "down"), memory_used_bytes,
-// memory_planned_bytes, memory_limit_bytes, chunks_owned, backup_chunks,
-// transports ("" before any), lease_age_ms. Job fields: job_id, name, state, world_size, workers_joined,
-// current_step, num_tensors, num_params, state_bytes, map_epoch,
-// replication, num_chunks, chunks_with_backup, backups_in_sync, replicas
-// (ReplicaHealthWord), last_checkpoint ({checkpoint_id, step, state, error}
-// or null), optimizer ({kind, lr, beta1, beta2, eps, weight_decay,
-// momentum}), param_groups ([{index, name, num_tensors, num_elems, lr_mult,
-// weight_decay, beta1, beta2, momentum, overrides}]: the values it steps
-// with, overrides naming those the group sets itself), frozen_tensors,
-// max_grad_norm (0: no clipping) and skip_nonfinite (bool). Floats are JSON
-// numbers (null if not finite).
+// The status as one document {"shards":[...],"jobs":[...]} (what
+// `status -o json|yaml` prints). Fields are snake_case; counts and byte
+// sizes are numbers; enums are lower-case strings ("dpu", "up", "ready").
+// Shard fields (ShardToJson): shard_id, kind, arch, cores, hostname, state
+// ("up", "draining", "down"), memory_used_bytes, memory_planned_bytes,
+// memory_limit_bytes, staging_bytes, chunks_owned, backup_chunks,
+// transports ("" before any), lease_age_ms. Job fields (JobToJson): job_id,
+// name, state, world_size, workers_joined, current_step, num_tensors,
+// num_params, state_bytes, map_epoch, replication, num_chunks,
+// chunks_with_backup, backups_in_sync, replicas (ReplicaHealthWord),
+// last_checkpoint ({checkpoint_id, step, state, error} or null),
+// rollback_error, optimizer ({kind, lr, beta1, beta2, eps, weight_decay,
+// momentum}), param_groups ([{index, name, num_tensors, num_elems,
+// lr_mult, weight_decay, beta1, beta2, momentum, overrides}]: the values it
+// steps with, overrides naming those the group sets itself),
+// frozen_tensors, max_grad_norm (0: no clipping) and skip_nonfinite (bool).
+// Floats are numbers in their shortest form (null if not finite).
+Json StatusToJson(const v1::StatusResponse& status);
+Json ShardToJson(const v1::ShardStatus& shard);
+Json JobToJson(const v1::JobStatus& job);
+// StatusToJson as one line of JSON and a newline.
 std::string RenderStatusJson(const v1::StatusResponse& status);
+
+// The SHARDS and JOBS tables of RenderStatusTable alone, with their header
+// rows (`shard list`, `job list`).
+std::string RenderShardsTable(const v1::StatusResponse& status);
+std::string RenderJobsTable(const v1::StatusResponse& status);
+// One job or shard as "Field:  value" lines (`job describe`, `shard
+// describe`); a job's parameter groups follow as the OPTIMIZERS table.
+std::string RenderJobDetail(const v1::JobStatus& job);
+std::string RenderShardDetail(const v1::ShardStatus& shard);
+
+// The job named `name` / the shard with id `shard_id` in `status`; null
+// when there is none.
+const v1::JobStatus* FindJob(const v1::StatusResponse& status, const std::string& name);
+const v1::ShardStatus* FindShard(const v1::StatusResponse& status, uint64_t shard_id);
 
 // A job's replica health for people, K being backups_in_sync and N
 // num_chunks: "-" (replication 0), "moving K" (replication 0 with temporary

@@ -3,11 +3,21 @@
 #include <string>
 
 #include "cli/drain.h"
-#include "cli/test_json.h"
+#include "cli/output.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "yaml-cpp/yaml.h"
 
 namespace optimus {
+
+// The document `text` holds; discarded (and a test failure) when it is not
+// valid JSON.
+Json ParseOrFail(const std::string& text) {
+  Json doc = Json::parse(text, nullptr, /*allow_exceptions=*/false);
+  EXPECT_FALSE(doc.is_discarded()) << "not JSON: " << text;
+  return doc;
+}
+
 namespace {
 
 using ::testing::HasSubstr;
@@ -58,41 +68,41 @@ TEST(HumanBytesTest, UsesBinaryUnits) {
 
 TEST(RenderStatusJsonTest, IsValidJsonWithNumbersAsNumbers) {
   const std::string text = RenderStatusJson(Sample());
-  absl::StatusOr<JsonValue> doc = ParseJson(text);
-  ASSERT_TRUE(doc.ok()) << doc.status() << "\n" << text;
-  const JsonValue& shards = (*doc)["shards"];
-  ASSERT_EQ(shards.array.size(), 2u);
-  EXPECT_EQ(shards.array[0]["kind"].string, "dpu");
-  EXPECT_EQ(shards.array[0]["hostname"].string, "bf-\"01\"\n");  // Escaped and back.
-  EXPECT_EQ(shards.array[0]["state"].string, "up");
-  EXPECT_TRUE(shards.array[0]["memory_used_bytes"].IsInteger());
-  EXPECT_EQ(shards.array[0]["memory_used_bytes"].AsUint(), uint64_t{2} << 30);
-  EXPECT_EQ(shards.array[0]["memory_planned_bytes"].AsUint(), uint64_t{3} << 30);
-  EXPECT_EQ(shards.array[0]["chunks_owned"].AsUint(), 12u);
-  EXPECT_EQ(shards.array[0]["lease_age_ms"].AsUint(), 250u);
-  EXPECT_EQ(shards.array[0]["transports"].string, "rc_mlx5,sysv,cma");
-  EXPECT_EQ(shards.array[1]["transports"].string, "");
-  EXPECT_EQ(shards.array[1]["kind"].string, "host");
-  EXPECT_EQ(shards.array[1]["state"].string, "down");
-  EXPECT_EQ(shards.array[1]["memory_limit_bytes"].AsUint(), (uint64_t{1} << 60) + 1);
-  const JsonValue& jobs = (*doc)["jobs"];
-  ASSERT_EQ(jobs.array.size(), 1u);
-  EXPECT_EQ(jobs.array[0]["name"].string, "llama-70b");
-  EXPECT_EQ(jobs.array[0]["state"].string, "ready");
-  EXPECT_EQ(jobs.array[0]["world_size"].AsUint(), 8u);
-  EXPECT_EQ(jobs.array[0]["workers_joined"].AsUint(), 3u);
-  EXPECT_EQ(jobs.array[0]["current_step"].AsUint(), 41u);
-  EXPECT_EQ(jobs.array[0]["num_params"].AsUint(), 70000000000u);
-  EXPECT_EQ(jobs.array[0]["state_bytes"].AsUint(), 840000000000u);
-  EXPECT_EQ(jobs.array[0]["map_epoch"].AsUint(), 2u);
+  Json doc = ParseOrFail(text);
+  ASSERT_FALSE(doc.is_discarded()) << "\n" << text;
+  const Json& shards = doc["shards"];
+  ASSERT_EQ(shards.size(), 2u);
+  EXPECT_EQ(shards[0]["kind"].get<std::string>(), "dpu");
+  EXPECT_EQ(shards[0]["hostname"].get<std::string>(), "bf-\"01\"\n");  // Escaped and back.
+  EXPECT_EQ(shards[0]["state"].get<std::string>(), "up");
+  EXPECT_TRUE(shards[0]["memory_used_bytes"].is_number_integer());
+  EXPECT_EQ(shards[0]["memory_used_bytes"].get<uint64_t>(), uint64_t{2} << 30);
+  EXPECT_EQ(shards[0]["memory_planned_bytes"].get<uint64_t>(), uint64_t{3} << 30);
+  EXPECT_EQ(shards[0]["chunks_owned"].get<uint64_t>(), 12u);
+  EXPECT_EQ(shards[0]["lease_age_ms"].get<uint64_t>(), 250u);
+  EXPECT_EQ(shards[0]["transports"].get<std::string>(), "rc_mlx5,sysv,cma");
+  EXPECT_EQ(shards[1]["transports"].get<std::string>(), "");
+  EXPECT_EQ(shards[1]["kind"].get<std::string>(), "host");
+  EXPECT_EQ(shards[1]["state"].get<std::string>(), "down");
+  EXPECT_EQ(shards[1]["memory_limit_bytes"].get<uint64_t>(), (uint64_t{1} << 60) + 1);
+  const Json& jobs = doc["jobs"];
+  ASSERT_EQ(jobs.size(), 1u);
+  EXPECT_EQ(jobs[0]["name"].get<std::string>(), "llama-70b");
+  EXPECT_EQ(jobs[0]["state"].get<std::string>(), "ready");
+  EXPECT_EQ(jobs[0]["world_size"].get<uint64_t>(), 8u);
+  EXPECT_EQ(jobs[0]["workers_joined"].get<uint64_t>(), 3u);
+  EXPECT_EQ(jobs[0]["current_step"].get<uint64_t>(), 41u);
+  EXPECT_EQ(jobs[0]["num_params"].get<uint64_t>(), 70000000000u);
+  EXPECT_EQ(jobs[0]["state_bytes"].get<uint64_t>(), 840000000000u);
+  EXPECT_EQ(jobs[0]["map_epoch"].get<uint64_t>(), 2u);
 }
 
 TEST(RenderStatusJsonTest, EmptyClusterIsEmptyArrays) {
-  absl::StatusOr<JsonValue> doc = ParseJson(RenderStatusJson(v1::StatusResponse()));
-  ASSERT_TRUE(doc.ok());
-  EXPECT_EQ((*doc)["shards"].type, JsonValue::Type::kArray);
-  EXPECT_TRUE((*doc)["shards"].array.empty());
-  EXPECT_TRUE((*doc)["jobs"].array.empty());
+  Json doc = ParseOrFail(RenderStatusJson(v1::StatusResponse()));
+  ASSERT_FALSE(doc.is_discarded());
+  EXPECT_TRUE(doc["shards"].is_array());
+  EXPECT_TRUE(doc["shards"].empty());
+  EXPECT_TRUE(doc["jobs"].empty());
 }
 
 TEST(RenderStatusTableTest, ShowsHumanReadableRowsUnderAlignedHeaders) {
@@ -116,12 +126,20 @@ TEST(RenderStatusTableTest, ShowsHumanReadableRowsUnderAlignedHeaders) {
   EXPECT_EQ(table.find("KIND", header_start) - header_start, table.find("dpu", row_start) - row_start);
 }
 
-TEST(ParseJsonTest, RejectsMalformedDocuments) {
-  EXPECT_FALSE(ParseJson("{\"a\":1,}").ok());
-  EXPECT_FALSE(ParseJson("{\"a\":01}").ok());
-  EXPECT_FALSE(ParseJson("[1] [2]").ok());
-  EXPECT_FALSE(ParseJson("{\"a\":1,\"a\":2}").ok());
-  EXPECT_TRUE(ParseJson(" {\"a\":[true,false,null,-1.5e3,\"x\\ty\"]} ").ok());
+// A name is whatever bytes a client sent: the JSON stays valid UTF-8 (bad
+// bytes become U+FFFD) and the YAML says the same.
+TEST(RenderStatusJsonTest, InvalidUtf8InANameStillGivesValidJsonAndYaml) {
+  v1::StatusResponse st;
+  v1::JobStatus* j = st.add_jobs();
+  j->set_job_id(1);
+  j->set_name(std::string("bad\xff\xfe-name-\xc3\xa9"));
+  const std::string text = RenderStatusJson(st);
+  Json doc = ParseOrFail(text);
+  ASSERT_FALSE(doc.is_discarded());
+  EXPECT_EQ(doc["jobs"][0]["name"].get<std::string>(), "bad\xef\xbf\xbd\xef\xbf\xbd-name-\xc3\xa9");
+  const YAML::Node yaml = YAML::Load(ToYamlText(StatusToJson(st)));
+  EXPECT_EQ(yaml["jobs"][0]["name"].as<std::string>(),
+            "bad\xef\xbf\xbd\xef\xbf\xbd-name-\xc3\xa9");
 }
 
 }  // namespace
@@ -146,14 +164,14 @@ TEST(RenderStatusTest, ShowsEachJobsLastCheckpoint) {
   const std::string table = RenderStatusTable(st);
   EXPECT_THAT(table, ::testing::HasSubstr("LAST CHECKPOINT"));
   EXPECT_THAT(table, ::testing::HasSubstr("#3 step 1200 FAILED"));
-  absl::StatusOr<JsonValue> doc = ParseJson(RenderStatusJson(st));
-  ASSERT_TRUE(doc.ok()) << doc.status();
-  const JsonValue& jobs = (*doc)["jobs"];
-  EXPECT_EQ(jobs.array[0]["last_checkpoint"]["step"].AsUint(), 1200u);
-  EXPECT_EQ(jobs.array[0]["last_checkpoint"]["state"].string, "failed");
-  EXPECT_EQ(jobs.array[0]["last_checkpoint"]["error"].string,
+  Json doc = ParseOrFail(RenderStatusJson(st));
+  ASSERT_FALSE(doc.is_discarded());
+  const Json& jobs = doc["jobs"];
+  EXPECT_EQ(jobs[0]["last_checkpoint"]["step"].get<uint64_t>(), 1200u);
+  EXPECT_EQ(jobs[0]["last_checkpoint"]["state"].get<std::string>(), "failed");
+  EXPECT_EQ(jobs[0]["last_checkpoint"]["error"].get<std::string>(),
             "cannot write /ckpt/x: No space left on device");
-  EXPECT_EQ(jobs.array[1]["last_checkpoint"].type, JsonValue::Type::kNull);
+  EXPECT_TRUE(jobs[1]["last_checkpoint"].is_null());
 }
 
 }  // namespace
@@ -203,19 +221,19 @@ TEST(RenderStatusTest, ShowsDrainingShardsBackupsAndReplicas) {
   // The shard row: 9 chunks, 4 of them backups, in their own columns.
   EXPECT_THAT(table, ::testing::ContainsRegex("DRAINING +0 B / 0 B +0 B +9 +4 "));
 
-  absl::StatusOr<JsonValue> doc = ParseJson(RenderStatusJson(st));
-  ASSERT_TRUE(doc.ok()) << doc.status();
-  const JsonValue& shard = (*doc)["shards"].array[0];
-  EXPECT_EQ(shard["state"].string, "draining");
-  EXPECT_EQ(shard["chunks_owned"].AsUint(), 9u);
-  EXPECT_EQ(shard["backup_chunks"].AsUint(), 4u);
-  const JsonValue& job = (*doc)["jobs"].array[0];
-  EXPECT_EQ(job["replication"].AsUint(), 1u);
-  EXPECT_EQ(job["num_chunks"].AsUint(), 40u);
-  EXPECT_EQ(job["chunks_with_backup"].AsUint(), 38u);
-  EXPECT_EQ(job["backups_in_sync"].AsUint(), 38u);
-  EXPECT_EQ(job["replicas"].string, "degraded");
-  EXPECT_EQ((*doc)["jobs"].array[1]["replicas"].string, "none");
+  Json doc = ParseOrFail(RenderStatusJson(st));
+  ASSERT_FALSE(doc.is_discarded());
+  const Json& shard = doc["shards"][0];
+  EXPECT_EQ(shard["state"].get<std::string>(), "draining");
+  EXPECT_EQ(shard["chunks_owned"].get<uint64_t>(), 9u);
+  EXPECT_EQ(shard["backup_chunks"].get<uint64_t>(), 4u);
+  const Json& job = doc["jobs"][0];
+  EXPECT_EQ(job["replication"].get<uint64_t>(), 1u);
+  EXPECT_EQ(job["num_chunks"].get<uint64_t>(), 40u);
+  EXPECT_EQ(job["chunks_with_backup"].get<uint64_t>(), 38u);
+  EXPECT_EQ(job["backups_in_sync"].get<uint64_t>(), 38u);
+  EXPECT_EQ(job["replicas"].get<std::string>(), "degraded");
+  EXPECT_EQ(doc["jobs"][1]["replicas"].get<std::string>(), "none");
 }
 
 // Two jobs as the coordinator reports them: "grouped" (AdamW, groups
@@ -275,40 +293,42 @@ TEST(RenderStatusTest, ShowsParamGroupsFrozenTensorsClippingAndNonFinite) {
   // A coordinator that reports no optimizer: no OPTIMIZERS section.
   EXPECT_THAT(RenderStatusTable(Sample()), ::testing::Not(HasSubstr("OPTIMIZERS")));
 
-  absl::StatusOr<JsonValue> doc = ParseJson(RenderStatusJson(WithOptimizers()));
-  ASSERT_TRUE(doc.ok()) << doc.status();
-  const JsonValue& g = (*doc)["jobs"].array[0];
-  EXPECT_EQ(g["optimizer"]["kind"].string, "adamw");
-  EXPECT_EQ(g["optimizer"]["lr"].number_text, "0.0003");
-  EXPECT_EQ(g["frozen_tensors"].AsUint(), 1u);
-  EXPECT_EQ(g["max_grad_norm"].number_text, "1");
-  EXPECT_FALSE(g["skip_nonfinite"].boolean);
-  EXPECT_EQ(g["skip_nonfinite"].type, JsonValue::Type::kBool);
-  ASSERT_EQ(g["param_groups"].array.size(), 2u);
-  const JsonValue& decay = g["param_groups"].array[0];
-  EXPECT_EQ(decay["name"].string, "decay");
-  EXPECT_EQ(decay["num_tensors"].AsUint(), 3u);
-  EXPECT_EQ(decay["num_elems"].AsUint(), 1000u);
-  EXPECT_EQ(decay["weight_decay"].number_text, "0.1");
-  EXPECT_EQ(decay["beta2"].number_text, "0.95");
-  EXPECT_EQ(decay["lr_mult"].number_text, "1");
-  ASSERT_EQ(decay["overrides"].array.size(), 2u);
-  EXPECT_EQ(decay["overrides"].array[0].string, "weight_decay");
-  EXPECT_EQ(decay["overrides"].array[1].string, "beta2");
-  const JsonValue& no_decay = g["param_groups"].array[1];
-  EXPECT_EQ(no_decay["index"].AsUint(), 1u);
-  EXPECT_EQ(no_decay["lr_mult"].number_text, "0.5");
-  EXPECT_EQ(no_decay["weight_decay"].number_text, "0");
-  EXPECT_EQ(no_decay["beta2"].number_text, "0.999");
-  const JsonValue& p = (*doc)["jobs"].array[1];
-  EXPECT_EQ(p["optimizer"]["kind"].string, "sgd");
-  EXPECT_EQ(p["optimizer"]["momentum"].number_text, "0.9");
-  EXPECT_TRUE(p["skip_nonfinite"].boolean);
-  EXPECT_EQ(p["max_grad_norm"].number_text, "0");
-  ASSERT_EQ(p["param_groups"].array.size(), 1u);
-  EXPECT_EQ(p["param_groups"].array[0]["name"].string, "");
-  EXPECT_EQ(p["param_groups"].array[0]["num_elems"].AsUint(), 4096u);
-  EXPECT_TRUE(p["param_groups"].array[0]["overrides"].array.empty());
+  Json doc = ParseOrFail(RenderStatusJson(WithOptimizers()));
+  ASSERT_FALSE(doc.is_discarded());
+  const Json& g = doc["jobs"][0];
+  EXPECT_EQ(g["optimizer"]["kind"].get<std::string>(), "adamw");
+  EXPECT_EQ(g["optimizer"]["lr"].get<double>(), 0.0003);
+  // Floats in their shortest form, not the float's full binary expansion.
+  EXPECT_THAT(RenderStatusJson(WithOptimizers()), HasSubstr("\"lr\":0.0003,"));
+  EXPECT_EQ(g["frozen_tensors"].get<uint64_t>(), 1u);
+  EXPECT_EQ(g["max_grad_norm"].get<double>(), 1);
+  EXPECT_FALSE(g["skip_nonfinite"].get<bool>());
+  EXPECT_TRUE(g["skip_nonfinite"].is_boolean());
+  ASSERT_EQ(g["param_groups"].size(), 2u);
+  const Json& decay = g["param_groups"][0];
+  EXPECT_EQ(decay["name"].get<std::string>(), "decay");
+  EXPECT_EQ(decay["num_tensors"].get<uint64_t>(), 3u);
+  EXPECT_EQ(decay["num_elems"].get<uint64_t>(), 1000u);
+  EXPECT_EQ(decay["weight_decay"].get<double>(), 0.1);
+  EXPECT_EQ(decay["beta2"].get<double>(), 0.95);
+  EXPECT_EQ(decay["lr_mult"].get<double>(), 1);
+  ASSERT_EQ(decay["overrides"].size(), 2u);
+  EXPECT_EQ(decay["overrides"][0].get<std::string>(), "weight_decay");
+  EXPECT_EQ(decay["overrides"][1].get<std::string>(), "beta2");
+  const Json& no_decay = g["param_groups"][1];
+  EXPECT_EQ(no_decay["index"].get<uint64_t>(), 1u);
+  EXPECT_EQ(no_decay["lr_mult"].get<double>(), 0.5);
+  EXPECT_EQ(no_decay["weight_decay"].get<double>(), 0);
+  EXPECT_EQ(no_decay["beta2"].get<double>(), 0.999);
+  const Json& p = doc["jobs"][1];
+  EXPECT_EQ(p["optimizer"]["kind"].get<std::string>(), "sgd");
+  EXPECT_EQ(p["optimizer"]["momentum"].get<double>(), 0.9);
+  EXPECT_TRUE(p["skip_nonfinite"].get<bool>());
+  EXPECT_EQ(p["max_grad_norm"].get<double>(), 0);
+  ASSERT_EQ(p["param_groups"].size(), 1u);
+  EXPECT_EQ(p["param_groups"][0]["name"].get<std::string>(), "");
+  EXPECT_EQ(p["param_groups"][0]["num_elems"].get<uint64_t>(), 4096u);
+  EXPECT_TRUE(p["param_groups"][0]["overrides"].empty());
 }
 
 TEST(DrainProgressTest, DrainedOnlyWhileDrainingWithNoChunkLeft) {

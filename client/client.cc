@@ -1,4 +1,5 @@
 #include "client/client.h"
+#include "client/job_spec.h"
 
 #include <algorithm>
 #include <atomic>
@@ -382,44 +383,7 @@ class ClientImpl : public Client {
 
   absl::Status CreateJob(const JobDef& def) override {
     v1::CreateJobRequest req;
-    v1::JobSpec* spec = req.mutable_spec();
-    spec->set_name(def.name);
-    spec->set_world_size(def.world_size);
-    for (const TensorDef& t : def.tensors) {
-      auto* ts = spec->add_tensors();
-      ts->set_name(t.name);
-      for (int64_t d : t.shape) ts->add_shape(d);
-      ts->set_group(t.group);
-      ts->set_frozen(t.frozen);
-    }
-    for (const ParamGroup& g : def.param_groups) {
-      auto* pg = spec->add_param_groups();
-      pg->set_name(g.name);
-      if (g.weight_decay) pg->set_weight_decay(*g.weight_decay);
-      if (g.lr_mult) pg->set_lr_mult(*g.lr_mult);
-      if (g.beta1) pg->set_beta1(*g.beta1);
-      if (g.beta2) pg->set_beta2(*g.beta2);
-      if (g.momentum) pg->set_momentum(*g.momentum);
-    }
-    spec->set_max_grad_norm(def.max_grad_norm);
-    spec->set_keep_nonfinite(!def.skip_nonfinite);
-    auto* o = spec->mutable_optimizer();
-    o->set_kind(ToProto(def.optimizer.kind));
-    o->set_lr(def.optimizer.lr);
-    o->set_beta1(def.optimizer.beta1);
-    o->set_beta2(def.optimizer.beta2);
-    o->set_eps(def.optimizer.eps);
-    o->set_weight_decay(def.optimizer.weight_decay);
-    o->set_momentum(def.optimizer.momentum);
-    o->set_grad_scale(def.optimizer.grad_scale);
-    spec->set_grad_dtype(static_cast<v1::DType>(def.grad_dtype));
-    spec->set_param_dtype(static_cast<v1::DType>(def.param_dtype));
-    spec->set_max_chunk_bytes(def.max_chunk_bytes);
-    spec->set_chunk_payload_bytes(def.chunk_payload_bytes);
-    spec->mutable_checkpoint_policy()->set_every_steps(def.checkpoint.every_steps);
-    spec->mutable_checkpoint_policy()->set_every_seconds(def.checkpoint.every_seconds);
-    spec->mutable_checkpoint_policy()->set_keep_last(def.checkpoint.keep_last);
-    spec->set_replication(def.replication);
+    *req.mutable_spec() = ToJobSpec(def);
     req.set_job_token(job_token());
     v1::CreateJobResponse resp;
     grpc::ClientContext ctx;
@@ -1630,6 +1594,48 @@ class ClientImpl : public Client {
 };
 
 }  // namespace
+
+v1::JobSpec ToJobSpec(const JobDef& def) {
+  v1::JobSpec spec;
+  spec.set_name(def.name);
+  spec.set_world_size(def.world_size);
+  for (const TensorDef& t : def.tensors) {
+    auto* ts = spec.add_tensors();
+    ts->set_name(t.name);
+    for (int64_t d : t.shape) ts->add_shape(d);
+    ts->set_group(t.group);
+    ts->set_frozen(t.frozen);
+  }
+  for (const ParamGroup& g : def.param_groups) {
+    auto* pg = spec.add_param_groups();
+    pg->set_name(g.name);
+    if (g.weight_decay) pg->set_weight_decay(*g.weight_decay);
+    if (g.lr_mult) pg->set_lr_mult(*g.lr_mult);
+    if (g.beta1) pg->set_beta1(*g.beta1);
+    if (g.beta2) pg->set_beta2(*g.beta2);
+    if (g.momentum) pg->set_momentum(*g.momentum);
+  }
+  spec.set_max_grad_norm(def.max_grad_norm);
+  spec.set_keep_nonfinite(!def.skip_nonfinite);
+  auto* o = spec.mutable_optimizer();
+  o->set_kind(ToProto(def.optimizer.kind));
+  o->set_lr(def.optimizer.lr);
+  o->set_beta1(def.optimizer.beta1);
+  o->set_beta2(def.optimizer.beta2);
+  o->set_eps(def.optimizer.eps);
+  o->set_weight_decay(def.optimizer.weight_decay);
+  o->set_momentum(def.optimizer.momentum);
+  o->set_grad_scale(def.optimizer.grad_scale);
+  spec.set_grad_dtype(static_cast<v1::DType>(def.grad_dtype));
+  spec.set_param_dtype(static_cast<v1::DType>(def.param_dtype));
+  spec.set_max_chunk_bytes(def.max_chunk_bytes);
+  spec.set_chunk_payload_bytes(def.chunk_payload_bytes);
+  spec.mutable_checkpoint_policy()->set_every_steps(def.checkpoint.every_steps);
+  spec.mutable_checkpoint_policy()->set_every_seconds(def.checkpoint.every_seconds);
+  spec.mutable_checkpoint_policy()->set_keep_last(def.checkpoint.keep_last);
+  spec.set_replication(def.replication);
+  return spec;
+}
 
 void SplitDecayGroups(JobDef* def, float weight_decay) {
   ParamGroup decay;

@@ -1,0 +1,44 @@
+// What optimusctl's command files share: the -o/--json flags and printing a
+// result in the chosen format, the failure path (exit 1), and the TLS
+// set-up before the first RPC. Internal to //cli:commands; not thread-safe
+// (one command line per process).
+#ifndef OPTIMUS_CLI_COMMAND_UTIL_H_
+#define OPTIMUS_CLI_COMMAND_UTIL_H_
+
+#include <functional>
+#include <string>
+
+#include "CLI/CLI.hpp"
+#include "absl/status/status.h"
+#include "cli/commands.h"
+#include "cli/output.h"
+
+namespace optimus {
+
+// Adds `-o,--output table|json|yaml` (default table) and `--json` (the same
+// as -o json) to `cmd`; the choice lands in *format.
+void AddOutputFlags(CLI::App* cmd, OutputFormat* format);
+
+// Prints `table()` or `doc()` in `format` to stdout.
+void PrintResult(OutputFormat format, const std::function<Json()>& doc,
+                 const std::function<std::string()>& table);
+
+// "optimusctl: MESSAGE" on stderr; returns 1.
+int Fail(const absl::Status& s);
+
+// Runs `action` when `cmd` was given, once the whole command line parsed;
+// its result goes to *exit_code.
+void OnRun(CLI::App* cmd, int* exit_code, std::function<int()> action);
+
+// Loads the TLS settings (SetCliTls) before a command's first RPC. Its
+// error, printed, is a usage error: the caller returns 2.
+absl::Status UseCoordinator(const GlobalFlags& globals);
+
+// A validator for positive whole numbers (ids, seconds), naming `what`.
+CLI::Validator PositiveWhole(const std::string& what);
+// A validator for a non-empty value, naming what it should be.
+CLI::Validator NonEmpty(const std::string& what);
+
+}  // namespace optimus
+
+#endif  // OPTIMUS_CLI_COMMAND_UTIL_H_

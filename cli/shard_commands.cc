@@ -1,0 +1,163 @@
+// `optimusctl shard list|describe|drain|forget`, and `optimusctl drain`.
+#include <iostream>
+#include <memory>
+#include <string>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "cli/command_util.h"
+#include "cli/commands.h"
+#include "cli/drain.h"
+#include "cli/lifecycle.h"
+#include "cli/status.h"
+
+namespace optimus {
+namespace {
+
+struct DrainFlags {
+  uint64_t shard_id = 0;
+  bool wait = false;
+  int64_t wait_s = 300;
+};
+
+// Marks the shard DRAINING; with --wait, polls status until it holds no
+// chunk, printing each change of what is left to stderr.
+int Drain(const GlobalFlags& g, const DrainFlags& f) {
+  if (!UseCoordinator(g).ok()) return 2;
+  const uint64_t id = f.shard_id;
+  absl::StatusOr<v1::DrainShardResponse> resp = DrainShardRpc(g.coordinator, g.timeout(), id);
+  if (!resp.ok()) return Fail(resp.status());
+  std::cout << "shard " << id << " draining: " << resp->chunks_to_move() << " chunks to move\n";
+  std::cout.flush();
+  if (!f.wait) return 0;
+  const absl::Time deadline = absl::Now() + absl::Seconds(f.wait_s);
+  std::string last_line;
+  while (true) {
+    absl::StatusOr<v1::StatusResponse> status = FetchStatus(g.coordinator, g.timeout());
+    if (!status.ok()) return Fail(status.status());
+    const DrainProgress p = FindDrainProgress(*status, id);
+    if (!p.found) return Fail(absl::NotFoundError(absl::StrCat("shard ", id, " is gone")));
+    if (p.drained()) {
+      std::cout << "shard " << id << " drained: it holds no chunk and can be stopped\n";
+      return 0;
+    }
+    if (p.lost()) {
+      return Fail(absl::UnavailableError(absl::StrCat(
+          "shard ", id, " went DOWN before it was drained (see optimusctl status: "
+          "its chunks failed over to their backups or their jobs failed)")));
+    }
+    const std::string line = RenderDrainProgress(id, p);
+    if (line != last_line) {
+      std::cerr << line << "\n";
+      last_line = line;
+    }
+    if (absl::Now() >= deadline) {
+      return Fail(absl::DeadlineExceededError(absl::StrCat(
+          "shard ", id, " still holds ", p.chunks_left, " chunks after ", f.wait_s,
+          " s (a chunk without a backup moves only once its job steps again); it keeps "
+          "draining: wait again or check optimusctl status")));
+    }
+    absl::SleepFor(absl::Milliseconds(500));
+  }
+}
+
+void AddDrain(CLI::App* parent, const std::string& description, GlobalFlags* g,
+              int* exit_code) {
+  CLI::App* cmd = parent->add_subcommand("drain", description);
+  auto f = std::make_shared<DrainFlags>();
+  cmd->add_option("SHARD_ID", f->shard_id, "the shard's id (see optimusctl shard list)")
+      ->required()
+      ->check(PositiveWhole("a shard id"));
+  cmd->add_flag("--wait", f->wait,
+                "until it holds no chunk (exit 0) or --wait_s pass (exit 1); progress on "
+                "stderr");
+  cmd->add_option("--wait_s", f->wait_s, "how long --wait waits, in seconds")
+      ->type_name("N")
+      ->capture_default_str()
+      ->check(PositiveWhole("a number of seconds"));
+  OnRun(cmd, exit_code, [g, f]() -> int { return Drain(*g, *f); });
+}
+
+constexpr char kDrainHelp[] =
+    "move every chunk off the shard while training runs (promote its backups, seed new "
+    "ones); then stop the shard";
+
+}  // namespace
+
+void AddShardCommands(CLI::App* root, GlobalFlags* g, int* exit_code) {
+  CLI::App* shard = root->add_subcommand("shard", "list, describe, drain and forget shards");
+  shard->require_subcommand(1);
+
+  {
+    CLI::App* cmd = shard->add_subcommand(
+        "list", "every shard: kind, host, state, memory, chunks, backups, transports, lease");
+    auto format = std::make_shared<OutputFormat>(OutputFormat::kTable);
+    AddOutputFlags(cmd, format.get());
+    OnRun(cmd, exit_code, [g, format]() -> int {
+      if (!UseCoordinator(*g).ok()) return 2;
+      absl::StatusOr<v1::StatusResponse> status = FetchStatus(g->coordinator, g->timeout());
+      if (!status.ok()) return Fail(status.status());
+      PrintResult(
+          *format,
+          [&] {
+            Json shards = Json::array();
+            for (const v1::ShardStatus& s : status->shards()) shards.push_back(ShardToJson(s));
+            return Json{{"shards", std::move(shards)}};
+          },
+          [&] { return RenderShardsTable(*status); });
+      return 0;
+    });
+  }
+
+  {
+    CLI::App* cmd = shard->add_subcommand("describe", "one shard, field by field");
+    struct Flags {
+      uint64_t shard_id = 0;
+      OutputFormat format = OutputFormat::kTable;
+    };
+    auto f = std::make_shared<Flags>();
+    cmd->add_option("SHARD_ID", f->shard_id, "the shard's id")
+        ->required()
+        ->check(PositiveWhole("a shard id"));
+    AddOutputFlags(cmd, &f->format);
+    OnRun(cmd, exit_code, [g, f]() -> int {
+      if (!UseCoordinator(*g).ok()) return 2;
+      absl::StatusOr<v1::StatusResponse> status = FetchStatus(g->coordinator, g->timeout());
+      if (!status.ok()) return Fail(status.status());
+      const v1::ShardStatus* s = FindShard(*status, f->shard_id);
+      if (s == nullptr) {
+        return Fail(absl::NotFoundError(absl::StrCat("no shard with id ", f->shard_id)));
+      }
+      PrintResult(
+          f->format, [&] { return ShardToJson(*s); }, [&] { return RenderShardDetail(*s); });
+      return 0;
+    });
+  }
+
+  AddDrain(shard, kDrainHelp, g, exit_code);
+
+  {
+    CLI::App* cmd = shard->add_subcommand(
+        "forget", "remove a DOWN shard from the tables now (DOWN shards also leave on their "
+                  "own after the coordinator's --down_shard_grace)");
+    auto id = std::make_shared<uint64_t>(0);
+    cmd->add_option("SHARD_ID", *id, "the shard's id")
+        ->required()
+        ->check(PositiveWhole("a shard id"));
+    OnRun(cmd, exit_code, [g, id]() -> int {
+      if (!UseCoordinator(*g).ok()) return 2;
+      absl::StatusOr<v1::ForgetShardResponse> resp =
+          ForgetShardRpc(g->coordinator, g->timeout(), *id);
+      if (!resp.ok()) return Fail(resp.status());
+      std::cout << RenderShardForgotten(*resp);
+      return 0;
+    });
+  }
+
+  // Scripts and docs say `optimusctl drain ID`.
+  AddDrain(root, absl::StrCat("the same as `shard drain`: ", kDrainHelp), g, exit_code);
+}
+
+}  // namespace optimus
