@@ -102,6 +102,23 @@ TEST(HttpServerTest, ServesExactPathsIgnoringTheQuery) {
   EXPECT_NE(raw.find("\r\n\r\nm 1\n"), std::string::npos) << raw;
 }
 
+// A scraper that asks for gzip (Prometheus does) gets the page compressed.
+TEST(HttpServerTest, CompressesForClientsThatAsk) {
+  std::string page;
+  for (int i = 0; i < 10000; ++i) page += absl::StrCat("optimus_x_total{shard_id=\"", i, "\"} ", i, "\n");
+  auto s = HttpServer::Start("127.0.0.1:0",
+                             {{"/metrics", [&page] { return HttpResponse{200, "text/plain", page}; }}});
+  ASSERT_TRUE(s.ok()) << s.status();
+  const int fd = ConnectTo((*s)->port());
+  SendAll(fd, "GET /metrics HTTP/1.1\r\nHost: x\r\nAccept-Encoding: gzip\r\n\r\n");
+  const std::string raw = ReadToEnd(fd);
+  close(fd);
+  EXPECT_NE(raw.find("Content-Encoding: gzip\r\n"), std::string::npos) << raw.substr(0, 300);
+  EXPECT_LT(raw.size(), page.size() / 4);
+  // HttpGet asks for it too and gets the page back as it was.
+  EXPECT_EQ(HttpGet((*s)->port(), "/metrics").value_or("?"), page);
+}
+
 // The case: a /metrics client that sends its request and never
 // reads a large answer, and clients that connect and send nothing, hold
 // three of the four threads; /healthz probes keep being answered on the
