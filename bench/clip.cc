@@ -18,6 +18,7 @@
 //
 // Usage: bazel run -c opt //bench:clip -- [--params_mi=64] [--steps=10]
 //        [--rounds=3] [--transport=ucx|loopback]
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <map>
@@ -29,6 +30,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
+#include "common/json.h"
 #include "tests/harness/cluster.h"
 
 ABSL_FLAG(int64_t, params_mi, 64, "model size, Mi parameters");
@@ -100,15 +102,23 @@ int Main() {
   const double base = total_ms["no_round"] / n;
   const double skip = total_ms["skip"] / n;
   const double clip = total_ms["clip"] / n;
-  std::printf(
-      "{\"bench\": \"clip_round\", \"transport\": \"%s\", \"params\": %lld, \"workers\": %u, "
-      "\"shards\": 3, \"rounds\": %d, \"steps_per_phase\": %d, "
-      "\"no_round_ms_per_step\": %.1f, \"skip_ms_per_step\": %.1f, \"clip_ms_per_step\": %.1f, "
-      "\"no_round_steps_per_s\": %.3f, \"clip_steps_per_s\": %.3f, "
-      "\"ratio_skip_to_no_round\": %.3f, \"ratio_clip_to_no_round\": %.3f, "
-      "\"clip_round_ms_per_step\": %.1f}\n",
-      transport.c_str(), static_cast<long long>(params_mi) << 20, kWorkers, rounds, steps, base,
-      skip, clip, 1000.0 / base, 1000.0 / clip, skip / base, clip / base, clip - base);
+  Json line;
+  line["bench"] = "clip_round";
+  line["transport"] = transport;
+  line["params"] = static_cast<int64_t>(params_mi) << 20;
+  line["workers"] = kWorkers;
+  line["shards"] = 3;
+  line["rounds"] = rounds;
+  line["steps_per_phase"] = steps;
+  line["no_round_ms_per_step"] = JsonRound(base, 1);
+  line["skip_ms_per_step"] = JsonRound(skip, 1);
+  line["clip_ms_per_step"] = JsonRound(clip, 1);
+  line["no_round_steps_per_s"] = JsonRound(1000.0 / base, 3);
+  line["clip_steps_per_s"] = JsonRound(1000.0 / clip, 3);
+  line["ratio_skip_to_no_round"] = JsonRound(skip / base, 3);
+  line["ratio_clip_to_no_round"] = JsonRound(clip / base, 3);
+  line["clip_round_ms_per_step"] = JsonRound(clip - base, 1);
+  std::printf("%s\n", JsonDump(line).c_str());
   return 0;
 }
 

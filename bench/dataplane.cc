@@ -90,6 +90,7 @@
 #include "client/client.h"
 #include "common/dtype.h"
 #include "common/grpc_status.h"
+#include "common/http_server.h"
 #include "common/json.h"
 #include "grpcpp/grpcpp.h"
 #include "proto/optimus.grpc.pb.h"
@@ -181,31 +182,10 @@ namespace {
 
 [[noreturn]] void Die(const std::string& msg) { bench::Die("bench/dataplane", msg); }
 
-// GET http://127.0.0.1:port/path; the body, or empty.
-std::string HttpGet(int port, const std::string& path) {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  if (fd < 0) return "";
-  timeval tv{2, 0};
-  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  a.sin_port = htons(static_cast<uint16_t>(port));
-  std::string out;
-  if (connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0) {
-    const std::string req = absl::StrCat("GET ", path, " HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n");
-    if (write(fd, req.data(), req.size()) == static_cast<ssize_t>(req.size())) {
-      char buf[65536];
-      for (;;) {
-        const ssize_t n = read(fd, buf, sizeof(buf));
-        if (n <= 0) break;
-        out.append(buf, static_cast<size_t>(n));
-      }
-    }
-  }
-  close(fd);
-  const size_t body = out.find("\r\n\r\n");
-  return body == std::string::npos ? "" : out.substr(body + 4);
+// GET http://127.0.0.1:port/path (common/http_server's client); the body,
+// or empty.
+std::string HttpGetBody(int port, const std::string& path) {
+  return optimus::HttpGet(port, path).value_or("");
 }
 
 // VmRSS of a process, bytes (0 if unknown).
@@ -281,8 +261,8 @@ Metrics ParseMetrics(const std::string& text) {
 }
 
 // The step tail between two scrapes of the same shard, as a JSON object, or
-// "null" when the shard does not export the metric.
-std::string StepTailJson(const Metrics& before, const Metrics& after) {
+// null when the shard does not export the metric.
+Json StepTailJson(const Metrics& before, const Metrics& after) {
   std::string name = absl::GetFlag(FLAGS_step_tail_metric);
   if (after.values.count(name + "_count") == 0) {
     // Whatever the shard calls it: a histogram named like a tail.
@@ -294,7 +274,7 @@ std::string StepTailJson(const Metrics& before, const Metrics& after) {
         break;
       }
     }
-    if (name.empty()) return "null";
+    if (name.empty()) return nullptr;
   }
   auto get = [](const Metrics& m, const std::string& k) {
     auto it = m.values.find(k);
@@ -302,7 +282,10 @@ std::string StepTailJson(const Metrics& before, const Metrics& after) {
   };
   const double count = get(after, name + "_count") - get(before, name + "_count");
   const double sum = get(after, name + "_sum") - get(before, name + "_sum");
-  std::string quantiles;
+  Json out;
+  out["metric"] = name;
+  out["count"] = static_cast<uint64_t>(count);  // A sample count, whole.
+  out["mean_s"] = count > 0 ? sum / count : 0.0;
   auto ab = after.buckets.find(name);
   if (ab != after.buckets.end() && count > 0) {
     auto bb = before.buckets.find(name);
@@ -314,15 +297,14 @@ std::string StepTailJson(const Metrics& before, const Metrics& after) {
           if (it != bb->second.end()) prev = it->second;
         }
         if (c - prev >= q * count) {
-          absl::StrAppend(&quantiles, ", \"p", q == 0.5 ? "50" : "99", "_le_s\": ",
-                          std::isinf(le) ? std::string("\"+Inf\"") : absl::StrCat(le));
+          const Json bound = std::isinf(le) ? Json("+Inf") : Json(le);
+          out[q == 0.5 ? "p50_le_s" : "p99_le_s"] = bound;
           break;
         }
       }
     }
   }
-  return absl::StrCat("{\"metric\": ", JsonQuote(name), ", \"count\": ", count,
-                      ", \"mean_s\": ", count > 0 ? sum / count : 0.0, quantiles, "}");
+  return out;
 }
 
 // ---- A cluster of real processes ----
@@ -349,7 +331,7 @@ void StopCluster(ProcCluster* c) { StopProcCluster(c); }
 
 std::vector<Metrics> ScrapeShards(const ProcCluster& c) {
   std::vector<Metrics> out;
-  for (int port : c.metrics_ports) out.push_back(ParseMetrics(HttpGet(port, "/metrics")));
+  for (int port : c.metrics_ports) out.push_back(ParseMetrics(HttpGetBody(port, "/metrics")));
   return out;
 }
 
@@ -546,7 +528,7 @@ struct Goodput {
   uint32_t chunks = 0;
   uint64_t tensor_bytes = 0;
   std::vector<uint64_t> memory_used, rss;
-  std::vector<std::string> step_tail;
+  std::vector<Json> step_tail;  // StepTailJson per shard.
   std::string in_use;
   uint64_t registrations = 0;  // All workers', over the whole case.
 };
@@ -702,8 +684,6 @@ absl::StatusOr<Goodput> RunGoodput(const ProcCluster& c, const std::string& name
   return g;
 }
 
-std::string U64List(const std::vector<uint64_t>& v) { return absl::StrCat("[", absl::StrJoin(v, ", "), "]"); }
-
 void PrintGoodput(const std::string& tls, uint64_t msg_bytes, int workers, int shards,
                   const Goodput& g, const Perftest& p, const Perftest& ws, int cluster_id) {
   for (const char* kase : {"push", "pull"}) {
@@ -713,37 +693,45 @@ void PrintGoodput(const std::string& tls, uint64_t msg_bytes, int workers, int s
     // message, so that its buffers are as large as the case's (a 4 MiB
     // message sent again and again stays in the CPU's cache; a tensor of
     // many chunks cannot).
-    std::string ws_fields;
+    Json line;
+    line["bench"] = "dataplane";
+    line["case"] = kase;
+    line["transport"] = tls;
+    line["msg_bytes"] = msg_bytes;
+    line["workers"] = workers;
+    line["shards"] = shards;
+    line["optimus_gbps"] = JsonRound(f.median, 3);
+    line["ucx_perftest_gbps"] = JsonRound(p.gbps, 3);
+    line["ratio"] = JsonRound(p.gbps > 0 ? f.median / p.gbps : 0.0, 3);
+    line["unit"] = "GB/s (1e9 bytes/s), medians";
+    line["optimus_mean_gbps"] = JsonRound(f.mean, 3);
+    line["optimus_best_gbps"] = JsonRound(f.best, 3);
+    line["ucx_perftest_best_gbps"] = JsonRound(p.best_gbps, 3);
+    line["ratio_best"] = JsonRound(p.best_gbps > 0 ? f.best / p.best_gbps : 0.0, 3);
+    line["chunks"] = g.chunks;
+    line["transports_in_use"] = g.in_use;
+    line["tensor_bytes"] = g.tensor_bytes;
+    line["iterations"] = f.iterations;
+    line["step_ms"] = JsonRound(g.step_ms, 2);
+    line["allocs_per_msg"] =
+        JsonRound(is_push ? g.push_allocs_per_msg : g.pull_allocs_per_msg, 2);
+    line["registrations"] = g.registrations;
+    line["ucx_perftest_runs_gbps"] = p.runs_gbps;
+    line["shard_memory_used_bytes"] = g.memory_used;
+    line["shard_rss_bytes"] = g.rss;
+    line["step_tail"] = g.step_tail;
+    line["cluster"] = cluster_id;
+    line["ucx_perftest_server_cmd"] = p.server_cmd;
+    line["ucx_perftest_client_cmd"] = p.client_cmd;
     if (ws.status.ok() && ws.gbps > 0) {
-      ws_fields = absl::StrCat(", \"ucx_perftest_ws_gbps\": ", ws.gbps, ", \"ratio_ws\": ",
-                               absl::StrFormat("%.3f", f.median / ws.gbps),
-                               ", \"ucx_perftest_ws_msg_bytes\": ", g.tensor_bytes,
-                               ", \"ucx_perftest_ws_client_cmd\": ", JsonQuote(ws.client_cmd));
+      line["ucx_perftest_ws_gbps"] = ws.gbps;
+      line["ratio_ws"] = JsonRound(f.median / ws.gbps, 3);
+      line["ucx_perftest_ws_msg_bytes"] = g.tensor_bytes;
+      line["ucx_perftest_ws_client_cmd"] = ws.client_cmd;
     } else if (!ws.status.ok()) {
-      ws_fields = absl::StrCat(", \"ucx_perftest_ws_error\": ", JsonQuote(ws.status.ToString()));
+      line["ucx_perftest_ws_error"] = ws.status.ToString();
     }
-    std::fprintf(g_out, 
-        "{\"bench\": \"dataplane\", \"case\": \"%s\", \"transport\": %s, \"msg_bytes\": %llu, "
-        "\"workers\": %d, \"shards\": %d, \"optimus_gbps\": %.3f, \"ucx_perftest_gbps\": %.3f, "
-        "\"ratio\": %.3f, \"unit\": \"GB/s (1e9 bytes/s), medians\", \"optimus_mean_gbps\": %.3f, "
-        "\"optimus_best_gbps\": %.3f, \"ucx_perftest_best_gbps\": %.3f, \"ratio_best\": %.3f, "
-        "\"chunks\": %u, \"transports_in_use\": %s, \"tensor_bytes\": %llu, \"iterations\": %d, "
-        "\"step_ms\": %.2f, \"allocs_per_msg\": %.2f, \"registrations\": %llu, "
-        "\"ucx_perftest_runs_gbps\": [%s], \"shard_memory_used_bytes\": %s, "
-        "\"shard_rss_bytes\": %s, \"step_tail\": [%s], \"cluster\": %d, "
-        "\"ucx_perftest_server_cmd\": %s, \"ucx_perftest_client_cmd\": %s%s}\n",
-        kase, JsonQuote(tls).c_str(), static_cast<unsigned long long>(msg_bytes), workers,
-        shards, f.median, p.gbps, p.gbps > 0 ? f.median / p.gbps : 0.0, f.mean, f.best, p.best_gbps,
-        p.best_gbps > 0 ? f.best / p.best_gbps : 0.0, g.chunks, JsonQuote(g.in_use).c_str(),
-        static_cast<unsigned long long>(g.tensor_bytes), f.iterations, g.step_ms,
-        is_push ? g.push_allocs_per_msg : g.pull_allocs_per_msg,
-        static_cast<unsigned long long>(g.registrations),
-        absl::StrJoin(p.runs_gbps, ", ",
-                      [](std::string* out, double v) { absl::StrAppend(out, v); })
-            .c_str(),
-        U64List(g.memory_used).c_str(), U64List(g.rss).c_str(),
-        absl::StrJoin(g.step_tail, ", ").c_str(), cluster_id, JsonQuote(p.server_cmd).c_str(),
-        JsonQuote(p.client_cmd).c_str(), ws_fields.c_str());
+    std::fprintf(g_out, "%s\n", JsonDump(line).c_str());
     std::fflush(g_out);
   }
 }
@@ -751,27 +739,35 @@ void PrintGoodput(const std::string& tls, uint64_t msg_bytes, int workers, int s
 // A case that could not run; with the baseline when it was measured.
 void PrintError(const std::string& kase, const std::string& tls, uint64_t msg_bytes,
                 int workers, int shards, const absl::Status& s, const Perftest* p = nullptr) {
-  std::string baseline;
+  Json line;
+  line["bench"] = "dataplane";
+  line["case"] = kase;
+  line["transport"] = tls;
+  line["msg_bytes"] = msg_bytes;
+  line["workers"] = workers;
+  line["shards"] = shards;
   if (p != nullptr && p->status.ok() && p->gbps > 0) {
-    baseline = absl::StrCat(", \"optimus_gbps\": null, \"ucx_perftest_gbps\": ", p->gbps,
-                            ", \"ucx_perftest_client_cmd\": ", JsonQuote(p->client_cmd));
+    line["optimus_gbps"] = nullptr;
+    line["ucx_perftest_gbps"] = p->gbps;
+    line["ucx_perftest_client_cmd"] = p->client_cmd;
   }
-  std::fprintf(g_out, "{\"bench\": \"dataplane\", \"case\": %s, \"transport\": %s, \"msg_bytes\": %llu, "
-              "\"workers\": %d, \"shards\": %d%s, \"error\": %s}\n",
-              JsonQuote(kase).c_str(), JsonQuote(tls).c_str(),
-              static_cast<unsigned long long>(msg_bytes), workers, shards, baseline.c_str(),
-              JsonQuote(s.ToString()).c_str());
+  line["error"] = s.ToString();
+  std::fprintf(g_out, "%s\n", JsonDump(line).c_str());
   std::fflush(g_out);
 }
 
 void PrintCluster(int id, const ProcCluster& c, int shards) {
-  std::vector<std::string> quoted;
-  for (const auto& cmd : c.commands) quoted.push_back(JsonQuote(cmd));
-  std::fprintf(g_out, "{\"bench\": \"dataplane\", \"event\": \"cluster\", \"cluster\": %d, "
-              "\"transport\": %s, \"shards\": %d, \"workers_in\": \"this process, one "
-              "liboptimus client per thread, WorkerOptions.transports = transport, "
-              "net_devices = lo\", \"commands\": [%s]}\n",
-              id, JsonQuote(c.transports).c_str(), shards, absl::StrJoin(quoted, ", ").c_str());
+  Json line;
+  line["bench"] = "dataplane";
+  line["event"] = "cluster";
+  line["cluster"] = id;
+  line["transport"] = c.transports;
+  line["shards"] = shards;
+  line["workers_in"] =
+      "this process, one liboptimus client per thread, WorkerOptions.transports = transport, "
+      "net_devices = lo";
+  line["commands"] = c.commands;
+  std::fprintf(g_out, "%s\n", JsonDump(line).c_str());
   std::fflush(g_out);
 }
 
@@ -929,26 +925,31 @@ void RunSmallTensors(const std::string& root, const std::string& dir) {
     const double big = jobs[1].total_steps / jobs[1].total_s;
     std::vector<uint64_t> rss;
     for (pid_t p : c.shards) rss.push_back(RssBytes(p));
-    std::fprintf(g_out, 
-        "{\"bench\": \"dataplane\", \"case\": \"small_tensors\", \"batched\": %s, "
-        "\"transport\": %s, "
-        "\"workers\": %d, \"shards\": %d, \"tensors\": %d, \"elems_per_tensor\": %lld, "
-        "\"bytes_per_step_per_worker\": %lld, \"steps\": %d, \"steps_per_s\": %.3f, "
-        "\"baseline\": \"one tensor of the same elements\", \"baseline_chunks\": %u, "
-        "\"baseline_steps_per_s\": %.3f, \"ratio\": %.3f, \"messages_per_step\": %llu, "
-        "\"messages_per_s\": %.0f, \"allocs_per_msg\": %.2f, \"baseline_allocs_per_msg\": %.2f, "
-        "\"worker_cpu_us_per_msg\": %.2f, \"shard_cpu_us_per_msg\": %.2f, "
-        "\"shard_rss_bytes\": %s}\n",
-        absl::GetFlag(FLAGS_small_batch) ? "true" : "false", JsonQuote(tls).c_str(), workers,
-        shards, num_tensors, static_cast<long long>(elems),
-        static_cast<long long>(elems * num_tensors * 2 * 2), jobs[0].total_steps, small,
-        jobs[1].clients[0]->tensors()[0].num_chunks, big, small / big,
-        static_cast<unsigned long long>(jobs[0].messages_per_step),
-        small * jobs[0].messages_per_step, jobs[0].allocs / jobs[0].total_steps,
-        jobs[1].allocs / jobs[1].total_steps,
-        jobs[0].worker_cpu_s * 1e6 / (jobs[0].messages_per_step * jobs[0].total_steps),
-        jobs[0].shard_cpu_s * 1e6 / (jobs[0].messages_per_step * jobs[0].total_steps),
-        U64List(rss).c_str());
+    const double per_msg = jobs[0].messages_per_step * jobs[0].total_steps;
+    Json line;
+    line["bench"] = "dataplane";
+    line["case"] = "small_tensors";
+    line["batched"] = absl::GetFlag(FLAGS_small_batch);
+    line["transport"] = tls;
+    line["workers"] = workers;
+    line["shards"] = shards;
+    line["tensors"] = num_tensors;
+    line["elems_per_tensor"] = static_cast<int64_t>(elems);
+    line["bytes_per_step_per_worker"] = static_cast<int64_t>(elems * num_tensors * 2 * 2);
+    line["steps"] = jobs[0].total_steps;
+    line["steps_per_s"] = JsonRound(small, 3);
+    line["baseline"] = "one tensor of the same elements";
+    line["baseline_chunks"] = jobs[1].clients[0]->tensors()[0].num_chunks;
+    line["baseline_steps_per_s"] = JsonRound(big, 3);
+    line["ratio"] = JsonRound(small / big, 3);
+    line["messages_per_step"] = static_cast<uint64_t>(jobs[0].messages_per_step);
+    line["messages_per_s"] = static_cast<int64_t>(std::llround(small * jobs[0].messages_per_step));
+    line["allocs_per_msg"] = JsonRound(jobs[0].allocs / jobs[0].total_steps, 2);
+    line["baseline_allocs_per_msg"] = JsonRound(jobs[1].allocs / jobs[1].total_steps, 2);
+    line["worker_cpu_us_per_msg"] = JsonRound(jobs[0].worker_cpu_s * 1e6 / per_msg, 2);
+    line["shard_cpu_us_per_msg"] = JsonRound(jobs[0].shard_cpu_s * 1e6 / per_msg, 2);
+    line["shard_rss_bytes"] = rss;
+    std::fprintf(g_out, "%s\n", JsonDump(line).c_str());
     std::fflush(g_out);
   }
   for (Job& j : jobs) j.clients.clear();
@@ -1126,28 +1127,38 @@ void RunStaging(const std::string& root, const std::string& dir) {
       continue;
     }
     const double p = static_cast<double>(params);
-    std::fprintf(g_out,
-                 "{\"bench\": \"dataplane\", \"case\": \"staging\", \"workers\": %d, "
-                 "\"pace_ms\": %.1f, "
-                 "\"params\": %lld, \"optimizer\": \"adamw\", \"dtypes\": \"bf16\", "
-                 "\"steps_per_s\": %.4f, \"memory_used_per_param\": %.2f, "
-                 "\"rss_per_param\": %.2f, \"memory_used_less_staging_per_param\": %.2f, "
-                 "\"staging_limit_bytes\": %.0f, "
-                 "\"staging_held_bytes\": %.0f, \"staging_waits\": %.0f, \"folds\": %.0f, "
-                 "\"publish_tail_mean_s\": %.5f, \"kernel_mean_s\": %.5f, "
-                 "\"step_queue_mean_s\": %.5f, "
-                 "\"tail_over_kernel\": %.3f, "
-                 "\"baseline\": \"all slots (--fold_gradients=false, pool = W slots per parameter)\", "
-                 "\"baseline_steps_per_s\": %.4f, \"baseline_memory_used_per_param\": %.2f, "
-                 "\"baseline_rss_per_param\": %.2f, \"baseline_tail_over_kernel\": %.3f, "
-                 "\"ratio_steps_per_s\": %.3f}\n",
-                 w, absl::GetFlag(FLAGS_staging_pace_ms), static_cast<long long>(params), r[1].steps_per_s, r[1].memory_used / p,
-                 r[1].rss / p, (r[1].memory_used - r[1].staging_held) / p, r[1].staging_limit, r[1].staging_held, r[1].waits, r[1].folds,
-                 r[1].tail_mean_s, r[1].step_mean_s, r[1].queue_mean_s,
-                 r[1].step_mean_s > 0 ? r[1].tail_mean_s / r[1].step_mean_s : 0.0,
-                 r[0].steps_per_s, r[0].memory_used / p, r[0].rss / p,
-                 r[0].step_mean_s > 0 ? r[0].tail_mean_s / r[0].step_mean_s : 0.0,
-                 r[0].steps_per_s > 0 ? r[1].steps_per_s / r[0].steps_per_s : 0.0);
+    const auto tail_over_kernel = [](const auto& x) {
+      return x.step_mean_s > 0 ? x.tail_mean_s / x.step_mean_s : 0.0;
+    };
+    Json line;
+    line["bench"] = "dataplane";
+    line["case"] = "staging";
+    line["workers"] = w;
+    line["pace_ms"] = JsonRound(absl::GetFlag(FLAGS_staging_pace_ms), 1);
+    line["params"] = static_cast<int64_t>(params);
+    line["optimizer"] = "adamw";
+    line["dtypes"] = "bf16";
+    line["steps_per_s"] = JsonRound(r[1].steps_per_s, 4);
+    line["memory_used_per_param"] = JsonRound(r[1].memory_used / p, 2);
+    line["rss_per_param"] = JsonRound(r[1].rss / p, 2);
+    line["memory_used_less_staging_per_param"] =
+        JsonRound((r[1].memory_used - r[1].staging_held) / p, 2);
+    line["staging_limit_bytes"] = static_cast<int64_t>(std::llround(r[1].staging_limit));
+    line["staging_held_bytes"] = static_cast<int64_t>(std::llround(r[1].staging_held));
+    line["staging_waits"] = static_cast<int64_t>(std::llround(r[1].waits));
+    line["folds"] = static_cast<int64_t>(std::llround(r[1].folds));
+    line["publish_tail_mean_s"] = JsonRound(r[1].tail_mean_s, 5);
+    line["kernel_mean_s"] = JsonRound(r[1].step_mean_s, 5);
+    line["step_queue_mean_s"] = JsonRound(r[1].queue_mean_s, 5);
+    line["tail_over_kernel"] = JsonRound(tail_over_kernel(r[1]), 3);
+    line["baseline"] = "all slots (--fold_gradients=false, pool = W slots per parameter)";
+    line["baseline_steps_per_s"] = JsonRound(r[0].steps_per_s, 4);
+    line["baseline_memory_used_per_param"] = JsonRound(r[0].memory_used / p, 2);
+    line["baseline_rss_per_param"] = JsonRound(r[0].rss / p, 2);
+    line["baseline_tail_over_kernel"] = JsonRound(tail_over_kernel(r[0]), 3);
+    line["ratio_steps_per_s"] =
+        JsonRound(r[0].steps_per_s > 0 ? r[1].steps_per_s / r[0].steps_per_s : 0.0, 3);
+    std::fprintf(g_out, "%s\n", JsonDump(line).c_str());
     std::fflush(g_out);
   }
 }

@@ -454,11 +454,14 @@ absl::Status RunProfile(const std::string& root, const std::string& dir, const P
   }
   ProcCluster cluster;
   if (absl::Status s = StartProcCluster(po, &cluster); !s.ok()) return s;
-  std::vector<std::string> quoted;
-  for (const auto& cmd : cluster.commands) quoted.push_back(JsonQuote(cmd));
-  std::fprintf(g_out, "{\"bench\": \"e2e\", \"profile\": %s, \"cluster\": [%s]}\n",
-               JsonQuote(profile.name).c_str(), absl::StrJoin(quoted, ", ").c_str());
-  std::fflush(g_out);
+  {
+    Json line;
+    line["bench"] = "e2e";
+    line["profile"] = profile.name;
+    line["cluster"] = cluster.commands;
+    std::fprintf(g_out, "%s\n", JsonDump(line).c_str());
+    std::fflush(g_out);
+  }
 
   // Workers: connect, rank 0 creates the job, all join, rank 0 sends the
   // initial values.
@@ -559,17 +562,23 @@ absl::Status RunProfile(const std::string& root, const std::string& dir, const P
     const double frac_median =
         compute_median_ms > 0 ? (f.median_ms - compute_median_ms) / compute_median_ms : 0;
     if (mode != Mode::kCompute) exposed.emplace_back(mode, frac);
-    std::fprintf(g_out,
-                 "{\"bench\": \"e2e\", \"profile\": %s, \"mode\": %s, \"layers\": %d, "
-                 "\"params\": %llu, \"workers\": %d, \"shards\": %d, \"iterations\": %d, "
-                 "\"profile_compute_ms\": %.3f, \"iteration_ms\": %.3f, "
-                 "\"iteration_ms_median\": %.3f, \"exposed_fraction\": %.4f, "
-                 "\"exposed_fraction_median\": %.4f, \"skip_nonfinite\": %s, "
-                 "\"transports\": %s}\n",
-                 JsonQuote(profile.name).c_str(), JsonQuote(ModeName(mode)).c_str(), layers,
-                 static_cast<unsigned long long>(params), workers, shards, iterations,
-                 m.compute_ms(), f.mean_ms, f.median_ms, frac, frac_median,
-                 absl::GetFlag(FLAGS_skip_nonfinite) ? "true" : "false", JsonQuote(ws[0].client->transports_in_use()).c_str());
+    Json line;
+    line["bench"] = "e2e";
+    line["profile"] = profile.name;
+    line["mode"] = ModeName(mode);
+    line["layers"] = layers;
+    line["params"] = static_cast<uint64_t>(params);
+    line["workers"] = workers;
+    line["shards"] = shards;
+    line["iterations"] = iterations;
+    line["profile_compute_ms"] = JsonRound(m.compute_ms(), 3);
+    line["iteration_ms"] = JsonRound(f.mean_ms, 3);
+    line["iteration_ms_median"] = JsonRound(f.median_ms, 3);
+    line["exposed_fraction"] = JsonRound(frac, 4);
+    line["exposed_fraction_median"] = JsonRound(frac_median, 4);
+    line["skip_nonfinite"] = absl::GetFlag(FLAGS_skip_nonfinite);
+    line["transports"] = ws[0].client->transports_in_use();
+    std::fprintf(g_out, "%s\n", JsonDump(line).c_str());
     std::fflush(g_out);
   }
   // What came back is the job's parameters: every rank holds the same
@@ -588,14 +597,18 @@ absl::Status RunProfile(const std::string& root, const std::string& dir, const P
     if (mode == Mode::kLayerwise) layerwise = frac;
     if (mode == Mode::kDelayed) delayed = frac;
   }
-  std::fprintf(g_out,
-               "{\"bench\": \"e2e\", \"profile\": %s, \"summary\": true, \"compute_ms\": %.3f, "
-               "\"exposed_no_overlap\": %.4f, \"exposed_layerwise\": %.4f, "
-               "\"exposed_delayed\": %.4f, \"zero_infinity_paper\": %.3f, "
-               "\"layerwise_at_most_half_of_no_overlap\": %s, \"delayed_under_10pct\": %s}\n",
-               JsonQuote(profile.name).c_str(), compute_ms, no_overlap, layerwise, delayed,
-               profile.zero_infinity_exposed, layerwise <= no_overlap / 2 ? "true" : "false",
-               delayed < 0.10 ? "true" : "false");
+  Json summary;
+  summary["bench"] = "e2e";
+  summary["profile"] = profile.name;
+  summary["summary"] = true;
+  summary["compute_ms"] = JsonRound(compute_ms, 3);
+  summary["exposed_no_overlap"] = JsonRound(no_overlap, 4);
+  summary["exposed_layerwise"] = JsonRound(layerwise, 4);
+  summary["exposed_delayed"] = JsonRound(delayed, 4);
+  summary["zero_infinity_paper"] = JsonRound(profile.zero_infinity_exposed, 3);
+  summary["layerwise_at_most_half_of_no_overlap"] = layerwise <= no_overlap / 2;
+  summary["delayed_under_10pct"] = delayed < 0.10;
+  std::fprintf(g_out, "%s\n", JsonDump(summary).c_str());
   std::fflush(g_out);
   for (auto& w : ws) {
     w.client->ForgetBuffer(w.grads.data(), arena_elems * 2);

@@ -27,6 +27,7 @@
 //        [--ckpt_every=10] [--rounds=4] [--transport=ucx|loopback]
 #include <algorithm>
 #include <cstdint>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <memory>
@@ -40,6 +41,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "common/checkpoint_files.h"
+#include "common/json.h"
 #include "tests/harness/cluster.h"
 
 ABSL_FLAG(int64_t, params_mi, 4, "model size, Mi parameters (one weight tensor)");
@@ -169,18 +171,29 @@ int Main() {
   }
   const double state_mb = static_cast<double>(params_mi) * 12.0;  // fp32 master, m, v
   const double slowdown = (ckpt_ms - plain_ms) / plain_ms;
-  std::printf(
-      "{\"bench\": \"checkpoint_stall\", \"transport\": \"%s\", \"params\": %lld, "
-      "\"workers\": 2, \"shards\": 3, "
-      "\"rounds\": %d, \"steps_per_phase\": %d, \"ckpt_every_steps\": %d, "
-      "\"state_mib_per_checkpoint\": %.1f, \"checkpoints_ordered\": %d, "
-      "\"checkpoints_complete_kept\": %d, \"step_ms_without\": %.3f, \"step_ms_with\": %.3f, "
-      "\"stall_fraction\": %.4f, \"stall_per_checkpoint_in_steps\": %.4f, "
-      "\"direct_stall_ms\": %.2f, \"direct_stall_fraction\": %.5f, "
-      "\"untimed_tail_steps\": %d, \"untimed_tail_ms\": %.1f}\n",
-      transport.c_str(), static_cast<long long>(params_mi) << 20, rounds, steps, every, state_mb, ordered, complete,
-      plain_ms, ckpt_ms, slowdown, slowdown * every, stall_ms, stall_ms / with_ms,
-      untimed_steps, tail_wait_ms);
+  {
+    Json line;
+    line["bench"] = "checkpoint_stall";
+    line["transport"] = transport;
+    line["params"] = static_cast<int64_t>(params_mi) << 20;
+    line["workers"] = 2;
+    line["shards"] = 3;
+    line["rounds"] = rounds;
+    line["steps_per_phase"] = steps;
+    line["ckpt_every_steps"] = every;
+    line["state_mib_per_checkpoint"] = JsonRound(state_mb, 1);
+    line["checkpoints_ordered"] = ordered;
+    line["checkpoints_complete_kept"] = complete;
+    line["step_ms_without"] = JsonRound(plain_ms, 3);
+    line["step_ms_with"] = JsonRound(ckpt_ms, 3);
+    line["stall_fraction"] = JsonRound(slowdown, 4);
+    line["stall_per_checkpoint_in_steps"] = JsonRound(slowdown * every, 4);
+    line["direct_stall_ms"] = JsonRound(stall_ms, 2);
+    line["direct_stall_fraction"] = JsonRound(stall_ms / with_ms, 5);
+    line["untimed_tail_steps"] = untimed_steps;
+    line["untimed_tail_ms"] = JsonRound(tail_wait_ms, 1);
+    std::printf("%s\n", JsonDump(line).c_str());
+  }
   (void)total;
   std::fflush(stdout);
 
@@ -208,16 +221,20 @@ int Main() {
   Check(c.Train(resume, resume), "the first step after the rollback");
   const absl::Time t2 = absl::Now();
   const double lease_ms = absl::ToDoubleMilliseconds(options.lease);
-  std::printf(
-      "{\"bench\": \"recovery_rollback\", \"transport\": \"%s\", \"lease_ms\": %.0f, "
-      "\"step_ms\": %.3f, "
-      "\"detect_and_restore_ms\": %.1f, \"first_step_done_ms\": %.1f, "
-      "\"resume_step\": %llu, \"steps_redone\": %llu, "
-      "\"ratio_to_lease_plus_one_step\": %.3f}\n",
-      transport.c_str(), lease_ms, ckpt_ms, absl::ToDoubleMilliseconds(t1 - t0),
-      absl::ToDoubleMilliseconds(t2 - t0), static_cast<unsigned long long>(resume),
-      static_cast<unsigned long long>(last + 1 - resume),
-      absl::ToDoubleMilliseconds(t2 - t0) / (lease_ms + ckpt_ms));
+  {
+    Json line;
+    line["bench"] = "recovery_rollback";
+    line["transport"] = transport;
+    line["lease_ms"] = static_cast<int64_t>(std::llround(lease_ms));
+    line["step_ms"] = JsonRound(ckpt_ms, 3);
+    line["detect_and_restore_ms"] = JsonRound(absl::ToDoubleMilliseconds(t1 - t0), 1);
+    line["first_step_done_ms"] = JsonRound(absl::ToDoubleMilliseconds(t2 - t0), 1);
+    line["resume_step"] = resume;
+    line["steps_redone"] = static_cast<uint64_t>(last + 1 - resume);
+    line["ratio_to_lease_plus_one_step"] =
+        JsonRound(absl::ToDoubleMilliseconds(t2 - t0) / (lease_ms + ckpt_ms), 3);
+    std::printf("%s\n", JsonDump(line).c_str());
+  }
   std::fflush(stdout);
 
   // Failover with a replica: a job with replication 1 on the two shards left;
@@ -262,14 +279,20 @@ int Main() {
   }
   const double detect_ms = absl::ToDoubleMilliseconds(detected - k0);
   const double recovery_ms = absl::ToDoubleMilliseconds(resumed - k0);
-  std::printf(
-      "{\"bench\": \"recovery_failover\", \"transport\": \"%s\", \"replication\": 1, "
-      "\"lease_ms\": %.0f, "
-      "\"step_ms\": %.3f, \"step_ms_unreplicated\": %.3f, \"detect_ms\": %.1f, "
-      "\"first_step_done_ms\": %.1f, \"steps_redone\": 0, "
-      "\"ratio_to_detect_plus_one_step\": %.3f}\n",
-      transport.c_str(), lease_ms, repl_ms, plain_ms, detect_ms, recovery_ms,
-      recovery_ms / (detect_ms + repl_ms));
+  {
+    Json line;
+    line["bench"] = "recovery_failover";
+    line["transport"] = transport;
+    line["replication"] = 1;
+    line["lease_ms"] = static_cast<int64_t>(std::llround(lease_ms));
+    line["step_ms"] = JsonRound(repl_ms, 3);
+    line["step_ms_unreplicated"] = JsonRound(plain_ms, 3);
+    line["detect_ms"] = JsonRound(detect_ms, 1);
+    line["first_step_done_ms"] = JsonRound(recovery_ms, 1);
+    line["steps_redone"] = 0;
+    line["ratio_to_detect_plus_one_step"] = JsonRound(recovery_ms / (detect_ms + repl_ms), 3);
+    std::printf("%s\n", JsonDump(line).c_str());
+  }
   std::fflush(stdout);
   (void)ckpt::RemoveTree(dir);
   return 0;

@@ -52,6 +52,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
 #include "common/dtype.h"
+#include "common/json.h"
 #include "kernels/cpu/optimizer.h"
 #include "kernels/cpu/passes.h"
 #include "kernels/cpu/thread_pool.h"
@@ -208,14 +209,19 @@ void BenchAdamWFp32(size_t n, int threads, int reps, bool with_libtorch, const c
     const std::vector<double> tt = BestTimes({[&] { opt.step(); }}, std::max(2, reps / 2));
     l = n / tt[0] / 1e9;
   }
-  std::printf(
-      "{\"bench\": \"adamw_fp32\", \"sweep\": \"%s\", \"isa\": \"%s\", \"params\": %zu, "
-      "\"threads\": %d, \"gparams_per_s\": %.4f, \"ceiling_gparams_per_s\": %.4f, "
-      "\"ceiling_gbytes_per_s\": %.2f, \"libtorch_gparams_per_s\": %s, "
-      "\"ratio_to_ceiling\": %.3f, \"ratio_to_libtorch\": %s}\n",
-      SweepName(sweep), std::string(kernels::ActiveIsa()).c_str(), n, threads, x, c,
-      c * 28.0, with_libtorch ? std::to_string(l).c_str() : "null", x / c,
-      with_libtorch ? std::to_string(x / l).c_str() : "null");
+  Json line;
+  line["bench"] = "adamw_fp32";
+  line["sweep"] = SweepName(sweep);
+  line["isa"] = std::string(kernels::ActiveIsa());
+  line["params"] = n;
+  line["threads"] = threads;
+  line["gparams_per_s"] = JsonRound(x, 4);
+  line["ceiling_gparams_per_s"] = JsonRound(c, 4);
+  line["ceiling_gbytes_per_s"] = JsonRound(c * 28.0, 2);
+  line["libtorch_gparams_per_s"] = with_libtorch ? Json(JsonRound(l, 6)) : Json(nullptr);
+  line["ratio_to_ceiling"] = JsonRound(x / c, 3);
+  line["ratio_to_libtorch"] = with_libtorch ? Json(JsonRound(x / l, 6)) : Json(nullptr);
+  std::printf("%s\n", JsonDump(line).c_str());
   std::fflush(stdout);
 }
 
@@ -274,13 +280,22 @@ void BenchServerStep(size_t n, int workers, int threads, int reps, const char* s
   // Bytes per parameter of the fused pass: W bf16 slots + p, m, v read;
   // p, m, v and the bf16 copy written.
   const double bytes_per_param = 2.0 * workers + 12 + 12 + 2;
-  std::printf(
-      "{\"bench\": \"server_step\", \"sweep\": \"%s\", \"isa\": \"%s\", \"workers\": %d, "
-      "\"grad_dtype\": \"bf16\", \"out_dtype\": \"bf16\", \"params\": %zu, \"threads\": %d, "
-      "\"gparams_per_s\": %.4f, \"ceiling_gparams_per_s\": %.4f, \"ceiling_gbytes_per_s\": %.2f, "
-      "\"unfused_gparams_per_s\": %.4f, \"ratio_to_ceiling\": %.3f, \"ratio_to_unfused\": %.3f}\n",
-      SweepName(sweep), std::string(kernels::ActiveIsa()).c_str(), workers, n, threads, x, c,
-      c * bytes_per_param, u, x / c, x / u);
+  Json line;
+  line["bench"] = "server_step";
+  line["sweep"] = SweepName(sweep);
+  line["isa"] = std::string(kernels::ActiveIsa());
+  line["workers"] = workers;
+  line["grad_dtype"] = "bf16";
+  line["out_dtype"] = "bf16";
+  line["params"] = n;
+  line["threads"] = threads;
+  line["gparams_per_s"] = JsonRound(x, 4);
+  line["ceiling_gparams_per_s"] = JsonRound(c, 4);
+  line["ceiling_gbytes_per_s"] = JsonRound(c * bytes_per_param, 2);
+  line["unfused_gparams_per_s"] = JsonRound(u, 4);
+  line["ratio_to_ceiling"] = JsonRound(x / c, 3);
+  line["ratio_to_unfused"] = JsonRound(x / u, 3);
+  std::printf("%s\n", JsonDump(line).c_str());
   std::fflush(stdout);
 }
 
@@ -328,15 +343,22 @@ void BenchGradNorm(size_t n, int workers, int threads, int reps, bool mapped_slo
   const std::vector<double> t = BestTimes({norm, ceiling}, reps);
   const double bytes = 2.0 * workers * static_cast<double>(n);  // W bf16 slots read
   const double x = bytes / t[0] / 1e9, c = bytes / t[1] / 1e9;
-  std::printf(
-      "{\"bench\": \"grad_norm\", \"sweep\": \"%s\", \"isa\": \"%s\", \"workers\": %d, "
-      "\"grad_dtype\": \"bf16\", \"slots\": \"%s\", \"params\": %zu, \"threads\": %d, "
-      "\"gparams_per_s\": %.4f, "
-      "\"gbytes_per_s\": %.2f, \"ceiling_gbytes_per_s\": %.2f, \"ratio_to_ceiling\": %.3f, "
-      "\"grad_norm\": %.6g, \"read_bits\": %u}\n",
-      SweepName(sweep), std::string(kernels::ActiveIsa()).c_str(), workers,
-      mapped_slots ? "mmap" : "aligned_alloc", n, threads, n / t[0] / 1e9, x, c, x / c,
-      std::sqrt(sum_of_squares), bits);
+  Json line;
+  line["bench"] = "grad_norm";
+  line["sweep"] = SweepName(sweep);
+  line["isa"] = std::string(kernels::ActiveIsa());
+  line["workers"] = workers;
+  line["grad_dtype"] = "bf16";
+  line["slots"] = mapped_slots ? "mmap" : "aligned_alloc";
+  line["params"] = n;
+  line["threads"] = threads;
+  line["gparams_per_s"] = JsonRound(n / t[0] / 1e9, 4);
+  line["gbytes_per_s"] = JsonRound(x, 2);
+  line["ceiling_gbytes_per_s"] = JsonRound(c, 2);
+  line["ratio_to_ceiling"] = JsonRound(x / c, 3);
+  line["grad_norm"] = std::sqrt(sum_of_squares);
+  line["read_bits"] = bits;
+  std::printf("%s\n", JsonDump(line).c_str());
   std::fflush(stdout);
 }
 

@@ -13,6 +13,7 @@
 #include <sys/resource.h>
 
 #include <atomic>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <new>
@@ -26,6 +27,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "common/json.h"
 #include "transport/loopback.h"
 #include "transport/transport.h"
 
@@ -142,14 +144,18 @@ int Main() {
   const double secs = absl::ToDoubleSeconds(absl::Now() - t0);
   const double cpu = CpuSeconds() - cpu0;
   const int64_t allocs = heap_allocations.load() - allocs0;
-  std::printf(
-      "{\"bench\": \"transport\", \"transport\": \"%s\", \"transports_in_use\": \"%s\", "
-      "\"messages\": %lld, \"payload_bytes\": %lld, \"window\": %d, \"msgs_per_s\": %.0f, "
-      "\"cpu_us_per_msg\": %.3f, \"heap_allocs_per_msg\": %.3f, \"failed\": %lld}\n",
-      loopback ? "loopback" : "ucx", (*client)->transports_in_use().c_str(),
-      static_cast<long long>(messages), static_cast<long long>(payload_bytes), window,
-      messages / secs, 1e6 * cpu / messages, static_cast<double>(allocs) / messages,
-      static_cast<long long>(FailedOf(&win)));
+  Json line;
+  line["bench"] = "transport";
+  line["transport"] = loopback ? "loopback" : "ucx";
+  line["transports_in_use"] = (*client)->transports_in_use();
+  line["messages"] = static_cast<int64_t>(messages);
+  line["payload_bytes"] = static_cast<int64_t>(payload_bytes);
+  line["window"] = window;
+  line["msgs_per_s"] = static_cast<int64_t>(std::llround(messages / secs));
+  line["cpu_us_per_msg"] = JsonRound(1e6 * cpu / messages, 3);
+  line["heap_allocs_per_msg"] = JsonRound(static_cast<double>(allocs) / messages, 3);
+  line["failed"] = static_cast<int64_t>(FailedOf(&win));
+  std::printf("%s\n", JsonDump(line).c_str());
   return 0;
 }
 

@@ -1,6 +1,5 @@
 #include "common/checkpoint_files.h"
 
-#include <dirent.h>
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -9,6 +8,8 @@
 #include <array>
 #include <cerrno>
 #include <cstring>
+#include <filesystem>
+#include <system_error>
 #include <thread>
 
 #include "absl/strings/numbers.h"
@@ -284,52 +285,49 @@ absl::StatusOr<v1::CheckpointManifest> ReadManifest(const std::string& dir) {
 }
 
 absl::Status MakeDirs(const std::string& path) {
+  namespace fs = std::filesystem;
   if (path.empty()) return absl::InvalidArgumentError("empty folder path");
-  size_t pos = 0;
-  while (pos != std::string::npos) {
-    pos = path.find('/', pos + 1);
-    const std::string part = path.substr(0, pos);
-    if (part.empty()) continue;
-    if (mkdir(part.c_str(), 0755) != 0 && errno != EEXIST) {
-      const int err = errno;
-      const std::string msg = Errno("cannot create folder", part, err);
-      return err == ENOSPC ? absl::ResourceExhaustedError(msg) : absl::InternalError(msg);
+  // Component by component (not fs::create_directories) so that each new
+  // folder gets mkdir's 0755 under the umask: create_directory uses 0777.
+  fs::path so_far;
+  for (const fs::path& part : fs::path(path)) {
+    so_far /= part;
+    if (part.empty() || so_far == so_far.root_path()) continue;
+    std::error_code ec;
+    if (fs::create_directory(so_far, ec)) {
+      fs::permissions(so_far, fs::perms::group_write | fs::perms::others_write,
+                      fs::perm_options::remove, ec);
+    }
+    // A file in the way (EEXIST) is reported below as "not a folder".
+    if (ec && ec.value() != EEXIST) {
+      const std::string msg = Errno("cannot create folder", so_far.string(), ec.value());
+      return ec.value() == ENOSPC ? absl::ResourceExhaustedError(msg) : absl::InternalError(msg);
     }
   }
-  struct stat st;
-  if (stat(path.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
+  std::error_code ec;
+  if (!fs::is_directory(path, ec)) {
     return absl::InternalError(absl::StrCat(path, " is not a folder"));
   }
   return absl::OkStatus();
 }
 
 std::vector<std::string> ListDir(const std::string& path) {
+  namespace fs = std::filesystem;
   std::vector<std::string> out;
-  DIR* d = opendir(path.c_str());
-  if (d == nullptr) return out;
-  while (dirent* e = readdir(d)) {
-    const std::string name = e->d_name;
-    if (name != "." && name != "..") out.push_back(name);
+  std::error_code ec;
+  for (fs::directory_iterator it(path, ec), end; !ec && it != end; it.increment(ec)) {
+    out.push_back(it->path().filename().string());
   }
-  closedir(d);
   std::sort(out.begin(), out.end());
   return out;
 }
 
 absl::Status RemoveTree(const std::string& path) {
-  struct stat st;
-  if (lstat(path.c_str(), &st) != 0) {
-    if (errno == ENOENT) return absl::OkStatus();
-    return absl::InternalError(Errno("cannot stat", path, errno));
-  }
-  if (S_ISDIR(st.st_mode)) {
-    for (const std::string& name : ListDir(path)) {
-      if (auto s = RemoveTree(absl::StrCat(path, "/", name)); !s.ok()) return s;
-    }
-    if (rmdir(path.c_str()) != 0) return absl::InternalError(Errno("cannot remove", path, errno));
-  } else if (unlink(path.c_str()) != 0) {
-    return absl::InternalError(Errno("cannot remove", path, errno));
-  }
+  // Symbolic links are removed, never followed; a missing path removes
+  // nothing and is no error.
+  std::error_code ec;
+  std::filesystem::remove_all(path, ec);
+  if (ec) return absl::InternalError(Errno("cannot remove", path, ec.value()));
   return absl::OkStatus();
 }
 

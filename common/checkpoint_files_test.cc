@@ -1,6 +1,7 @@
 #include "common/checkpoint_files.h"
 
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <cstdio>
 #include <cstdlib>
@@ -129,6 +130,49 @@ TEST(CheckpointFilesTest, WriteReadRangesAndCorruption) {
   EXPECT_NE(s.message().find("t0-a"), absl::string_view::npos) << s;
   ASSERT_TRUE(RemoveTree(dir).ok());
   EXPECT_TRUE(ListDir(dir).empty());
+}
+
+// The folder helpers (std::filesystem underneath): mkdir -p with mkdir's
+// 0755, a file in the way is an error naming it, ListDir sorts and leaves
+// out . and .., RemoveTree removes a symbolic link without following it and
+// accepts a missing path.
+TEST(CheckpointFilesTest, FolderHelpers) {
+  const std::string root = TempDir();
+  const mode_t old_umask = umask(022);
+  const std::string deep = root + "/a/b/c/";
+  ASSERT_TRUE(MakeDirs(deep).ok());
+  ASSERT_TRUE(MakeDirs(deep).ok());  // Already there: fine.
+  umask(old_umask);
+  struct stat st;
+  ASSERT_EQ(stat((root + "/a/b").c_str(), &st), 0);
+  EXPECT_TRUE(S_ISDIR(st.st_mode));
+  EXPECT_EQ(st.st_mode & 0777, 0755u);
+  EXPECT_EQ(MakeDirs("").code(), absl::StatusCode::kInvalidArgument);
+
+  FILE* f = std::fopen((root + "/a/file").c_str(), "w");
+  ASSERT_NE(f, nullptr);
+  std::fclose(f);
+  absl::Status in_the_way = MakeDirs(root + "/a/file");
+  EXPECT_EQ(in_the_way.code(), absl::StatusCode::kInternal) << in_the_way;
+  EXPECT_NE(in_the_way.message().find("a/file is not a folder"), absl::string_view::npos)
+      << in_the_way;
+  in_the_way = MakeDirs(root + "/a/file/below");
+  EXPECT_FALSE(in_the_way.ok());
+  EXPECT_NE(in_the_way.message().find("a/file"), absl::string_view::npos) << in_the_way;
+
+  EXPECT_EQ(ListDir(root + "/a"), (std::vector<std::string>{"b", "file"}));
+  EXPECT_TRUE(ListDir(root + "/missing").empty());
+
+  // A link to a folder outside the tree: the link goes, its target stays.
+  const std::string outside = TempDir();
+  ASSERT_TRUE(MakeDirs(outside + "/kept").ok());
+  ASSERT_EQ(symlink(outside.c_str(), (root + "/a/b/link").c_str()), 0);
+  ASSERT_TRUE(RemoveTree(root + "/a").ok());
+  EXPECT_TRUE(ListDir(root).empty());
+  EXPECT_EQ(ListDir(outside), std::vector<std::string>{"kept"});
+  EXPECT_TRUE(RemoveTree(root + "/a").ok());  // Missing: fine.
+  ASSERT_TRUE(RemoveTree(outside).ok());
+  ASSERT_TRUE(RemoveTree(root).ok());
 }
 
 TEST(CheckpointFilesTest, ManifestRoundTripAndChecksum) {

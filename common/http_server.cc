@@ -1,258 +1,181 @@
 #include "common/http_server.h"
 
 #include <arpa/inet.h>
-#include <netdb.h>
 #include <netinet/in.h>
-#include <poll.h>
-#include <sys/eventfd.h>
 #include <sys/socket.h>
-#include <unistd.h>
 
-#include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <cstring>
+#include <utility>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_split.h"
-#include "common/logging.h"
+#include "httplib.h"
 
 namespace optimus {
 namespace {
 
-// A request line and headers larger than this are refused (no bodies here).
-constexpr size_t kMaxRequestBytes = 8192;
+struct HostPort {
+  std::string host;  // An IPv4 or IPv6 address, without brackets.
+  int port = 0;
+};
 
-// Milliseconds left until `deadline` for poll(2), at least 0.
-int MsLeft(absl::Time deadline) {
-  const int64_t ms = absl::ToInt64Milliseconds(deadline - absl::Now());
-  return ms <= 0 ? 0 : static_cast<int>(std::min<int64_t>(ms, 1 << 30));
+absl::StatusOr<HostPort> ParseListenAddress(const std::string& address) {
+  const auto bad = [&address](absl::string_view why) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "metrics address \"", address, "\" ", why,
+        " (want HOST:PORT: 0.0.0.0:9090, [::]:9090, [::1]:0)"));
+  };
+  const size_t colon = address.rfind(':');
+  if (colon == std::string::npos) return bad("has no port");
+  HostPort hp;
+  if (!absl::SimpleAtoi(address.substr(colon + 1), &hp.port) || hp.port < 0 || hp.port > 65535) {
+    return bad("has no port number in 0-65535");
+  }
+  hp.host = address.substr(0, colon);
+  if (hp.host.empty() || hp.host == "*") {
+    hp.host = "0.0.0.0";
+    return hp;
+  }
+  if (hp.host.front() == '[') {
+    if (hp.host.size() < 3 || hp.host.back() != ']') return bad("has an unclosed '['");
+    hp.host = hp.host.substr(1, hp.host.size() - 2);
+    in6_addr a6;
+    if (inet_pton(AF_INET6, hp.host.c_str(), &a6) != 1) return bad("is not an IPv6 address");
+    return hp;
+  }
+  if (hp.host.find(':') != std::string::npos) return bad("needs brackets around IPv6");
+  in_addr a4;
+  if (inet_pton(AF_INET, hp.host.c_str(), &a4) != 1) return bad("is not an IP address");
+  return hp;
 }
 
-const char* Reason(int code) {
-  switch (code) {
-    case 200: return "OK";
-    case 400: return "Bad Request";
-    case 404: return "Not Found";
-    case 405: return "Method Not Allowed";
-    case 503: return "Service Unavailable";
-    default: return "Error";
-  }
-}
-
-// Sends all of `data` unless the peer fails or `deadline` passes (false).
-// Never blocks past the deadline: a client that stops reading cannot hold
-// the thread.
-bool WriteAll(int fd, const std::string& data, absl::Time deadline) {
-  size_t off = 0;
-  while (off < data.size()) {
-    const ssize_t n =
-        send(fd, data.data() + off, data.size() - off, MSG_NOSIGNAL | MSG_DONTWAIT);
-    if (n > 0) {
-      off += static_cast<size_t>(n);
-      continue;
-    }
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
-      pollfd p = {fd, POLLOUT, 0};
-      if (poll(&p, 1, MsLeft(deadline)) <= 0) return false;
-      continue;
-    }
-    return false;
-  }
-  return true;
+// httplib takes timeouts as seconds + microseconds.
+std::pair<time_t, time_t> SecondsAndMicros(absl::Duration d) {
+  const int64_t us = absl::ToInt64Microseconds(d);
+  return {static_cast<time_t>(us / 1000000), static_cast<time_t>(us % 1000000)};
 }
 
 }  // namespace
 
+HttpServer::HttpServer() = default;
+
 absl::StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(
     const std::string& listen_address, std::map<std::string, HttpHandler> handlers,
     const HttpServerOptions& options) {
-  if (options.threads < 1 || options.max_queued < 1 ||
-      options.read_timeout <= absl::ZeroDuration() ||
+  if (options.threads < 1 || options.read_timeout <= absl::ZeroDuration() ||
       options.write_timeout <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError(
-        "http server options: threads and max_queued must be >= 1, timeouts > 0");
+        "http server options: threads must be >= 1 and timeouts > 0");
   }
-  const size_t colon = listen_address.rfind(':');
-  int port = 0;
-  if (colon == std::string::npos || !absl::SimpleAtoi(listen_address.substr(colon + 1), &port) ||
-      port < 0 || port > 65535) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("metrics address \"", listen_address, "\" is not HOST:PORT"));
-  }
-  std::string host = listen_address.substr(0, colon);
-  if (host.empty() || host == "*") host = "0.0.0.0";
-  sockaddr_in addr;
-  std::memset(&addr, 0, sizeof(addr));
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(static_cast<uint16_t>(port));
-  if (inet_pton(AF_INET, host.c_str(), &addr.sin_addr) != 1) {
-    return absl::InvalidArgumentError(absl::StrCat("metrics host \"", host, "\" is not IPv4"));
-  }
+  absl::StatusOr<HostPort> hp = ParseListenAddress(listen_address);
+  if (!hp.ok()) return hp.status();
+
   std::unique_ptr<HttpServer> s(new HttpServer());
-  s->options_ = options;
   s->handlers_ = std::move(handlers);
-  s->listen_fd_ = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (s->listen_fd_ < 0) return absl::UnavailableError(absl::StrCat("socket: ", strerror(errno)));
-  const int one = 1;
-  setsockopt(s->listen_fd_, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-  if (bind(s->listen_fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
-      listen(s->listen_fd_, 64) != 0) {
-    return absl::UnavailableError(
-        absl::StrCat("cannot listen on ", listen_address, ": ", strerror(errno)));
-  }
-  socklen_t len = sizeof(addr);
-  getsockname(s->listen_fd_, reinterpret_cast<sockaddr*>(&addr), &len);
-  s->port_ = ntohs(addr.sin_port);
-  s->wake_fd_ = eventfd(0, EFD_CLOEXEC);
-  if (s->wake_fd_ < 0) return absl::UnavailableError("eventfd failed");
+  s->server_ = std::make_unique<httplib::Server>();
+  httplib::Server& srv = *s->server_;
+  const size_t threads = static_cast<size_t>(options.threads);
+  srv.new_task_queue = [threads] { return new httplib::ThreadPool(threads); };
+  const auto [read_s, read_us] = SecondsAndMicros(options.read_timeout);
+  const auto [write_s, write_us] = SecondsAndMicros(options.write_timeout);
+  srv.set_read_timeout(read_s, read_us);
+  srv.set_write_timeout(write_s, write_us);
+  // httplib waits for a request's first byte for the keep-alive timeout,
+  // which it counts in whole seconds.
+  srv.set_keep_alive_timeout(static_cast<time_t>(
+      absl::ToInt64Seconds(absl::Ceil(options.read_timeout, absl::Seconds(1)))));
+  // One request per connection: an idle keep-alive connection (a scraper's,
+  // between scrapes) would hold a serving thread for nothing.
+  srv.set_keep_alive_max_count(1);
+
+  // httplib's default options add SO_REUSEPORT, which lets a second process
+  // bind the same port and take half the connections (two shards given one
+  // --metrics_port would both start). SO_REUSEADDR only: a restart can bind
+  // over connections in TIME_WAIT, a port in use is refused.
+  srv.set_socket_options([](int sock) {
+    const int one = 1;
+    setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+  });
+
   HttpServer* raw = s.get();
-  for (int i = 0; i < options.threads; ++i) {
-    s->servers_.emplace_back([raw] { raw->ServeLoop(); });
+  // One route for every path, looked up exactly (httplib's patterns are
+  // regular expressions).
+  srv.Get(".*", [raw](const httplib::Request& req, httplib::Response& res) {
+    auto it = raw->handlers_.find(req.path);
+    if (it == raw->handlers_.end()) {
+      res.status = 404;
+      res.set_content(absl::StrCat("no handler for ", req.path, "\n"), "text/plain");
+      return;
+    }
+    HttpResponse r = it->second();
+    res.status = r.code;
+    res.set_content(r.body, r.content_type);
+  });
+  // Called once each answer is written or given up on.
+  srv.set_logger([raw](const httplib::Request&, const httplib::Response&) {
+    raw->answered_.fetch_add(1);
+  });
+
+  errno = 0;
+  if (hp->port == 0) {
+    s->port_ = srv.bind_to_any_port(hp->host);
+  } else {
+    s->port_ = srv.bind_to_port(hp->host, hp->port) ? hp->port : -1;
   }
-  s->thread_ = std::thread([raw] { raw->Loop(); });
+  if (s->port_ <= 0) {
+    const int err = errno;
+    return absl::UnavailableError(absl::StrCat("cannot listen on ", listen_address,
+                                               err != 0 ? ": " : "",
+                                               err != 0 ? strerror(err) : ""));
+  }
+  auto listen_ended = std::make_shared<std::atomic<bool>>(false);
+  s->thread_ = std::thread([raw, listen_ended] {
+    raw->server_->listen_after_bind();
+    listen_ended->store(true);
+  });
+  // httplib's stop() only acts on a server that is running: wait until the
+  // accept loop has started, so that the destructor can always stop it.
+  while (!srv.is_running() && !listen_ended->load()) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  if (listen_ended->load()) {
+    return absl::UnavailableError(absl::StrCat("cannot serve on ", listen_address));
+  }
   return s;
 }
 
 HttpServer::~HttpServer() {
-  if (thread_.joinable()) {
-    const uint64_t one = 1;
-    (void)!write(wake_fd_, &one, sizeof(one));
-    thread_.join();
-  }
-  {
-    absl::MutexLock lock(&mu_);
-    stop_ = true;
-  }
-  // A thread in Serve finishes within the deadlines.
-  for (std::thread& t : servers_) {
-    if (t.joinable()) t.join();
-  }
-  {
-    absl::MutexLock lock(&mu_);
-    for (int fd : queue_) close(fd);
-    queue_.clear();
-  }
-  if (listen_fd_ >= 0) close(listen_fd_);
-  if (wake_fd_ >= 0) close(wake_fd_);
+  if (server_ != nullptr) server_->stop();
+  // The accept loop ends, then its pool finishes the connections it holds.
+  if (thread_.joinable()) thread_.join();
 }
 
-void HttpServer::ServeLoop() {
-  for (;;) {
-    int fd;
-    {
-      absl::MutexLock lock(&mu_);
-      mu_.Await(absl::Condition(this, &HttpServer::HasWorkOrStop));
-      if (stop_) return;
-      fd = queue_.front();
-      queue_.pop_front();
-    }
-    Serve(fd);
-    close(fd);
-  }
+std::string HttpListenAddress(const std::string& host, int port) {
+  const bool v6 = host.find(':') != std::string::npos && host[0] != '[';
+  return absl::StrCat(v6 ? "[" : "", host, v6 ? "]" : "", ":", port);
 }
 
-void HttpServer::Loop() {
-  for (;;) {
-    pollfd fds[2] = {{listen_fd_, POLLIN, 0}, {wake_fd_, POLLIN, 0}};
-    if (poll(fds, 2, -1) < 0) {
-      if (errno == EINTR) continue;
-      return;
-    }
-    if (fds[1].revents != 0) return;
-    if (fds[0].revents & POLLIN) {
-      const int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
-      if (fd >= 0) {
-        bool queued = false;
-        {
-          absl::MutexLock lock(&mu_);
-          if (queue_.size() < static_cast<size_t>(options_.max_queued)) {
-            queue_.push_back(fd);
-            queued = true;
-          }
-        }
-        if (!queued) {
-          shed_.fetch_add(1);
-          close(fd);  // Every thread busy and the queue full: shed it.
-        }
-      }
-    }
+absl::StatusOr<std::string> HttpGet(const std::string& host, int port, const std::string& path) {
+  httplib::Client client(host, port);
+  client.set_connection_timeout(5, 0);
+  client.set_read_timeout(5, 0);
+  client.set_write_timeout(5, 0);
+  httplib::Result res = client.Get(path);
+  if (!res) {
+    return absl::UnavailableError(absl::StrCat("GET ", path, " from ", host, ":", port, ": ",
+                                               httplib::to_string(res.error())));
   }
-}
-
-void HttpServer::Serve(int fd) {
-  // The whole request within read_timeout: a client trickling bytes is
-  // dropped as one that sends none.
-  const absl::Time read_deadline = absl::Now() + options_.read_timeout;
-  std::string req;
-  char buf[1024];
-  while (req.find("\r\n\r\n") == std::string::npos && req.find("\n\n") == std::string::npos) {
-    pollfd p = {fd, POLLIN, 0};
-    if (poll(&p, 1, MsLeft(read_deadline)) <= 0) {
-      timed_out_.fetch_add(1);
-      return;
-    }
-    const ssize_t n = recv(fd, buf, sizeof(buf), 0);
-    if (n <= 0) return;
-    req.append(buf, static_cast<size_t>(n));
-    if (req.size() > kMaxRequestBytes) break;
+  if (res->status != 200) {
+    return absl::InternalError(absl::StrCat("GET ", path, " from ", host, ":", port, ": HTTP ",
+                                            res->status, " ", res->body));
   }
-  HttpResponse resp;
-  std::vector<std::string> first = absl::StrSplit(req.substr(0, req.find('\n')), ' ');
-  if (first.size() < 2) {
-    resp = {400, "text/plain", "malformed request line\n"};
-  } else if (first[0] != "GET") {
-    resp = {405, "text/plain", "only GET is served here\n"};
-  } else {
-    std::string path = first[1];
-    path = path.substr(0, path.find('?'));
-    auto it = handlers_.find(path);
-    if (it == handlers_.end()) {
-      resp = {404, "text/plain", absl::StrCat("no handler for ", path, "\n")};
-    } else {
-      resp = it->second();
-    }
-  }
-  const absl::Time write_deadline = absl::Now() + options_.write_timeout;
-  if (!WriteAll(fd,
-                absl::StrCat("HTTP/1.0 ", resp.code, " ", Reason(resp.code),
-                             "\r\nContent-Type: ", resp.content_type,
-                             "\r\nContent-Length: ", resp.body.size(),
-                             "\r\nConnection: close\r\n\r\n", resp.body),
-                write_deadline)) {
-    timed_out_.fetch_add(1);
-  }
+  return std::move(res->body);
 }
 
 absl::StatusOr<std::string> HttpGet(int port, const std::string& path) {
-  const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) return absl::UnavailableError("socket failed");
-  sockaddr_in addr;
-  std::memset(&addr, 0, sizeof(addr));
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(static_cast<uint16_t>(port));
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
-    close(fd);
-    return absl::UnavailableError(absl::StrCat("cannot connect to 127.0.0.1:", port));
-  }
-  WriteAll(fd, absl::StrCat("GET ", path, " HTTP/1.0\r\n\r\n"), absl::Now() + absl::Seconds(5));
-  std::string resp;
-  char buf[4096];
-  for (;;) {
-    pollfd p = {fd, POLLIN, 0};
-    if (poll(&p, 1, 5000) <= 0) break;
-    const ssize_t n = recv(fd, buf, sizeof(buf), 0);
-    if (n <= 0) break;
-    resp.append(buf, static_cast<size_t>(n));
-  }
-  close(fd);
-  const size_t body = resp.find("\r\n\r\n");
-  if (resp.compare(0, 12, "HTTP/1.0 200") != 0 || body == std::string::npos) {
-    return absl::InternalError(absl::StrCat("GET ", path, ": ", resp.substr(0, resp.find('\r'))));
-  }
-  return resp.substr(body + 4);
+  return HttpGet("127.0.0.1", port, path);
 }
 
 }  // namespace optimus

@@ -1,29 +1,29 @@
-// A minimal HTTP/1.0 server for /metrics and /healthz: one thread accepts
-// connections on a TCP socket and hands them to a few serving threads that
-// answer GET requests from fixed handlers, one request per connection. Not
-// a general web server. A slow client cannot hold the probes: each
-// connection has a deadline for its whole request and one for its whole
-// answer, several are served at once, and connections beyond what the
-// threads and a short queue hold are closed at once. A handle: Start()
-// returns a running server or an error; the destructor stops it. Handlers
-// run on the serving threads, possibly at the same time, and must be
-// thread-safe.
+// The small HTTP server behind /metrics, /healthz and /readyz, on Debian's
+// cpp-httplib (libcpp-httplib): GET requests answered from fixed handlers by
+// a pool of `threads` serving threads, with read and write timeouts, on an
+// IPv4 or IPv6 address. Not a general web server. A slow client holds at
+// most one serving thread, and only until its timeout: a scraper that stops
+// reading a large /metrics answer does not delay the probes while another
+// thread is free. A handle: Start() returns a running server or an error;
+// the destructor stops it. Handlers run on the serving threads, possibly at
+// the same time, and must be thread-safe.
 #ifndef OPTIMUS_COMMON_HTTP_SERVER_H_
 #define OPTIMUS_COMMON_HTTP_SERVER_H_
 
 #include <atomic>
-#include <deque>
+#include <cstdint>
 #include <functional>
 #include <map>
 #include <memory>
 #include <string>
 #include <thread>
-#include <vector>
 
-#include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
-#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+
+namespace httplib {
+class Server;
+}  // namespace httplib
 
 namespace optimus {
 
@@ -39,61 +39,63 @@ using HttpHandler = std::function<HttpResponse()>;
 // How an HttpServer copes with slow or many clients. Defaults suit probes
 // and a Prometheus scraper.
 struct HttpServerOptions {
-  // Connections served at once (each on its own thread). Default 4.
+  // Connections served at once, each on its own thread of the pool (>= 1).
+  // Accepted connections beyond them wait in the pool's queue for a free
+  // thread. Default 4.
   int threads = 4;
-  // Accepted connections waiting for a thread (>= 1); more are closed at
-  // once. Default 64.
-  int max_queued = 64;
-  // A client must send its whole request within this, and take the whole
-  // answer within write_timeout, or it is dropped. Defaults 2 s and 10 s.
+  // A client that sends nothing for read_timeout (before its request or in
+  // the middle of it; rounded up to whole seconds before the first byte) is
+  // dropped, and so is one that takes nothing of its answer for
+  // write_timeout. Each applies to one wait, not to a whole request or
+  // answer. Both > 0. Defaults 2 s and 10 s.
   absl::Duration read_timeout = absl::Seconds(2);
   absl::Duration write_timeout = absl::Seconds(10);
 };
 
 class HttpServer {
  public:
-  // listen_address is "HOST:PORT" (port 0 picks a free one). Handlers are
-  // keyed by exact path ("/metrics"); other paths get 404.
+  // listen_address is "HOST:PORT": an IPv4 address ("0.0.0.0:9090",
+  // "127.0.0.1:0"), an IPv6 address in brackets ("[::]:9090", "[::1]:0"),
+  // or "*:PORT" / ":PORT" for 0.0.0.0. Port 0 picks a free one. "[::]"
+  // takes IPv4 connections too where the kernel maps them (Linux's default,
+  // net.ipv6.bindv6only=0). Handlers are keyed by exact path ("/metrics");
+  // other paths get 404, the query string is ignored. INVALID_ARGUMENT for a
+  // malformed address or bad options, UNAVAILABLE when the address cannot
+  // be bound.
   static absl::StatusOr<std::unique_ptr<HttpServer>> Start(
       const std::string& listen_address, std::map<std::string, HttpHandler> handlers,
       const HttpServerOptions& options = {});
+  // Stops accepting and waits for the connections being served, each of
+  // which ends within the timeouts.
   ~HttpServer();
   HttpServer(const HttpServer&) = delete;
   HttpServer& operator=(const HttpServer&) = delete;
 
   int port() const { return port_; }
-  // Connections closed unserved because every thread was busy and the
-  // queue full, or dropped for missing a deadline.
-  uint64_t connections_shed() const { return shed_.load(); }
-  uint64_t connections_timed_out() const { return timed_out_.load(); }
+  // Requests answered (or given up on, for a client that stopped reading
+  // or went away) so far.
+  uint64_t requests_answered() const { return answered_.load(); }
 
  private:
-  HttpServer() = default;
-  void Loop();
-  void ServeLoop() ABSL_LOCKS_EXCLUDED(mu_);
-  void Serve(int fd);
-  bool HasWorkOrStop() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return stop_ || !queue_.empty();
-  }
+  HttpServer();
 
-  HttpServerOptions options_;
   std::map<std::string, HttpHandler> handlers_;
-  int listen_fd_ = -1;
-  int wake_fd_ = -1;  // eventfd that ends the loop.
+  std::unique_ptr<httplib::Server> server_;
+  std::thread thread_;  // Runs the accept loop (httplib's listen).
   int port_ = 0;
-  std::thread thread_;
-  std::vector<std::thread> servers_;
-  absl::Mutex mu_;
-  std::deque<int> queue_ ABSL_GUARDED_BY(mu_);  // Accepted, not served yet.
-  bool stop_ ABSL_GUARDED_BY(mu_) = false;
-  std::atomic<uint64_t> shed_{0};
-  std::atomic<uint64_t> timed_out_{0};
+  std::atomic<uint64_t> answered_{0};
 };
 
-// Sends "GET path" to 127.0.0.1:port and returns the body of a 200 answer
-// (for tests and probes). Unavailable if the server cannot be reached,
-// Internal for other status codes.
+// "HOST:PORT" for HttpServer::Start from a host flag and a port: an IPv6
+// address ("::", "::1") gets its brackets.
+std::string HttpListenAddress(const std::string& host, int port);
+
+// Sends "GET path" to 127.0.0.1:port (or host:port; host is an IPv4 or IPv6
+// address without brackets, or a name) and returns the body of a 200 answer
+// (for tests and probes). UNAVAILABLE if the server cannot be reached or
+// does not answer within 5 s, INTERNAL for other status codes.
 absl::StatusOr<std::string> HttpGet(int port, const std::string& path);
+absl::StatusOr<std::string> HttpGet(const std::string& host, int port, const std::string& path);
 
 }  // namespace optimus
 

@@ -1,30 +1,24 @@
 #include "common/json.h"
 
-#include "absl/strings/str_format.h"
+#include <cmath>
 
 namespace optimus {
 
-std::string JsonQuote(absl::string_view s) {
-  std::string out;
-  out.reserve(s.size() + 2);
-  out += '"';
-  for (unsigned char c : s) {
-    switch (c) {
-      case '"': out += "\\\""; break;
-      case '\\': out += "\\\\"; break;
-      case '\n': out += "\\n"; break;
-      case '\r': out += "\\r"; break;
-      case '\t': out += "\\t"; break;
-      default:
-        if (c < 0x20) {
-          out += absl::StrFormat("\\u%04x", c);
-        } else {
-          out += static_cast<char>(c);
-        }
-    }
-  }
-  out += '"';
-  return out;
+std::string JsonDump(const Json& doc) {
+  return doc.dump(-1, ' ', /*ensure_ascii=*/false, Json::error_handler_t::replace);
+}
+
+std::string JsonDump(const nlohmann::json& doc) {
+  return doc.dump(-1, ' ', /*ensure_ascii=*/false, nlohmann::json::error_handler_t::replace);
+}
+
+std::string JsonQuote(absl::string_view s) { return JsonDump(Json(std::string(s))); }
+
+double JsonRound(double v, int decimals) {
+  if (!std::isfinite(v)) return v;
+  const double scale = std::pow(10.0, decimals);
+  const double r = std::round(v * scale) / scale;
+  return std::isfinite(r) ? r : v;  // v * scale overflowed: v has no decimals to drop.
 }
 
 }  // namespace optimus

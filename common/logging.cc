@@ -59,10 +59,13 @@ void LogLine(LogLevel level, absl::string_view component, absl::string_view mess
   std::lock_guard<std::mutex> lock(g_write_mu);
   std::FILE* out = g_out != nullptr ? g_out : stderr;
   if (static_cast<LogFormat>(g_format.load()) == LogFormat::kJson) {
-    const std::string line = absl::StrCat(
-        "{\"ts\": \"", when, ".", absl::Dec(tv.tv_usec, absl::kZeroPad6), "Z\", \"level\": \"",
-        LevelName(level), "\", \"pid\": ", getpid(), ", \"component\": ",
-        JsonQuote(component), ", \"msg\": ", JsonQuote(message), "}\n");
+    Json doc;
+    doc["ts"] = absl::StrCat(when, ".", absl::Dec(tv.tv_usec, absl::kZeroPad6), "Z");
+    doc["level"] = LevelName(level);
+    doc["pid"] = static_cast<int>(getpid());
+    doc["component"] = std::string(component);
+    doc["msg"] = std::string(message);
+    const std::string line = JsonDump(doc) + "\n";
     std::fwrite(line.data(), 1, line.size(), out);
     std::fflush(out);
     return;

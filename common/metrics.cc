@@ -1,8 +1,10 @@
 #include "common/metrics.h"
 
+#include <charconv>
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
+#include "common/version.h"
 
 namespace optimus {
 namespace {
@@ -20,14 +22,24 @@ std::string Escape(absl::string_view v) {
   return out;
 }
 
-std::string Number(double v) {
+}  // namespace
+
+std::string MetricsText::Number(double v) {
   if (std::isnan(v)) return "NaN";
   if (std::isinf(v)) return v > 0 ? "+Inf" : "-Inf";
-  if (v == std::floor(v) && std::fabs(v) < 1e15) return absl::StrCat(static_cast<int64_t>(v));
-  return absl::StrCat(v);
+  // Integral values that a double holds exactly print as integers ("1000000",
+  // not "1e+06"); others in the shortest form that reads back to the same
+  // double (C++17 <charconv>).
+  if (v == std::trunc(v) && std::fabs(v) < 9007199254740992.0) {  // 2^53
+    return absl::StrCat(static_cast<int64_t>(v));
+  }
+  char buf[64];
+  const std::to_chars_result r = std::to_chars(buf, buf + sizeof(buf), v);
+  return std::string(buf, r.ptr);
 }
 
-}  // namespace
+std::string MetricsText::SignedText(int64_t v) { return absl::StrCat(v); }
+std::string MetricsText::UnsignedText(uint64_t v) { return absl::StrCat(v); }
 
 std::string MetricsText::Labels(const MetricLabels& labels) {
   if (labels.empty()) return "";
@@ -46,19 +58,32 @@ void MetricsText::Declare(absl::string_view name, absl::string_view help,
 }
 
 void MetricsText::Sample(absl::string_view name, absl::string_view help, absl::string_view type,
-                         double value, const MetricLabels& labels) {
+                         absl::string_view value_text, const MetricLabels& labels) {
   Declare(name, help, type);
-  absl::StrAppend(&out_, name, Labels(labels), " ", Number(value), "\n");
+  absl::StrAppend(&out_, name, Labels(labels), " ", value_text, "\n");
 }
 
 void MetricsText::Gauge(absl::string_view name, absl::string_view help, double value,
                         const MetricLabels& labels) {
-  Sample(name, help, "gauge", value, labels);
+  Sample(name, help, "gauge", Number(value), labels);
 }
 
 void MetricsText::Counter(absl::string_view name, absl::string_view help, double value,
                           const MetricLabels& labels) {
-  Sample(name, help, "counter", value, labels);
+  Sample(name, help, "counter", Number(value), labels);
+}
+
+void MetricsText::BuildInfo(absl::string_view binary) {
+#if defined(__x86_64__)
+  const char* arch = "x86_64";
+#elif defined(__aarch64__)
+  const char* arch = "aarch64";
+#else
+  const char* arch = "other";
+#endif
+  Gauge("optimus_build_info",
+        "Always 1; the labels say which optimus release and binary is running.", 1,
+        {{"version", kOptimusVersion}, {"binary", std::string(binary)}, {"arch", arch}});
 }
 
 void Histogram::Observe(double seconds) {
@@ -76,12 +101,15 @@ void Histogram::Render(MetricsText* out, absl::string_view name, absl::string_vi
   std::string text;
   for (size_t i = 0; i < kBoundsSeconds.size(); ++i) {
     cumulative += buckets_[i].load(std::memory_order_relaxed);
-    absl::StrAppend(&text, name, "_bucket{le=\"", kBoundsSeconds[i], "\"} ", cumulative, "\n");
+    absl::StrAppend(&text, name, "_bucket{le=\"", MetricsText::Number(kBoundsSeconds[i]), "\"} ",
+                    cumulative, "\n");
   }
   cumulative += buckets_[kBoundsSeconds.size()].load(std::memory_order_relaxed);
   absl::StrAppend(&text, name, "_bucket{le=\"+Inf\"} ", cumulative, "\n");
-  absl::StrAppend(&text, name, "_sum ",
-                  static_cast<double>(sum_nanos_.load(std::memory_order_relaxed)) * 1e-9, "\n");
+  absl::StrAppend(
+      &text, name, "_sum ",
+      MetricsText::Number(static_cast<double>(sum_nanos_.load(std::memory_order_relaxed)) / 1e9),
+      "\n");
   absl::StrAppend(&text, name, "_count ", cumulative, "\n");
   out->Append(text);
 }

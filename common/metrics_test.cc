@@ -1,16 +1,13 @@
 #include "common/metrics.h"
 
-#include <arpa/inet.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
-#include <unistd.h>
-
-#include <cstring>
+#include <cstdint>
+#include <cstdlib>
+#include <limits>
 #include <string>
-#include <vector>
 
-#include "absl/time/clock.h"
+#include "absl/strings/str_cat.h"
 #include "common/http_server.h"
+#include "common/version.h"
 #include "gtest/gtest.h"
 
 namespace optimus {
@@ -27,6 +24,50 @@ TEST(MetricsTextTest, WritesHelpTypeOnceAndLabels) {
             "# HELP optimus_y_total Ys.\n# TYPE optimus_y_total counter\noptimus_y_total 3\n");
 }
 
+// Values print at full precision: every digit of an integer, and doubles
+// that read back to the same double.
+TEST(MetricsTextTest, FullPrecision) {
+  MetricsText m;
+  m.Counter("optimus_a_total", "A.", uint64_t{1000000000000001});  // 1e15 + 1
+  m.Counter("optimus_b_total", "B.", uint64_t{9007199254740993});  // 2^53 + 1: no double holds it
+  m.Counter("optimus_c_total", "C.", std::numeric_limits<uint64_t>::max());
+  m.Gauge("optimus_d", "D.", int64_t{-5});
+  m.Gauge("optimus_e", "E.", 1e6);
+  m.Gauge("optimus_f", "F.", 1e20);
+  m.Gauge("optimus_g", "G.", 0.1);
+  m.Gauge("optimus_h", "H.", 1.0 / 3);
+  m.Gauge("optimus_i", "I.", 1e-300);
+  m.Gauge("optimus_j", "J.", 1000000000000000.5);
+  m.Gauge("optimus_k", "K.", std::numeric_limits<double>::infinity());
+  const std::string& t = m.text();
+  EXPECT_NE(t.find("\noptimus_a_total 1000000000000001\n"), std::string::npos) << t;
+  EXPECT_NE(t.find("\noptimus_b_total 9007199254740993\n"), std::string::npos) << t;
+  EXPECT_NE(t.find("\noptimus_c_total 18446744073709551615\n"), std::string::npos) << t;
+  EXPECT_NE(t.find("\noptimus_d -5\n"), std::string::npos) << t;
+  EXPECT_NE(t.find("\noptimus_e 1000000\n"), std::string::npos) << t;
+  EXPECT_NE(t.find("\noptimus_f 1e+20\n"), std::string::npos) << t;
+  EXPECT_NE(t.find("\noptimus_g 0.1\n"), std::string::npos) << t;
+  EXPECT_NE(t.find("\noptimus_k +Inf\n"), std::string::npos) << t;
+  // Every double reads back exactly.
+  for (double v : {0.1, 1.0 / 3, 1e-300, 1000000000000000.5, 2.5e-7, 123456789.123456789,
+                   -0.0078125, 1e20}) {
+    const std::string text = MetricsText::Number(v);
+    EXPECT_EQ(std::strtod(text.c_str(), nullptr), v) << text;
+  }
+  EXPECT_EQ(MetricsText::Number(1000000000000000.5), "1000000000000000.5");
+}
+
+TEST(MetricsTextTest, BuildInfo) {
+  MetricsText m;
+  m.BuildInfo("optimus-shard");
+  EXPECT_NE(m.text().find("# TYPE optimus_build_info gauge\n"), std::string::npos) << m.text();
+  EXPECT_NE(m.text().find(absl::StrCat("optimus_build_info{version=\"", kOptimusVersion,
+                                       "\",binary=\"optimus-shard\",arch=\"")),
+            std::string::npos)
+      << m.text();
+  EXPECT_NE(m.text().find("\"} 1\n"), std::string::npos) << m.text();
+}
+
 TEST(HistogramTest, CumulativeBuckets) {
   Histogram h;
   h.Observe(5e-6);
@@ -40,6 +81,8 @@ TEST(HistogramTest, CumulativeBuckets) {
   EXPECT_NE(t.find("optimus_step_seconds_bucket{le=\"10\"} 2\n"), std::string::npos) << t;
   EXPECT_NE(t.find("optimus_step_seconds_bucket{le=\"+Inf\"} 3\n"), std::string::npos) << t;
   EXPECT_NE(t.find("optimus_step_seconds_count 3\n"), std::string::npos) << t;
+  // The sum in seconds, from whole nanoseconds, without rounding noise.
+  EXPECT_NE(t.find("optimus_step_seconds_sum 100.002005\n"), std::string::npos) << t;
 }
 
 TEST(HttpServerTest, ServesHandlersAnd404) {
@@ -57,81 +100,6 @@ TEST(HttpServerTest, ServesHandlersAnd404) {
   const int port = (*s)->port();
   s->reset();
   EXPECT_EQ(HttpGet(port, "/metrics").status().code(), absl::StatusCode::kUnavailable);
-}
-
-int ConnectTo(int port) {
-  const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  sockaddr_in addr;
-  std::memset(&addr, 0, sizeof(addr));
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(static_cast<uint16_t>(port));
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  EXPECT_EQ(connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
-  return fd;
-}
-
-// Polls `done` every 10 ms for up to a minute (a generous bound, not a
-// timing assert).
-bool Eventually(const std::function<bool()>& done) {
-  const absl::Time give_up = absl::Now() + absl::Minutes(1);
-  while (!done()) {
-    if (absl::Now() > give_up) return false;
-    absl::SleepFor(absl::Milliseconds(10));
-  }
-  return true;
-}
-
-TEST(HttpServerTest, AClientThatNeverReadsHoldsOneThreadUntilItsDeadline) {
-  HttpServerOptions o;
-  o.write_timeout = absl::Milliseconds(300);
-  const std::string big(64 << 20, 'x');
-  auto s = HttpServer::Start(
-      "127.0.0.1:0",
-      {{"/big", [&big] { return HttpResponse{200, "text/plain", big}; }},
-       {"/healthz", [] { return HttpResponse{200, "text/plain", "ok\n"}; }}},
-      o);
-  ASSERT_TRUE(s.ok()) << s.status();
-  const int deaf = ConnectTo((*s)->port());
-  const int small = 1;
-  setsockopt(deaf, SOL_SOCKET, SO_RCVBUF, &small, sizeof(small));
-  const std::string get = "GET /big HTTP/1.0\r\n\r\n";
-  ASSERT_EQ(send(deaf, get.data(), get.size(), MSG_NOSIGNAL), static_cast<ssize_t>(get.size()));
-  // Answered meanwhile by the other threads; the deaf client is dropped
-  // once its answer's deadline passes, though it never reads.
-  for (int i = 0; i < 10; ++i) EXPECT_TRUE(HttpGet((*s)->port(), "/healthz").ok());
-  EXPECT_TRUE(Eventually([&] { return (*s)->connections_timed_out() >= 1; }));
-  close(deaf);
-  EXPECT_TRUE(HttpGet((*s)->port(), "/healthz").ok());
-}
-
-TEST(HttpServerTest, ConnectionsBeyondThreadsAndQueueAreShedNotQueuedForever) {
-  HttpServerOptions o;
-  o.threads = 1;
-  o.max_queued = 1;
-  o.read_timeout = absl::Minutes(10);  // Only shedding can free room here.
-  auto s = HttpServer::Start(
-      "127.0.0.1:0", {{"/healthz", [] { return HttpResponse{200, "text/plain", "ok\n"}; }}}, o);
-  ASSERT_TRUE(s.ok()) << s.status();
-  std::vector<int> silent;
-  for (int i = 0; i < 6; ++i) silent.push_back(ConnectTo((*s)->port()));
-  // One is being served (waiting for its request), one waits in the
-  // queue, the other four are closed at once.
-  EXPECT_TRUE(Eventually([&] { return (*s)->connections_shed() >= 4; }));
-  for (int fd : silent) close(fd);
-  // The served one ends when its client goes; then probes are answered.
-  EXPECT_TRUE(Eventually([&] { return HttpGet((*s)->port(), "/healthz").ok(); }));
-}
-
-TEST(HttpServerTest, BadOptionsAreAnError) {
-  HttpServerOptions o;
-  o.threads = 0;
-  EXPECT_EQ(HttpServer::Start("127.0.0.1:0", {}, o).status().code(),
-            absl::StatusCode::kInvalidArgument);
-}
-
-TEST(HttpServerTest, BadAddressIsAnError) {
-  EXPECT_FALSE(HttpServer::Start("nonsense", {}).ok());
-  EXPECT_FALSE(HttpServer::Start("999.1.1.1:0", {}).ok());
 }
 
 }  // namespace

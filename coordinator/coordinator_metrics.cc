@@ -9,6 +9,7 @@ namespace optimus {
 std::string RenderCoordinatorMetrics(const CoordinatorMetricsInput& in) {
   const v1::StatusResponse& st = *in.status;
   MetricsText m;
+  m.BuildInfo("optimus-coord");
   int up = 0, down = 0, draining = 0;
   for (const auto& sh : st.shards()) {
     (sh.state() == v1::SHARD_STATE_UP         ? up
@@ -38,7 +39,7 @@ std::string RenderCoordinatorMetrics(const CoordinatorMetricsInput& in) {
   m.Gauge("optimus_coord_shards", "Registered shards by state.", draining,
           {{"state", "draining"}});
   for (const auto& j : st.jobs()) {
-    const MetricLabels id = {{"job", j.name()}};
+    const MetricLabels id = {{"job_name", j.name()}};
     m.Gauge("optimus_coord_job_step", "Lowest step applied over the job's shards.",
             j.current_step(), id);
     m.Gauge("optimus_coord_job_ready", "1 while the job is READY.",

@@ -602,10 +602,10 @@ TEST_F(CoordinatorTest, DrainOverGrpcMovesChunksWhileTheShardsBeatAndShowsInMetr
   EXPECT_THAT(metrics, HasSubstr(absl::StrCat(
                            "optimus_coord_shard_backup_chunks{shard_id=\"2\",kind=\"dpu\"} ", on_a)));
   EXPECT_THAT(metrics,
-              HasSubstr(absl::StrCat("optimus_coord_job_chunks_with_backup{job=\"llm\"} ", on_a)));
-  EXPECT_THAT(metrics, HasSubstr("optimus_coord_job_backups_in_sync{job=\"llm\"} 0"));
-  EXPECT_THAT(metrics, HasSubstr("optimus_coord_job_chunks{job=\"llm\"} 5"));
-  EXPECT_THAT(metrics, HasSubstr("optimus_coord_job_replication{job=\"llm\"} 0"));
+              HasSubstr(absl::StrCat("optimus_coord_job_chunks_with_backup{job_name=\"llm\"} ", on_a)));
+  EXPECT_THAT(metrics, HasSubstr("optimus_coord_job_backups_in_sync{job_name=\"llm\"} 0"));
+  EXPECT_THAT(metrics, HasSubstr("optimus_coord_job_chunks{job_name=\"llm\"} 5"));
+  EXPECT_THAT(metrics, HasSubstr("optimus_coord_job_replication{job_name=\"llm\"} 0"));
 }
 
 TEST(CoordinatorServerTest, UnusableAddressIsAnError) {

@@ -11,10 +11,13 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/flags/usage_config.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
+#include "common/http_server.h"
 #include "common/logging.h"
+#include "common/version.h"
 #include "coordinator/coordinator.h"
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:7070", "gRPC listen address HOST:PORT; port 0 picks one");
@@ -22,7 +25,10 @@ ABSL_FLAG(int, lease_ms, 2000, "A shard with no heartbeat for this many ms is ma
 ABSL_FLAG(int, sweep_ms, 200, "How often leases are checked, in ms");
 ABSL_FLAG(std::string, port_file, "",
           "If set, the bound port is written to this file (atomically) once serving");
-ABSL_FLAG(int, metrics_port, 0, "HTTP port for /metrics and /healthz on all interfaces; 0: off");
+ABSL_FLAG(int, metrics_port, 0, "HTTP port for /metrics, /healthz and /readyz; 0: off");
+ABSL_FLAG(std::string, metrics_host, "0.0.0.0",
+          "Address the --metrics_port listens on: 0.0.0.0 (every IPv4 address), :: (every IPv6 "
+          "address, and IPv4 where the kernel maps it), or one address such as 127.0.0.1 or ::1");
 ABSL_FLAG(std::string, state_dir, "",
           "Folder for durable state (shards, jobs, maps), loaded at start; empty: memory only");
 ABSL_FLAG(std::string, checkpoint_dir, "",
@@ -72,6 +78,9 @@ absl::Status WritePortFile(const std::string& path, int port) {
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage("optimus-coord [--listen=HOST:PORT] [--lease_ms=N] [--port_file=PATH]");
+  absl::FlagsUsageConfig usage_config;
+  usage_config.version_string = [] { return optimus::VersionLine("optimus-coord"); };
+  absl::SetFlagsUsageConfig(usage_config);
   absl::ParseCommandLine(argc, argv);
   if (absl::GetFlag(FLAGS_verbose)) optimus::SetMinLogLevel(optimus::LogLevel::kDebug);
   optimus::LogFormat log_format;
@@ -107,7 +116,8 @@ int main(int argc, char** argv) {
     return 2;
   }
   if (absl::GetFlag(FLAGS_metrics_port) > 0) {
-    options.metrics_address = absl::StrCat("0.0.0.0:", absl::GetFlag(FLAGS_metrics_port));
+    options.metrics_address =
+        optimus::HttpListenAddress(absl::GetFlag(FLAGS_metrics_host), absl::GetFlag(FLAGS_metrics_port));
   }
   auto server = optimus::CoordinatorServer::Start(options);
   if (!server.ok()) {

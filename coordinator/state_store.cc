@@ -1,8 +1,8 @@
 #include "coordinator/state_store.h"
 
-#include <errno.h>
-#include <sys/stat.h>
-
+#include <cerrno>
+#include <filesystem>
+#include <system_error>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -28,9 +28,14 @@ absl::Status FileStateStore::Save(absl::string_view bytes) {
 }
 
 absl::StatusOr<std::optional<std::string>> FileStateStore::Load() {
-  if (::mkdir(dir_.c_str(), 0755) != 0 && errno != EEXIST) {
-    return ErrnoToStatus(errno, "creating state folder", dir_);
+  // One level, as mkdir(2) with 0755: the folder's parent must exist.
+  std::error_code ec;
+  if (std::filesystem::create_directory(dir_, ec)) {
+    std::filesystem::permissions(
+        dir_, std::filesystem::perms::group_write | std::filesystem::perms::others_write,
+        std::filesystem::perm_options::remove, ec);
   }
+  if (ec && ec.value() != EEXIST) return ErrnoToStatus(ec.value(), "creating state folder", dir_);
   absl::StatusOr<std::string> bytes = ReadChecksummedFile(path_, kStateMagic);
   if (absl::IsNotFound(bytes.status())) return std::optional<std::string>();
   if (!bytes.ok()) return bytes.status();

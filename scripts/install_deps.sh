@@ -14,6 +14,7 @@ PACKAGES=(
   python3-torch
   clang lld
   nlohmann-json3-dev libcli11-dev
+  libcpp-httplib-dev
   libyaml-cpp-dev
   libssl-dev openssl
   python3-dev pybind11-dev python3-pytest python3-yaml

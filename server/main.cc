@@ -9,9 +9,12 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/flags/usage_config.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
+#include "common/http_server.h"
 #include "common/logging.h"
+#include "common/version.h"
 #include "server/shard_server.h"
 
 ABSL_FLAG(std::string, coordinator, "127.0.0.1:7070", "optimus-coord gRPC address host:port");
@@ -36,7 +39,10 @@ ABSL_FLAG(std::string, net_devices, "",
 ABSL_FLAG(int, progress_spin_us, 50,
           "microseconds the UCX progress thread keeps polling after its last event before it "
           "sleeps on the wake-up fd; 0: sleep at once (least CPU, more latency)");
-ABSL_FLAG(int, metrics_port, 0, "HTTP port for /metrics and /healthz on all interfaces; 0: off");
+ABSL_FLAG(int, metrics_port, 0, "HTTP port for /metrics, /healthz and /readyz; 0: off");
+ABSL_FLAG(std::string, metrics_host, "0.0.0.0",
+          "Address the --metrics_port listens on: 0.0.0.0 (every IPv4 address), :: (every IPv6 "
+          "address, and IPv4 where the kernel maps it), or one address such as 127.0.0.1 or ::1");
 ABSL_FLAG(std::string, checkpoint_dir, "",
           "folder for checkpoints, shared with optimus-coord's --checkpoint_dir; empty: off");
 ABSL_FLAG(int64_t, checkpoint_max_mb_per_s, 0,
@@ -69,6 +75,9 @@ ABSL_FLAG(std::string, log_format, "text", "text, or json (one object per line, 
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage("optimus-shard --coordinator=HOST:PORT [--kind=dpu|host]");
+  absl::FlagsUsageConfig usage_config;
+  usage_config.version_string = [] { return optimus::VersionLine("optimus-shard"); };
+  absl::SetFlagsUsageConfig(usage_config);
   absl::ParseCommandLine(argc, argv);
   if (absl::GetFlag(FLAGS_verbose)) optimus::SetMinLogLevel(optimus::LogLevel::kDebug);
   optimus::LogFormat log_format;
@@ -138,7 +147,8 @@ int main(int argc, char** argv) {
   options.max_inflight_bytes = static_cast<uint64_t>(absl::GetFlag(FLAGS_max_inflight_mb)) << 20;
   options.transport.max_peers = absl::GetFlag(FLAGS_max_peers);
   if (absl::GetFlag(FLAGS_metrics_port) > 0) {
-    options.metrics_address = absl::StrCat("0.0.0.0:", absl::GetFlag(FLAGS_metrics_port));
+    options.metrics_address =
+        optimus::HttpListenAddress(absl::GetFlag(FLAGS_metrics_host), absl::GetFlag(FLAGS_metrics_port));
   }
 
   // Block the stop signals in every thread (threads inherit the mask) and

@@ -9,6 +9,7 @@ namespace server {
 
 std::string RenderShardMetrics(const ShardMetrics& s, const ShardGauges& g) {
   MetricsText m;
+  m.BuildInfo("optimus-shard");
   const MetricLabels id = {{"shard_id", absl::StrCat(g.shard_id)}};
   s.step_latency.Render(&m, "optimus_shard_step_seconds",
                         "Latency of one fused optimizer step over one chunk.");
@@ -44,16 +45,16 @@ std::string RenderShardMetrics(const ShardMetrics& s, const ShardGauges& g) {
   m.Counter("optimus_shard_backup_seeds_total",
             "Chunk states this shard received as a new backup.", s.seeds_received.load(), id);
   m.Gauge("optimus_shard_memory_used_bytes", "Bytes of job state allocated.",
-          static_cast<double>(g.memory_used_bytes), id);
+          g.memory_used_bytes, id);
   m.Gauge("optimus_shard_memory_limit_bytes", "State budget of this shard.",
-          static_cast<double>(g.memory_limit_bytes), id);
+          g.memory_limit_bytes, id);
   m.Gauge("optimus_shard_staging_limit_bytes",
           "Budget of the gradient staging pool (pushes in flight).",
-          static_cast<double>(g.staging_limit_bytes), id);
+          g.staging_limit_bytes, id);
   m.Gauge("optimus_shard_staging_in_use_bytes", "Staging buffers holding gradients now.",
-          static_cast<double>(g.staging_in_use_bytes), id);
+          g.staging_in_use_bytes, id);
   m.Gauge("optimus_shard_staging_held_bytes", "Staging buffers allocated (in use or kept).",
-          static_cast<double>(g.staging_held_bytes), id);
+          g.staging_held_bytes, id);
   m.Counter("optimus_shard_staging_waits_total",
             "Times a push or a step waited for room in the staging pool.", g.staging_waits, id);
   m.Counter("optimus_shard_batches_total",
@@ -68,15 +69,15 @@ std::string RenderShardMetrics(const ShardMetrics& s, const ShardGauges& g) {
   m.Gauge("optimus_shard_parked_pulls",
           "Pulls waiting for their version or being sent (limits: --max_parked_pulls, "
           "--max_parked_pulls_per_peer).",
-          static_cast<double>(g.parked_pulls), id);
+          g.parked_pulls, id);
   m.Gauge("optimus_shard_peers_with_parked_pulls", "Peers with pulls waiting or being sent.",
-          static_cast<double>(g.peers_with_parked_pulls), id);
+          g.peers_with_parked_pulls, id);
   m.Gauge("optimus_shard_inflight_bytes",
           "Temporary buffers of requests being received (limit: --max_inflight_mb).",
-          static_cast<double>(g.inflight_bytes), id);
+          g.inflight_bytes, id);
   m.Gauge("optimus_shard_transport_peers",
           "Data-plane peers known (limit: --max_peers; dead ones are forgotten).",
-          static_cast<double>(g.transport_peers), id);
+          g.transport_peers, id);
   const char* kRefusalsHelp =
       "Requests refused with RESOURCE_EXHAUSTED for being over a limit, by limit.";
   const std::pair<const char*, uint64_t> refusals[] = {

@@ -65,6 +65,7 @@ echo "aarch64_qemu_test: optimus-shard --helpfull under qemu lists its flags:"
 grep -A1 -- '--coordinator \|--kind ' <<< "$help" | sed 's/^/  /'
 # --version exits 0 (the arm64 image's Dockerfile runs it)...
 ver="$("$RUN" "$SHARD" --version 2>&1)" || fail "optimus-shard --version under qemu failed: $ver"
+grep -q "^optimus-shard [0-9]" <<< "$ver" || fail "optimus-shard --version under qemu printed no version: $ver"
 echo "aarch64_qemu_test: optimus-shard --version under qemu: $(echo $ver)"
 # ...and main() runs its own checks.
 out="$("$RUN" "$SHARD" --kind=arm 2>&1)"; rc=$?

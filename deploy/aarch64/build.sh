@@ -15,7 +15,7 @@
 # protoc and grpc_cpp_plugin run on the host to generate the C++ sources of
 # proto/optimus.proto; everything is compiled with aarch64-linux-gnu-g++
 # (libstdc++ and glibc from the cross toolchain) against the arm64 grpc++,
-# protobuf, UCX, abseil and gtest in the sysroot that fetch_sysroot.sh fills
+# protobuf, UCX, abseil, cpp-httplib, nlohmann-json and gtest in the sysroot that fetch_sysroot.sh fills
 # (/opt/optimus-aarch64-sysroot, or $OPTIMUS_AARCH64_SYSROOT). The binary
 # links them dynamically and carries no rpath: on the DPU (or in the arm64
 # container image) Debian's own arm64 packages provide them.
@@ -70,7 +70,7 @@ export PKG_CONFIG_PATH=""
 # The same pkg-config modules as the host build's WORKSPACE.
 PC_LIB=(grpc++ protobuf ucx absl_status absl_statusor absl_strings absl_str_format
         absl_synchronization absl_time absl_flags absl_flags_parse absl_hash
-        absl_raw_hash_set libcrypto)
+        absl_raw_hash_set libcrypto cpp-httplib nlohmann_json)
 PC_TEST=(gtest gmock)
 pkg-config --exists "${PC_LIB[@]}" "${PC_TEST[@]}" 2>/dev/null ||
   fail "the sysroot $SYSROOT lacks arm64 libraries ($(pkg-config --print-errors --exists "${PC_LIB[@]}" "${PC_TEST[@]}" 2>&1 | head -1)); rerun deploy/aarch64/fetch_sysroot.sh"

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Fetches the arm64 (aarch64) libraries optimus-shard links against into a
 # sysroot folder, for the cross build in deploy/aarch64/build.sh:
-#   grpc++, protobuf, UCX, abseil, gtest/gmock and what they link to.
+#   grpc++, protobuf, UCX, abseil, cpp-httplib, nlohmann-json, gtest/gmock
+#   and what they link to.
 #
 # Why not `dpkg --add-architecture arm64` + `apt-get install libgrpc++-dev:arm64`:
 # every one of these -dev packages is Multi-Arch: same, so the arm64 copy must
@@ -29,6 +30,8 @@ PACKAGES=(
   libabsl-dev libabsl20220623
   libucx-dev libucx0 libibverbs1 librdmacm1 libnuma1 libnl-3-200 libnl-route-3-200
   libre2-dev libre2-9 libc-ares-dev libc-ares2 libssl-dev libssl3 zlib1g-dev zlib1g
+  libcpp-httplib-dev libcpp-httplib0.11 libbrotli-dev libbrotli1
+  nlohmann-json3-dev
   libgtest-dev libgmock-dev
 )
 STAMP="$SYSROOT/.optimus-sysroot-packages"

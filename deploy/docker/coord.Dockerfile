@@ -12,7 +12,8 @@ FROM debian:bookworm-slim
 ARG TARGETARCH
 
 # Runtime libraries of optimus-coord and optimusctl: gRPC, protobuf, abseil,
-# re2, c-ares, OpenSSL, libstdc++ (no UCX: the coordinator has no data plane),
+# re2, c-ares, OpenSSL, libstdc++, cpp-httplib and brotli for /metrics and
+# /healthz (no UCX: the coordinator has no data plane),
 # and libtorch for `optimusctl checkpoint export` (it writes torch.load-able
 # files; apt brings libtorch's own dependencies).
 RUN apt-get update \
@@ -20,6 +21,7 @@ RUN apt-get update \
       ca-certificates \
       libgrpc++1.51 libgrpc29 libprotobuf32 \
       libabsl20220623 libre2-9 libc-ares2 libssl3 libstdc++6 zlib1g \
+      libcpp-httplib0.11 libbrotli1 \
       libtorch1.13 \
  && rm -rf /var/lib/apt/lists/*
 

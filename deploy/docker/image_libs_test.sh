@@ -113,4 +113,10 @@ sed 's/libucx0 //' "$SHARD_DF" >"$TMP/no-ucx.Dockerfile"
 missing=$(missing_for server/optimus-shard "$TMP/no-ucx.Dockerfile")
 [[ "$missing" == *"libucx0"* ]] || die "removing libucx0 from the Dockerfile went unnoticed (got: '$missing')"
 echo "a shard Dockerfile without libucx0 is caught: $missing"
+# And the HTTP server's library (/metrics, /healthz) in the coordinator's.
+sed 's/libcpp-httplib0.11 //' "$COORD_DF" >"$TMP/no-httplib.Dockerfile"
+missing=$(missing_for coordinator/optimus-coord "$TMP/no-httplib.Dockerfile")
+[[ "$missing" == *"libcpp-httplib0.11"* ]] ||
+  die "removing libcpp-httplib0.11 from the Dockerfile went unnoticed (got: '$missing')"
+echo "a coordinator Dockerfile without libcpp-httplib0.11 is caught: $missing"
 echo "image_libs_test: PASS"

@@ -19,13 +19,15 @@ ARG TARGETARCH
 # Runtime libraries of optimus-shard (what `ldd optimus-shard` resolves to):
 # gRPC and protobuf (control plane), UCX (data plane; libucx0 brings
 # libibverbs1, librdmacm1, libnuma1 and the verbs providers, mlx5 included),
-# abseil, re2, c-ares, OpenSSL, libstdc++.
+# abseil, re2, c-ares, OpenSSL, libstdc++, and cpp-httplib for /metrics and
+# /healthz (with brotli, which it links).
 RUN apt-get update \
  && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
       ca-certificates \
       libgrpc++1.51 libgrpc29 libprotobuf32 \
       libucx0 ibverbs-providers libibverbs1 librdmacm1 libnuma1 \
       libabsl20220623 libre2-9 libc-ares2 libssl3 libstdc++6 zlib1g \
+      libcpp-httplib0.11 libbrotli1 \
  && rm -rf /var/lib/apt/lists/*
 
 # The non-root user the Helm chart runs the shard as (runAsUser 65532).

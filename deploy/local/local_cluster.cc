@@ -16,9 +16,11 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <string>
+#include <system_error>
 #include <vector>
 
 #include "absl/flags/flag.h"
@@ -109,8 +111,23 @@ void OnSignal(int sig) {
 }
 
 bool Exists(const std::string& path) {
-  struct stat st;
-  return stat(path.c_str(), &st) == 0;
+  std::error_code ec;
+  return std::filesystem::exists(path, ec);
+}
+
+// mkdir -p; empty, or why it could not.
+std::string MakeDirs(const std::string& path) {
+  std::error_code ec;
+  std::filesystem::create_directories(path, ec);
+  if (!ec && std::filesystem::is_directory(path, ec)) return "";
+  return absl::StrCat("cannot create folder ", path, ": ",
+                      ec ? ec.message() : std::string("a file is in the way"));
+}
+
+// rm -f.
+void RemoveFile(const std::string& path) {
+  std::error_code ec;
+  std::filesystem::remove(path, ec);
 }
 
 // Finds the folder under which "server/optimus-shard" etc. live.
@@ -275,8 +292,8 @@ int main(int argc, char** argv) {
     char tmpl[] = "/tmp/optimus-local-XXXXXX";
     if (mkdtemp(tmpl) == nullptr) return Die("cannot create a temp dir");
     dir = tmpl;
-  } else {
-    mkdir(dir.c_str(), 0755);
+  } else if (std::string why = MakeDirs(dir); !why.empty()) {
+    return Die(why);
   }
   const bool python_workers = absl::GetFlag(FLAGS_python_workers);
   std::string python_root;
@@ -332,7 +349,7 @@ int main(int argc, char** argv) {
 
   // 1. Coordinator on an ephemeral port, its durable state in the work dir.
   const std::string port_file = dir + "/coord.port";
-  unlink(port_file.c_str());
+  RemoveFile(port_file);
   const std::string state_dir = dir + "/coord-state";
   const int metrics_port = absl::GetFlag(FLAGS_metrics_port);
   const int ckpt_every = absl::GetFlag(FLAGS_checkpoint_every_steps);
@@ -350,7 +367,9 @@ int main(int argc, char** argv) {
     return Die("--kill_shard_at_step must come after the first checkpoint (> --checkpoint_every_steps)");
   }
   const std::string ckpt_dir = dir + "/ckpt";
-  if (ckpt_every > 0) mkdir(ckpt_dir.c_str(), 0755);
+  if (ckpt_every > 0) {
+    if (std::string why = MakeDirs(ckpt_dir); !why.empty()) return Die(why);
+  }
   if (metrics_port < 0 || metrics_port + shards > 65535) return Die("--metrics_port out of range");
   auto coord_args = [&](const std::string& listen) {
     std::vector<std::string> args{root + "/coordinator/optimus-coord", "--listen=" + listen,
@@ -416,7 +435,7 @@ int main(int argc, char** argv) {
   const std::string stop_when = absl::GetFlag(FLAGS_stop_when_file);
   const bool open_ended = kill_at > 0 || kill_shard_at > 0 || drain_at > 0 || !stop_when.empty();
   const std::string stop_file = dir + "/stop-after-step";
-  unlink(stop_file.c_str());
+  RemoveFile(stop_file);
   // Until the stop file: at most kDrillStepCap x --steps in a drill;
   // without a bound when a test decides (--stop_when_file).
   const int worker_steps =
@@ -507,7 +526,7 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "fault drill: killed optimus-shard 0 (SIGKILL) at step %d\n", last_step);
       stop_after(last_step);
     }
-    if (!stop_when.empty() && access(stop_when.c_str(), F_OK) == 0) stop_after(last_step);
+    if (!stop_when.empty() && Exists(stop_when)) stop_after(last_step);
     if (drain_at > 0 && drained_at_step == 0 && last_step >= drain_at) {
       drain_id = shard0_id();
       optimus::v1::DrainShardRequest req;

@@ -133,7 +133,7 @@ TEST(CheckpointFaultTest, FullDiskFailsTheNewCheckpointAndKeepsThePreviousOne) {
     EXPECT_TRUE(absl::StrContains(status.jobs(0).last_checkpoint().error(), "No space"));
     // And in the coordinator's metrics, for alerting.
     EXPECT_TRUE(absl::StrContains(c->coordinator()->RenderMetrics(),
-                                  "optimus_coord_job_last_checkpoint_failed{job=\"full\"} 1"))
+                                  "optimus_coord_job_last_checkpoint_failed{job_name=\"full\"} 1"))
         << c->coordinator()->RenderMetrics();
     // The failed checkpoint's partial files are gone; the first is intact.
     EXPECT_EQ(ckpt::ListDir(dir + "/full"),

@@ -46,10 +46,15 @@ on_exit() {
 }
 trap on_exit EXIT
 
-python3 - "${base}" "${cluster}" "${stop}" <<'PY'
+# What the binaries say they are: optimus_build_info must say the same.
+coord_version="$("${root}/coordinator/optimus-coord" --version)"
+shard_version="$("${root}/server/optimus-shard" --version)"
+
+python3 - "${base}" "${cluster}" "${stop}" "${coord_version}" "${shard_version}" <<'PY'
 import os, re, sys, time, urllib.request
 
 base, cluster, stop = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+coord_version, shard_version = sys.argv[4].split(), sys.argv[5].split()
 coord, shard = f"http://127.0.0.1:{base}", f"http://127.0.0.1:{base + 1}"
 
 def get(url):
@@ -119,6 +124,16 @@ for name in coord_metrics:
     assert any(re.match(re.escape(name) + r"(\{|$)", k) for k in second[0]), f"coordinator lacks {name}"
 _, shard_text = get(shard + "/metrics")
 assert "# TYPE optimus_shard_errors_total counter" in shard_text, "shard lacks errors by kind"
+# Which release runs, as --version prints it ("optimus-coord 0.1.0").
+for values, (binary, version) in ((second[0], coord_version), (second[1], shard_version)):
+    info = [k for k, v in values.items() if k.startswith("optimus_build_info{") and v == 1]
+    assert len(info) == 1, f"{binary}: optimus_build_info is {info}"
+    assert f'version="{version}"' in info[0] and f'binary="{binary}"' in info[0], info[0]
+    print(info[0])
+# The per-job label is job_name (a "job" label would clash with the scrape job's).
+job_series = [k for k in second[0] if k.startswith("optimus_coord_job_step{")]
+assert job_series and all(re.match(r'optimus_coord_job_step\{job_name="[^"]+"\}$', k)
+                          for k in job_series), job_series
 
 for name in ["optimus_shard_steps_total", "optimus_shard_optimizer_params_total",
              "optimus_shard_pushed_bytes_total", "optimus_shard_pulled_bytes_total",
