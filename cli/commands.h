@@ -15,6 +15,7 @@
 #include "CLI/CLI.hpp"
 #include "absl/time/time.h"
 #include "common/security.h"
+#include "common/version.h"
 
 namespace optimus {
 
@@ -54,7 +55,7 @@ void AddVersionCommand(CLI::App* root, int* exit_code);
 int RunCommandLine(CLI::App* root, int argc, char** argv, const int* exit_code);
 
 // optimusctl's version (the release's; the Helm chart's version).
-inline constexpr char kOptimusctlVersion[] = "0.1.0";
+inline constexpr const char* kOptimusctlVersion = kOptimusVersion;  // common/version.h
 
 }  // namespace optimus
 
