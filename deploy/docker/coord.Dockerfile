@@ -13,8 +13,9 @@ ARG TARGETARCH
 
 # Runtime libraries of optimus-coord and optimusctl: gRPC, protobuf, abseil,
 # re2, c-ares, OpenSSL, libstdc++, cpp-httplib and brotli for /metrics and
-# /healthz (no UCX: the coordinator has no data plane),
-# and libtorch for `optimusctl checkpoint export` (it writes torch.load-able
+# /healthz (optimus-coord itself has no data plane and needs no UCX);
+# UCX and yaml-cpp for optimusctl (`job create -f` reads job specs with the
+# client library, which links UCX), and libtorch for `optimusctl checkpoint export` (it writes torch.load-able
 # files; apt brings libtorch's own dependencies).
 RUN apt-get update \
  && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
@@ -23,6 +24,7 @@ RUN apt-get update \
       libabsl20220623 libre2-9 libc-ares2 libssl3 libstdc++6 zlib1g \
       libcpp-httplib0.11 libbrotli1 \
       libtorch1.13 \
+      libucx0 libyaml-cpp0.7 \
  && rm -rf /var/lib/apt/lists/*
 
 RUN groupadd --system --gid 65532 optimus \
