@@ -12,6 +12,7 @@
 #include "absl/status/status.h"
 #include "cli/commands.h"
 #include "cli/output.h"
+#include "cli/status.h"
 
 namespace optimus {
 
@@ -29,6 +30,12 @@ int Fail(const absl::Status& s);
 // Runs `action` when `cmd` was given, once the whole command line parsed;
 // its result goes to *exit_code.
 void OnRun(CLI::App* cmd, int* exit_code, std::function<int()> action);
+
+// Like OnRun for a command that shows part of the coordinator's status:
+// the TLS set-up (a usage error: 2), one Status call (its failure: 1), then
+// `show` with the answer, whose result is the exit code.
+void OnStatusRun(CLI::App* cmd, int* exit_code, const GlobalFlags* g,
+                 std::function<int(const v1::StatusResponse&)> show);
 
 // Loads the TLS settings (SetCliTls) before a command's first RPC. Its
 // error, printed, is a usage error: the caller returns 2.

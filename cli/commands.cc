@@ -139,6 +139,16 @@ void OnRun(CLI::App* cmd, int* exit_code, std::function<int()> action) {
   cmd->callback([exit_code, action = std::move(action)] { *exit_code = action(); });
 }
 
+void OnStatusRun(CLI::App* cmd, int* exit_code, const GlobalFlags* g,
+                 std::function<int(const v1::StatusResponse&)> show) {
+  OnRun(cmd, exit_code, [g, show = std::move(show)]() -> int {
+    if (!UseCoordinator(*g).ok()) return 2;
+    absl::StatusOr<v1::StatusResponse> status = FetchStatus(g->coordinator, g->timeout());
+    if (!status.ok()) return Fail(status.status());
+    return show(*status);
+  });
+}
+
 absl::Status UseCoordinator(const GlobalFlags& globals) {
   absl::Status s = SetCliTls(globals.tls);
   if (!s.ok()) {
@@ -208,13 +218,10 @@ void AddStatusCommand(CLI::App* root, GlobalFlags* g, int* exit_code) {
   // The callbacks own the command's settings; its options write them.
   auto format = std::make_shared<OutputFormat>(OutputFormat::kTable);
   AddOutputFlags(cmd, format.get());
-  OnRun(cmd, exit_code, [g, format]() -> int {
-    if (!UseCoordinator(*g).ok()) return 2;
-    absl::StatusOr<v1::StatusResponse> status = FetchStatus(g->coordinator, g->timeout());
-    if (!status.ok()) return Fail(status.status());
+  OnStatusRun(cmd, exit_code, g, [format](const v1::StatusResponse& status) -> int {
     PrintResult(
-        *format, [&] { return StatusToJson(*status); },
-        [&] { return RenderStatusTable(*status); });
+        *format, [&] { return StatusToJson(status); },
+        [&] { return RenderStatusTable(status); });
     return std::cout ? 0 : 1;
   });
 }

@@ -100,18 +100,15 @@ void AddJobCommands(CLI::App* root, GlobalFlags* g, int* exit_code) {
                 "checkpoint");
     auto format = std::make_shared<OutputFormat>(OutputFormat::kTable);
     AddOutputFlags(cmd, format.get());
-    OnRun(cmd, exit_code, [g, format]() -> int {
-      if (!UseCoordinator(*g).ok()) return 2;
-      absl::StatusOr<v1::StatusResponse> status = FetchStatus(g->coordinator, g->timeout());
-      if (!status.ok()) return Fail(status.status());
+    OnStatusRun(cmd, exit_code, g, [format](const v1::StatusResponse& st) -> int {
       PrintResult(
           *format,
           [&] {
             Json jobs = Json::array();
-            for (const v1::JobStatus& j : status->jobs()) jobs.push_back(JobToJson(j));
+            for (const v1::JobStatus& j : st.jobs()) jobs.push_back(JobToJson(j));
             return Json{{"jobs", std::move(jobs)}};
           },
-          [&] { return RenderJobsTable(*status); });
+          [&] { return RenderJobsTable(st); });
       return 0;
     });
   }
@@ -126,11 +123,8 @@ void AddJobCommands(CLI::App* root, GlobalFlags* g, int* exit_code) {
     auto f = std::make_shared<Flags>();
     cmd->add_option("NAME", f->name, "the job's name")->required();
     AddOutputFlags(cmd, &f->format);
-    OnRun(cmd, exit_code, [g, f]() -> int {
-      if (!UseCoordinator(*g).ok()) return 2;
-      absl::StatusOr<v1::StatusResponse> status = FetchStatus(g->coordinator, g->timeout());
-      if (!status.ok()) return Fail(status.status());
-      const v1::JobStatus* j = FindJob(*status, f->name);
+    OnStatusRun(cmd, exit_code, g, [f](const v1::StatusResponse& st) -> int {
+      const v1::JobStatus* j = FindJob(st, f->name);
       if (j == nullptr) {
         return Fail(absl::NotFoundError(absl::StrCat("no job named \"", f->name, "\"")));
       }

@@ -95,18 +95,15 @@ void AddShardCommands(CLI::App* root, GlobalFlags* g, int* exit_code) {
         "list", "every shard: kind, host, state, memory, chunks, backups, transports, lease");
     auto format = std::make_shared<OutputFormat>(OutputFormat::kTable);
     AddOutputFlags(cmd, format.get());
-    OnRun(cmd, exit_code, [g, format]() -> int {
-      if (!UseCoordinator(*g).ok()) return 2;
-      absl::StatusOr<v1::StatusResponse> status = FetchStatus(g->coordinator, g->timeout());
-      if (!status.ok()) return Fail(status.status());
+    OnStatusRun(cmd, exit_code, g, [format](const v1::StatusResponse& st) -> int {
       PrintResult(
           *format,
           [&] {
             Json shards = Json::array();
-            for (const v1::ShardStatus& s : status->shards()) shards.push_back(ShardToJson(s));
+            for (const v1::ShardStatus& s : st.shards()) shards.push_back(ShardToJson(s));
             return Json{{"shards", std::move(shards)}};
           },
-          [&] { return RenderShardsTable(*status); });
+          [&] { return RenderShardsTable(st); });
       return 0;
     });
   }
@@ -122,11 +119,8 @@ void AddShardCommands(CLI::App* root, GlobalFlags* g, int* exit_code) {
         ->required()
         ->check(PositiveWhole("a shard id"));
     AddOutputFlags(cmd, &f->format);
-    OnRun(cmd, exit_code, [g, f]() -> int {
-      if (!UseCoordinator(*g).ok()) return 2;
-      absl::StatusOr<v1::StatusResponse> status = FetchStatus(g->coordinator, g->timeout());
-      if (!status.ok()) return Fail(status.status());
-      const v1::ShardStatus* s = FindShard(*status, f->shard_id);
+    OnStatusRun(cmd, exit_code, g, [f](const v1::StatusResponse& st) -> int {
+      const v1::ShardStatus* s = FindShard(st, f->shard_id);
       if (s == nullptr) {
         return Fail(absl::NotFoundError(absl::StrCat("no shard with id ", f->shard_id)));
       }
