@@ -684,6 +684,19 @@ absl::StatusOr<Goodput> RunGoodput(const ProcCluster& c, const std::string& name
   return g;
 }
 
+// The fields that name a case, first in each of its lines.
+Json CaseLine(const std::string& kase, const std::string& tls, uint64_t msg_bytes, int workers,
+              int shards) {
+  Json line;
+  line["bench"] = "dataplane";
+  line["case"] = kase;
+  line["transport"] = tls;
+  line["msg_bytes"] = msg_bytes;
+  line["workers"] = workers;
+  line["shards"] = shards;
+  return line;
+}
+
 void PrintGoodput(const std::string& tls, uint64_t msg_bytes, int workers, int shards,
                   const Goodput& g, const Perftest& p, const Perftest& ws, int cluster_id) {
   for (const char* kase : {"push", "pull"}) {
@@ -693,13 +706,7 @@ void PrintGoodput(const std::string& tls, uint64_t msg_bytes, int workers, int s
     // message, so that its buffers are as large as the case's (a 4 MiB
     // message sent again and again stays in the CPU's cache; a tensor of
     // many chunks cannot).
-    Json line;
-    line["bench"] = "dataplane";
-    line["case"] = kase;
-    line["transport"] = tls;
-    line["msg_bytes"] = msg_bytes;
-    line["workers"] = workers;
-    line["shards"] = shards;
+    Json line = CaseLine(kase, tls, msg_bytes, workers, shards);
     line["optimus_gbps"] = JsonRound(f.median, 3);
     line["ucx_perftest_gbps"] = JsonRound(p.gbps, 3);
     line["ratio"] = JsonRound(p.gbps > 0 ? f.median / p.gbps : 0.0, 3);
@@ -739,13 +746,7 @@ void PrintGoodput(const std::string& tls, uint64_t msg_bytes, int workers, int s
 // A case that could not run; with the baseline when it was measured.
 void PrintError(const std::string& kase, const std::string& tls, uint64_t msg_bytes,
                 int workers, int shards, const absl::Status& s, const Perftest* p = nullptr) {
-  Json line;
-  line["bench"] = "dataplane";
-  line["case"] = kase;
-  line["transport"] = tls;
-  line["msg_bytes"] = msg_bytes;
-  line["workers"] = workers;
-  line["shards"] = shards;
+  Json line = CaseLine(kase, tls, msg_bytes, workers, shards);
   if (p != nullptr && p->status.ok() && p->gbps > 0) {
     line["optimus_gbps"] = nullptr;
     line["ucx_perftest_gbps"] = p->gbps;

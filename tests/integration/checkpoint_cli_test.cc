@@ -4,13 +4,11 @@
 // status, export (loaded back with torch::pickle_load and compared with the
 // parameters the shards serve), restore --as (workers resume at the
 // checkpoint's step), and bad input exits non-zero with a clear message.
-#include <sys/wait.h>
 
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
 #include <iterator>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -20,38 +18,20 @@
 #include "gtest/gtest.h"
 #include "kernels/cpu/optimizer.h"
 #include "tests/harness/cluster.h"
+#include "tests/harness/optimusctl_run.h"
 #include "tests/harness/status_assert.h"
 #include "torch/torch.h"
 
 namespace optimus {
 namespace {
 
-constexpr uint32_t kWorkers = 2;
-
-struct CliRun {
-  int exit_code = -1;
-  std::string out, err;
-};
+using harness::CliRun;
 
 CliRun Optimusctl(const std::string& coordinator, const std::string& args) {
-  const std::string binary = absl::StrCat(std::getenv("TEST_SRCDIR"), "/optimus/cli/optimusctl");
-  const std::string err_path = absl::StrCat(std::getenv("TEST_TMPDIR"), "/stderr.txt");
-  const std::string cmd =
-      absl::StrCat(binary, " --coordinator=", coordinator, " ", args, " 2>", err_path);
-  CliRun r;
-  FILE* pipe = popen(cmd.c_str(), "r");
-  if (pipe == nullptr) return r;
-  char buf[4096];
-  size_t n;
-  while ((n = fread(buf, 1, sizeof(buf), pipe)) > 0) r.out.append(buf, n);
-  const int status = pclose(pipe);
-  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  std::ifstream err(err_path);
-  std::stringstream ss;
-  ss << err.rdbuf();
-  r.err = ss.str();
-  return r;
+  return harness::RunOptimusctl(absl::StrCat("--coordinator=", coordinator, " ", args));
 }
+
+constexpr uint32_t kWorkers = 2;
 
 TEST(CheckpointCliTest, CreateListStatusExportRestore) {
   ASSERT_OK_AND_ASSIGN(const std::string dir, harness::NewTempDir("ckpt"));

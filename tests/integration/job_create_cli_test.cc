@@ -5,12 +5,9 @@
 // to the single-process reference bit for bit. Then: a token the
 // coordinator makes is printed as a secret, and a second job of the same
 // name is refused.
-#include <sys/wait.h>
 
 #include <cstdio>
 #include <cstdlib>
-#include <fstream>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -21,38 +18,15 @@
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 #include "tests/harness/cluster.h"
+#include "tests/harness/optimusctl_run.h"
 #include "tests/harness/status_assert.h"
 #include "yaml-cpp/yaml.h"
 
 namespace optimus {
 namespace {
 
-struct CliRun {
-  int exit_code = -1;
-  std::string out, err;
-};
-
-// The real optimusctl with `args`, `env` ("NAME=VALUE ...") in its
-// environment.
-CliRun Optimusctl(const std::string& args, const std::string& env = "") {
-  const std::string binary = absl::StrCat(std::getenv("TEST_SRCDIR"), "/optimus/cli/optimusctl");
-  const std::string err_path = absl::StrCat(std::getenv("TEST_TMPDIR"), "/stderr.txt");
-  const std::string cmd =
-      absl::StrCat(env.empty() ? "" : "env " + env + " ", binary, " ", args, " 2>", err_path);
-  CliRun r;
-  FILE* pipe = popen(cmd.c_str(), "r");
-  if (pipe == nullptr) return r;
-  char buf[4096];
-  size_t n;
-  while ((n = fread(buf, 1, sizeof(buf), pipe)) > 0) r.out.append(buf, n);
-  const int status = pclose(pipe);
-  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  std::ifstream err(err_path);
-  std::stringstream ss;
-  ss << err.rdbuf();
-  r.err = ss.str();
-  return r;
-}
+using harness::CliRun;
+using harness::RunOptimusctl;
 
 constexpr char kSpec[] = R"(# An operator's job spec (docs/job-spec.md).
 name: from-yaml
@@ -84,7 +58,7 @@ TEST(JobCreateCliTest, AJobFromAYamlFileTrainsOnTheLocalCluster) {
   const std::string flags =
       absl::StrCat("--coordinator=", c->coordinator_address(), " --tls_dir=", ca, "/admin");
 
-  CliRun r = Optimusctl(absl::StrCat(flags, " job create -f ", spec, " -o json"),
+  CliRun r = RunOptimusctl(absl::StrCat(flags, " job create -f ", spec, " -o json"),
                         absl::StrCat(security::kJobTokenEnv, "='", token, "'"));
   ASSERT_EQ(r.exit_code, 0) << r.err;
   const nlohmann::json created = nlohmann::json::parse(r.out);
@@ -120,7 +94,7 @@ TEST(JobCreateCliTest, AJobFromAYamlFileTrainsOnTheLocalCluster) {
 
   // What the operator sees of it afterwards.
   ASSERT_OK(c->WaitApplied("from-yaml", kSteps));
-  r = Optimusctl(absl::StrCat(flags, " job describe from-yaml -o yaml"));
+  r = RunOptimusctl(absl::StrCat(flags, " job describe from-yaml -o yaml"));
   ASSERT_EQ(r.exit_code, 0) << r.err;
   const YAML::Node job = YAML::Load(r.out);
   EXPECT_EQ(job["name"].as<std::string>(), "from-yaml");
@@ -129,12 +103,12 @@ TEST(JobCreateCliTest, AJobFromAYamlFileTrainsOnTheLocalCluster) {
   EXPECT_GE(job["current_step"].as<uint64_t>(), kSteps);
   EXPECT_EQ(job["replication"].as<int>(), 1);
   EXPECT_EQ(job["optimizer"]["beta2"].as<double>(), 0.95);
-  r = Optimusctl(absl::StrCat(flags, " job list"));
+  r = RunOptimusctl(absl::StrCat(flags, " job list"));
   EXPECT_TRUE(absl::StrContains(r.out, "from-yaml")) << r.out;
 
   // Without OPTIMUS_JOB_TOKEN the coordinator makes the token; the table
   // says it is a secret.
-  r = Optimusctl(absl::StrCat(flags, " job create -f ", spec, " --name=from-yaml-2"));
+  r = RunOptimusctl(absl::StrCat(flags, " job create -f ", spec, " --name=from-yaml-2"));
   ASSERT_EQ(r.exit_code, 0) << r.err;
   EXPECT_TRUE(absl::StrContains(r.out, "job from-yaml-2 created (id ")) << r.out;
   const std::string kTokenLine =
@@ -147,7 +121,7 @@ TEST(JobCreateCliTest, AJobFromAYamlFileTrainsOnTheLocalCluster) {
   EXPECT_NE(made, token);
 
   // The same name again: refused, nothing changes.
-  r = Optimusctl(absl::StrCat(flags, " job create -f ", spec));
+  r = RunOptimusctl(absl::StrCat(flags, " job create -f ", spec));
   EXPECT_EQ(r.exit_code, 1);
   EXPECT_TRUE(absl::StrContains(r.err, "already exists")) << r.err;
   ASSERT_OK_AND_ASSIGN(const v1::StatusResponse status, c->Status());
