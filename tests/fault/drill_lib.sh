@@ -29,11 +29,28 @@ same_params() {
     echo "final parameters of $1 differ from $2"; exit 1; }
 }
 
-# no_processes_left: every process the drills started has exited.
+# own_processes: pids of the optimus binaries of this tree that this test
+# started. Bazel gives every test run its own TEST_TMPDIR, which the cluster's
+# processes inherit, so sibling runs (--runs_per_test with parallel jobs, or
+# other tests) are not counted.
+own_processes() {
+  local pid
+  for pid in $(pgrep -f "${root}/(server/optimus-shard|coordinator/optimus-coord|deploy/local/optimus-train-worker)" || true); do
+    if tr '\0' '\n' <"/proc/${pid}/environ" 2>/dev/null | grep -qxF "TEST_TMPDIR=${TEST_TMPDIR}"; then
+      echo "${pid}"
+    fi
+  done
+}
+
+# no_processes_left: every process this test started has exited.
 no_processes_left() {
   sleep 0.5
-  if pgrep -f "${root}/(server/optimus-shard|coordinator/optimus-coord|deploy/local/optimus-train-worker)" >/dev/null; then
-    echo "processes left running:"; pgrep -af "${root}/"; exit 1
+  local left
+  left=$(own_processes)
+  if [ -n "${left}" ]; then
+    echo "processes left running:"
+    for pid in ${left}; do ps -o pid=,args= -p "${pid}" || true; done
+    exit 1
   fi
 }
 

@@ -4,7 +4,7 @@
 # last line is the JSON summary, and no optimus process is left running.
 set -euo pipefail
 
-root="${TEST_SRCDIR}/optimus"
+source "${TEST_SRCDIR}/optimus/tests/fault/drill_lib.sh"
 out="${TEST_TMPDIR}/out.txt"
 work="${TEST_TMPDIR}/cluster"
 
@@ -27,9 +27,6 @@ PY
 # Progress was shown while training.
 grep -q "step 60/60" "${TEST_TMPDIR}/err.txt" || { echo "no progress line"; exit 1; }
 
-# Nothing left behind: no process still runs a binary of this tree.
-sleep 0.5
-if pgrep -f "${root}/(server/optimus-shard|coordinator/optimus-coord|deploy/local/optimus-train-worker)" >/dev/null; then
-  echo "processes left running:"; pgrep -af "${root}/" ; exit 1
-fi
+# Nothing left behind: no process this test started still runs.
+no_processes_left
 echo "ok"
