@@ -6,8 +6,13 @@
 
 #include <cerrno>
 #include <chrono>
+#include <condition_variable>
 #include <cstring>
+#include <deque>
+#include <mutex>
+#include <thread>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -51,6 +56,64 @@ absl::StatusOr<HostPort> ParseListenAddress(const std::string& address) {
   return hp;
 }
 
+// httplib's ThreadPool queues every accepted connection, however many wait.
+// This pool lets at most max_queued wait: enqueue (called by the accept loop)
+// blocks until one is taken, so the loop accepts no more meanwhile. While
+// the server stops, enqueue no longer blocks (the loop must end; each
+// connection ends within the timeouts).
+class BoundedTaskQueue : public httplib::TaskQueue {
+ public:
+  BoundedTaskQueue(size_t threads, size_t max_queued, std::shared_ptr<std::atomic<bool>> stopping)
+      : max_queued_(max_queued), stopping_(std::move(stopping)) {
+    for (size_t i = 0; i < threads; ++i) threads_.emplace_back([this] { Serve(); });
+  }
+  ~BoundedTaskQueue() override = default;
+
+  void enqueue(std::function<void()> fn) override {
+    std::unique_lock<std::mutex> lock(mu_);
+    // Polls `stopping` now and then: stop() does not reach this condition.
+    while (jobs_.size() >= max_queued_ && !stopping_->load()) {
+      room_.wait_for(lock, std::chrono::milliseconds(100));
+    }
+    jobs_.push_back(std::move(fn));
+    work_.notify_one();
+  }
+
+  void shutdown() override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      shutdown_ = true;
+    }
+    work_.notify_all();
+    for (std::thread& t : threads_) t.join();
+  }
+
+ private:
+  void Serve() {
+    for (;;) {
+      std::function<void()> fn;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        work_.wait(lock, [this] { return !jobs_.empty() || shutdown_; });
+        if (jobs_.empty()) return;  // Shut down, nothing left.
+        fn = std::move(jobs_.front());
+        jobs_.pop_front();
+      }
+      room_.notify_one();
+      fn();
+    }
+  }
+
+  const size_t max_queued_;
+  const std::shared_ptr<std::atomic<bool>> stopping_;
+  std::mutex mu_;
+  std::condition_variable work_;  // A job queued, or shutdown.
+  std::condition_variable room_;  // A job taken.
+  std::deque<std::function<void()>> jobs_;
+  bool shutdown_ = false;
+  std::vector<std::thread> threads_;
+};
+
 // httplib takes timeouts as seconds + microseconds.
 std::pair<time_t, time_t> SecondsAndMicros(absl::Duration d) {
   const int64_t us = absl::ToInt64Microseconds(d);
@@ -64,10 +127,11 @@ HttpServer::HttpServer() = default;
 absl::StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(
     const std::string& listen_address, std::map<std::string, HttpHandler> handlers,
     const HttpServerOptions& options) {
-  if (options.threads < 1 || options.read_timeout <= absl::ZeroDuration() ||
+  if (options.threads < 1 || options.max_queued < 0 ||
+      options.read_timeout <= absl::ZeroDuration() ||
       options.write_timeout <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError(
-        "http server options: threads must be >= 1 and timeouts > 0");
+        "http server options: threads must be >= 1, max_queued >= 0 and timeouts > 0");
   }
   absl::StatusOr<HostPort> hp = ParseListenAddress(listen_address);
   if (!hp.ok()) return hp.status();
@@ -77,7 +141,11 @@ absl::StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(
   s->server_ = std::make_unique<httplib::Server>();
   httplib::Server& srv = *s->server_;
   const size_t threads = static_cast<size_t>(options.threads);
-  srv.new_task_queue = [threads] { return new httplib::ThreadPool(threads); };
+  const size_t max_queued = static_cast<size_t>(options.max_queued);
+  std::shared_ptr<std::atomic<bool>> stopping = s->stopping_;
+  srv.new_task_queue = [threads, max_queued, stopping] {
+    return new BoundedTaskQueue(threads, max_queued, stopping);
+  };
   const auto [read_s, read_us] = SecondsAndMicros(options.read_timeout);
   const auto [write_s, write_us] = SecondsAndMicros(options.write_timeout);
   srv.set_read_timeout(read_s, read_us);
@@ -147,6 +215,7 @@ absl::StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(
 }
 
 HttpServer::~HttpServer() {
+  stopping_->store(true);
   if (server_ != nullptr) server_->stop();
   // The accept loop ends, then its pool finishes the connections it holds.
   if (thread_.joinable()) thread_.join();

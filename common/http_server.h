@@ -5,7 +5,9 @@
 // most one serving thread, and only until its timeout: a scraper that stops
 // reading a large /metrics answer does not delay the probes while another
 // thread is free. A handle: Start() returns a running server or an error;
-// the destructor stops it. Handlers run on the serving threads, possibly at
+// the destructor stops it. Accepted connections waiting for a thread are
+// bounded (max_queued); beyond them the server stops accepting until one is
+// served. Handlers run on the serving threads, possibly at
 // the same time, and must be thread-safe.
 #ifndef OPTIMUS_COMMON_HTTP_SERVER_H_
 #define OPTIMUS_COMMON_HTTP_SERVER_H_
@@ -43,6 +45,12 @@ struct HttpServerOptions {
   // Accepted connections beyond them wait in the pool's queue for a free
   // thread. Default 4.
   int threads = 4;
+  // Accepted connections that may wait for a thread (>= 0). When that many
+  // wait, the server accepts no more until one is taken: later clients wait
+  // in the kernel's listen backlog (which the kernel bounds), so a flood of
+  // connections costs the process at most threads + max_queued + 1 sockets.
+  // Default 64.
+  int max_queued = 64;
   // A client that sends nothing for read_timeout (before its request or in
   // the middle of it; rounded up to whole seconds before the first byte) is
   // dropped, and so is one that takes nothing of its answer for
@@ -82,6 +90,9 @@ class HttpServer {
   std::map<std::string, HttpHandler> handlers_;
   std::unique_ptr<httplib::Server> server_;
   std::thread thread_;  // Runs the accept loop (httplib's listen).
+  // Set when the server stops: its pool's queue no longer holds the accept
+  // loop back.
+  std::shared_ptr<std::atomic<bool>> stopping_ = std::make_shared<std::atomic<bool>>(false);
   int port_ = 0;
   std::atomic<uint64_t> answered_{0};
 };

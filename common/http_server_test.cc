@@ -10,6 +10,7 @@
 #include <atomic>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <string>
 #include <vector>
@@ -225,6 +226,69 @@ TEST(HttpServerTest, SlowClientsAreDroppedAfterTheirTimeouts) {
   // The server closed the silent connection: the client sees the end.
   EXPECT_EQ(ReadToEnd(silent), "");
   close(silent);
+}
+
+// Sockets this process has open (clients and server together).
+int SocketsOpen() {
+  int n = 0;
+  for (const auto& e : std::filesystem::directory_iterator("/proc/self/fd")) {
+    std::error_code ec;
+    const std::filesystem::path target = std::filesystem::read_symlink(e.path(), ec);
+    if (!ec && target.string().rfind("socket:", 0) == 0) ++n;
+  }
+  return n;
+}
+
+// A flood of connections while every thread is busy: the server accepts
+// only max_queued of them (and holds one more in its accept loop); the rest
+// wait in the kernel's backlog, not in the process. Nothing is lost: once
+// the thread is free, every client is answered.
+TEST(HttpServerTest, ConnectionsWaitingForAThreadAreBounded) {
+  HttpServerOptions o;
+  o.threads = 1;
+  o.max_queued = 2;
+  // The silent client holds the only thread for the whole test.
+  o.read_timeout = absl::Minutes(5);
+  auto s = HttpServer::Start("127.0.0.1:0", {{"/healthz", Ok}}, o);
+  ASSERT_TRUE(s.ok()) << s.status();
+  const int port = (*s)->port();
+  const int base = SocketsOpen();
+  const int holder = ConnectTo(port);
+  ASSERT_TRUE(Eventually([&] { return SocketsOpen() == base + 2; }));  // Its two ends.
+
+  // Eight fit in queue + accept loop + httplib's listen backlog (5, and
+  // Linux takes one more), so every connect() returns at once.
+  constexpr int kClients = 8;
+  std::vector<int> clients;
+  for (int i = 0; i < kClients; ++i) {
+    clients.push_back(ConnectTo(port));
+    SendAll(clients.back(), "GET /healthz HTTP/1.0\r\n\r\n");
+  }
+  // The server's side: the held connection, 2 queued, 1 in the accept loop.
+  const int bounded = base + 2 + kClients + o.max_queued + 1;
+  ASSERT_TRUE(Eventually([&] { return SocketsOpen() >= bounded; }));
+  absl::SleepFor(absl::Milliseconds(300));  // Time to accept more, if it would.
+  EXPECT_EQ(SocketsOpen(), bounded) << "the server accepted connections beyond its queue";
+
+  // The thread is let go: every waiting client is served, in turn.
+  close(holder);
+  for (int fd : clients) {
+    const std::string answer = ReadToEnd(fd);
+    EXPECT_EQ(answer.rfind("HTTP/1.1 200", 0), 0u) << answer;
+    EXPECT_NE(answer.find("ok\n"), std::string::npos) << answer;
+    close(fd);
+  }
+  EXPECT_TRUE(Eventually([&] { return (*s)->requests_answered() == kClients; }));
+}
+
+TEST(HttpServerTest, RefusesANegativeQueueBound) {
+  HttpServerOptions o;
+  o.max_queued = -1;
+  absl::StatusOr<std::unique_ptr<HttpServer>> s =
+      HttpServer::Start("127.0.0.1:0", {{"/healthz", Ok}}, o);
+  ASSERT_FALSE(s.ok());
+  EXPECT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.status().message().find("max_queued"), std::string::npos) << s.status();
 }
 
 TEST(HttpServerTest, ListensOnIpv6Loopback) {
