@@ -103,10 +103,13 @@ class GrpcCoordinatorLink : public CoordinatorLink {
       : address_(address) {
     // Reconnect quickly after a coordinator restart: gRPC's default backoff
     // grows to minutes, and the restarted coordinator expects a heartbeat
-    // within two leases.
+    // within two leases. Only the pause between attempts is shortened:
+    // gRPC also reads GRPC_ARG_MIN_RECONNECT_BACKOFF_MS as the least time
+    // one attempt (TCP connect + TLS handshake) is given, and a short one
+    // there (it was 100 ms) cut every handshake of a loaded coordinator
+    // short, so the shard never registered. That stays at gRPC's 20 s.
     grpc::ChannelArguments args = LimitedChannelArgs();
     args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
-    args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
     args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 500);
     channel_ = grpc::CreateCustomChannel(address, std::move(credentials), args);
     stub_ = v1::Coordinator::NewStub(channel_);
