@@ -1,7 +1,9 @@
 // `optimusctl shard list|describe|drain|forget`, and `optimusctl drain`.
+#include <algorithm>
 #include <iostream>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -92,10 +94,34 @@ void AddShardCommands(CLI::App* root, GlobalFlags* g, int* exit_code) {
 
   {
     CLI::App* cmd = shard->add_subcommand(
-        "list", "every shard: kind, host, state, memory, chunks, backups, transports, lease");
+        "list", "every shard (or those in --state): kind, host, state, memory, chunks, "
+                "backups, transports, lease");
     auto format = std::make_shared<OutputFormat>(OutputFormat::kTable);
     AddOutputFlags(cmd, format.get());
-    OnStatusRun(cmd, exit_code, g, [format](const v1::StatusResponse& st) -> int {
+    auto query = std::make_shared<StatusQuery>();
+    cmd->add_option_function<std::vector<std::string>>(
+           "--state",
+           [query](const std::vector<std::string>& names) {
+             for (const std::string& n : names) {
+               const v1::ShardState st = *ParseShardState(n);
+               if (std::find(query->shard_states.begin(), query->shard_states.end(), st) ==
+                   query->shard_states.end()) {
+                 query->shard_states.push_back(st);
+               }
+             }
+           },
+           "only shards in these states: up, down, draining (comma-separated or repeated; "
+           "the coordinator filters)")
+        ->type_name("STATE")
+        ->delimiter(',')
+        ->check(CLI::Validator(
+            [](std::string& name) -> std::string {
+              absl::StatusOr<v1::ShardState> st = ParseShardState(name);
+              return st.ok() ? std::string() : std::string(st.status().message());
+            },
+            "up|down|draining", "shard state"));
+    AddPageSizeFlag(cmd, query.get());
+    OnStatusRun(cmd, exit_code, g, query, [format](const v1::StatusResponse& st) -> int {
       PrintResult(
           *format,
           [&] {
