@@ -65,7 +65,11 @@
 #include <utility>
 #include <vector>
 
+#include <google/protobuf/io/coded_stream.h>
+#include <google/protobuf/wire_format_lite.h>
+#include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
+#include <grpcpp/support/proto_buffer_reader.h>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/flags/flag.h"
@@ -212,7 +216,10 @@ class Simulator {
 
   Simulator(const Options& o, const std::vector<std::shared_ptr<grpc::Channel>>& channels)
       : options_(o), shards_(static_cast<size_t>(o.num_shards)) {
-    for (const auto& ch : channels) stubs_.push_back(v1::Coordinator::NewStub(ch));
+    for (const auto& ch : channels) {
+      stubs_.push_back(v1::Coordinator::NewStub(ch));
+      generic_.push_back(std::make_unique<JobStub>(ch));
+    }
   }
 
   ~Simulator() { Stop(); }
@@ -305,10 +312,10 @@ class Simulator {
     grpc::Status status;
     v1::RegisterShardResponse reg;
     v1::HeartbeatResponse beat;
-    v1::GetJobResponse job;
+    grpc::ByteBuffer job;  // GetJobResponse, as it came.
     std::unique_ptr<grpc::ClientAsyncResponseReader<v1::RegisterShardResponse>> reg_reader;
     std::unique_ptr<grpc::ClientAsyncResponseReader<v1::HeartbeatResponse>> beat_reader;
-    std::unique_ptr<grpc::ClientAsyncResponseReader<v1::GetJobResponse>> job_reader;
+    std::unique_ptr<grpc::ClientAsyncResponseReader<grpc::ByteBuffer>> job_reader;
   };
   struct Due {
     absl::Time when;
@@ -440,7 +447,8 @@ class Simulator {
     c->ctx.set_deadline(DeadlineIn(absl::Seconds(5)));
     v1::GetJobRequest req;
     req.set_job_id(job_id);
-    c->job_reader = StubOf(i)->PrepareAsyncGetJob(&c->ctx, req, &cq_);
+    c->job_reader = generic_[i % generic_.size()]->PrepareUnaryCall(
+        &c->ctx, "/optimus.v1.Coordinator/GetJob", req, &cq_);
     c->job_reader->StartCall();
     c->job_reader->Finish(&c->job, &c->status, c);
   }
@@ -455,16 +463,8 @@ class Simulator {
       std::vector<std::pair<uint64_t, uint64_t>> fetch;  // (shard id, job id)
       Held held;
       if (c->kind == Kind::kGetJob && c->status.ok()) {
-        // Counted outside the lock: the map can be large.
-        for (const v1::ChunkPlacement& p : c->job.map().chunks()) {
-          if (p.shard_id() == c->shard_id) {
-            ++held.primary;
-            if (p.backup_shard_id() != 0) ++held.replicated;
-          } else if (p.backup_shard_id() == c->shard_id) {
-            ++held.backup;
-          }
-        }
-        held.epoch = c->job.map().epoch();
+        // Outside the lock: the map can be large.
+        held = HeldIn(c->job_id, c->shard_id, &c->job);
       }
       {
         absl::MutexLock lock(&mu_);
@@ -542,8 +542,86 @@ class Simulator {
     }
   }
 
+  using JobStub = grpc::TemplatedGenericStub<v1::GetJobRequest, grpc::ByteBuffer>;
+  // What every shard holds of one map (by shard id), and the size of the
+  // GetJobResponse it came in.
+  struct ParsedMap {
+    size_t bytes = 0;
+    std::map<uint64_t, Held> held;
+  };
+
+  // The map epoch in a GetJobResponse (field 3, ShardMap; its field 2),
+  // read without parsing the rest; 0 if it has none.
+  static uint64_t EpochOf(grpc::ByteBuffer* buffer) {
+    namespace wfl = google::protobuf::internal;
+    grpc::ProtoBufferReader reader(buffer);
+    google::protobuf::io::CodedInputStream in(&reader);
+    for (uint32_t tag = in.ReadTag(); tag != 0; tag = in.ReadTag()) {
+      if (tag >> 3 == 3 && (tag & 7) == wfl::WireFormatLite::WIRETYPE_LENGTH_DELIMITED) {
+        uint32_t len = 0;
+        if (!in.ReadVarint32(&len)) return 0;
+        in.PushLimit(static_cast<int>(len));
+        for (uint32_t t = in.ReadTag(); t != 0; t = in.ReadTag()) {
+          uint64_t epoch = 0;
+          if (t >> 3 == 2 && (t & 7) == wfl::WireFormatLite::WIRETYPE_VARINT) {
+            return in.ReadVarint64(&epoch) ? epoch : 0;
+          }
+          if (!wfl::WireFormatLite::SkipField(&in, t)) return 0;
+        }
+        return 0;
+      }
+      if (!wfl::WireFormatLite::SkipField(&in, tag)) return 0;
+    }
+    return 0;
+  }
+
+  // What shard `shard_id` holds of the map in `buffer`. Every shard is
+  // sent the same whole map today: the first copy of each (job, epoch) is
+  // parsed and counted for every shard, and a copy of the same size only
+  // has its epoch read, so that the simulator's CPU goes to the
+  // coordinator's answers rather than to parsing them N times. A copy of
+  // another size (a map made per shard) is parsed on its own.
+  Held HeldIn(uint64_t job_id, uint64_t shard_id, grpc::ByteBuffer* buffer)
+      ABSL_LOCKS_EXCLUDED(cache_mu_) {
+    const size_t bytes = buffer->Length();
+    const uint64_t epoch = EpochOf(buffer);
+    {
+      absl::MutexLock lock(&cache_mu_);
+      auto it = maps_.find({job_id, epoch});
+      if (it != maps_.end() && it->second->bytes == bytes) {
+        auto h = it->second->held.find(shard_id);
+        Held out = h == it->second->held.end() ? Held() : h->second;
+        out.epoch = epoch;
+        return out;
+      }
+    }
+    v1::GetJobResponse resp;
+    grpc::ProtoBufferReader reader(buffer);
+    if (!resp.ParseFromZeroCopyStream(&reader)) return Held();
+    auto parsed = std::make_shared<ParsedMap>();
+    parsed->bytes = bytes;
+    for (const v1::ChunkPlacement& p : resp.map().chunks()) {
+      Held& primary = parsed->held[p.shard_id()];
+      ++primary.primary;
+      if (p.backup_shard_id() != 0) {
+        ++primary.replicated;
+        ++parsed->held[p.backup_shard_id()].backup;
+      }
+    }
+    auto h = parsed->held.find(shard_id);
+    Held out = h == parsed->held.end() ? Held() : h->second;
+    out.epoch = resp.map().epoch();
+    absl::MutexLock lock(&cache_mu_);
+    maps_[{job_id, out.epoch}] = std::move(parsed);
+    return out;
+  }
+
   const Options options_;
   std::vector<std::unique_ptr<v1::Coordinator::Stub>> stubs_;
+  std::vector<std::unique_ptr<JobStub>> generic_;
+  absl::Mutex cache_mu_;
+  std::map<std::pair<uint64_t, uint64_t>, std::shared_ptr<const ParsedMap>> maps_
+      ABSL_GUARDED_BY(cache_mu_);
   grpc::CompletionQueue cq_;
   std::vector<std::thread> cq_threads_;
   std::thread scheduler_;
@@ -684,6 +762,20 @@ absl::StatusOr<absl::Duration> WaitFor(
   }
 }
 
+// Status of the DOWN shards only (the coordinator filters).
+v1::StatusRequest DownShards() {
+  v1::StatusRequest req;
+  req.add_shard_states(v1::SHARD_STATE_DOWN);
+  return req;
+}
+
+// The jobs, with at most one shard: a small answer at any N.
+v1::StatusRequest JobsOnly() {
+  v1::StatusRequest req = DownShards();
+  req.set_page_size(1);
+  return req;
+}
+
 const v1::JobStatus* FindJob(const v1::StatusResponse& st, uint64_t job_id) {
   for (const v1::JobStatus& j : st.jobs()) {
     if (j.job_id() == job_id) return &j;
@@ -785,7 +877,7 @@ Json RunOne(const RunOptions& o, int n) {
     return n_down;
   };
   if (absl::StatusOr<v1::StatusResponse> st =
-          GetStatus(admin.get(), v1::StatusRequest(), absl::Seconds(30));
+          GetStatus(admin.get(), DownShards(), absl::Seconds(30));
       st.ok()) {
     line["false_down_steady"] = false_down(*st);
   } else {
@@ -815,7 +907,7 @@ Json RunOne(const RunOptions& o, int n) {
     jl["create_s"] = JsonRound(Seconds(create_done - start), 3);
     std::string final_state = "unknown";
     absl::StatusOr<absl::Duration> ready = WaitFor(
-        admin.get(), v1::StatusRequest(), start,
+        admin.get(), JobsOnly(), start,
         std::max(absl::Seconds(1), o.ready_timeout - (create_done - start)),
         absl::Milliseconds(200), [&](const v1::StatusResponse& st, std::string* why) {
           const v1::JobStatus* js = FindJob(st, job_id);
@@ -859,7 +951,7 @@ Json RunOne(const RunOptions& o, int n) {
     for (size_t i = 0; i < k; ++i) idx.push_back(i * static_cast<size_t>(n) / k);
     uint64_t epoch_before = 0;
     if (kept_job != 0) {
-      if (auto st = GetStatus(admin.get(), v1::StatusRequest(), absl::Seconds(30)); st.ok()) {
+      if (auto st = GetStatus(admin.get(), JobsOnly(), absl::Seconds(30)); st.ok()) {
         if (const v1::JobStatus* js = FindJob(*st, kept_job)) epoch_before = js->map_epoch();
       }
     }
@@ -868,8 +960,15 @@ Json RunOne(const RunOptions& o, int n) {
       if (id != 0) killed.insert(id);
     }
     line["killed"] = k;
+    // Shards the coordinator had declared DOWN already (wrongly) before
+    // they were killed: their time to DOWN says nothing.
+    if (auto st = GetStatus(admin.get(), DownShards(), absl::Seconds(30)); st.ok()) {
+      int already = 0;
+      for (const v1::ShardStatus& s : st->shards()) already += killed.count(s.shard_id()) != 0;
+      line["killed_already_down"] = already;
+    }
     absl::StatusOr<absl::Duration> down = WaitFor(
-        admin.get(), v1::StatusRequest(), kill_at, o.lease + absl::Seconds(30),
+        admin.get(), DownShards(), kill_at, o.lease + absl::Seconds(30),
         absl::Milliseconds(100), [&](const v1::StatusResponse& st, std::string* why) {
           size_t n_down = 0;
           for (const v1::ShardStatus& s : st.shards()) {
@@ -886,7 +985,7 @@ Json RunOne(const RunOptions& o, int n) {
     if (kept_job != 0) {
       std::string state;
       absl::StatusOr<absl::Duration> moved = WaitFor(
-          admin.get(), v1::StatusRequest(), kill_at, o.lease + absl::Seconds(30),
+          admin.get(), JobsOnly(), kill_at, o.lease + absl::Seconds(30),
           absl::Milliseconds(100), [&](const v1::StatusResponse& st, std::string* why) {
             const v1::JobStatus* js = FindJob(st, kept_job);
             if (js == nullptr) return false;
@@ -900,6 +999,38 @@ Json RunOne(const RunOptions& o, int n) {
       } else {
         errors.push_back(absl::StrCat("failover: ", moved.status().message()));
       }
+    }
+  }
+
+  // Status in pages of 1000 (what optimusctl does), and the DOWN shards
+  // alone (shard list --state=down).
+  {
+    const absl::Time start = absl::Now();
+    v1::StatusRequest req;
+    req.set_page_size(1000);
+    int pages = 0;
+    std::string why;
+    for (;;) {
+      absl::StatusOr<v1::StatusResponse> st = GetStatus(admin.get(), req, absl::Seconds(60));
+      if (!st.ok()) {
+        why = std::string(st.status().message());
+        break;
+      }
+      ++pages;
+      if (st->next_page_token().empty()) break;
+      req.set_page_token(st->next_page_token());
+    }
+    if (why.empty()) {
+      line["status_paged_s"] = JsonRound(Seconds(absl::Now() - start), 4);
+      line["status_pages"] = pages;
+    } else {
+      errors.push_back(absl::StrCat("status in pages: ", why));
+    }
+    const absl::Time down_start = absl::Now();
+    if (auto st = GetStatus(admin.get(), DownShards(), absl::Seconds(60)); st.ok()) {
+      line["status_down_s"] = JsonRound(Seconds(absl::Now() - down_start), 4);
+    } else {
+      errors.push_back(absl::StrCat("status of the DOWN shards: ", st.status().message()));
     }
   }
 

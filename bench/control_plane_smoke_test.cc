@@ -64,6 +64,7 @@ TEST(ControlPlaneSmokeTest, TwentyShardsOneLineThatMakesSense) {
   EXPECT_GE(line.value("map_fetches", 0), 20) << out;
   // 1% of 20 rounds up to one shard, marked DOWN.
   EXPECT_EQ(line.value("killed", 0), 1) << out;
+  EXPECT_EQ(line.value("killed_already_down", -1), 0) << out;
   EXPECT_TRUE(line.contains("killed_down_s")) << out;
   // The status call and the coordinator's process figures.
   EXPECT_GT(line.value("status_bytes", 0), 0) << out;
