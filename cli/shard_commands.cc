@@ -35,9 +35,13 @@ int Drain(const GlobalFlags& g, const DrainFlags& f) {
   std::cout.flush();
   if (!f.wait) return 0;
   const absl::Time deadline = absl::Now() + absl::Seconds(f.wait_s);
+  // A drained shard stays DRAINING until it is stopped, then DOWN: asking
+  // for those states alone keeps each poll small in a large cluster.
+  StatusQuery query;
+  query.shard_states = {v1::SHARD_STATE_DRAINING, v1::SHARD_STATE_DOWN};
   std::string last_line;
   while (true) {
-    absl::StatusOr<v1::StatusResponse> status = FetchStatus(g.coordinator, g.timeout());
+    absl::StatusOr<v1::StatusResponse> status = FetchStatus(g.coordinator, g.timeout(), query);
     if (!status.ok()) return Fail(status.status());
     const DrainProgress p = FindDrainProgress(*status, id);
     if (!p.found) return Fail(absl::NotFoundError(absl::StrCat("shard ", id, " is gone")));
