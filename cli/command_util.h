@@ -6,6 +6,7 @@
 #define OPTIMUS_CLI_COMMAND_UTIL_H_
 
 #include <functional>
+#include <memory>
 #include <string>
 
 #include "CLI/CLI.hpp"
@@ -36,6 +37,15 @@ void OnRun(CLI::App* cmd, int* exit_code, std::function<int()> action);
 // `show` with the answer, whose result is the exit code.
 void OnStatusRun(CLI::App* cmd, int* exit_code, const GlobalFlags* g,
                  std::function<int(const v1::StatusResponse&)> show);
+// The same, fetching what *query says (its flags may fill it: it is read
+// when the command runs).
+void OnStatusRun(CLI::App* cmd, int* exit_code, const GlobalFlags* g,
+                 std::shared_ptr<const StatusQuery> query,
+                 std::function<int(const v1::StatusResponse&)> show);
+
+// Adds `--page_size N` (shards per Status call, default
+// kDefaultStatusPageSize; 0: all in one) to `cmd`, into query->page_size.
+void AddPageSizeFlag(CLI::App* cmd, StatusQuery* query);
 
 // Loads the TLS settings (SetCliTls) before a command's first RPC. Its
 // error, printed, is a usage error: the caller returns 2.

@@ -141,12 +141,26 @@ void OnRun(CLI::App* cmd, int* exit_code, std::function<int()> action) {
 
 void OnStatusRun(CLI::App* cmd, int* exit_code, const GlobalFlags* g,
                  std::function<int(const v1::StatusResponse&)> show) {
-  OnRun(cmd, exit_code, [g, show = std::move(show)]() -> int {
+  OnStatusRun(cmd, exit_code, g, std::make_shared<const StatusQuery>(), std::move(show));
+}
+
+void OnStatusRun(CLI::App* cmd, int* exit_code, const GlobalFlags* g,
+                 std::shared_ptr<const StatusQuery> query,
+                 std::function<int(const v1::StatusResponse&)> show) {
+  OnRun(cmd, exit_code, [g, query = std::move(query), show = std::move(show)]() -> int {
     if (!UseCoordinator(*g).ok()) return 2;
-    absl::StatusOr<v1::StatusResponse> status = FetchStatus(g->coordinator, g->timeout());
+    absl::StatusOr<v1::StatusResponse> status = FetchStatus(g->coordinator, g->timeout(), *query);
     if (!status.ok()) return Fail(status.status());
     return show(*status);
   });
+}
+
+void AddPageSizeFlag(CLI::App* cmd, StatusQuery* query) {
+  cmd->add_option("--page_size", query->page_size,
+                  "shards per Status call (one message each); 0: all in one call")
+      ->type_name("N")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
 }
 
 absl::Status UseCoordinator(const GlobalFlags& globals) {
@@ -218,7 +232,9 @@ void AddStatusCommand(CLI::App* root, GlobalFlags* g, int* exit_code) {
   // The callbacks own the command's settings; its options write them.
   auto format = std::make_shared<OutputFormat>(OutputFormat::kTable);
   AddOutputFlags(cmd, format.get());
-  OnStatusRun(cmd, exit_code, g, [format](const v1::StatusResponse& status) -> int {
+  auto query = std::make_shared<StatusQuery>();
+  AddPageSizeFlag(cmd, query.get());
+  OnStatusRun(cmd, exit_code, g, query, [format](const v1::StatusResponse& status) -> int {
     PrintResult(
         *format, [&] { return StatusToJson(status); },
         [&] { return RenderStatusTable(status); });

@@ -1,7 +1,9 @@
 // `optimusctl shard list|describe|drain|forget`, and `optimusctl drain`.
+#include <algorithm>
 #include <iostream>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -33,9 +35,13 @@ int Drain(const GlobalFlags& g, const DrainFlags& f) {
   std::cout.flush();
   if (!f.wait) return 0;
   const absl::Time deadline = absl::Now() + absl::Seconds(f.wait_s);
+  // A drained shard stays DRAINING until it is stopped, then DOWN: asking
+  // for those states alone keeps each poll small in a large cluster.
+  StatusQuery query;
+  query.shard_states = {v1::SHARD_STATE_DRAINING, v1::SHARD_STATE_DOWN};
   std::string last_line;
   while (true) {
-    absl::StatusOr<v1::StatusResponse> status = FetchStatus(g.coordinator, g.timeout());
+    absl::StatusOr<v1::StatusResponse> status = FetchStatus(g.coordinator, g.timeout(), query);
     if (!status.ok()) return Fail(status.status());
     const DrainProgress p = FindDrainProgress(*status, id);
     if (!p.found) return Fail(absl::NotFoundError(absl::StrCat("shard ", id, " is gone")));
@@ -92,10 +98,34 @@ void AddShardCommands(CLI::App* root, GlobalFlags* g, int* exit_code) {
 
   {
     CLI::App* cmd = shard->add_subcommand(
-        "list", "every shard: kind, host, state, memory, chunks, backups, transports, lease");
+        "list", "every shard (or those in --state): kind, host, state, memory, chunks, "
+                "backups, transports, lease");
     auto format = std::make_shared<OutputFormat>(OutputFormat::kTable);
     AddOutputFlags(cmd, format.get());
-    OnStatusRun(cmd, exit_code, g, [format](const v1::StatusResponse& st) -> int {
+    auto query = std::make_shared<StatusQuery>();
+    cmd->add_option_function<std::vector<std::string>>(
+           "--state",
+           [query](const std::vector<std::string>& names) {
+             for (const std::string& n : names) {
+               const v1::ShardState st = *ParseShardState(n);
+               if (std::find(query->shard_states.begin(), query->shard_states.end(), st) ==
+                   query->shard_states.end()) {
+                 query->shard_states.push_back(st);
+               }
+             }
+           },
+           "only shards in these states: up, down, draining (comma-separated or repeated; "
+           "the coordinator filters)")
+        ->type_name("STATE")
+        ->delimiter(',')
+        ->check(CLI::Validator(
+            [](std::string& name) -> std::string {
+              absl::StatusOr<v1::ShardState> st = ParseShardState(name);
+              return st.ok() ? std::string() : std::string(st.status().message());
+            },
+            "up|down|draining", "shard state"));
+    AddPageSizeFlag(cmd, query.get());
+    OnStatusRun(cmd, exit_code, g, query, [format](const v1::StatusResponse& st) -> int {
       PrintResult(
           *format,
           [&] {

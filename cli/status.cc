@@ -263,24 +263,61 @@ std::shared_ptr<grpc::Channel> CoordinatorChannel(const std::string& address) {
 }
 
 absl::StatusOr<v1::StatusResponse> FetchStatus(const std::string& address,
-                                               absl::Duration timeout) {
+                                               absl::Duration timeout, const StatusQuery& query) {
   auto channel = CoordinatorChannel(address);
   auto stub = v1::Coordinator::NewStub(channel);
-  grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() +
-                   std::chrono::milliseconds(absl::ToInt64Milliseconds(timeout)));
-  v1::StatusResponse resp;
-  const grpc::Status s = stub->Status(&ctx, v1::StatusRequest(), &resp);
-  if (s.error_code() == grpc::StatusCode::UNAVAILABLE ||
-      s.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED) {
-    return absl::UnavailableError(
-        absl::StrCat("cannot reach coordinator at ", address, ": ", s.error_message()));
+  v1::StatusRequest req;
+  for (v1::ShardState st : query.shard_states) req.add_shard_states(st);
+  req.set_page_size(query.page_size);
+  v1::StatusResponse all;
+  for (int page = 0;; ++page) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() +
+                     std::chrono::milliseconds(absl::ToInt64Milliseconds(timeout)));
+    v1::StatusResponse resp;
+    const grpc::Status s = stub->Status(&ctx, req, &resp);
+    if (s.error_code() == grpc::StatusCode::UNAVAILABLE ||
+        s.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED) {
+      return absl::UnavailableError(
+          absl::StrCat("cannot reach coordinator at ", address, ": ", s.error_message()));
+    }
+    if (!s.ok()) {
+      absl::Status err = FromGrpc(s);
+      return absl::Status(err.code(),
+                          absl::StrCat("coordinator at ", address, ": ", err.message()));
+    }
+    if (page == 0) {
+      all = std::move(resp);
+    } else {
+      for (v1::ShardStatus& sh : *resp.mutable_shards()) *all.add_shards() = std::move(sh);
+    }
+    const std::string next = page == 0 ? all.next_page_token() : resp.next_page_token();
+    // Shard ids only grow: a token that does not move on would loop.
+    if (next.empty() || next == req.page_token()) break;
+    req.set_page_token(next);
   }
-  if (!s.ok()) {
-    absl::Status err = FromGrpc(s);
-    return absl::Status(err.code(), absl::StrCat("coordinator at ", address, ": ", err.message()));
+  all.clear_next_page_token();
+  if (!query.shard_states.empty()) {
+    auto* shards = all.mutable_shards();
+    for (int i = shards->size() - 1; i >= 0; --i) {
+      const v1::ShardState st = shards->Get(i).state();
+      if (std::find(query.shard_states.begin(), query.shard_states.end(), st) ==
+          query.shard_states.end()) {
+        shards->DeleteSubrange(i, 1);
+      }
+    }
   }
-  return resp;
+  return all;
+}
+
+absl::StatusOr<v1::ShardState> ParseShardState(const std::string& name) {
+  std::string lower = name;
+  for (char& c : lower) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  if (lower == "up") return v1::SHARD_STATE_UP;
+  if (lower == "down") return v1::SHARD_STATE_DOWN;
+  if (lower == "draining") return v1::SHARD_STATE_DRAINING;
+  return absl::InvalidArgumentError(
+      absl::StrCat("\"", name, "\" is not a shard state (up, down or draining)"));
 }
 
 std::string HumanBytes(uint64_t size_bytes) {

@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "cli/output.h"
@@ -26,11 +27,31 @@ absl::Status SetCliTls(const security::TlsOptions& options);
 // channel that trusts no CA: calls fail, nothing is sent in clear).
 std::shared_ptr<grpc::Channel> CoordinatorChannel(const std::string& address);
 
+inline constexpr uint32_t kDefaultStatusPageSize = 1000;
+
+// Which shards a status fetch asks for, and how many per message.
+struct StatusQuery {
+  // Only shards in these states; empty: every state.
+  std::vector<v1::ShardState> shard_states;
+  // Shards per Status call (each one message); 0: all in one call. Small
+  // pages keep every message far below the gRPC limit at any cluster size.
+  uint32_t page_size = kDefaultStatusPageSize;
+};
+
 // Asks the coordinator at `address` ("HOST:PORT") for its status, waiting at
-// most `timeout`. UNAVAILABLE with "cannot reach coordinator at ADDRESS: ..."
-// when it cannot be reached in time; other errors carry the server's status.
+// most `timeout` per call: the pages of shards of `query` in id order, put
+// together, and the jobs. The state filter is applied here too, so a
+// coordinator that predates filters and pages (it answers everything at
+// once) gives the same result. UNAVAILABLE with "cannot reach coordinator
+// at ADDRESS: ..." when it cannot be reached in time; other errors carry
+// the server's status.
 absl::StatusOr<v1::StatusResponse> FetchStatus(const std::string& address,
-                                               absl::Duration timeout);
+                                               absl::Duration timeout,
+                                               const StatusQuery& query = StatusQuery());
+
+// "up", "down", "draining" (any case) as a state; INVALID_ARGUMENT naming
+// the three for anything else.
+absl::StatusOr<v1::ShardState> ParseShardState(const std::string& name);
 
 // Two tables, SHARDS then JOBS, with a header row each; memory in binary
 // units ("1.5 GiB"), lease age as "250ms" / "3.2s" / "5m07s". A shard's

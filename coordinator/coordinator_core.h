@@ -192,7 +192,13 @@ class Coordinator {
                                                               absl::Duration timeout);
 
   // ---- Status (coordinator_status.cc) ----
+  // Every shard and job (StatusPage of an empty request).
   v1::StatusResponse Status();
+  // The shards in req.shard_states (all when empty), from the one after
+  // req.page_token, at most req.page_size of them (0: all), in id order;
+  // the jobs with the first page. INVALID_ARGUMENT for a page_token that is
+  // not a shard id.
+  absl::StatusOr<v1::StatusResponse> StatusPage(const v1::StatusRequest& req);
 
   // ---- Checkpoints (coordinator_checkpoints.cc; see checkpoints.h) ----
   // Orders a checkpoint of a READY job now; returns it IN_PROGRESS.

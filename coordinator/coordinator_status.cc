@@ -1,6 +1,10 @@
 // Coordinator: the status of every shard and job, as `optimusctl status`
 // and /metrics show it. See coordinator_core.h.
 #include <algorithm>
+#include <set>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
 
 #include "coordinator/coordinator_core.h"
 #include "coordinator/job_spec.h"
@@ -59,13 +63,39 @@ v1::ShardStatus Coordinator::ShardStatusLocked(const ShardRecord& shard,
 }
 
 v1::StatusResponse Coordinator::Status() {
+  // An empty request has no token to refuse.
+  return *StatusPage(v1::StatusRequest());
+}
+
+absl::StatusOr<v1::StatusResponse> Coordinator::StatusPage(const v1::StatusRequest& req) {
+  uint64_t after = 0;
+  if (!req.page_token().empty() && !absl::SimpleAtoi(req.page_token(), &after)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "status page_token \"", req.page_token(),
+        "\" is not one this coordinator gave (a shard id); leave it empty for the first page"));
+  }
+  std::set<int> states(req.shard_states().begin(), req.shard_states().end());
+  const auto wanted = [&states](const ShardRecord& s) {
+    return states.empty() || states.count(s.state) != 0;
+  };
   v1::StatusResponse resp;
   absl::MutexLock lock(&mu_);
   const absl::Time now = Now();
   const std::map<uint64_t, ShardLoad> planned = PlannedLoadLocked();
-  for (const auto& [id, shard] : shards_.all()) {
-    *resp.add_shards() = ShardStatusLocked(shard, planned, now);
+  const std::map<uint64_t, ShardRecord>& shards = shards_.all();
+  uint32_t matching = 0;
+  for (const auto& [id, shard] : shards) matching += wanted(shard);
+  resp.set_matching_shards(matching);
+  for (auto it = shards.upper_bound(after); it != shards.end(); ++it) {
+    if (!wanted(it->second)) continue;
+    if (req.page_size() > 0 && static_cast<uint32_t>(resp.shards_size()) == req.page_size()) {
+      // More match: the next page starts after the last one here.
+      resp.set_next_page_token(absl::StrCat(resp.shards(resp.shards_size() - 1).shard_id()));
+      break;
+    }
+    *resp.add_shards() = ShardStatusLocked(it->second, planned, now);
   }
+  if (!req.page_token().empty()) return resp;
   for (const auto& [id, job] : jobs_.all()) {
     v1::JobStatus* j = resp.add_jobs();
     j->set_job_id(id);

@@ -179,16 +179,18 @@ grpc::Status CoordinatorService::WatchShardMap(grpc::ServerContext* ctx,
   return grpc::Status(grpc::StatusCode::CANCELLED, "watch cancelled by the client");
 }
 
-grpc::Status CoordinatorService::Status(grpc::ServerContext* ctx, const v1::StatusRequest*,
+grpc::Status CoordinatorService::Status(grpc::ServerContext* ctx, const v1::StatusRequest* req,
                                         v1::StatusResponse* resp) {
   const Caller c = Identify(ctx);
   const bool everything = c.role == Role::kAdmin || c.role == Role::kShard;
   if (!everything && c.token.empty()) return Refuse(c, "Status", kNeedsJob);
-  *resp = core_->Status();
+  if (grpc::Status s = Reply(core_->StatusPage(*req), resp); !s.ok()) return s;
   core_->FillLastCheckpoints(resp);
   if (!everything) {
     // A job token sees its own job, and no shard.
     resp->clear_shards();
+    resp->clear_next_page_token();
+    resp->clear_matching_shards();
     auto* jobs = resp->mutable_jobs();
     for (int i = jobs->size() - 1; i >= 0; --i) {
       if (!core_->JobTokenMatches(jobs->Get(i).job_id(), c.token)) jobs->DeleteSubrange(i, 1);
