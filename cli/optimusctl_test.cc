@@ -128,7 +128,15 @@ int UnusedPort() {
 
 class OptimusctlTest : public ::testing::Test {
  protected:
-  virtual CoordinatorOptions Options() { return CoordinatorOptions(); }
+  // A long lease: the fake shards beat every 100 ms, and a loaded machine
+  // can hold that thread back for seconds (a 2 s lease was lost that way,
+  // failing a drain that needs its shards alive). Tests of a shard going
+  // DOWN use OptimusctlShortLeaseTest.
+  virtual CoordinatorOptions Options() {
+    CoordinatorOptions o;
+    o.lease = absl::Minutes(1);
+    return o;
+  }
   void SetUp() override {
     auto server = CoordinatorServer::Start(Options());
     ASSERT_TRUE(server.ok()) << server.status();
@@ -402,12 +410,13 @@ TEST_F(OptimusctlTest, JobDeleteEndsAJobAndIsRefusedWhileWorkersAreJoined) {
 }
 
 // A coordinator with a short lease, so that a shard that stops beating is
-// DOWN within a second.
+// DOWN within seconds (3 s: the beating one must not lose its lease while
+// a loaded machine holds its thread back).
 class OptimusctlShortLeaseTest : public OptimusctlTest {
  protected:
   CoordinatorOptions Options() override {
     CoordinatorOptions o;
-    o.lease = absl::Milliseconds(300);
+    o.lease = absl::Seconds(3);
     o.sweep_interval = absl::Milliseconds(50);
     return o;
   }
@@ -421,8 +430,8 @@ TEST_F(OptimusctlShortLeaseTest, ShardForgetRemovesOnlyADownShard) {
   RunResult r = RunOptimusctl(absl::StrCat(coord, " shard forget ", b));
   EXPECT_EQ(r.exit_code, 1);
   EXPECT_THAT(r.err, HasSubstr("is UP"));
-  // Shard a never beats: it goes DOWN.
-  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  // Shard a never beats: it goes DOWN (a generous deadline).
+  const absl::Time deadline = absl::Now() + absl::Minutes(1);
   while (absl::Now() < deadline) {
     r = RunOptimusctl(absl::StrCat(coord, " status --json"));
     if (r.out.find("\"down\"") != std::string::npos) break;
