@@ -543,8 +543,9 @@ std::string ChunkStaging::DebugString() const {
     ranks += r.known ? (r.has_grad ? 'L' : 'N') : r.waiting ? 'w' : r.landing ? 'r' : '.';
   }
   return absl::StrCat("staging step=", step_, active_ ? "" : " inactive", " hold=",
-                      HoldData() != nullptr, step_slots_ ? " slots" : " sum", " folded=", folded_, " known=", known_,
-                      " ranks=", ranks, busy_ ? " busy" : "", used_ ? " used" : "",
+                      HoldData() != nullptr, step_slots_ ? " slots" : " sum",
+                      " folded=", folded_, " known=", known_, " ranks=", ranks,
+                      busy_ ? " busy" : "", used_ ? " used" : "",
                       acquiring_ ? " acquiring" : "", pool_callback_ ? " callback" : "",
                       abandoned_ ? " abandoned" : "", " pool_in_use=", pool_->in_use(),
                       " reserve=", pool_->reserve());
