@@ -21,7 +21,9 @@ std::shared_ptr<StagingPool> StagingPool::Create(uint64_t limit_bytes,
       new StagingPool(limit_bytes, std::move(account), std::move(registrar), std::move(run_later)));
 }
 
-StagingPool::Lease::~Lease() { pool_->Release(std::move(buffer_)); }
+StagingPool::Lease::~Lease() {
+  if (buffer_ != nullptr) pool_->Release(std::move(buffer_));
+}
 
 std::unique_ptr<StagingPool::Lease> StagingPool::TryAcquire(size_t bytes, uint64_t keep_free) {
   std::unique_ptr<Buffer> buffer;
@@ -64,6 +66,17 @@ std::unique_ptr<StagingPool::Lease> StagingPool::TryAcquire(size_t bytes, uint64
 }
 
 void StagingPool::Release(std::unique_ptr<Buffer> buffer) {
+  for (auto& fn : Return(std::move(buffer))) run_later_(std::move(fn));
+}
+
+void StagingPool::GiveBack(std::unique_ptr<Lease> lease) {
+  if (lease == nullptr) return;
+  std::unique_ptr<Buffer> buffer = std::move(lease->buffer_);
+  lease.reset();
+  for (auto& fn : Return(std::move(buffer))) fn();
+}
+
+std::vector<std::function<void()>> StagingPool::Return(std::unique_ptr<Buffer> buffer) {
   std::vector<std::function<void()>> wake;
   {
     absl::MutexLock lock(&mu_);
@@ -76,7 +89,7 @@ void StagingPool::Release(std::unique_ptr<Buffer> buffer) {
     ++releases_;
     wake.swap(waiters_);
   }
-  for (auto& fn : wake) run_later_(std::move(fn));
+  return wake;
 }
 
 bool StagingPool::has_waiters() const {
@@ -145,9 +158,11 @@ ChunkStaging::ChunkStaging(uint32_t world_size, DType grad_dtype, size_t num_ele
       permanent_(permanent),
       folds_(pool->fold() && kernels::FoldsGradients(world_size, grad_dtype)),
       landing_bytes_(num_elems * DTypeSize(grad_dtype)),
-      hold_bytes_(folds_ ? num_elems * 4 : num_elems * world_size * DTypeSize(grad_dtype)),
+      slots_bytes_(num_elems * world_size * DTypeSize(grad_dtype)),
+      hold_bytes_(folds_ ? num_elems * 4 : slots_bytes_),
       pool_(std::move(pool)),
-      ranks_(world_size) {}
+      ranks_(world_size),
+      step_slots_(!folds_) {}
 
 absl::StatusOr<std::shared_ptr<ChunkStaging>> ChunkStaging::Create(
     uint32_t world_size, DType grad_dtype, size_t num_elems, bool permanent,
@@ -198,6 +213,7 @@ void ChunkStaging::FreeStep() {
   sum_started_ = false;
   used_ = false;
   fold_failed_ = false;
+  step_slots_ = !folds_;
   active_ = false;
 }
 
@@ -243,6 +259,10 @@ bool ChunkStaging::StillWanted(uint64_t step, uint32_t rank) const {
          ranks_[rank].landing == nullptr;
 }
 
+bool ChunkStaging::SlotsFit() const {
+  return !folds_ || (!permanent_ && slots_bytes_ + pool_->reserve() <= pool_->limit());
+}
+
 bool ChunkStaging::Place(uint32_t rank, Landing* out) {
   if (acquiring_) {
     missed_ = true;  // The acquiring thread has waiters tried again after.
@@ -250,11 +270,20 @@ bool ChunkStaging::Place(uint32_t rank, Landing* out) {
   }
   const uint64_t step = step_;
   if (HoldData() == nullptr) {
-    std::unique_ptr<StagingPool::Lease> hold = AcquireUnlocked(hold_bytes_, pool_->reserve());
+    // W slots whenever the pool could ever hold them (with the reserve left
+    // free): the step then reads the pushes where they landed, with no fold
+    // pass, and until they fit this chunk's pushes wait for another step to
+    // give its buffers back (slot holders only wait for their own pushes,
+    // so room always comes back). An fp32 sum to fold into only when W
+    // slots never fit.
+    const bool slots = SlotsFit();
+    std::unique_ptr<StagingPool::Lease> hold =
+        AcquireUnlocked(slots ? slots_bytes_ : hold_bytes_, pool_->reserve());
     if (hold == nullptr || !StillWanted(step, rank) || HoldData() != nullptr) return false;
     hold_ = std::move(hold);
+    step_slots_ = slots;
   }
-  if (!folds_) {
+  if (step_slots_) {
     out->dst = HoldData() + rank * landing_bytes_;
     out->region = HoldRegion();
     return true;
@@ -327,6 +356,8 @@ ChunkStaging::Unblock() {
       Landing l;
       if (!Place(r, &l)) {
         any_waiting |= ranks_[r].waiting;
+        // No sum or slots yet: every other rank needs the same room.
+        if (any_waiting && HoldData() == nullptr) break;
         continue;
       }
       Rank& rk = ranks_[r];
@@ -404,7 +435,7 @@ bool ChunkStaging::Landed(uint64_t step, uint32_t rank, bool ok) {
 }
 
 bool ChunkStaging::Foldable() const {
-  return folds_ && active_ && !busy_ && !used_ && !abandoned_ && HoldData() != nullptr &&
+  return !step_slots_ && active_ && !busy_ && !used_ && !abandoned_ && HoldData() != nullptr &&
          folded_ < world_size_ && ranks_[folded_].known;
 }
 
@@ -464,7 +495,7 @@ ChunkStaging::Inputs ChunkStaging::Use(uint64_t step, const std::vector<uint32_t
     return in;
   }
   used_ = true;
-  if (!folds_) {
+  if (step_slots_) {
     for (uint32_t r : ranks) in.grads.push_back(HoldData() + r * landing_bytes_);
     in.dtype = grad_dtype_;
   } else {
@@ -492,9 +523,17 @@ void ChunkStaging::Unuse() {
 }
 
 void ChunkStaging::StepDone(uint64_t step) {
-  absl::MutexLock lock(&mu_);
-  busy_ = false;
-  if (abandoned_ || (active_ && step_ == step)) FreeStep();
+  std::unique_ptr<StagingPool::Lease> hold;
+  {
+    absl::MutexLock lock(&mu_);
+    busy_ = false;
+    if (abandoned_ || (active_ && step_ == step)) {
+      hold = std::move(hold_);
+      FreeStep();
+    }
+  }
+  // Outside mu_: the pushes waiting for this room are let in from here.
+  pool_->GiveBack(std::move(hold));
 }
 
 std::string ChunkStaging::DebugString() const {
@@ -504,8 +543,9 @@ std::string ChunkStaging::DebugString() const {
     ranks += r.known ? (r.has_grad ? 'L' : 'N') : r.waiting ? 'w' : r.landing ? 'r' : '.';
   }
   return absl::StrCat("staging step=", step_, active_ ? "" : " inactive", " hold=",
-                      HoldData() != nullptr, " folded=", folded_, " known=", known_,
-                      " ranks=", ranks, busy_ ? " busy" : "", used_ ? " used" : "",
+                      HoldData() != nullptr, step_slots_ ? " slots" : " sum",
+                      " folded=", folded_, " known=", known_, " ranks=", ranks,
+                      busy_ ? " busy" : "", used_ ? " used" : "",
                       acquiring_ ? " acquiring" : "", pool_callback_ ? " callback" : "",
                       abandoned_ ? " abandoned" : "", " pool_in_use=", pool_->in_use(),
                       " reserve=", pool_->reserve());

@@ -7,28 +7,39 @@
 // push that finds no room waits for one (its payload stays at the worker,
 // as rendezvous allows) instead of failing.
 //
-// ChunkStaging: one chunk's gradients for the step it is collecting. Two
-// ways to hold W gradients (kernels::FoldsGradients decides, per job):
-//  - slots: W slots of the grad dtype (W x 2 B <= 4 B per element, so at
-//    most W = 2 for bf16); the step sums them itself (FusedStep);
-//  - fold: an fp32 running sum. Rank r's push lands in a landing buffer
+// ChunkStaging: one chunk's gradients for the step it is collecting, held
+// one of two ways, chosen when the step takes its room from the pool:
+//  - slots: W slots of the grad dtype, rank r's push landing in slot r; the
+//    step sums them itself (FusedStep). Always so when W slots cost at most
+//    the fp32 sum (W x 2 B <= 4 B: W <= 2 for bf16); for larger W whenever
+//    the pool could hold W slots with its reserve left free: a chunk-step
+//    then waits for its W slots (its pushes wait at their workers) rather
+//    than folding, since the folds cost more memory traffic than the wait
+//    (each pass reads and writes the sum besides the slot);
+//  - fold: an fp32 running sum, when W slots never fit (W x landing +
+//    reserve > the pool) or the job holds its gradients until the commit
+//    (then every chunk's step waits for every chunk's pushes, which the
+//    pool cannot hold as slots). Rank r's push lands in a landing buffer
 //    and is folded into the sum (kernels::AccumulateGrads) once ranks
-//    0..r-1 are, on a step thread, and its buffer goes back to the pool. The
-//    sum is in rank order, so the step from it is bit for bit the step over
-//    the W slots: replicas, checkpoints and the torch comparisons see no
-//    difference. When the last push lands, its add and the optimizer pass
-//    are what remain.
+//    0..r-1 are, on a step thread, and its buffer goes back to the pool.
+//    Folds run early only while pushes wait for room; otherwise the step
+//    folds all the landed ranks in one pass. The sum is in rank order, so
+//    the step from it is bit for bit the step over the W slots: replicas,
+//    checkpoints and the torch comparisons see no difference.
 // The sum (or the W slots) is taken from the pool when a step's first
 // gradient arrives and given back when the step's kernel is done; jobs
 // whose steps wait for a worker's commit (clipping, skipping non-finite
-// steps) hold every chunk's gradients until the commit, so theirs is
-// allocated with the chunk instead (kernels::ShardBytesPerElem counts it).
+// steps) hold every chunk's sum until the commit, so theirs is allocated
+// with the chunk instead (kernels::ShardBytesPerElem counts it).
 //
-// No deadlock by construction: a chunk-step that holds its sum can always
-// finish, because the pool keeps `reserve` bytes that only the landing of a
-// chunk's next rank in order (which is folded and freed at once) may take;
-// a sum, and landings out of rank order, are granted only with the reserve
-// left free. Pushes of a chunk-step not yet granted its sum wait.
+// No deadlock by construction: a chunk-step holding W slots waits only for
+// its own pushes (workers send every push without waiting for others to
+// land), so its room always comes back. A chunk-step that holds its sum can
+// always finish, because the pool keeps `reserve` bytes that only the
+// landing of a chunk's next rank in order (which is folded and freed at
+// once) may take; a sum, W slots, and landings out of rank order are
+// granted only with the reserve left free. Pushes of a chunk-step not yet
+// granted its sum or slots wait.
 //
 // Thread-safety: both classes are thread-safe. ChunkStaging::mu_ is taken
 // before StagingPool::mu_ and nothing else; it is let go while a new pool
@@ -106,6 +117,11 @@ class StagingPool : public std::enable_shared_from_this<StagingPool> {
   absl::Status Admit(uint64_t hold_bytes, uint64_t landing_bytes, absl::string_view what)
       ABSL_LOCKS_EXCLUDED(mu_);
   uint64_t reserve() const ABSL_LOCKS_EXCLUDED(mu_);
+  // Gives `lease` back now and runs what waits for room on the calling
+  // thread, which must hold no lock, instead of through run_later: the
+  // next chunk-step's pushes start landing before the step threads get to
+  // the wake-ups queued behind other steps.
+  void GiveBack(std::unique_ptr<Lease> lease) ABSL_LOCKS_EXCLUDED(mu_);
   // Runs fn through run_later (on a thread that holds no lock).
   void Defer(std::function<void()> fn) { run_later_(std::move(fn)); }
   // Someone waits for room (WhenReleased).
@@ -134,6 +150,9 @@ class StagingPool : public std::enable_shared_from_this<StagingPool> {
         registrar_(std::move(registrar)),
         run_later_(std::move(run_later)) {}
   void Release(std::unique_ptr<Buffer> buffer) ABSL_LOCKS_EXCLUDED(mu_);
+  // Takes the buffer back; returns the waiters to wake.
+  std::vector<std::function<void()>> Return(std::unique_ptr<Buffer> buffer)
+      ABSL_LOCKS_EXCLUDED(mu_);
 
   const uint64_t limit_;
   const std::shared_ptr<MemoryAccount> account_;
@@ -160,10 +179,12 @@ class ChunkStaging : public std::enable_shared_from_this<ChunkStaging> {
       std::shared_ptr<StagingPool> pool, std::shared_ptr<MemoryAccount> account,
       const Registrar& registrar, absl::string_view what);
 
+  // The job's steps may fold (W x the grad dtype > 4 B, the pool folds);
+  // each step still takes W slots instead when the pool can hold them.
   bool folds() const { return folds_; }
   size_t landing_bytes() const { return landing_bytes_; }
-  // Bytes taken from the pool while a step is in flight (the sum or the W
-  // slots; 0 when permanent).
+  // The least a step takes from the pool while in flight: the fp32 sum
+  // (folds()) or the W slots; 0 when permanent.
   size_t hold_bytes() const { return permanent_ ? 0 : hold_bytes_; }
 
   // Where rank `rank`'s gradient for `step` lands.
@@ -240,6 +261,8 @@ class ChunkStaging : public std::enable_shared_from_this<ChunkStaging> {
   std::vector<std::pair<std::function<void(Landing)>, Landing>> Unblock()
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void RunUnblocked(std::vector<std::pair<std::function<void(Landing)>, Landing>> ready);
+  // A step takes W slots, not a sum: the pool could hold them.
+  bool SlotsFit() const;
   bool Foldable() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Folds ranks [folded_, end) that are known, outside the lock (busy).
   void FoldRun(kernels::ThreadPool* pool) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -251,7 +274,8 @@ class ChunkStaging : public std::enable_shared_from_this<ChunkStaging> {
   const bool permanent_;
   const bool folds_;
   const size_t landing_bytes_;  // One rank's gradient.
-  const size_t hold_bytes_;     // The fp32 sum, or the W slots.
+  const size_t slots_bytes_;    // W slots.
+  const size_t hold_bytes_;     // The fp32 sum (folds_), or the W slots.
   const std::shared_ptr<StagingPool> pool_;
 
   mutable absl::Mutex mu_;
@@ -260,6 +284,8 @@ class ChunkStaging : public std::enable_shared_from_this<ChunkStaging> {
   uint64_t step_ ABSL_GUARDED_BY(mu_) = 0;
   bool active_ ABSL_GUARDED_BY(mu_) = false;  // Tracking step_.
   std::vector<Rank> ranks_ ABSL_GUARDED_BY(mu_);
+  // This step's gradients are W slots (no fold), not a sum.
+  bool step_slots_ ABSL_GUARDED_BY(mu_);
   uint32_t known_ ABSL_GUARDED_BY(mu_) = 0;
   uint32_t folded_ ABSL_GUARDED_BY(mu_) = 0;   // Ranks [0, folded_) are in the sum.
   bool sum_started_ ABSL_GUARDED_BY(mu_) = false;  // Some rank's gradient is in it.

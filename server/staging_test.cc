@@ -1,5 +1,6 @@
 // The staging pool and a chunk's gradients in flight: pushes landing in and
-// out of rank order, folds in rank order, waits for room that end when a
+// out of rank order, W slots whenever the pool could hold them (waiting for
+// them rather than folding), folds in rank order, waits for room that end when a
 // fold or a step frees it, a bounded pool that never deadlocks, the step's
 // inputs equal to the fused sum over all slots, and everything given back.
 #include "server/staging.h"
@@ -90,7 +91,9 @@ void ExpectSameStep(const std::vector<std::vector<uint16_t>>& grads,
 
 TEST(StagingTest, FoldsOutOfOrderArrivalsInRankOrder) {
   Fixture f(uint64_t{1} << 30);
-  auto s = f.Chunk(4);
+  // A job with the commit round: its sum is its own and its steps always
+  // fold (a pool that holds W slots would hold them instead; see below).
+  auto s = f.Chunk(4, /*permanent=*/true);
   ASSERT_TRUE(s->folds());
   std::vector<std::vector<uint16_t>> g;
   for (uint32_t r = 0; r < 4; ++r) g.push_back(Grad(kN, r + 1));
@@ -128,6 +131,76 @@ TEST(StagingTest, TwoSlotsNeedNoFoldAndStepAsTheFusedSum) {
   ExpectSameStep(g, in);
   EXPECT_EQ(f.pool->in_use(), kN * 4);
   s->StepDone(1);
+  EXPECT_EQ(f.pool->in_use(), 0u);
+}
+
+// W = 4 would fold, but the pool holds the W slots (and its reserve): the
+// step reads the pushes where they landed, in any order, with no fold pass
+// and no fp32 sum taken.
+TEST(StagingTest, WhenThePoolHoldsWSlotsAStepReadsThemWithoutAFold) {
+  const uint64_t landing = kN * 2;
+  Fixture f(4 * landing + landing);  // W slots + the reserve, exactly.
+  auto s = f.Chunk(4);
+  ASSERT_TRUE(s->folds());
+  std::vector<std::vector<uint16_t>> g;
+  for (uint32_t r = 0; r < 4; ++r) g.push_back(Grad(kN, 20 + r));
+  const uint64_t step = 2;
+  for (uint32_t r : {3u, 1u, 0u, 2u}) {
+    ChunkStaging::Landing l = s->Land(step, r);
+    ASSERT_NE(l.dst, nullptr) << "rank " << r;
+    EXPECT_FALSE(Put(*s, step, r, l, g[r])) << "rank " << r << " asked for a fold";
+  }
+  EXPECT_EQ(f.pool->in_use(), 4 * landing);  // The slots; no sum.
+  ChunkStaging::Inputs in = s->Use(step, {0, 1, 2, 3}, nullptr);
+  ASSERT_TRUE(in.status.ok()) << in.status;
+  ASSERT_EQ(in.grads.size(), 4u);
+  EXPECT_EQ(in.dtype, DType::kBf16);
+  ExpectSameStep(g, in);
+  s->StepDone(step);
+  EXPECT_EQ(f.pool->in_use(), 0u);
+  EXPECT_EQ(f.pool->waits(), 0u);
+}
+
+// Room for one chunk's W slots and a sum besides: a second chunk's pushes
+// wait for the first chunk's step to give its slots back instead of taking
+// the sum and folding, then land in W slots of their own.
+TEST(StagingTest, WhileWSlotsCouldFitAStepWaitsForThemInsteadOfFolding) {
+  const uint64_t landing = kN * 2, sum = kN * 4;
+  Fixture f(4 * landing + landing + sum);
+  auto a = f.Chunk(4);
+  auto b = f.Chunk(4);
+  std::vector<std::vector<uint16_t>> g;
+  for (uint32_t r = 0; r < 4; ++r) g.push_back(Grad(kN, 30 + r));
+  std::vector<ChunkStaging::Landing> a_at;
+  for (uint32_t r = 0; r < 4; ++r) {
+    a_at.push_back(a->Land(1, r));
+    ASSERT_NE(a_at.back().dst, nullptr);
+  }
+  int b_landed = 0;
+  bool b_fold = false;
+  for (uint32_t r = 0; r < 4; ++r) {
+    ASSERT_EQ(b->Land(1, r).dst, nullptr) << "rank " << r << " of the second chunk took a sum";
+    b->Wait(1, r, [&, r](ChunkStaging::Landing l) {
+      ASSERT_NE(l.dst, nullptr);
+      b_fold |= Put(*b, 1, r, l, g[r]);
+      ++b_landed;
+    });
+  }
+  f.later.RunAll();
+  EXPECT_EQ(b_landed, 0);
+  for (uint32_t r = 0; r < 4; ++r) EXPECT_FALSE(Put(*a, 1, r, a_at[r], g[r]));
+  ASSERT_EQ(a->Use(1, {0, 1, 2, 3}, nullptr).grads.size(), 4u);
+  a->StepDone(1);
+  f.later.RunAll();
+  ASSERT_EQ(b_landed, 4);
+  EXPECT_FALSE(b_fold);
+  EXPECT_EQ(f.pool->in_use(), 4 * landing);
+  ChunkStaging::Inputs in = b->Use(1, {0, 1, 2, 3}, nullptr);
+  ASSERT_TRUE(in.status.ok()) << in.status;
+  ASSERT_EQ(in.grads.size(), 4u);
+  EXPECT_EQ(in.dtype, DType::kBf16);
+  ExpectSameStep(g, in);
+  b->StepDone(1);
   EXPECT_EQ(f.pool->in_use(), 0u);
 }
 
@@ -177,13 +250,15 @@ TEST(StagingTest, ABoundedPoolMakesPushesWaitAndNeverDeadlocks) {
   EXPECT_GT(f.pool->waits(), 0u);
   ChunkStaging::Inputs in = s->Use(step, {0, 1, 2, 3}, nullptr);
   ASSERT_TRUE(in.status.ok()) << in.status;
+  EXPECT_EQ(in.dtype, DType::kFp32);  // W slots never fit: folded.
   ExpectSameStep(g, in);
   s->StepDone(step);
   EXPECT_EQ(f.pool->in_use(), 0u);
 }
 
 // Two chunks and room for one step: the second chunk's pushes wait for the
-// first chunk's step to give its slots back.
+// first chunk's step to give its slots back, and the thread that finished
+// the step lets them in (no wake-up queued behind other steps).
 TEST(StagingTest, AChunkWaitsForAnotherChunksStepToFinish) {
   Fixture f(kN * 4);
   auto a = f.Chunk(2);
@@ -199,7 +274,6 @@ TEST(StagingTest, AChunkWaitsForAnotherChunksStepToFinish) {
   f.later.RunAll();
   EXPECT_FALSE(b_landed);
   a->StepDone(1);
-  f.later.RunAll();
   EXPECT_TRUE(b_landed);
 }
 

@@ -2,8 +2,10 @@
 // one chunk step, so that most pushes wait at their worker for room and most
 // sums are folded as pushes land, train to exactly the single-process
 // reference, over loopback and over UCX; with the commit round and without,
-// with folding (W = 4) and with two slots (W = 2). Nothing is lost, nothing
-// deadlocks, and the shards' memory stays within the plan plus the pool.
+// with folding (W = 4) and with two slots (W = 2); and a pool with room for
+// two chunk steps' W slots at W = 8, where steps wait for W slots instead
+// of folding. Nothing is lost, nothing deadlocks, and the shards' memory
+// stays within the plan plus the pool.
 #include <cstring>
 #include <memory>
 #include <string>
@@ -28,11 +30,15 @@ struct Case {
   TransportKind transport;
   uint32_t workers;
   bool commit_round;
+  // Room for two chunk steps' W slots (and the reserve) instead of one
+  // chunk step's fold.
+  bool slots_pool = false;
 };
 
 std::string CaseName(const ::testing::TestParamInfo<Case>& info) {
   return std::string(harness::TransportName(info.param.transport)) + "_W" +
-         std::to_string(info.param.workers) + (info.param.commit_round ? "_round" : "_noround");
+         std::to_string(info.param.workers) + (info.param.commit_round ? "_round" : "_noround") +
+         (info.param.slots_pool ? "_slotspool" : "");
 }
 
 class StagingTest : public ::testing::TestWithParam<Case> {};
@@ -48,6 +54,7 @@ TEST_P(StagingTest, ATinyPoolMakesPushesWaitAndTrainsExactlyTheReference) {
   // two slots, plus a little.
   const uint64_t one_step = kChunkElems * (c.workers > 2 ? 4 + 2 : 2 * 2);
   o.staging_bytes = one_step + kChunkElems;
+  if (c.slots_pool) o.staging_bytes = 2 * kChunkElems * 2 * c.workers + kChunkElems * 2;
   o.wait = absl::Seconds(60);
   ASSERT_OK_AND_ASSIGN(auto cluster, Cluster::Start(o));
   ASSERT_OK(cluster->ConnectWorkers());
@@ -82,7 +89,9 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{TransportKind::kLoopback, 4, true},
                       Case{TransportKind::kLoopback, 2, false},
                       Case{TransportKind::kUcx, 4, false}, Case{TransportKind::kUcx, 2, true},
-                      Case{TransportKind::kUcx, 8, false}, Case{TransportKind::kLoopback, 8, false}),
+                      Case{TransportKind::kUcx, 8, false}, Case{TransportKind::kLoopback, 8, false},
+                      Case{TransportKind::kLoopback, 8, false, true},
+                      Case{TransportKind::kUcx, 8, false, true}),
     CaseName);
 
 }  // namespace
