@@ -4,6 +4,7 @@
 // one process with torch::optim::AdamW. Its last line is one JSON summary.
 // Every child is stopped before it exits, on success, failure or Ctrl-C.
 #include <fcntl.h>
+#include <poll.h>
 #include <signal.h>
 #include <sys/prctl.h>
 #include <sys/stat.h>
@@ -18,6 +19,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <memory>
 #include <sstream>
 #include <string>
 #include <system_error>
@@ -77,6 +79,9 @@ ABSL_FLAG(std::string, python, "/usr/bin/python3",
 ABSL_FLAG(bool, insecure_plaintext, false,
           "plain-text gRPC with no authentication; default: TLS with a CA and certificates "
           "made in the work dir (scripts/make_local_ca.sh), workers proving a job token");
+ABSL_FLAG(int, launcher_lag_ms, 0,
+          "drills: wait this long after an event before choosing the last step (emulates a "
+          "launcher that falls behind the workers' progress, as on a loaded machine; tests)");
 ABSL_FLAG(int, worker_min_step_ms, 0,
           "each worker step takes at least this long (drills that last minutes, e.g. "
           "--coordinator_down_ms=180000, without tens of thousands of steps; same results)");
@@ -270,6 +275,101 @@ int Die(const std::string& msg) {
   return 1;
 }
 
+// Rank 0's progress lines (JSON, one per step), read from its stdout pipe.
+// The launcher may lag the workers by many lines; ReadAvailable takes what
+// the pipe holds now, so that a stop step can be chosen past all of it.
+class ProgressReader {
+ public:
+  explicit ProgressReader(int fd) : fd_(fd) {}
+  // The next line (without its newline), waiting for it; false at the end
+  // of the stream (a last line without a newline is still returned).
+  bool Next(std::string* line) {
+    for (;;) {
+      const size_t nl = buf_.find('\n');
+      if (nl != std::string::npos) {
+        *line = buf_.substr(0, nl);
+        buf_.erase(0, nl + 1);
+        return true;
+      }
+      if (fd_ < 0 || !Read()) {
+        if (buf_.empty()) return false;
+        *line = std::move(buf_);
+        buf_.clear();
+        return true;
+      }
+    }
+  }
+  // Reads whatever the pipe holds now, without waiting.
+  void ReadAvailable() {
+    for (;;) {
+      pollfd p = {fd_, POLLIN, 0};
+      if (fd_ < 0 || poll(&p, 1, 0) <= 0 || !Read()) return;
+    }
+  }
+  // The highest step of the whole lines read and not yet taken by Next.
+  int MaxPendingStep() const {
+    int best = 0;
+    size_t start = 0;
+    for (size_t nl = buf_.find('\n'); nl != std::string::npos; nl = buf_.find('\n', start)) {
+      absl::string_view l(buf_.data() + start, nl - start);
+      double step = 0;
+      if (l.find("\"event\": \"step\"") != absl::string_view::npos &&
+          JsonNumber(l, "step", &step)) {
+        best = std::max(best, static_cast<int>(step));
+      }
+      start = nl + 1;
+    }
+    return best;
+  }
+  void Close() {
+    if (fd_ >= 0) close(fd_);
+    fd_ = -1;
+  }
+
+ private:
+  // One read(); false at the end of the stream or on an error.
+  bool Read() {
+    char chunk[4096];
+    ssize_t n;
+    do {
+      n = read(fd_, chunk, sizeof(chunk));
+    } while (n < 0 && errno == EINTR);
+    if (n <= 0) return false;
+    buf_.append(chunk, static_cast<size_t>(n));
+    return true;
+  }
+
+  int fd_;
+  std::string buf_;
+};
+
+// Stops (SIGSTOP) the given processes and waits until each is stopped or
+// gone (state 'T' in /proc/PID/stat), for up to 10 s.
+void PauseAll(const std::vector<pid_t>& pids) {
+  for (pid_t p : pids) {
+    if (p > 0) kill(p, SIGSTOP);
+  }
+  const absl::Time give_up = absl::Now() + absl::Seconds(10);
+  for (pid_t p : pids) {
+    while (p > 0 && absl::Now() < give_up) {
+      std::ifstream in(absl::StrCat("/proc/", p, "/stat"));
+      std::string stat;
+      if (!std::getline(in, stat)) break;  // Gone.
+      const size_t paren = stat.rfind(')');
+      if (paren == std::string::npos || paren + 2 >= stat.size()) break;
+      const char state = stat[paren + 2];
+      if (state == 'T' || state == 't' || state == 'Z' || state == 'X') break;
+      absl::SleepFor(absl::Milliseconds(1));
+    }
+  }
+}
+
+void ResumeAll(const std::vector<pid_t>& pids) {
+  for (pid_t p : pids) {
+    if (p > 0) kill(p, SIGCONT);
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -442,9 +542,28 @@ int main(int argc, char** argv) {
       !stop_when.empty() ? (1 << 30) : (open_ended ? steps * kDrillStepCap : steps);
   int final_steps = steps;
   bool stop_written = false;
+  std::vector<pid_t> worker_pids;
+  int progress_fd = -1;
+  std::unique_ptr<ProgressReader> progress;  // Rank 0's stdout, once started.
+  // Writes the last step into the stop file: kStepsAfterEvent past the
+  // event and past every step a worker may have reached. This launcher can
+  // be many steps behind rank 0's progress lines (a drain's Status calls, a
+  // shard's shutdown, a loaded machine), so the workers are paused while it
+  // reads every line already written and writes the file: the step chosen is
+  // then ahead of all of them, whatever the machine's speed (workers are at
+  // most a step or two apart, the margin is 20).
   auto stop_after = [&](int event_step) {
     if (stop_written) return;
-    final_steps = std::max(steps, event_step + kStepsAfterEvent);
+    if (absl::GetFlag(FLAGS_launcher_lag_ms) > 0) {
+      absl::SleepFor(absl::Milliseconds(absl::GetFlag(FLAGS_launcher_lag_ms)));
+    }
+    PauseAll(worker_pids);
+    int seen = event_step;
+    if (progress != nullptr) {
+      progress->ReadAvailable();
+      seen = std::max(seen, progress->MaxPendingStep());
+    }
+    final_steps = std::max(steps, seen + kStepsAfterEvent);
     const std::string tmp = stop_file + ".tmp";
     {
       std::ofstream out(tmp);
@@ -452,11 +571,10 @@ int main(int argc, char** argv) {
     }
     rename(tmp.c_str(), stop_file.c_str());  // Workers never read half a number.
     stop_written = true;
+    ResumeAll(worker_pids);
     std::fprintf(stderr, "training ends after step %d\n", final_steps);
   };
   const std::string params_file = dir + "/params-rank0.bin";
-  std::vector<pid_t> worker_pids;
-  int progress_fd = -1;
   for (int r = 0; r < workers && python_workers; ++r) {
     // torchrun's variables, and the coordinator: the example's one-call setup.
     std::vector<std::string> env = {
@@ -581,10 +699,10 @@ int main(int argc, char** argv) {
     return true;
   };
   {
-    FILE* progress = fdopen(progress_fd, "r");
-    char line[4096];
+    progress = std::make_unique<ProgressReader>(progress_fd);
+    std::string line;
     const bool tty = isatty(2);
-    while (progress != nullptr && std::fgets(line, sizeof(line), progress) != nullptr) {
+    while (progress->Next(&line)) {
       absl::string_view l(line);
       double step = 0, loss = 0, ms = 0;
       if (l.find("\"event\": \"step\"") != absl::string_view::npos && JsonNumber(l, "step", &step) &&
@@ -606,7 +724,7 @@ int main(int argc, char** argv) {
       }
     }
     if (tty) std::fprintf(stderr, "\n");
-    if (progress != nullptr) std::fclose(progress);
+    progress->Close();
     if (coord_down) {  // Training ended before the restart was due.
       restart_at = absl::Now();
       if (!drill()) return Die("cannot restart optimus-coord");

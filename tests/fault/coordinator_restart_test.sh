@@ -35,5 +35,14 @@ grep -q "recovered state from" "${TEST_TMPDIR}/drill/coord-restarted.log" || {
 # No step lost: the same bits as the failure-free run.
 same_params drill clean
 
+# A launcher that falls behind the workers (2 s between the restart and
+# choosing the last step, hundreds of steps on a fast machine) still ends
+# training at a step no worker has passed: it pauses them and reads all
+# their progress first. Before, the workers failed ("asks to stop after
+# step N but step M is under way"), as drain_test did once at load 9.
+run lagging --kill_coordinator_at_step=20 --coordinator_down_ms=400 --launcher_lag_ms=2000
+run clean-lagging --steps="$(steps_of lagging)"
+same_params lagging clean-lagging
+
 no_processes_left
 echo "ok: coordinator killed at step $(python3 -c 'import json,sys; print(json.loads(sys.argv[1])["coordinator_killed_at_step"])' "${drill}"), parameters bitwise equal to the failure-free run"
