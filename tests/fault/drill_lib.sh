@@ -54,6 +54,26 @@ no_processes_left() {
   fi
 }
 
+# pause_processes PID... / resume_processes PID...: stop (SIGSTOP) the
+# processes and wait until each is stopped or gone; let them go on. A drill
+# that chooses the last step pauses the workers first, so that the step it
+# reads is not passed while it writes the stop file, however slow the shell.
+pause_processes() {
+  local pid state n
+  for pid in "$@"; do kill -STOP "${pid}" 2>/dev/null || true; done
+  for pid in "$@"; do
+    for ((n = 0; n < 10000; n++)); do
+      state=$(sed -E 's/.*\) ([A-Za-z]).*/\1/' "/proc/${pid}/stat" 2>/dev/null) || break
+      case "${state}" in T | t | Z | X | '') break ;; esac
+      sleep 0.001
+    done
+  done
+}
+resume_processes() {
+  local pid
+  for pid in "$@"; do kill -CONT "${pid}" 2>/dev/null || true; done
+}
+
 # skip_test MESSAGE: ends the test as skipped, saying why (a test case marked
 # skipped in the XML that scripts/count_tests.py counts).
 skip_test() {

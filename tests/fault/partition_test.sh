@@ -135,10 +135,17 @@ wait_for "shard ${victim} to learn it was declared down and register again" "${D
 registered_again() { [ "$(grep -c 'registered shard_id=' "${D}/shard-${victim}.log")" -ge 2 ]; }
 wait_for "shard ${victim} registered under a new id" "${DEADLINE_S}" registered_again
 # End a set number of steps later (ahead of every worker: they are at most a
-# step apart), written atomically.
+# step apart), written atomically, with the workers paused meanwhile: a
+# loaded machine can take longer than 20 steps between reading the step and
+# writing the file (a run failed that way: "asks to stop after step 212 but
+# step 241 is under way").
+workers=()
+for ((r = 0; r < WORKERS; r++)); do workers+=("${NET_PID[w${r}]}"); done
+pause_processes "${workers[@]}"
 final_steps=$(($(step_of drill) + 20))
 echo "${final_steps}" >"${D}/stop-after-step.tmp"
 mv "${D}/stop-after-step.tmp" "${D}/stop-after-step"
+resume_processes "${workers[@]}"
 finish_run drill
 echo "drill: trained ${final_steps} steps"
 
