@@ -714,18 +714,6 @@ bool Exists(const std::string& path) {
   return stat(path.c_str(), &st) == 0;
 }
 
-std::string FindCoordinator(const char* argv0, const std::string& bin_dir) {
-  std::vector<std::string> candidates;
-  if (!bin_dir.empty()) candidates.push_back(bin_dir);
-  if (const char* r = std::getenv("RUNFILES_DIR")) candidates.push_back(absl::StrCat(r, "/optimus"));
-  candidates.push_back(absl::StrCat(argv0, ".runfiles/optimus"));
-  candidates.push_back(".");
-  for (const auto& c : candidates) {
-    if (Exists(c + "/coordinator/optimus-coord")) return c + "/coordinator/optimus-coord";
-  }
-  return "";
-}
-
 // Calls Status (admin, plain text) with a deadline.
 absl::StatusOr<v1::StatusResponse> GetStatus(v1::Coordinator::Stub* stub,
                                              const v1::StatusRequest& req, absl::Duration timeout) {
@@ -1103,7 +1091,9 @@ int main(int argc, char** argv) {
   if (json == nullptr) Die(kWho, "cannot duplicate stdout");
 
   RunOptions o;
-  o.coord_path = FindCoordinator(argv[0], absl::GetFlag(FLAGS_bin_dir));
+  const std::string root =
+      FindBinRoot(argv[0], absl::GetFlag(FLAGS_bin_dir), {"coordinator/optimus-coord"});
+  o.coord_path = root.empty() ? "" : root + "/coordinator/optimus-coord";
   if (o.coord_path.empty()) {
     Die(kWho, "coordinator/optimus-coord not found (bazel run //bench:control_plane, or "
               "--bin_dir=bazel-bin)");

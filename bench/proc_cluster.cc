@@ -42,14 +42,18 @@ bool Exists(const std::string& path) {
 
 }  // namespace
 
-std::string FindBinRoot(const char* argv0, const std::string& bin_dir) {
+std::string FindBinRoot(const char* argv0, const std::string& bin_dir,
+                        const std::vector<std::string>& needs) {
   std::vector<std::string> candidates;
   if (!bin_dir.empty()) candidates.push_back(bin_dir);
   if (const char* r = std::getenv("RUNFILES_DIR")) candidates.push_back(absl::StrCat(r, "/optimus"));
   candidates.push_back(absl::StrCat(argv0, ".runfiles/optimus"));
   candidates.push_back(".");
   for (const auto& c : candidates) {
-    if (Exists(c + "/server/optimus-shard") && Exists(c + "/coordinator/optimus-coord")) return c;
+    if (std::all_of(needs.begin(), needs.end(),
+                    [&c](const std::string& n) { return Exists(c + "/" + n); })) {
+      return c;
+    }
   }
   return "";
 }

@@ -26,8 +26,11 @@ namespace bench {
 
 // The folder holding coordinator/optimus-coord and server/optimus-shard:
 // `bin_dir` if set, else the runfiles of argv0 (bazel run), else ".".
-// Empty when none holds both.
-std::string FindBinRoot(const char* argv0, const std::string& bin_dir);
+// Empty when none holds every binary of `needs`.
+// `needs`: the binaries (paths under the folder) that must be there.
+std::string FindBinRoot(const char* argv0, const std::string& bin_dir,
+                        const std::vector<std::string>& needs = {"server/optimus-shard",
+                                                                 "coordinator/optimus-coord"});
 
 // Starts args (argv[0] searched in PATH) with `env` ("NAME=value") added,
 // stdout and stderr to log_path, or stdout to a pipe whose read end is
