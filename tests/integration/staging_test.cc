@@ -80,7 +80,9 @@ TEST_P(StagingTest, ATinyPoolMakesPushesWaitAndTrainsExactlyTheReference) {
   // 6 chunks x W pushes per step against room for one chunk step: most
   // pushes found the pool full and waited at their worker (with the round
   // and W = 2 the chunks hold their own two slots: the pool is not used).
-  if (!c.commit_round || c.workers > 2) EXPECT_GT(waits, 0u);
+  if (!c.commit_round || c.workers > 2) {
+    EXPECT_GT(waits, 0u);
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(
