@@ -74,6 +74,41 @@ absl::StatusOr<std::vector<ChunkSpec>> PlaceChunks(
 // coordinator's failover and drain all choose with it.
 int PickShard(absl::Span<const ShardInfo> shards, uint64_t need_bytes, uint64_t exclude_id);
 
+// PickShard's rule over shards whose planned bytes grow as copies are
+// placed, in O(log n) per pick rather than PickShard's scan of every
+// shard: the shards are kept in a treap ordered by (DPU before host,
+// planned bytes, id), each node knowing the most free bytes in its
+// subtree, so the first shard in that order where a copy fits is found in
+// one descent. Same answers as PickShard over shards() (shard ids must be
+// distinct, as the registry's are). Not thread-safe; owns copies.
+class PlacementIndex {
+ public:
+  explicit PlacementIndex(absl::Span<const ShardInfo> shards);
+  // PickShard(shards(), need_bytes, exclude_id): an index into shards(),
+  // or -1 when no shard other than exclude_id has room.
+  int Pick(uint64_t need_bytes, uint64_t exclude_id) const;
+  // Adds `bytes` to shard i's planned bytes (saturating at 2^64 - 1).
+  void AddPlanned(int i, uint64_t bytes);
+  const ShardInfo& shard(int i) const { return shards_[static_cast<size_t>(i)]; }
+  const std::vector<ShardInfo>& shards() const { return shards_; }
+
+ private:
+  bool Before(int a, int b) const;  // In pick order.
+  uint64_t Free(int i) const;
+  void Pull(int t);
+  // Splits tree t into the nodes before node `key` and the rest.
+  void Split(int t, int key, int* before, int* rest);
+  int Merge(int a, int b);
+  int Insert(int t, int node);
+  int Erase(int t, int node);
+  int Find(int t, uint64_t need_bytes, uint64_t exclude_id) const;
+
+  std::vector<ShardInfo> shards_;
+  std::vector<int> left_, right_;
+  std::vector<uint64_t> priority_, max_free_;
+  int root_ = -1;
+};
+
 // Replication 1: assigns backup_shard_id to every chunk of an already
 // placed job (shard_id set by PlaceChunks), on a shard other than its
 // primary, with PickShard's rule, largest chunk first; each backup costs
