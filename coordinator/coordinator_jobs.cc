@@ -120,6 +120,7 @@ absl::StatusOr<v1::CreateJobResponse> Coordinator::CreateJobInternal(
   uint64_t job_id;
   uint64_t replaced = 0;  // A FAILED job whose name a restore takes over.
   absl::StatusOr<uint64_t> seq;
+  std::shared_ptr<const MapSnapshot> snap;
   {
     absl::MutexLock lock(&mu_);
     JobRecord* holder = jobs_.FindByName(spec.name());
@@ -190,13 +191,13 @@ absl::StatusOr<v1::CreateJobResponse> Coordinator::CreateJobInternal(
                 " replication=", spec.replication(), " shards=", job.load.size(),
                 " bytes_per_elem=", bytes_per_elem);
     resp.set_job_id(job.id);
-    *resp.mutable_map() = job.map;
     job_id = job.id;
     if (takes_over) {
       replaced = holder->id;
       holder->deleting = true;  // Out of the snapshot; deleted once it is durable.
     }
-    jobs_.Add(std::move(job));
+    // The map goes into the answer from the epoch's snapshot, with no lock.
+    snap = SnapshotOf(jobs_.Add(std::move(job)));
     seq = SnapshotLocked();
   }
   if (absl::Status s = WaitDurable(seq); !s.ok()) {
@@ -215,6 +216,7 @@ absl::StatusOr<v1::CreateJobResponse> Coordinator::CreateJobInternal(
     absl::MutexLock lock(&mu_);
     FinishDeleteLocked(replaced, "replaced by a job restored under its name");
   }
+  *resp.mutable_map() = snap->map;
   return resp;
 }
 
