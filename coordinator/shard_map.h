@@ -56,6 +56,7 @@ std::vector<ChunkSpec> SplitTensors(absl::Span<const uint64_t> tensor_num_elems,
 // still fits under memory_limit_bytes; only if no DPU fits, to the host
 // shard chosen the same way. Ties are broken by the lower shard id, so the
 // result depends only on the inputs. Returns the chunks in their input order.
+// Each pick goes through a PlacementIndex: O(chunks log shards) in all.
 // Errors: FAILED_PRECONDITION when live_shards is empty ("no live shards");
 // RESOURCE_EXHAUSTED when some chunk fits nowhere, with the bytes the job
 // needs, the free bytes over the live shards and the largest free space.
