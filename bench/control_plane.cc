@@ -13,8 +13,11 @@
 //     coordinator no longer knows the shard (it was declared DOWN);
 //   - GetJob (deadline 5 s, off the heartbeat: optimus-shard fetches on its
 //     loader thread) when a heartbeat assigns a job at a newer epoch than
-//     the one loaded, counting the chunks the map gives it as primary or
-//     backup; freeing the jobs the coordinator released.
+//     the one loaded, asking only for its own part of the map
+//     (for_shard_id, as optimus-shard does; --per_shard_maps=false asks for
+//     the whole map, as it did before) and counting the chunks the map
+//     gives it as primary or backup; freeing the jobs the coordinator
+//     released.
 //
 // A few completion-queue threads and one scheduler thread drive every
 // shard with gRPC's async API; the shards share --channels connections.
@@ -42,6 +45,7 @@
 // Usage: bazel run -c opt //bench:control_plane -- [--shards=100,1000]
 //        [--steady_s=10] [--lease_ms=2000] [--jobs=small,large]
 //        [--ready_timeout_s=120] [--channels=64] [--threads=2]
+//        [--per_shard_maps=true]
 #include <sched.h>
 #include <signal.h>
 #include <sys/stat.h>
@@ -101,6 +105,9 @@ ABSL_FLAG(double, kill_fraction, 0.01, "share of the shards that stop heartbeati
 ABSL_FLAG(int, channels, 64, "gRPC connections the simulated shards share");
 ABSL_FLAG(int, threads, 2, "the simulator's completion-queue threads");
 ABSL_FLAG(int, address_bytes, 300, "size of each simulated shard's data_address");
+ABSL_FLAG(bool, per_shard_maps, true,
+          "shards fetch only their part of a map (GetJob for_shard_id), as optimus-shard "
+          "does; false: the whole map");
 ABSL_FLAG(bool, pin, true,
           "coordinator on CPU 0 (taskset), this process on the others (when there are 2+)");
 ABSL_FLAG(std::string, bin_dir, "", "folder holding coordinator/optimus-coord (default: runfiles)");
@@ -200,6 +207,10 @@ struct Counters {
   uint64_t register_errors = 0;
   uint64_t fetches_ok = 0;
   uint64_t fetch_errors = 0;
+  uint64_t fetch_bytes = 0;  // GetJobResponse bytes received.
+  // Chunks a per-shard answer carried that the shard holds neither as
+  // primary nor as backup (0 unless the coordinator cuts maps wrong).
+  uint64_t foreign_chunks = 0;
   std::vector<float> heartbeat_ms;
   std::vector<float> fetch_ms;
   std::string last_error;
@@ -212,6 +223,7 @@ class Simulator {
     int threads = 2;
     int address_bytes = 300;
     uint64_t memory_limit_bytes = 0;
+    bool per_shard_maps = true;
   };
 
   Simulator(const Options& o, const std::vector<std::shared_ptr<grpc::Channel>>& channels)
@@ -447,6 +459,7 @@ class Simulator {
     c->ctx.set_deadline(DeadlineIn(absl::Seconds(5)));
     v1::GetJobRequest req;
     req.set_job_id(job_id);
+    if (options_.per_shard_maps) req.set_for_shard_id(shard_id);
     c->job_reader = generic_[i % generic_.size()]->PrepareUnaryCall(
         &c->ctx, "/optimus.v1.Coordinator/GetJob", req, &cq_);
     c->job_reader->StartCall();
@@ -462,9 +475,13 @@ class Simulator {
       const float ms = static_cast<float>(absl::ToDoubleMilliseconds(now - c->start));
       std::vector<std::pair<uint64_t, uint64_t>> fetch;  // (shard id, job id)
       Held held;
+      size_t fetched_bytes = 0;
+      uint64_t foreign = 0;
       if (c->kind == Kind::kGetJob && c->status.ok()) {
         // Outside the lock: the map can be large.
-        held = HeldIn(c->job_id, c->shard_id, &c->job);
+        fetched_bytes = c->job.Length();
+        held = options_.per_shard_maps ? HeldInPart(c->shard_id, &c->job, &foreign)
+                                       : HeldIn(c->job_id, c->shard_id, &c->job);
       }
       {
         absl::MutexLock lock(&mu_);
@@ -529,6 +546,8 @@ class Simulator {
             } else {
               ++counters_.fetches_ok;
               counters_.fetch_ms.push_back(ms);
+              counters_.fetch_bytes += fetched_bytes;
+              counters_.foreign_chunks += foreign;
               if (s.id == c->shard_id) {
                 Held& h = s.jobs[c->job_id];
                 if (held.epoch > h.epoch) h = held;
@@ -613,6 +632,28 @@ class Simulator {
     out.epoch = resp.map().epoch();
     absl::MutexLock lock(&cache_mu_);
     maps_[{job_id, out.epoch}] = std::move(parsed);
+    return out;
+  }
+
+  // What shard `shard_id` holds of its own part of a map (a GetJobResponse
+  // for its for_shard_id: small, parsed whole); chunks in it that are not
+  // the shard's are counted in `foreign`.
+  static Held HeldInPart(uint64_t shard_id, grpc::ByteBuffer* buffer, uint64_t* foreign) {
+    v1::GetJobResponse resp;
+    grpc::ProtoBufferReader reader(buffer);
+    if (!resp.ParseFromZeroCopyStream(&reader)) return Held();
+    Held out;
+    out.epoch = resp.map().epoch();
+    for (const v1::ChunkPlacement& p : resp.map().chunks()) {
+      if (p.shard_id() == shard_id) {
+        ++out.primary;
+        if (p.backup_shard_id() != 0) ++out.replicated;
+      } else if (p.backup_shard_id() == shard_id) {
+        ++out.backup;
+      } else {
+        ++*foreign;
+      }
+    }
     return out;
   }
 
@@ -782,6 +823,7 @@ struct RunOptions {
   int channels = 64;
   int threads = 2;
   int address_bytes = 300;
+  bool per_shard_maps = true;
   std::vector<BenchJob> jobs;
 };
 
@@ -833,6 +875,7 @@ Json RunOne(const RunOptions& o, int n) {
   so.num_shards = n;
   so.threads = o.threads;
   so.address_bytes = o.address_bytes;
+  so.per_shard_maps = o.per_shard_maps;
   so.memory_limit_bytes =
       std::max<uint64_t>(uint64_t{64} << 30, most * 48 * 2 / static_cast<uint64_t>(n));
   Simulator sim(so, channels);
@@ -1056,6 +1099,14 @@ Json RunOne(const RunOptions& o, int n) {
   line["map_fetch_errors"] = c.fetch_errors;
   line["map_fetch_p50_ms"] = JsonRound(Percentile(c.fetch_ms, 0.5), 2);
   line["map_fetch_p99_ms"] = JsonRound(Percentile(c.fetch_ms, 0.99), 2);
+  line["per_shard_maps"] = o.per_shard_maps;
+  line["map_fetch_mb"] = JsonRound(static_cast<double>(c.fetch_bytes) / (1 << 20), 2);
+  line["map_fetch_kb_mean"] =
+      JsonRound(c.fetches_ok == 0 ? 0.0
+                                  : static_cast<double>(c.fetch_bytes) / 1024.0 /
+                                        static_cast<double>(c.fetches_ok),
+                2);
+  line["map_fetch_foreign_chunks"] = c.foreign_chunks;
   int wstatus = 0;
   const bool exited = waitpid(coord, &wstatus, WNOHANG) == coord;
   if (exited) {
@@ -1125,6 +1176,7 @@ int main(int argc, char** argv) {
   o.channels = std::max(1, absl::GetFlag(FLAGS_channels));
   o.threads = std::max(1, absl::GetFlag(FLAGS_threads));
   o.address_bytes = std::max(1, absl::GetFlag(FLAGS_address_bytes));
+  o.per_shard_maps = absl::GetFlag(FLAGS_per_shard_maps);
 
   // The coordinator on CPU 0, this process on the others.
   const long cpus = sysconf(_SC_NPROCESSORS_ONLN);

@@ -62,6 +62,11 @@ TEST(ControlPlaneSmokeTest, TwentyShardsOneLineThatMakesSense) {
   EXPECT_GT(job.value("chunks", 0), 0) << out;
   EXPECT_GE(job.value("ready_s", 0.0), job.value("create_s", -1.0)) << out;
   EXPECT_GE(line.value("map_fetches", 0), 20) << out;
+  // Each shard fetched its own part of the map, and nothing of others'
+  // (READY above says the parts held every chunk the job placed).
+  EXPECT_TRUE(line.value("per_shard_maps", false)) << out;
+  EXPECT_EQ(line.value("map_fetch_foreign_chunks", -1), 0) << out;
+  EXPECT_GT(line.value("map_fetch_kb_mean", 0.0), 0.0) << out;
   // 1% of 20 rounds up to one shard, marked DOWN.
   EXPECT_EQ(line.value("killed", 0), 1) << out;
   EXPECT_EQ(line.value("killed_already_down", -1), 0) << out;

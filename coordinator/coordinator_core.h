@@ -155,7 +155,11 @@ class Coordinator {
   // another shard (FAILED_PRECONDITION without shards or, for replication 1,
   // with fewer than 2; RESOURCE_EXHAUSTED when it does not fit, backups
   // included) and returns the new job's id and map (epoch 1). The job starts
-  // PENDING. Answers once the job is durable.
+  // PENDING. Answers once the job is durable. Placement is planned with no
+  // lock held and committed only if no shard or job changed meanwhile
+  // (PlacementGenerationLocked); else planned again (kOffLockPlacements
+  // times, then under the lock): the result is the same as planning at
+  // commit time.
   absl::StatusOr<v1::CreateJobResponse> CreateJob(const v1::CreateJobRequest& req);
 
   // Records `rank` as joined (idempotent; a rank that left may join again).
@@ -178,8 +182,12 @@ class Coordinator {
   // name; INVALID_ARGUMENT for an empty one.
   absl::StatusOr<v1::DeleteJobResponse> DeleteJob(const v1::DeleteJobRequest& req);
 
-  // NOT_FOUND for an unknown job.
-  absl::StatusOr<v1::GetJobResponse> GetJob(uint64_t job_id);
+  // NOT_FOUND for an unknown job. for_shard_id 0: the whole map (workers);
+  // otherwise only that shard's part (ShardViewOf in job_table.h: its
+  // chunks and the endpoints it exchanges with) with a summary of the
+  // whole, and no current_step. The map is read from the epoch's snapshot:
+  // the lock is held only to take it, never to copy the map.
+  absl::StatusOr<v1::GetJobResponse> GetJob(uint64_t job_id, uint64_t for_shard_id = 0);
   absl::StatusOr<v1::ShardMap> GetShardMap(uint64_t job_id);
 
   // Waits up to `timeout` for the job's map to have an epoch > after_epoch
@@ -260,7 +268,14 @@ class Coordinator {
     uint64_t jobs_deleted = 0;      // By DeleteJob or replaced by a restore.
     uint64_t shards_forgotten = 0;  // By ForgetShard or the grace period.
     std::array<uint64_t, kNumJobRefusals> jobs_refused{};  // By JobRefusal.
+    // CreateJob/restore placements planned off the lock and found stale
+    // (shards or jobs changed meanwhile), and jobs then placed under it.
+    uint64_t placement_retries = 0;
+    uint64_t placements_under_lock = 0;
   };
+  // How many times CreateJob plans a placement off the lock before it
+  // plans one under it.
+  static constexpr int kOffLockPlacements = 3;
   Counters counters();
   void CountRefusal(JobRefusal why) ABSL_LOCKS_EXCLUDED(mu_);
 
@@ -297,6 +312,12 @@ class Coordinator {
   void FinishDeleteLocked(uint64_t job_id, const char* why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // ---- Maps (coordinator_maps.cc) ----
+  // Changes whenever something placement depends on changes (a shard comes,
+  // goes or changes state; a job comes, goes, fails or changes its map):
+  // a placement planned off the lock commits only if it did not change.
+  uint64_t PlacementGenerationLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return shards_.generation() + jobs_.generation();
+  }
   // Planned load per shard over jobs that are not FAILED (and their
   // unreleased chunks).
   std::map<uint64_t, ShardLoad> PlannedLoadLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -18,6 +18,20 @@ absl::Status NoJobNamed(const std::string& name) {
   return absl::NotFoundError(absl::StrCat("no job named \"", name, "\""));
 }
 
+// Primaries, and with replication a backup of each on another shard: a
+// job asking for a backup per chunk gets one from the start, or is
+// refused; it must not silently run without.
+absl::StatusOr<std::vector<ChunkSpec>> Place(std::vector<ChunkSpec> chunks,
+                                             const std::vector<ShardInfo>& live, bool replicated,
+                                             uint64_t bytes_per_elem, uint64_t overhead) {
+  absl::StatusOr<std::vector<ChunkSpec>> placed =
+      PlaceChunks(std::move(chunks), live, bytes_per_elem, overhead);
+  if (placed.ok() && replicated) {
+    placed = PlaceBackups(*std::move(placed), live, bytes_per_elem, overhead);
+  }
+  return placed;
+}
+
 const char* JobStateName(v1::JobState s) {
   switch (s) {
     case v1::JOB_STATE_PENDING: return "PENDING";
@@ -70,11 +84,43 @@ absl::StatusOr<v1::CreateJobResponse> Coordinator::CreateJobInternal(
         kMaxGrpcMessageBytes, "); use fewer chunks (raise max_chunk_bytes) or shorter names"));
   }
 
+  // Placement is planned with no lock held, over a copy of the candidates
+  // taken under mu_ with the generation of what it depends on (the shards'
+  // states, every job's planned bytes). The commit below checks that
+  // generation: if a shard registered, drained or went down, or a job's
+  // map changed meanwhile, the plan is stale and is made again, at most
+  // kOffLockPlacements times off the lock, then once under it (so that
+  // shards changing all the time cannot starve a job). Either way the
+  // result is what planning under the lock at commit time would give.
+  const bool replicated = spec.replication() == 1;
+  uint64_t planned_gen = 0;
+  absl::StatusOr<std::vector<ChunkSpec>> placed;
+  for (int attempt = 0; attempt < kOffLockPlacements; ++attempt) {
+    std::vector<ShardInfo> live;
+    {
+      absl::MutexLock lock(&mu_);
+      const JobRecord* holder = jobs_.FindByName(spec.name());
+      if (holder != nullptr &&
+          !(restore != nullptr && holder->state == v1::JOB_STATE_FAILED)) {
+        return absl::AlreadyExistsError(absl::StrCat(
+            "a job named \"", spec.name(), "\" already exists (id ", holder->id, ")"));
+      }
+      live = PlacementCandidatesLocked();
+      planned_gen = PlacementGenerationLocked();
+    }
+    placed = Place(chunks, live, replicated, bytes_per_elem, checked->chunk_overhead_bytes);
+    if (options_.after_off_lock_placement) options_.after_off_lock_placement(attempt);
+    absl::MutexLock lock(&mu_);
+    if (PlacementGenerationLocked() == planned_gen) break;
+    ++counters_.placement_retries;
+  }
+
   absl::MutexLock commit(&commit_mu_);
   v1::CreateJobResponse resp;
   uint64_t job_id;
   uint64_t replaced = 0;  // A FAILED job whose name a restore takes over.
   absl::StatusOr<uint64_t> seq;
+  std::shared_ptr<const MapSnapshot> snap;
   {
     absl::MutexLock lock(&mu_);
     JobRecord* holder = jobs_.FindByName(spec.name());
@@ -84,14 +130,11 @@ absl::StatusOr<v1::CreateJobResponse> Coordinator::CreateJobInternal(
       return absl::AlreadyExistsError(absl::StrCat("a job named \"", spec.name(),
                                                    "\" already exists (id ", holder->id, ")"));
     }
-    const std::vector<ShardInfo> live = PlacementCandidatesLocked();
-    absl::StatusOr<std::vector<ChunkSpec>> placed =
-        PlaceChunks(std::move(chunks), live, bytes_per_elem, checked->chunk_overhead_bytes);
-    // A job asking for a backup per chunk gets one from the start, or is
-    // refused: it must not silently run without.
-    if (placed.ok() && spec.replication() == 1) {
-      placed = PlaceBackups(*std::move(placed), live, bytes_per_elem,
-                            checked->chunk_overhead_bytes);
+    if (PlacementGenerationLocked() != planned_gen) {
+      // Still changing: planned here, under the lock, from what is now.
+      placed = Place(std::move(chunks), PlacementCandidatesLocked(), replicated, bytes_per_elem,
+                     checked->chunk_overhead_bytes);
+      ++counters_.placements_under_lock;
     }
     if (!placed.ok()) {
       if (placed.status().code() == absl::StatusCode::kResourceExhausted) {
@@ -148,13 +191,13 @@ absl::StatusOr<v1::CreateJobResponse> Coordinator::CreateJobInternal(
                 " replication=", spec.replication(), " shards=", job.load.size(),
                 " bytes_per_elem=", bytes_per_elem);
     resp.set_job_id(job.id);
-    *resp.mutable_map() = job.map;
     job_id = job.id;
     if (takes_over) {
       replaced = holder->id;
       holder->deleting = true;  // Out of the snapshot; deleted once it is durable.
     }
-    jobs_.Add(std::move(job));
+    // The map goes into the answer from the epoch's snapshot, with no lock.
+    snap = SnapshotOf(jobs_.Add(std::move(job)));
     seq = SnapshotLocked();
   }
   if (absl::Status s = WaitDurable(seq); !s.ok()) {
@@ -173,6 +216,7 @@ absl::StatusOr<v1::CreateJobResponse> Coordinator::CreateJobInternal(
     absl::MutexLock lock(&mu_);
     FinishDeleteLocked(replaced, "replaced by a job restored under its name");
   }
+  *resp.mutable_map() = snap->map;
   return resp;
 }
 
@@ -182,6 +226,7 @@ absl::StatusOr<v1::JoinJobResponse> Coordinator::JoinJob(const v1::JoinJobReques
   uint64_t job_id;
   absl::StatusOr<uint64_t> seq = 0;
   bool joined_now;
+  std::shared_ptr<const MapSnapshot> snap;
   {
     absl::MutexLock lock(&mu_);
     JobRecord* job = jobs_.FindByName(req.job_name());
@@ -205,16 +250,17 @@ absl::StatusOr<v1::JoinJobResponse> Coordinator::JoinJob(const v1::JoinJobReques
                   job->joined_ranks.size(), "/", job->spec.world_size());
     }
     resp.set_job_id(job->id);
-    *resp.mutable_spec() = job->spec;
-    *resp.mutable_map() = job->map;
+    snap = SnapshotOf(*job);  // Copied below, with no lock held.
     resp.set_state(job->state);
-    resp.set_resume_step(job->resume_step);
     resp.set_current_step(ViewLocked(*job).min_applied_step);
-    if (job->restore.has_value()) *resp.mutable_restore() = *job->restore;
     if (!data_plane_key_.empty()) {
       resp.set_data_plane_key(security::JobDataPlaneKey(data_plane_key_, job->id));
     }
   }
+  *resp.mutable_spec() = snap->spec;
+  *resp.mutable_map() = snap->map;
+  resp.set_resume_step(snap->resume_step);
+  if (snap->restore.has_value()) *resp.mutable_restore() = *snap->restore;
   if (absl::Status s = WaitDurable(seq); !s.ok()) {
     absl::MutexLock lock(&mu_);
     if (JobRecord* job = jobs_.Find(job_id); job != nullptr && joined_now) {
@@ -312,45 +358,73 @@ void Coordinator::FinishDeleteLocked(uint64_t job_id, const char* why) {
               " shards=", job->load.size(), "; its shards release it at their next heartbeat");
 }
 
-absl::StatusOr<v1::GetJobResponse> Coordinator::GetJob(uint64_t job_id) {
-  absl::MutexLock lock(&mu_);
-  const JobRecord* job = jobs_.Find(job_id);
-  if (job == nullptr) return absl::NotFoundError(absl::StrCat("no job with id ", job_id));
+absl::StatusOr<v1::GetJobResponse> Coordinator::GetJob(uint64_t job_id, uint64_t for_shard_id) {
+  // Under the lock only what changes between epochs; the map is copied (or
+  // cut down to one shard's part) from its snapshot after the lock is let
+  // go, so that N holders fetching one epoch cost the lock O(N), not
+  // O(N x map).
+  std::shared_ptr<const MapSnapshot> snap;
   v1::GetJobResponse resp;
+  {
+    absl::MutexLock lock(&mu_);
+    JobRecord* job = jobs_.Find(job_id);
+    if (job == nullptr) return absl::NotFoundError(absl::StrCat("no job with id ", job_id));
+    snap = SnapshotOf(*job);
+    resp.set_state(job->state);
+    // A shard does not read it, and it costs a look at every holder.
+    if (for_shard_id == 0) resp.set_current_step(ViewLocked(*job).min_applied_step);
+  }
   resp.set_job_id(job_id);
-  *resp.mutable_spec() = job->spec;
-  *resp.mutable_map() = job->map;
-  resp.set_state(job->state);
-  resp.set_resume_step(job->resume_step);
-  resp.set_current_step(ViewLocked(*job).min_applied_step);
-  if (job->restore.has_value()) *resp.mutable_restore() = *job->restore;
+  *resp.mutable_spec() = snap->spec;
+  if (for_shard_id == 0) {
+    *resp.mutable_map() = snap->map;
+  } else {
+    *resp.mutable_map() = ShardViewOf(*snap, for_shard_id);
+    v1::MapSummary* summary = resp.mutable_summary();
+    summary->set_for_shard_id(for_shard_id);
+    summary->set_chunks(static_cast<uint32_t>(snap->map.chunks_size()));
+    summary->set_shards(static_cast<uint32_t>(snap->map.shards_size()));
+  }
+  resp.set_resume_step(snap->resume_step);
+  if (snap->restore.has_value()) *resp.mutable_restore() = *snap->restore;
   return resp;
 }
 
 absl::StatusOr<v1::ShardMap> Coordinator::GetShardMap(uint64_t job_id) {
-  absl::MutexLock lock(&mu_);
-  const JobRecord* job = jobs_.Find(job_id);
-  if (job == nullptr) return absl::NotFoundError(absl::StrCat("no job with id ", job_id));
-  return job->map;
+  std::shared_ptr<const MapSnapshot> snap;
+  {
+    absl::MutexLock lock(&mu_);
+    JobRecord* job = jobs_.Find(job_id);
+    if (job == nullptr) return absl::NotFoundError(absl::StrCat("no job with id ", job_id));
+    snap = SnapshotOf(*job);
+  }
+  return snap->map;
 }
 
 absl::StatusOr<std::optional<v1::ShardMap>> Coordinator::WaitForShardMap(uint64_t job_id,
                                                                          uint64_t after_epoch,
                                                                          absl::Duration timeout) {
   const absl::Time deadline = absl::Now() + timeout;
-  absl::MutexLock lock(&mu_);
-  while (true) {
-    if (shutting_down_) return absl::UnavailableError("coordinator is shutting down");
-    const JobRecord* job = jobs_.Find(job_id);
-    if (job == nullptr) return absl::NotFoundError(absl::StrCat("no job with id ", job_id));
-    if (job->map.epoch() > after_epoch) return std::optional<v1::ShardMap>(job->map);
-    if (job->state == v1::JOB_STATE_FAILED) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("job ", job_id, " failed: a shard holding its chunks went down"));
+  std::shared_ptr<const MapSnapshot> snap;
+  {
+    absl::MutexLock lock(&mu_);
+    while (true) {
+      if (shutting_down_) return absl::UnavailableError("coordinator is shutting down");
+      JobRecord* job = jobs_.Find(job_id);
+      if (job == nullptr) return absl::NotFoundError(absl::StrCat("no job with id ", job_id));
+      if (job->map.epoch() > after_epoch) {
+        snap = SnapshotOf(*job);
+        break;
+      }
+      if (job->state == v1::JOB_STATE_FAILED) {
+        return absl::FailedPreconditionError(
+            absl::StrCat("job ", job_id, " failed: a shard holding its chunks went down"));
+      }
+      if (absl::Now() >= deadline) return std::optional<v1::ShardMap>();
+      map_changed_.WaitWithDeadline(&mu_, deadline);
     }
-    if (absl::Now() >= deadline) return std::optional<v1::ShardMap>();
-    map_changed_.WaitWithDeadline(&mu_, deadline);
   }
+  return std::optional<v1::ShardMap>(snap->map);
 }
 
 bool Coordinator::JobTokenMatches(uint64_t job_id, const std::string& token) {

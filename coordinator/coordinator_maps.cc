@@ -68,6 +68,7 @@ void Coordinator::SetEndpointsLocked(JobRecord& job) const {
 
 void Coordinator::CommitMapChangeLocked(JobRecord& job) {
   job.map.set_epoch(job.map.epoch() + 1);
+  jobs_.Touch();  // Its load moved: placement planned before must plan again.
   const std::map<uint64_t, ShardLoad> old_load = std::move(job.load);
   job.load = ComputeLoad(LayoutOfJob(job).chunks, job.bytes_per_elem,
                          kernels::ChunkOverheadBytes(job.spec.world_size()));
@@ -107,6 +108,7 @@ bool Coordinator::FailoverJobsLocked() {
         continue;
       case FailoverPlan::Outcome::kFailed:
         job.state = v1::JOB_STATE_FAILED;
+        jobs_.Touch();  // Its bytes are no longer planned.
         checkpoints_.OnJobFailed(job.id, absl::StrCat(lost, " went down"));
         OPTIMUS_LOG(Error, kLog, "job failed id=", job.id, " name=", job.spec.name(), ": ", lost,
                     " holding ", plan.lost_primaries, " of its ", job.map.chunks_size(),

@@ -73,6 +73,10 @@ struct CoordinatorOptions {
   // absl::Now. Tests set a fake one to expire one shard's lease and not
   // another's.
   std::function<absl::Time()> clock;
+  // For tests: called by CreateJob (and restores) with no lock held after
+  // each placement planned off the lock (attempt 0, 1, ...), before it is
+  // checked and committed; a test changes the shards there to make it stale.
+  std::function<void(int attempt)> after_off_lock_placement;
 };
 
 }  // namespace optimus

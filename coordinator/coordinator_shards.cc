@@ -289,6 +289,7 @@ absl::StatusOr<v1::DrainShardResponse> Coordinator::DrainShard(const v1::DrainSh
       return s;
     }
     shard->state = v1::SHARD_STATE_DRAINING;
+    shards_.Touch();  // No longer a placement candidate.
     shard->drain_chunks_at_start = chunks_held;
     shard->drained_logged = false;
     *resp.mutable_shard() = ShardStatusLocked(*shard, planned, Now());
@@ -300,6 +301,7 @@ absl::StatusOr<v1::DrainShardResponse> Coordinator::DrainShard(const v1::DrainSh
     ShardRecord* shard = shards_.Find(req.shard_id());
     if (shard != nullptr && shard->state == v1::SHARD_STATE_DRAINING) {
       shard->state = v1::SHARD_STATE_UP;
+      shards_.Touch();
       shard->drain_chunks_at_start = 0;
     }
     SaveLaterLocked();

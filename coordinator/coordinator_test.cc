@@ -2,7 +2,9 @@
 
 #include <chrono>
 #include <cmath>
+#include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <thread>
 
@@ -180,6 +182,69 @@ TEST_F(CoordinatorTest, RegistrationValidatesCapabilitiesAndAssignsIds) {
   EXPECT_EQ(resp.lease_ms(), 300u);
   EXPECT_EQ(RegisterOk(Caps(v1::SHARD_KIND_HOST, 1 << 20)), 2u);
   EXPECT_EQ(GetStatus().shards_size(), 2);  // Refused registrations left no trace.
+}
+
+// GetJob for_shard_id: a shard gets exactly the chunks it holds (primary
+// or backup) and the endpoints of itself and of those chunks' other
+// holders, with the size of the whole map; the whole map stays for callers
+// that do not name a shard.
+TEST_F(CoordinatorTest, AShardGetsOnlyItsPartOfTheMap) {
+  std::vector<uint64_t> ids;
+  for (int i = 0; i < 6; ++i) {
+    ids.push_back(RegisterOk(Caps(v1::SHARD_KIND_DPU, 1 << 20, absl::StrCat("h", i))));
+  }
+  v1::JobSpec spec = Spec("parts", 2, {16, 64});
+  spec.set_replication(1);
+  v1::CreateJobResponse created;
+  ASSERT_TRUE(Create(spec, &created).ok());
+  auto get = [&](uint64_t for_shard_id) {
+    v1::GetJobRequest req;
+    req.set_job_id(created.job_id());
+    req.set_for_shard_id(for_shard_id);
+    v1::GetJobResponse resp;
+    grpc::Status s = stub_->GetJob(Ctx().get(), req, &resp);
+    EXPECT_TRUE(s.ok()) << s.error_message();
+    return resp;
+  };
+  const v1::GetJobResponse whole = get(0);
+  EXPECT_FALSE(whole.has_summary());
+  ASSERT_EQ(whole.map().chunks_size(), 17);  // 1024 / 64 + 1.
+  ASSERT_EQ(whole.map().shards_size(), 6);
+  std::map<uint64_t, std::string> address;
+  for (const auto& e : whole.map().shards()) address[e.shard_id()] = e.data_address();
+  for (uint64_t id : ids) {
+    SCOPED_TRACE(absl::StrCat("shard ", id));
+    const v1::GetJobResponse part = get(id);
+    EXPECT_EQ(part.map().epoch(), whole.map().epoch());
+    EXPECT_EQ(part.spec().name(), "parts");
+    EXPECT_EQ(part.summary().for_shard_id(), id);
+    EXPECT_EQ(part.summary().chunks(), 17u);
+    EXPECT_EQ(part.summary().shards(), 6u);
+    std::vector<std::string> want_chunks;
+    std::set<uint64_t> want_peers = {id};
+    for (const auto& c : whole.map().chunks()) {
+      if (c.shard_id() != id && c.backup_shard_id() != id) continue;
+      want_chunks.push_back(c.SerializeAsString());
+      want_peers.insert(c.shard_id() == id ? c.backup_shard_id() : c.shard_id());
+    }
+    ASSERT_FALSE(want_chunks.empty());
+    std::vector<std::string> got_chunks;
+    for (const auto& c : part.map().chunks()) got_chunks.push_back(c.SerializeAsString());
+    EXPECT_EQ(got_chunks, want_chunks);
+    std::set<uint64_t> got_peers;
+    for (const auto& e : part.map().shards()) {
+      EXPECT_TRUE(got_peers.insert(e.shard_id()).second) << "endpoint listed twice";
+      EXPECT_EQ(e.data_address(), address[e.shard_id()]);
+    }
+    EXPECT_EQ(got_peers, want_peers);
+    EXPECT_LT(part.ByteSizeLong(), whole.ByteSizeLong());
+  }
+  // A shard holding nothing of the job: no chunk, no endpoint.
+  const uint64_t idle = RegisterOk(Caps(v1::SHARD_KIND_DPU, 1 << 20, "idle"));
+  const v1::GetJobResponse none = get(idle);
+  EXPECT_EQ(none.map().chunks_size(), 0);
+  EXPECT_EQ(none.map().shards_size(), 0);
+  EXPECT_EQ(none.map().epoch(), whole.map().epoch());
 }
 
 TEST_F(CoordinatorTest, UnknownShardIsToldToRegister) {

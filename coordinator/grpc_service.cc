@@ -147,8 +147,21 @@ grpc::Status CoordinatorService::GetJob(grpc::ServerContext* ctx,
                                         const v1::GetJobRequest* req,
                                         v1::GetJobResponse* resp) {
   const Caller c = Identify(ctx);
-  if (!MayReadJob(c, req->job_id())) return Refuse(c, "GetJob", kNeedsJob);
-  return Reply(core_->GetJob(req->job_id()), resp);
+  if (req->for_shard_id() != 0) {
+    // One shard's part of the map: asked by that shard (its certificate),
+    // or an admin. Plain-text mode has no identities: everyone is admin.
+    const bool is_that_shard =
+        c.role == Role::kShard && core_->ShardIdentityMatches(req->for_shard_id(), c.identity);
+    if (c.role != Role::kAdmin && !is_that_shard) {
+      return Refuse(c, "GetJob",
+                    absl::StrCat("for_shard_id ", req->for_shard_id(),
+                                 ": the certificate that registered that shard, or the admin "
+                                 "role (leave for_shard_id 0 for the whole map)"));
+    }
+  } else if (!MayReadJob(c, req->job_id())) {
+    return Refuse(c, "GetJob", kNeedsJob);
+  }
+  return Reply(core_->GetJob(req->job_id(), req->for_shard_id()), resp);
 }
 
 grpc::Status CoordinatorService::GetShardMap(grpc::ServerContext* ctx,

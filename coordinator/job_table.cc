@@ -1,11 +1,13 @@
 #include "coordinator/job_table.h"
 
+#include <set>
 #include <utility>
 
 namespace optimus {
 
 JobRecord& JobTable::Add(JobRecord job) {
   const uint64_t id = job.id;
+  ++generation_;
   ids_by_name_[job.spec.name()] = id;
   return jobs_[id] = std::move(job);
 }
@@ -17,6 +19,7 @@ std::optional<JobRecord> JobTable::Remove(uint64_t id) {
   if (name != ids_by_name_.end() && name->second == id) ids_by_name_.erase(name);
   JobRecord out = std::move(it->second);
   jobs_.erase(it);
+  ++generation_;
   return out;
 }
 
@@ -33,6 +36,52 @@ const JobRecord* JobTable::Find(uint64_t id) const {
 JobRecord* JobTable::FindByName(const std::string& name) {
   auto it = ids_by_name_.find(name);
   return it == ids_by_name_.end() ? nullptr : Find(it->second);
+}
+
+std::shared_ptr<const MapSnapshot> SnapshotOf(JobRecord& job) {
+  if (job.snapshot != nullptr && job.snapshot->map.epoch() == job.map.epoch()) {
+    return job.snapshot;
+  }
+  auto snap = std::make_shared<MapSnapshot>();
+  snap->spec = job.spec;
+  snap->map = job.map;
+  snap->restore = job.restore;
+  snap->resume_step = job.resume_step;
+  for (int i = 0; i < snap->map.chunks_size(); ++i) {
+    const v1::ChunkPlacement& p = snap->map.chunks(i);
+    snap->chunks_of[p.shard_id()].push_back(i);
+    if (p.backup_shard_id() != 0) snap->chunks_of[p.backup_shard_id()].push_back(i);
+  }
+  for (int i = 0; i < snap->map.shards_size(); ++i) {
+    snap->endpoint_of[snap->map.shards(i).shard_id()] = i;
+  }
+  job.snapshot = std::move(snap);
+  return job.snapshot;
+}
+
+v1::ShardMap ShardViewOf(const MapSnapshot& snap, uint64_t shard_id) {
+  v1::ShardMap view;
+  view.set_job_id(snap.map.job_id());
+  view.set_epoch(snap.map.epoch());
+  std::set<int> endpoints;  // Indices into snap.map.shards: map order.
+  auto add_endpoint = [&](uint64_t id) {
+    auto e = snap.endpoint_of.find(id);
+    if (e != snap.endpoint_of.end()) endpoints.insert(e->second);
+  };
+  add_endpoint(shard_id);
+  auto mine = snap.chunks_of.find(shard_id);
+  if (mine != snap.chunks_of.end()) {
+    view.mutable_chunks()->Reserve(static_cast<int>(mine->second.size()));
+    for (int i : mine->second) {
+      const v1::ChunkPlacement& p = snap.map.chunks(i);
+      *view.add_chunks() = p;
+      // Its other holder: a primary forwards to its backup, a backup is
+      // seeded by its primary.
+      add_endpoint(p.shard_id() == shard_id ? p.backup_shard_id() : p.shard_id());
+    }
+  }
+  for (int i : endpoints) *view.add_shards() = snap.map.shards(i);
+  return view;
 }
 
 JobLayout LayoutOfJob(const JobRecord& job) {

@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <optional>
 #include <set>
 #include <string>
@@ -18,6 +19,21 @@
 #include "proto/optimus.pb.h"
 
 namespace optimus {
+
+// One (job, epoch) as fetches read it, built once per map epoch from the
+// job's record and never changed after: a fetch takes the pointer under
+// the coordinator's lock and copies or cuts the map with no lock held.
+struct MapSnapshot {
+  v1::JobSpec spec;
+  v1::ShardMap map;  // The whole map: every chunk, each holder's endpoint once.
+  std::optional<v1::RestoreSource> restore;
+  uint64_t resume_step = 1;
+  // By shard id: indices into map.chunks of the chunks it holds as primary
+  // or backup, in map order.
+  std::map<uint64_t, std::vector<int>> chunks_of;
+  // By shard id: index into map.shards of its endpoint.
+  std::map<uint64_t, int> endpoint_of;
+};
 
 struct JobRecord {
   uint64_t id = 0;
@@ -53,6 +69,9 @@ struct JobRecord {
   bool deleting = false;
   // What its workers prove (CreateJobResponse.job_token); durable.
   std::string token;
+  // The current map as fetches read it; null or of an older epoch until
+  // the first fetch after a map change builds it (SnapshotOf). Volatile.
+  std::shared_ptr<const MapSnapshot> snapshot;
 };
 
 class JobTable {
@@ -68,7 +87,14 @@ class JobTable {
   void Clear() {
     jobs_.clear();
     ids_by_name_.clear();
+    ++generation_;
   }
+
+  // Changes whenever a job is added or removed, or Touch() is called (a
+  // job's map or state changed): with the registry's, what placement
+  // planned off the lock compares before it commits.
+  uint64_t generation() const { return generation_; }
+  void Touch() { ++generation_; }
 
   JobRecord* Find(uint64_t id);
   const JobRecord* Find(uint64_t id) const;
@@ -88,9 +114,22 @@ class JobTable {
 
  private:
   uint64_t next_id_ = 1;
+  uint64_t generation_ = 0;
   std::map<uint64_t, JobRecord> jobs_;
   std::map<std::string, uint64_t> ids_by_name_;
 };
+
+// The job's current map as fetches read it: job.snapshot, built anew when
+// it is missing or of an older epoch than job.map (an epoch never changes
+// without a new epoch number, so one snapshot per epoch is enough).
+std::shared_ptr<const MapSnapshot> SnapshotOf(JobRecord& job);
+
+// The part of `snap`'s map that shard `shard_id` needs: the chunks it holds
+// as primary or backup (in map order), and the endpoints of itself and of
+// those chunks' other holders (each once, in the whole map's order). A
+// shard holding nothing (its chunks all moved away) gets an empty map at
+// the epoch, which tells it to let go of them.
+v1::ShardMap ShardViewOf(const MapSnapshot& snap, uint64_t shard_id);
 
 // The job's chunks as the map planners take them.
 JobLayout LayoutOfJob(const JobRecord& job);

@@ -10,6 +10,7 @@
 #include <memory>
 #include <set>
 #include <string>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
@@ -304,6 +305,49 @@ TEST_F(ReplicationTest, LostPrimaryFailsOverToSeededBackupsWithOneEpochBump) {
   v1::HeartbeatRequest hb;
   hb.set_shard_id(a);
   EXPECT_FALSE(coord_->Heartbeat(hb).known());
+}
+
+// A shard's part of the map (GetJob for_shard_id) is cut from the current
+// epoch's snapshot: read before and after a failover, it follows the map.
+TEST_F(ReplicationTest, AShardsPartOfTheMapFollowsAFailover) {
+  const uint64_t a = AddShard(), b = AddShard(), c = AddShard();
+  const uint64_t job = CreateOk(Job("llm", 6, 1));
+  // Chunks (as serialized) of `map` that `shard` holds.
+  auto held_in = [](const v1::ShardMap& map, uint64_t shard) {
+    std::vector<std::string> out;
+    for (const auto& ch : map.chunks()) {
+      if (ch.shard_id() == shard || ch.backup_shard_id() == shard) {
+        out.push_back(ch.SerializeAsString());
+      }
+    }
+    return out;
+  };
+  auto part = [&](uint64_t shard) {
+    auto got = coord_->GetJob(job, shard);
+    EXPECT_TRUE(got.ok()) << got.status();
+    return got->map();
+  };
+  for (uint64_t s : {a, b, c}) {
+    const v1::ShardMap p = part(s);
+    EXPECT_EQ(p.epoch(), 1u);
+    EXPECT_EQ(held_in(p, s), held_in(Map(job), s));
+    EXPECT_EQ(held_in(p, s).size(), static_cast<size_t>(p.chunks_size()));
+  }
+  BeatAll({a, b, c});
+  ASSERT_EQ(Kill({a}, {b, c}), 1);
+  const v1::ShardMap after = Map(job);
+  ASSERT_EQ(after.epoch(), 2u);
+  for (uint64_t s : {b, c}) {
+    const v1::ShardMap p = part(s);
+    EXPECT_EQ(p.epoch(), 2u) << s;
+    EXPECT_EQ(held_in(p, s), held_in(after, s)) << s;
+    EXPECT_EQ(static_cast<size_t>(p.chunks_size()), held_in(after, s).size()) << s;
+    // Its peers now: itself and the other survivor, never the dead shard.
+    EXPECT_EQ(Endpoints(p), (std::set<uint64_t>{b, c})) << s;
+  }
+  // The dead shard holds nothing under the new map.
+  EXPECT_EQ(part(a).chunks_size(), 0);
+  EXPECT_EQ(part(a).epoch(), 2u);
 }
 
 TEST_F(ReplicationTest, LostPrimaryWithBackupsNotYetSeededFailsTheJob) {

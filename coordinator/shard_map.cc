@@ -6,6 +6,7 @@
 #include <limits>
 #include <numeric>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_format.h"
 #include "kernels/optimizer_spec.h"
@@ -69,6 +70,129 @@ int PickShard(absl::Span<const ShardInfo> shards, uint64_t need_bytes, uint64_t 
   return -1;
 }
 
+PlacementIndex::PlacementIndex(absl::Span<const ShardInfo> shards)
+    : shards_(shards.begin(), shards.end()),
+      left_(shards.size(), -1),
+      right_(shards.size(), -1),
+      priority_(shards.size()),
+      max_free_(shards.size(), 0) {
+  // Fixed pseudo-random priorities (splitmix64): the tree's shape, never
+  // its answers, depends on them.
+  uint64_t x = 0x9e3779b97f4a7c15ull;
+  for (size_t i = 0; i < shards_.size(); ++i) {
+    x += 0x9e3779b97f4a7c15ull;
+    uint64_t z = x;
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    priority_[i] = z ^ (z >> 31);
+    root_ = Insert(root_, static_cast<int>(i));
+  }
+}
+
+bool PlacementIndex::Before(int a, int b) const {
+  const ShardInfo& x = shards_[static_cast<size_t>(a)];
+  const ShardInfo& y = shards_[static_cast<size_t>(b)];
+  if (x.is_dpu != y.is_dpu) return x.is_dpu;
+  if (x.memory_planned_bytes != y.memory_planned_bytes) {
+    return x.memory_planned_bytes < y.memory_planned_bytes;
+  }
+  if (x.id != y.id) return x.id < y.id;
+  return a < b;
+}
+
+uint64_t PlacementIndex::Free(int i) const {
+  const ShardInfo& s = shards_[static_cast<size_t>(i)];
+  return FreeBytes(s, s.memory_planned_bytes);
+}
+
+void PlacementIndex::Pull(int t) {
+  uint64_t m = Free(t);
+  if (left_[t] >= 0) m = std::max(m, max_free_[left_[t]]);
+  if (right_[t] >= 0) m = std::max(m, max_free_[right_[t]]);
+  max_free_[t] = m;
+}
+
+void PlacementIndex::Split(int t, int key, int* before, int* rest) {
+  if (t < 0) {
+    *before = *rest = -1;
+    return;
+  }
+  if (Before(t, key)) {
+    Split(right_[t], key, &right_[t], rest);
+    *before = t;
+  } else {
+    Split(left_[t], key, before, &left_[t]);
+    *rest = t;
+  }
+  Pull(t);
+}
+
+int PlacementIndex::Merge(int a, int b) {
+  if (a < 0) return b;
+  if (b < 0) return a;
+  if (priority_[a] > priority_[b]) {
+    right_[a] = Merge(right_[a], b);
+    Pull(a);
+    return a;
+  }
+  left_[b] = Merge(a, left_[b]);
+  Pull(b);
+  return b;
+}
+
+int PlacementIndex::Insert(int t, int node) {
+  if (t < 0 || priority_[node] > priority_[t]) {
+    Split(t, node, &left_[node], &right_[node]);
+    Pull(node);
+    return node;
+  }
+  if (Before(node, t)) {
+    left_[t] = Insert(left_[t], node);
+  } else {
+    right_[t] = Insert(right_[t], node);
+  }
+  Pull(t);
+  return t;
+}
+
+int PlacementIndex::Erase(int t, int node) {
+  if (t == node) {
+    const int merged = Merge(left_[t], right_[t]);
+    left_[t] = right_[t] = -1;
+    return merged;
+  }
+  if (Before(node, t)) {
+    left_[t] = Erase(left_[t], node);
+  } else {
+    right_[t] = Erase(right_[t], node);
+  }
+  Pull(t);
+  return t;
+}
+
+// The first node of tree t in pick order with room for need_bytes that is
+// not exclude_id. A subtree whose most free bytes are too few is skipped
+// whole; one that has room but only on exclude_id is walked down to it and
+// back: at most one such path per search.
+int PlacementIndex::Find(int t, uint64_t need_bytes, uint64_t exclude_id) const {
+  if (t < 0 || max_free_[t] < need_bytes) return -1;
+  if (int found = Find(left_[t], need_bytes, exclude_id); found >= 0) return found;
+  const ShardInfo& s = shards_[static_cast<size_t>(t)];
+  if (Free(t) >= need_bytes && !(exclude_id != 0 && s.id == exclude_id)) return t;
+  return Find(right_[t], need_bytes, exclude_id);
+}
+
+int PlacementIndex::Pick(uint64_t need_bytes, uint64_t exclude_id) const {
+  return Find(root_, need_bytes, exclude_id);
+}
+
+void PlacementIndex::AddPlanned(int i, uint64_t bytes) {
+  root_ = Erase(root_, i);
+  ShardInfo& s = shards_[static_cast<size_t>(i)];
+  s.memory_planned_bytes = SatAdd(s.memory_planned_bytes, bytes);
+  root_ = Insert(root_, i);
+}
+
 namespace {
 
 // Chunk indices, largest first; equal sizes in (tensor, chunk) order for
@@ -116,11 +240,11 @@ absl::StatusOr<std::vector<ChunkSpec>> PlaceChunks(
         "no live shards: register optimizer shard servers before creating a job");
   }
   // memory_planned_bytes grows as chunks are placed.
-  std::vector<ShardInfo> shards(live_shards.begin(), live_shards.end());
+  PlacementIndex shards(live_shards);
   for (size_t idx : LargestFirst(chunks)) {
     ChunkSpec& c = chunks[idx];
     const uint64_t need_bytes = ChunkNeed(c.num_elems, bytes_per_elem, chunk_overhead_bytes);
-    const int best = PickShard(shards, need_bytes, /*exclude_id=*/0);
+    const int best = shards.Pick(need_bytes, /*exclude_id=*/0);
     if (best < 0) {
       uint64_t job_bytes = 0;
       for (const ChunkSpec& x : chunks) job_bytes = SatAdd(job_bytes, ChunkNeed(x.num_elems, bytes_per_elem, chunk_overhead_bytes));
@@ -130,11 +254,11 @@ absl::StatusOr<std::vector<ChunkSpec>> PlaceChunks(
           "job state does not fit: needs %d bytes (%d bytes per element and %d per chunk); "
           "%d bytes free over %d live shards, largest free %d bytes; "
           "chunk (tensor %d, chunk %d) of %d bytes fits on no shard",
-          job_bytes, bytes_per_elem, chunk_overhead_bytes, free.total, shards.size(),
+          job_bytes, bytes_per_elem, chunk_overhead_bytes, free.total, live_shards.size(),
           free.largest, c.tensor, c.chunk, need_bytes));
     }
-    c.shard_id = shards[best].id;
-    shards[best].memory_planned_bytes = SatAdd(shards[best].memory_planned_bytes, need_bytes);
+    c.shard_id = shards.shard(best).id;
+    shards.AddPlanned(best, need_bytes);
   }
   return chunks;
 }
@@ -150,19 +274,23 @@ absl::StatusOr<std::vector<ChunkSpec>> PlaceBackups(
   }
   // The job's primaries count on top of what other jobs planned.
   std::vector<ShardInfo> shards(live_shards.begin(), live_shards.end());
+  absl::flat_hash_map<uint64_t, size_t> index_of;
+  for (size_t i = 0; i < shards.size(); ++i) index_of.emplace(shards[i].id, i);
   uint64_t job_bytes = 0;
   for (const ChunkSpec& c : chunks) {
     const uint64_t need_bytes = ChunkNeed(c.num_elems, bytes_per_elem, chunk_overhead_bytes);
     job_bytes = SatAdd(job_bytes, need_bytes);
-    for (ShardInfo& s : shards) {
-      if (s.id == c.shard_id) s.memory_planned_bytes = SatAdd(s.memory_planned_bytes, need_bytes);
+    if (auto it = index_of.find(c.shard_id); it != index_of.end()) {
+      ShardInfo& s = shards[it->second];
+      s.memory_planned_bytes = SatAdd(s.memory_planned_bytes, need_bytes);
     }
   }
   const FreeSpace after_primaries = FreeOver(shards);
+  PlacementIndex index(shards);
   for (size_t idx : LargestFirst(chunks)) {
     ChunkSpec& c = chunks[idx];
     const uint64_t need_bytes = ChunkNeed(c.num_elems, bytes_per_elem, chunk_overhead_bytes);
-    const int best = PickShard(shards, need_bytes, /*exclude_id=*/c.shard_id);
+    const int best = index.Pick(need_bytes, /*exclude_id=*/c.shard_id);
     if (best < 0) {
       return absl::ResourceExhaustedError(absl::StrFormat(
           "job state with replication 1 does not fit: needs %d bytes for the primaries "
@@ -174,8 +302,8 @@ absl::StatusOr<std::vector<ChunkSpec>> PlaceBackups(
           after_primaries.total, shards.size(),
           after_primaries.largest, c.tensor, c.chunk, need_bytes, c.shard_id));
     }
-    c.backup_shard_id = shards[best].id;
-    shards[best].memory_planned_bytes = SatAdd(shards[best].memory_planned_bytes, need_bytes);
+    c.backup_shard_id = index.shard(best).id;
+    index.AddPlanned(best, need_bytes);
   }
   return chunks;
 }

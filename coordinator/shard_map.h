@@ -56,6 +56,7 @@ std::vector<ChunkSpec> SplitTensors(absl::Span<const uint64_t> tensor_num_elems,
 // still fits under memory_limit_bytes; only if no DPU fits, to the host
 // shard chosen the same way. Ties are broken by the lower shard id, so the
 // result depends only on the inputs. Returns the chunks in their input order.
+// Each pick goes through a PlacementIndex: O(chunks log shards) in all.
 // Errors: FAILED_PRECONDITION when live_shards is empty ("no live shards");
 // RESOURCE_EXHAUSTED when some chunk fits nowhere, with the bytes the job
 // needs, the free bytes over the live shards and the largest free space.
@@ -73,6 +74,41 @@ absl::StatusOr<std::vector<ChunkSpec>> PlaceChunks(
 // `shards`, or -1 when none fits. PlaceChunks, PlaceBackups and the
 // coordinator's failover and drain all choose with it.
 int PickShard(absl::Span<const ShardInfo> shards, uint64_t need_bytes, uint64_t exclude_id);
+
+// PickShard's rule over shards whose planned bytes grow as copies are
+// placed, in O(log n) per pick rather than PickShard's scan of every
+// shard: the shards are kept in a treap ordered by (DPU before host,
+// planned bytes, id), each node knowing the most free bytes in its
+// subtree, so the first shard in that order where a copy fits is found in
+// one descent. Same answers as PickShard over shards() (shard ids must be
+// distinct, as the registry's are). Not thread-safe; owns copies.
+class PlacementIndex {
+ public:
+  explicit PlacementIndex(absl::Span<const ShardInfo> shards);
+  // PickShard(shards(), need_bytes, exclude_id): an index into shards(),
+  // or -1 when no shard other than exclude_id has room.
+  int Pick(uint64_t need_bytes, uint64_t exclude_id) const;
+  // Adds `bytes` to shard i's planned bytes (saturating at 2^64 - 1).
+  void AddPlanned(int i, uint64_t bytes);
+  const ShardInfo& shard(int i) const { return shards_[static_cast<size_t>(i)]; }
+  const std::vector<ShardInfo>& shards() const { return shards_; }
+
+ private:
+  bool Before(int a, int b) const;  // In pick order.
+  uint64_t Free(int i) const;
+  void Pull(int t);
+  // Splits tree t into the nodes before node `key` and the rest.
+  void Split(int t, int key, int* before, int* rest);
+  int Merge(int a, int b);
+  int Insert(int t, int node);
+  int Erase(int t, int node);
+  int Find(int t, uint64_t need_bytes, uint64_t exclude_id) const;
+
+  std::vector<ShardInfo> shards_;
+  std::vector<int> left_, right_;
+  std::vector<uint64_t> priority_, max_free_;
+  int root_ = -1;
+};
 
 // Replication 1: assigns backup_shard_id to every chunk of an already
 // placed job (shard_id set by PlaceChunks), on a shard other than its

@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <map>
 #include <random>
+#include <utility>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "gmock/gmock.h"
@@ -288,6 +290,139 @@ TEST(PlaceBackupsTest, OneShardIsRefusedAndTooLittleRoomNamesTheNumbers) {
   EXPECT_THAT(r.status().message(), HasSubstr("800 bytes are free over 2 live shards"));
   EXPECT_THAT(r.status().message(), HasSubstr("largest free 700 bytes"));
   EXPECT_THAT(r.status().message(), HasSubstr("other than its primary (shard 1)"));
+}
+
+// ---- The indexed placement against the scan it replaced ----
+
+// PickShard's scan as placement used it before PlacementIndex (and as
+// TakeSlot still does): the reference the index must agree with.
+int ReferencePick(const std::vector<ShardInfo>& shards, uint64_t need, uint64_t exclude_id) {
+  for (bool want_dpu : {true, false}) {
+    int best = -1;
+    for (size_t i = 0; i < shards.size(); ++i) {
+      const ShardInfo& s = shards[i];
+      if (s.is_dpu != want_dpu || (exclude_id != 0 && s.id == exclude_id)) continue;
+      const uint64_t free =
+          s.memory_planned_bytes >= s.memory_limit_bytes ? 0 : s.memory_limit_bytes - s.memory_planned_bytes;
+      if (need > free) continue;
+      if (best < 0 || s.memory_planned_bytes < shards[best].memory_planned_bytes ||
+          (s.memory_planned_bytes == shards[best].memory_planned_bytes && s.id < shards[best].id)) {
+        best = static_cast<int>(i);
+      }
+    }
+    if (best >= 0) return best;
+  }
+  return -1;
+}
+
+// The old PlaceChunks + PlaceBackups, scan by scan: a vector of shards,
+// the largest chunk first (ties in (tensor, chunk) order). The chunks'
+// shard ids, or {} where some copy fits nowhere.
+std::vector<std::pair<uint64_t, uint64_t>> ReferencePlace(std::vector<ChunkSpec> chunks,
+                                                          std::vector<ShardInfo> shards,
+                                                          uint64_t bpe, uint64_t overhead,
+                                                          bool backups) {
+  std::vector<size_t> order(chunks.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+    if (chunks[a].num_elems != chunks[b].num_elems) return chunks[a].num_elems > chunks[b].num_elems;
+    if (chunks[a].tensor != chunks[b].tensor) return chunks[a].tensor < chunks[b].tensor;
+    return chunks[a].chunk < chunks[b].chunk;
+  });
+  for (int pass = 0; pass < (backups ? 2 : 1); ++pass) {
+    for (size_t idx : order) {
+      ChunkSpec& c = chunks[idx];
+      const uint64_t need = c.num_elems * bpe + overhead;
+      const int best = ReferencePick(shards, need, pass == 0 ? 0 : c.shard_id);
+      if (best < 0) return {};
+      (pass == 0 ? c.shard_id : c.backup_shard_id) = shards[best].id;
+      shards[best].memory_planned_bytes += need;
+    }
+  }
+  std::vector<std::pair<uint64_t, uint64_t>> out;
+  for (const ChunkSpec& c : chunks) out.emplace_back(c.shard_id, c.backup_shard_id);
+  return out;
+}
+
+// Shards as a fleet looks: mostly alike (one memory size, DPUs), some
+// hosts, some other sizes, some nearly full; ids distinct, not in order.
+std::vector<ShardInfo> RandomFleet(std::mt19937_64& rng, int n) {
+  std::vector<ShardInfo> shards;
+  const uint64_t common_limit = 20000 + rng() % 60000;
+  for (int i = 0; i < n; ++i) {
+    ShardInfo s;
+    s.id = 1 + static_cast<uint64_t>(i) * 7 % 1009 + (rng() % 3 == 0 ? 2000 : 0);
+    s.is_dpu = rng() % 4 != 0;
+    s.memory_limit_bytes = rng() % 3 == 0 ? 1 + rng() % 100000 : common_limit;
+    // Equal planned bytes are common (fresh shards): ties by id matter.
+    s.memory_planned_bytes = rng() % 2 == 0 ? 0 : rng() % (s.memory_limit_bytes + 5000);
+    shards.push_back(s);
+  }
+  std::shuffle(shards.begin(), shards.end(), rng);
+  return shards;
+}
+
+TEST(PlacementIndexTest, PicksWhatTheScanPicksAsPlannedBytesGrow) {
+  std::mt19937_64 rng(20261124);
+  int picks = 0, misses = 0;
+  for (int trial = 0; trial < 300; ++trial) {
+    std::vector<ShardInfo> shards = RandomFleet(rng, 1 + static_cast<int>(rng() % 40));
+    PlacementIndex index(shards);
+    for (int step = 0; step < 60; ++step) {
+      const uint64_t need = rng() % 4 == 0 ? 0 : rng() % 30000;
+      const uint64_t exclude = rng() % 2 == 0 ? 0 : shards[rng() % shards.size()].id;
+      const int want = ReferencePick(shards, need, exclude);
+      const int got = index.Pick(need, exclude);
+      ASSERT_EQ(got, want) << "trial " << trial << " step " << step << " need " << need
+                           << " exclude " << exclude;
+      if (want < 0) {
+        ++misses;
+        continue;
+      }
+      ++picks;
+      // Saturating, as placement adds.
+      const uint64_t add = rng() % 16 == 0 ? ~uint64_t{0} : need;
+      index.AddPlanned(want, add);
+      ShardInfo& s = shards[static_cast<size_t>(want)];
+      s.memory_planned_bytes =
+          s.memory_planned_bytes > ~uint64_t{0} - add ? ~uint64_t{0} : s.memory_planned_bytes + add;
+      ASSERT_EQ(index.shard(want).memory_planned_bytes, s.memory_planned_bytes);
+    }
+  }
+  // Both outcomes were exercised.
+  EXPECT_GT(picks, 1000);
+  EXPECT_GT(misses, 100);
+}
+
+TEST(PlacementIndexTest, PlacesJobsExactlyAsTheScanDid) {
+  std::mt19937_64 rng(777);
+  int placed = 0, refused = 0;
+  for (int trial = 0; trial < 200; ++trial) {
+    const std::vector<ShardInfo> shards = RandomFleet(rng, 1 + static_cast<int>(rng() % 30));
+    std::vector<uint64_t> sizes;
+    const int num_tensors = 1 + static_cast<int>(rng() % 8);
+    for (int t = 0; t < num_tensors; ++t) sizes.push_back(rng() % 3000);
+    const std::vector<ChunkSpec> chunks = SplitTensors(sizes, 1 + rng() % 500);
+    const uint64_t bpe = 1 + rng() % 16;
+    const uint64_t overhead = rng() % 2 == 0 ? 0 : rng() % 2000;
+    const bool backups = rng() % 2 == 0 && shards.size() >= 2;
+    const auto want = ReferencePlace(chunks, shards, bpe, overhead, backups);
+    absl::StatusOr<std::vector<ChunkSpec>> got = PlaceChunks(chunks, shards, bpe, overhead);
+    if (got.ok() && backups) got = PlaceBackups(*std::move(got), shards, bpe, overhead);
+    if (want.empty() && !chunks.empty()) {
+      EXPECT_EQ(got.status().code(), absl::StatusCode::kResourceExhausted)
+          << "trial " << trial << ": " << got.status();
+      ++refused;
+      continue;
+    }
+    ASSERT_TRUE(got.ok()) << "trial " << trial << ": " << got.status();
+    std::vector<std::pair<uint64_t, uint64_t>> ids;
+    for (const ChunkSpec& c : *got) ids.emplace_back(c.shard_id, c.backup_shard_id);
+    EXPECT_EQ(ids, want) << "trial " << trial;
+    ++placed;
+  }
+  EXPECT_GT(placed, 50);
+  EXPECT_GT(refused, 20);
 }
 
 }  // namespace

@@ -29,11 +29,13 @@ const ShardRecord& ShardRegistry::Register(const v1::ShardCapabilities& caps, ab
   shard.id = next_id_++;
   shard.capabilities = caps;
   shard.last_heartbeat = now;
+  ++generation_;
   return shards_[shard.id] = std::move(shard);
 }
 
 void ShardRegistry::Unregister(uint64_t id) {
   shards_.erase(id);
+  ++generation_;
   if (id + 1 == next_id_) --next_id_;
 }
 
@@ -63,6 +65,7 @@ int ShardRegistry::SweepExpired(absl::Time now) {
                 absl::FormatDuration(lease_), ")");
   }
   if (!down.empty()) {
+    ++generation_;
     for (const ShardDownListener& l : listeners_) l(down);
   }
   return static_cast<int>(down.size());
@@ -79,6 +82,7 @@ absl::StatusOr<ShardRecord> ShardRegistry::Forget(uint64_t id) {
   }
   ShardRecord out = std::move(it->second);
   shards_.erase(it);
+  ++generation_;
   return out;
 }
 
@@ -89,6 +93,7 @@ std::vector<ShardRecord> ShardRegistry::ForgetDownLongerThan(absl::Duration grac
     if (it->second.state == v1::SHARD_STATE_DOWN && now - it->second.down_since > grace) {
       out.push_back(std::move(it->second));
       it = shards_.erase(it);
+      ++generation_;
     } else {
       ++it;
     }
@@ -99,6 +104,7 @@ std::vector<ShardRecord> ShardRegistry::ForgetDownLongerThan(absl::Duration grac
 void ShardRegistry::Restore(ShardRecord record) {
   const uint64_t id = record.id;
   shards_[id] = std::move(record);
+  ++generation_;
 }
 
 ShardRecord* ShardRegistry::Find(uint64_t id) {

@@ -77,7 +77,10 @@ class ShardRegistry {
   std::vector<ShardRecord> ForgetDownLongerThan(absl::Duration grace, absl::Time now);
 
   // Drops every shard (keeps the listeners and the next id).
-  void Clear() { shards_.clear(); }
+  void Clear() {
+    shards_.clear();
+    ++generation_;
+  }
   // Puts back a record (recovery, or undoing a Forget whose save failed).
   void Restore(ShardRecord record);
 
@@ -90,6 +93,13 @@ class ShardRegistry {
   // The lease state of every shard, as the map planners take it.
   ShardHealthMap Health() const;
 
+  // Changes whenever a shard comes, goes or changes state through the
+  // registry (Register, Unregister, SweepExpired, Forget*, Restore, Clear):
+  // what placement planned off the lock compares before it commits. Who
+  // changes a record's state through Find or mutable_all calls Touch().
+  uint64_t generation() const { return generation_; }
+  void Touch() { ++generation_; }
+
   uint64_t next_id() const { return next_id_; }
   void set_next_id(uint64_t id) { next_id_ = id; }
   absl::Duration lease() const { return lease_; }
@@ -97,6 +107,7 @@ class ShardRegistry {
  private:
   const absl::Duration lease_;
   uint64_t next_id_ = 1;
+  uint64_t generation_ = 0;
   std::map<uint64_t, ShardRecord> shards_;
   std::vector<ShardDownListener> listeners_;
 };

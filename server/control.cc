@@ -195,7 +195,11 @@ absl::StatusOr<ChunkRef> Shard::PlaceChunk(const Job& job, const ChunkPlacement&
 }
 
 absl::Status Shard::LoadJob(uint64_t job_id) {
-  absl::StatusOr<JobDescription> desc = link_->GetJob(job_id);
+  // Only our part of the map: our chunks and the shards we exchange with.
+  // primary_of below then knows the primaries of our chunks only; a
+  // forward for a chunk we no longer hold is answered "retry" rather than
+  // "fenced", and its sender learns from its own map that it moved.
+  absl::StatusOr<JobDescription> desc = link_->GetJob(job_id, shard_id_.load());
   if (!desc.ok()) return desc.status();
   if (JobRef existing = table_.Find(job_id); existing != nullptr) {
     if (absl::Status s = ApplyMap(existing, *desc); !s.ok()) return s;

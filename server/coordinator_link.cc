@@ -182,9 +182,10 @@ class GrpcCoordinatorLink : public CoordinatorLink {
     return out;
   }
 
-  absl::StatusOr<JobDescription> GetJob(uint64_t job_id) override {
+  absl::StatusOr<JobDescription> GetJob(uint64_t job_id, uint64_t shard_id) override {
     v1::GetJobRequest req;
     req.set_job_id(job_id);
+    req.set_for_shard_id(shard_id);
     v1::GetJobResponse resp;
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));

@@ -22,9 +22,13 @@ class CoordinatorLink {
   virtual ~CoordinatorLink() = default;
   virtual absl::StatusOr<Registered> Register(const ShardRegistration& registration) = 0;
   virtual absl::StatusOr<HeartbeatReply> Heartbeat(const HeartbeatReport& report) = 0;
+  // The job as shard `shard_id` needs it: its map holds only the chunks
+  // this shard holds as primary or backup, and the addresses of the shards
+  // it exchanges with (its chunks' other holders); a chunk it does not hold
+  // is not in it (GetJobRequest.for_shard_id).
   // INVALID_ARGUMENT when the job's spec is one this shard cannot run
   // (unknown dtype or optimizer, world size 0, replication > 1).
-  virtual absl::StatusOr<JobDescription> GetJob(uint64_t job_id) = 0;
+  virtual absl::StatusOr<JobDescription> GetJob(uint64_t job_id, uint64_t shard_id) = 0;
 };
 
 // Talks to optimus-coord at "HOST:PORT" over gRPC; reconnects quickly after

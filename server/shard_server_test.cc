@@ -46,8 +46,9 @@ class FakeLink : public CoordinatorLink {
     reply.released_jobs = released_;
     return reply;
   }
-  absl::StatusOr<JobDescription> GetJob(uint64_t job_id) override {
+  absl::StatusOr<JobDescription> GetJob(uint64_t job_id, uint64_t for_shard_id) override {
     absl::MutexLock lock(&mu_);
+    fetched_for_.push_back(for_shard_id);
     auto it = jobs_.find(job_id);
     if (it == jobs_.end()) return absl::NotFoundError("no such job");
     return it->second;
@@ -70,6 +71,11 @@ class FakeLink : public CoordinatorLink {
     absl::MutexLock lock(&mu_);
     return shard_id_;
   }
+  // The for_shard_id of every GetJob so far.
+  std::vector<uint64_t> fetched_for() {
+    absl::MutexLock lock(&mu_);
+    return fetched_for_;
+  }
   // Waits for a heartbeat report that satisfies `pred`.
   bool WaitReport(const std::function<bool(const HeartbeatReport&)>& pred) {
     absl::MutexLock lock(&mu_);
@@ -86,6 +92,7 @@ class FakeLink : public CoordinatorLink {
   std::vector<uint64_t> released_ ABSL_GUARDED_BY(mu_);
   HeartbeatReport last_ ABSL_GUARDED_BY(mu_);
   uint64_t beats_ ABSL_GUARDED_BY(mu_) = 0;
+  std::vector<uint64_t> fetched_for_ ABSL_GUARDED_BY(mu_);
 };
 
 // A worker speaking raw wire requests to the shard.
@@ -418,6 +425,29 @@ TEST_F(ShardServerTest, ChunkMovedAwayIsFreedAndItsPullsAskForTheNewMap) {
   // A request under the new map for a chunk that is not here: unknown.
   EXPECT_EQ(peer.Call(Header(wire::Op::kPull, 1, 3, /*epoch=*/2)).reply.status.code(),
             absl::StatusCode::kNotFound);
+}
+
+// The coordinator sends a shard only its part of the map: a shard all of
+// whose chunks moved away gets a map with no chunk at all at the new epoch.
+TEST_F(ShardServerTest, AsksForItsOwnPartOfTheMapAndLetsGoUnderAnEmptyPart) {
+  const uint64_t baseline = shard_->stats().memory_used_bytes;
+  const uint64_t me = link_->shard_id();
+  Load(OneChunkJob(me));
+  EXPECT_EQ(shard_->stats().chunks_owned, 1u);
+  Peer peer(fabric_, shard_->data_address());
+  const std::vector<float> init = Ramp(0.01f);
+  ASSERT_TRUE(peer.Call(Header(wire::Op::kInit, 1, 1), init.data(), kElems * 4).reply.status.ok());
+  JobDescription moved = OneChunkJob(me, /*epoch=*/2);
+  moved.map.chunks.clear();
+  Load(moved);
+  EXPECT_EQ(shard_->stats().chunks_owned, 0u);
+  EXPECT_EQ(shard_->stats().memory_used_bytes, baseline);
+  // A request under the new map for the chunk: not here.
+  EXPECT_EQ(peer.Call(Header(wire::Op::kPull, 1, 2, /*epoch=*/2)).reply.status.code(),
+            absl::StatusCode::kNotFound);
+  const std::vector<uint64_t> asked = link_->fetched_for();
+  ASSERT_FALSE(asked.empty());
+  for (uint64_t id : asked) EXPECT_EQ(id, me);
 }
 
 TEST_F(ShardServerTest, ForgottenShardDropsEverythingAndRegistersAgain) {

@@ -76,7 +76,7 @@ class FakeLink : public server::CoordinatorLink {
     reply.released_jobs = released_;
     return reply;
   }
-  absl::StatusOr<server::JobDescription> GetJob(uint64_t job_id) override {
+  absl::StatusOr<server::JobDescription> GetJob(uint64_t job_id, uint64_t) override {
     absl::MutexLock lock(&mu_);
     auto it = jobs_.find(job_id);
     if (it == jobs_.end()) return absl::NotFoundError("no such job");

@@ -202,6 +202,29 @@ TEST_F(ControlPlaneAuthTest, AGoneJobIsNotFoundForItsTokenAndUnissuedIdsAreRefus
   EXPECT_TRUE(absl::IsUnauthenticated(s) || absl::IsPermissionDenied(s)) << s;
 }
 
+// One shard's part of the map (GetJob for_shard_id) is for that shard or
+// an admin: another shard's certificate, or the job's own token, is
+// refused. (The cluster's shards fetch their parts with their own
+// certificates: the victim trains.)
+TEST_F(ControlPlaneAuthTest, AShardsPartOfTheMapIsForThatShardOnly) {
+  const uint64_t target = cluster_->shard(0)->shard_id();
+  v1::GetJobRequest get;
+  get.set_job_id(victim_id_);
+  get.set_for_shard_id(target);
+  v1::GetJobResponse job;
+  absl::Status s = FromGrpc(StubAs("shard-2")->GetJob(Ctx().get(), get, &job));
+  EXPECT_TRUE(absl::IsPermissionDenied(s)) << s;
+  s = FromGrpc(StubAs("worker")->GetJob(Ctx(cluster_->worker(0)->job_token()).get(), get, &job));
+  EXPECT_TRUE(absl::IsPermissionDenied(s)) << s;
+  ASSERT_OK(FromGrpc(StubAs("admin")->GetJob(Ctx().get(), get, &job)));
+  EXPECT_EQ(job.summary().for_shard_id(), target);
+  EXPECT_GT(job.map().chunks_size(), 0);
+  for (const auto& c : job.map().chunks()) {
+    EXPECT_TRUE(c.shard_id() == target || c.backup_shard_id() == target);
+  }
+  ExpectVictimUnharmed(4, 5);
+}
+
 TEST_F(ControlPlaneAuthTest, AdminOperationsNeedTheAdminRole) {
   // A worker holding the victim's own token, and a trainer certificate.
   const std::string token = cluster_->worker(0)->job_token();
