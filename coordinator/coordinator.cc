@@ -25,10 +25,10 @@ Coordinator::Coordinator(const CoordinatorOptions& options)
       store_(MakeStore(options)),
       writer_(store_ != nullptr ? std::make_unique<StateWriter>(store_.get()) : nullptr),
       checkpoints_(options.checkpoint_dir),
-      shards_(options.lease) {
+      leases_(options.lease) {
   absl::MutexLock lock(&mu_);
   shards_.AddShardDownListener([this](const std::vector<uint64_t>& shard_ids) {
-    // The registry calls its listeners from SweepExpired, under mu_.
+    // The registry calls its listeners from MarkDown, under mu_.
     mu_.AssertHeld();
     OnShardsDownLocked(shard_ids);
   });
@@ -103,6 +103,7 @@ absl::Status Coordinator::Recover() {
   const absl::Time now = Now();
   shards_.Clear();
   jobs_.Clear();
+  leases_.Clear();
   shards_.set_next_id(state.next_shard_id());
   jobs_.set_next_id(state.next_job_id());
   data_plane_key_ = state.data_plane_key();
@@ -112,10 +113,14 @@ absl::Status Coordinator::Recover() {
     r.capabilities = s.capabilities();
     r.state = s.state();
     r.identity = s.identity();
-    // A fresh lease, doubled: it may have kept running, and needs a moment
-    // to reconnect.
-    r.last_heartbeat = now + options_.lease;
     r.down_since = now;
+    if (r.state == v1::SHARD_STATE_DOWN) {
+      leases_.AddDown(r.id, now, r.capabilities.hostname(), r.identity);
+    } else {
+      // A fresh lease, doubled: it may have kept running, and needs a
+      // moment to reconnect.
+      leases_.AddLive(r.id, now + options_.lease, r.capabilities.hostname(), r.identity);
+    }
     shards_.Restore(std::move(r));
   }
   for (const v1::PersistedJob& j : state.jobs()) {
@@ -168,7 +173,15 @@ Coordinator::TableSizes Coordinator::table_sizes() {
 
 Coordinator::Counters Coordinator::counters() {
   absl::MutexLock lock(&mu_);
-  return counters_;
+  Counters c = counters_;
+  c.heartbeats_deferred = heartbeats_deferred_.load();
+  return c;
+}
+
+void Coordinator::RunWithTablesLockedForTest(const std::function<void()>& f) {
+  absl::MutexLock commit(&commit_mu_);
+  absl::MutexLock lock(&mu_);
+  f();
 }
 
 absl::Status Coordinator::EnsureDataPlaneKey() {

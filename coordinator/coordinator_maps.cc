@@ -82,6 +82,7 @@ void Coordinator::CommitMapChangeLocked(JobRecord& job) {
   }
   for (const auto& [shard_id, load] : job.load) job.departed.erase(shard_id);
   SetEndpointsLocked(job);
+  jobs_.IndexHolders(job);  // New holders get the job from their heartbeats.
   job.backup_seeded.resize(job.map.chunks_size(), false);
   // Reports of shards that no longer hold chunks of the job would keep
   // counting in its step and readiness.
