@@ -23,7 +23,9 @@ std::shared_ptr<StateStore> MakeStore(const CoordinatorOptions& options) {
 Coordinator::Coordinator(const CoordinatorOptions& options)
     : options_(options),
       store_(MakeStore(options)),
-      writer_(store_ != nullptr ? std::make_unique<StateWriter>(store_.get()) : nullptr),
+      writer_(store_ != nullptr
+                  ? std::make_unique<StateWriter>(store_.get(), [this] { return PullState(); })
+                  : nullptr),
       checkpoints_(options.checkpoint_dir),
       leases_(options.lease) {
   absl::MutexLock lock(&mu_);
@@ -34,12 +36,20 @@ Coordinator::Coordinator(const CoordinatorOptions& options)
   });
 }
 
-Coordinator::~Coordinator() = default;
+Coordinator::~Coordinator() {
+  // The writer pulls the last state from the tables: before they go.
+  writer_.reset();
+}
 
 absl::Time Coordinator::Now() const { return options_.clock ? options_.clock() : absl::Now(); }
 
 absl::StatusOr<uint64_t> Coordinator::SnapshotLocked() {
   if (writer_ == nullptr) return 0;
+  return writer_->MarkChanged();
+}
+
+absl::StatusOr<StateWriter::Pulled> Coordinator::PullState() {
+  absl::MutexLock lock(&mu_);
   v1::CoordinatorState state;
   state.set_next_shard_id(shards_.next_id());
   state.set_next_job_id(jobs_.next_id());
@@ -67,11 +77,13 @@ absl::StatusOr<uint64_t> Coordinator::SnapshotLocked() {
     j->set_token(job.token);
     j->set_rollback_error(job.rollback_error);
   }
-  std::string bytes;
-  if (!state.SerializeToString(&bytes)) {
+  StateWriter::Pulled out;
+  if (!state.SerializeToString(&out.bytes)) {
     return absl::InternalError("serializing coordinator state");
   }
-  return writer_->Submit(std::move(bytes));
+  // Under mu_, where every change is marked: all of them are in the bytes.
+  out.seq = writer_->submitted_seq();
+  return out;
 }
 
 absl::Status Coordinator::WaitDurable(const absl::StatusOr<uint64_t>& seq) {

@@ -67,8 +67,8 @@ class Coordinator {
   using Abandoned = std::function<bool()>;
 
   explicit Coordinator(const CoordinatorOptions& options);
-  // Writes the last snapshot still queued and finishes queued checkpoint
-  // file work.
+  // Writes the state if it changed since the last write and finishes
+  // queued checkpoint file work.
   ~Coordinator();
   Coordinator(const Coordinator&) = delete;
   Coordinator& operator=(const Coordinator&) = delete;
@@ -160,6 +160,9 @@ class Coordinator {
   // never waits behind planning. Returns how many it marked. Called by the
   // lease thread.
   int SweepLeases(absl::Time now) ABSL_LOCKS_EXCLUDED(mu_, commit_mu_);
+  // Whether the lease sweep marked the shard DOWN (the tables may not have
+  // taken it yet). Takes no coordinator lock.
+  bool LeaseExpired(uint64_t shard_id) const { return leases_.IsDown(shard_id); }
 
   // SweepLeases, then the tables' part: every shard the lease table marked
   // DOWN (in this call or before) is marked DOWN in the tables (the
@@ -311,10 +314,15 @@ class Coordinator {
 
  private:
   // ---- Durable state (coordinator.cc) ----
-  // Serializes the durable state (every shard, every job not being deleted)
-  // and queues it for the writer; returns its sequence number, 0 when the
-  // state is not kept. Never waits for I/O.
+  // Marks the durable state changed for the writer, which serializes it
+  // (PullState) when it next writes: one write covers every change marked
+  // before it (group commit). Returns the change's sequence number, 0 when
+  // the state is not kept. O(1): never serializes, never waits for I/O.
   absl::StatusOr<uint64_t> SnapshotLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The durable state (every shard, every job not being deleted),
+  // serialized under mu_, with the newest change sequence number it holds.
+  // Called by the writer's thread.
+  absl::StatusOr<StateWriter::Pulled> PullState() ABSL_LOCKS_EXCLUDED(mu_);
   // Waits until snapshot `seq` is durable. Call with no lock but
   // commit_mu_ held; "saving coordinator state: ..." on failure.
   absl::Status WaitDurable(const absl::StatusOr<uint64_t>& seq) ABSL_LOCKS_EXCLUDED(mu_);
