@@ -50,6 +50,7 @@ absl::StatusOr<uint64_t> Coordinator::SnapshotLocked() {
 
 absl::StatusOr<StateWriter::Pulled> Coordinator::PullState() {
   absl::MutexLock lock(&mu_);
+  Planning planning(&planning_);  // As long: the whole state, maps included.
   v1::CoordinatorState state;
   state.set_next_shard_id(shards_.next_id());
   state.set_next_job_id(jobs_.next_id());
@@ -193,6 +194,7 @@ Coordinator::Counters Coordinator::counters() {
 void Coordinator::RunWithTablesLockedForTest(const std::function<void()>& f) {
   absl::MutexLock commit(&commit_mu_);
   absl::MutexLock lock(&mu_);
+  Planning planning(&planning_);
   f();
 }
 

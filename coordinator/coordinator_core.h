@@ -22,9 +22,9 @@
 //
 // Leases live in the lease table (lease_table.h), under its own small
 // lock, so that failure detection never waits behind planning: a heartbeat
-// renews its lease there first, then waits a short while for mu_ and,
-// when planning holds it longer, is answered with its last reply (its
-// report waits for the next heartbeat); the lease sweep (SweepLeases, a
+// renews its lease there first, then takes mu_ unless planning holds it
+// (or it stays taken for more than a moment): then it is answered with its
+// last reply (its report waits for the next heartbeat); the lease sweep (SweepLeases, a
 // thread of its own in the server) marks a silent shard DOWN there, which
 // its heartbeats see at once, and the tables take the DOWN shards and fail
 // their chunks over when they get mu_ (SweepExpiredLeases).
@@ -132,10 +132,10 @@ class Coordinator {
   // restore, or unknown to a coordinator that lost its state) is listed in
   // released_jobs: the shard frees it. UP and DRAINING shards are served;
   // an unknown (forgotten) or DOWN shard gets known=false and must register
-  // again (under a new id). Never waits for the disk, nor long for the
-  // tables: when planning holds them past a short wait, the lease is
-  // renewed all the same and the shard gets the assignments and checkpoint
-  // orders of its last reply, its report being taken from its next
+  // again (under a new id). Never waits for the disk, nor for planning:
+  // when planning holds the tables (or they stay taken for more than a
+  // moment), the lease is renewed all the same and the shard gets the
+  // assignments and checkpoint orders of its last reply, its report being taken from its next
   // heartbeat (counted in Counters::heartbeats_deferred). The work is the
   // same whatever the size of the shard's jobs (counts, not scans).
   v1::HeartbeatResponse Heartbeat(const v1::HeartbeatRequest& req)
@@ -347,10 +347,23 @@ class Coordinator {
   // The tables' part of a sweep: marks DOWN in the registry the shards the
   // lease table marked DOWN since the last call; returns how many.
   int TakeDownShardsLocked(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Takes mu_ if it becomes free within `wait` (true), else gives up
-  // (false, not held).
-  bool LockTablesWithin(absl::Duration wait) ABSL_EXCLUSIVE_TRYLOCK_FUNCTION(true, mu_)
+  // Takes mu_ for a heartbeat (true), or gives up (false, not held) when
+  // planning holds it or it stays taken for more than a moment. Never
+  // sleeps: heartbeats run on gRPC's few callback threads.
+  bool LockTablesForHeartbeat() ABSL_EXCLUSIVE_TRYLOCK_FUNCTION(true, mu_)
       ABSL_NO_THREAD_SAFETY_ANALYSIS;  // Its body: a TryLock loop.
+  // Marks mu_ as held by planning (which may take long) for its scope;
+  // take it right after mu_.
+  class Planning {
+   public:
+    explicit Planning(std::atomic<int>* n) : n_(n) { n_->fetch_add(1); }
+    ~Planning() { n_->fetch_sub(1); }
+    Planning(const Planning&) = delete;
+    Planning& operator=(const Planning&) = delete;
+
+   private:
+    std::atomic<int>* const n_;
+  };
 
   // ---- Jobs (coordinator_jobs.cc) ----
   absl::StatusOr<v1::CreateJobResponse> CreateJobInternal(const v1::CreateJobRequest& req,
@@ -403,6 +416,9 @@ class Coordinator {
   // Thread-safe on its own, with a lock taken after mu_.
   LeaseTable leases_;
   std::atomic<uint64_t> heartbeats_deferred_{0};
+  // Holders of mu_ that are planning (Planning scopes): a heartbeat that
+  // finds mu_ taken by one does not wait for it.
+  std::atomic<int> planning_{0};
 };
 
 }  // namespace optimus

@@ -83,6 +83,7 @@ absl::StatusOr<v1::CreateJobResponse> Coordinator::CreateJobInternal(
       return absl::CancelledError(absl::StrCat("job \"", spec.name(),
                                                "\" not created: the caller gave up first"));
     }
+    Planning planning(&planning_);
     TakeDownShardsLocked(Now());  // No chunk goes to a shard whose lease expired.
     JobRecord* holder = jobs_.FindByName(spec.name());
     const bool takes_over =

@@ -138,6 +138,7 @@ int Coordinator::TickReplication(absl::Time now) {
   (void)now;  // Decisions depend on reports and states, not on time.
   absl::MutexLock commit(&commit_mu_);
   absl::MutexLock lock(&mu_);
+  Planning planning(&planning_);
   const ShardHealthMap health = shards_.Health();
   std::vector<ShardInfo> candidates = PlacementCandidatesLocked();
   int changed_jobs = 0;

@@ -3,6 +3,7 @@
 // coordinator_core.h.
 #include <algorithm>
 #include <set>
+#include <thread>
 #include <utility>
 
 #include "absl/status/status.h"
@@ -72,18 +73,18 @@ absl::StatusOr<v1::RegisterShardResponse> Coordinator::RegisterShard(
   return resp;
 }
 
-bool Coordinator::LockTablesWithin(absl::Duration wait) {
+bool Coordinator::LockTablesForHeartbeat() {
   if (mu_.TryLock()) return true;
-  // Planning holds the tables, or other heartbeats do for a moment: poll,
-  // backing off, rather than queue behind a placement that may take
-  // seconds.
-  const absl::Time give_up = absl::Now() + wait;
-  absl::Duration pause = absl::Microseconds(50);
-  while (absl::Now() < give_up) {
-    absl::SleepFor(pause);
+  // Other heartbeats or a read hold the tables for microseconds; planning
+  // may hold them for seconds. Spin (yielding to the holder) for a moment
+  // unless it is planning, then give up: a callback thread that slept or
+  // queued here would hold up every heartbeat behind it.
+  const absl::Time give_up = absl::Now() + absl::Milliseconds(1);
+  do {
+    if (planning_.load(std::memory_order_relaxed) > 0) return false;
+    std::this_thread::yield();
     if (mu_.TryLock()) return true;
-    pause = std::min(pause * 2, absl::Milliseconds(2));
-  }
+  } while (absl::Now() < give_up);
   return false;
 }
 
@@ -95,11 +96,7 @@ v1::HeartbeatResponse Coordinator::Heartbeat(const v1::HeartbeatRequest& req) {
     resp.set_known(false);
     return resp;
   }
-  // Long enough for the tables' usual holders (other heartbeats, reads),
-  // short against the lease: the shard beats again only once answered.
-  const absl::Duration wait =
-      std::clamp(options_.lease / 40, absl::Milliseconds(1), absl::Milliseconds(50));
-  if (!LockTablesWithin(wait)) {
+  if (!LockTablesForHeartbeat()) {
     heartbeats_deferred_.fetch_add(1, std::memory_order_relaxed);
     return leases_.LastReply(req.shard_id());
   }
@@ -236,6 +233,7 @@ int Coordinator::SweepExpiredLeases(absl::Time now) {
   SweepLeases(now);
   absl::MutexLock commit(&commit_mu_);
   absl::MutexLock lock(&mu_);
+  Planning planning(&planning_);
   // Every shard the lease table lost since the last sweep is DOWN before
   // any job is looked at: a backup on a shard lost at the same time cannot
   // be promoted. Jobs are checked on every sweep, not only when a shard
@@ -330,6 +328,7 @@ absl::StatusOr<v1::DrainShardResponse> Coordinator::DrainShard(const v1::DrainSh
     }
     // Checked with the placement rule over what is planned now, so that the
     // drain does not start what it cannot finish.
+    Planning planning(&planning_);
     std::vector<ShardInfo> candidates = PlacementCandidatesLocked();
     candidates.erase(std::remove_if(candidates.begin(), candidates.end(),
                                     [&](const ShardInfo& s) { return s.id == shard->id; }),
