@@ -24,10 +24,12 @@
 // lock, so that failure detection never waits behind planning: a heartbeat
 // renews its lease there first, then takes mu_ unless planning holds it
 // (or it stays taken for more than a moment): then it is answered with its
-// last reply (its report waits for the next heartbeat); the lease sweep (SweepLeases, a
-// thread of its own in the server) marks a silent shard DOWN there, which
-// its heartbeats see at once, and the tables take the DOWN shards and fail
-// their chunks over when they get mu_ (SweepExpiredLeases).
+// last reply (its report waits for the next heartbeat). The lease sweep
+// (SweepLeases, a thread of its own in the server) marks a silent shard
+// DOWN there, which its heartbeats see at once; the tables take the DOWN
+// shards and fail their chunks over, in one step, as soon as they are free
+// (SweepExpiredLeases, and the changes that place chunks: CreateJob,
+// DrainShard, ForgetShard).
 #ifndef OPTIMUS_COORDINATOR_COORDINATOR_CORE_H_
 #define OPTIMUS_COORDINATOR_COORDINATOR_CORE_H_
 
@@ -345,8 +347,14 @@ class Coordinator {
   // (once per shard and epoch).
   static void MarkSeeded(JobRecord& job, uint64_t shard_id, const v1::ShardJobProgress& p);
   // The tables' part of a sweep: marks DOWN in the registry the shards the
-  // lease table marked DOWN since the last call; returns how many.
-  int TakeDownShardsLocked(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // lease table marked DOWN since the last call, then (when it marked one,
+  // or `check_jobs` says so) fails over or fails every live job holding
+  // chunks on a DOWN shard, in the same step, so that the tables never
+  // show a shard DOWN whose chunks still count. Returns how many it marked.
+  // Needs commit_mu_: its save must not carry a change that is still
+  // waiting to be durable and may be undone.
+  int TakeDownShardsLocked(absl::Time now, bool check_jobs = false)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(commit_mu_, mu_);
   // Takes mu_ for a heartbeat (true), or gives up (false, not held) when
   // planning holds it or it stays taken for more than a moment. Never
   // sleeps: heartbeats run on gRPC's few callback threads.

@@ -219,13 +219,18 @@ void Coordinator::DropShardFromJobsLocked(uint64_t shard_id) {
 
 int Coordinator::SweepLeases(absl::Time now) { return leases_.SweepExpired(now); }
 
-int Coordinator::TakeDownShardsLocked(absl::Time now) {
+int Coordinator::TakeDownShardsLocked(absl::Time now, bool check_jobs) {
   const std::vector<uint64_t> down = leases_.TakeDown();
-  if (down.empty()) return 0;
-  const int marked = shards_.MarkDown(down, now);
-  // A restarted coordinator gives every shard a fresh lease and marks the
-  // dead ones down again, so nobody waits for this save.
-  if (marked > 0) SaveLaterLocked();
+  // Every shard lost since the last call is DOWN before any job is looked
+  // at: a backup on a shard lost at the same time cannot be promoted.
+  const int marked = down.empty() ? 0 : shards_.MarkDown(down, now);
+  const bool jobs_changed = (marked > 0 || check_jobs) && FailoverJobsLocked();
+  if (marked > 0 || jobs_changed) {
+    // A restarted coordinator gives every shard a fresh lease and marks the
+    // dead ones down again, so nobody waits for this save.
+    SaveLaterLocked();
+    map_changed_.SignalAll();
+  }
   return marked;
 }
 
@@ -234,17 +239,9 @@ int Coordinator::SweepExpiredLeases(absl::Time now) {
   absl::MutexLock commit(&commit_mu_);
   absl::MutexLock lock(&mu_);
   Planning planning(&planning_);
-  // Every shard the lease table lost since the last sweep is DOWN before
-  // any job is looked at: a backup on a shard lost at the same time cannot
-  // be promoted. Jobs are checked on every sweep, not only when a shard
-  // was just lost: a state saved before a failover could be applied names
-  // DOWN shards too, and CreateJob or Status may have taken DOWN shards
-  // from the lease table before this sweep.
-  const int marked_down = TakeDownShardsLocked(now);
-  const bool jobs_changed = FailoverJobsLocked();
-  if (jobs_changed) SaveLaterLocked();  // As TakeDownShardsLocked's save.
-  if (marked_down > 0 || jobs_changed) map_changed_.SignalAll();
-  return marked_down;
+  // Jobs are checked on every sweep, not only when a shard was just lost:
+  // a state saved before a failover could be applied names DOWN shards too.
+  return TakeDownShardsLocked(now, /*check_jobs=*/true);
 }
 
 int Coordinator::ForgetLongDownShards(absl::Time now) {

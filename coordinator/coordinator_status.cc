@@ -83,9 +83,6 @@ absl::StatusOr<v1::StatusResponse> Coordinator::StatusPage(const v1::StatusReque
   v1::StatusResponse resp;
   absl::MutexLock lock(&mu_);
   const absl::Time now = Now();
-  // Shards the lease sweep marked DOWN show DOWN, even before the next
-  // sweep fails their chunks over.
-  TakeDownShardsLocked(now);
   const std::map<uint64_t, ShardLoad> planned = PlannedLoadLocked();
   const std::map<uint64_t, ShardRecord>& shards = shards_.all();
   uint32_t matching = 0;

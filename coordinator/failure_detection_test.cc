@@ -237,8 +237,14 @@ TEST(FailureDetectionTest, TheServersLeaseThreadMarksASilentShardDownWhilePlanni
   EXPECT_FALSE(beat(silent));  // Told to register again, tables still held.
   release.Notify();
   planner.join();
+  // The planning thread, woken by the lease thread, takes it into the
+  // tables once they are free.
   v1::StatusResponse st;
-  ASSERT_TRUE(stub->Status(Ctx().get(), v1::StatusRequest(), &st).ok());
+  const absl::Time guard = absl::Now() + absl::Seconds(60);
+  do {
+    absl::SleepFor(absl::Milliseconds(10));
+    ASSERT_TRUE(stub->Status(Ctx().get(), v1::StatusRequest(), &st).ok());
+  } while (ShardIn(st, silent).state() != v1::SHARD_STATE_DOWN && absl::Now() < guard);
   EXPECT_EQ(ShardIn(st, silent).state(), v1::SHARD_STATE_DOWN);
   EXPECT_EQ(ShardIn(st, alive).state(), v1::SHARD_STATE_UP);
 }
