@@ -37,8 +37,9 @@ Coordinator::Coordinator(const CoordinatorOptions& options)
 }
 
 Coordinator::~Coordinator() {
-  // The writer pulls the last state from the tables: before they go.
-  writer_.reset();
+  // The writer pulls the last state from the tables (and itself): before
+  // they go.
+  if (writer_ != nullptr) writer_->Close();
 }
 
 absl::Time Coordinator::Now() const { return options_.clock ? options_.clock() : absl::Now(); }

@@ -335,19 +335,26 @@ TEST(FailureDetectionTest, WatchersCannotTakeEveryThreadOfTheCappedServer) {
       auto reader = own->WatchShardMap(ctx, req);
       v1::ShardMap map;
       const bool got = reader->Read(&map);
+      // Counted before it says it settled.
+      if (got) {
+        accepted.fetch_add(1);
+      } else {
+        const grpc::Status s = reader->Finish();
+        if (s.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED) {
+          refused.fetch_add(1);
+        } else {
+          other.fetch_add(1);
+          ADD_FAILURE() << "watch " << i << ": " << s.error_code() << " " << s.error_message();
+        }
+      }
       {
         absl::MutexLock lock(&mu);
         ++settled;
       }
-      if (got) {
-        accepted.fetch_add(1);
-        while (reader->Read(&map)) {
-        }
-        reader->Finish();
-        return;
+      if (!got) return;
+      while (reader->Read(&map)) {
       }
-      const grpc::Status s = reader->Finish();
-      (s.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED ? refused : other).fetch_add(1);
+      reader->Finish();
     });
   }
   {

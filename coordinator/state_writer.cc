@@ -15,12 +15,14 @@ StateWriter::StateWriter(StateStore* store, Source source)
   thread_ = std::thread([this] { Run(); });
 }
 
-StateWriter::~StateWriter() {
+StateWriter::~StateWriter() { Close(); }
+
+void StateWriter::Close() {
   {
     absl::MutexLock lock(&mu_);
     stop_ = true;
   }
-  thread_.join();
+  if (thread_.joinable()) thread_.join();
 }
 
 uint64_t StateWriter::Submit(std::string bytes) {

@@ -50,10 +50,13 @@ class StateWriter {
 
   // `source` is needed for MarkChanged only.
   explicit StateWriter(StateStore* store, Source source = nullptr);
-  // Writes the newest snapshot still queued (pulling it if a change was
-  // marked since the last write), then stops the thread. The source must
-  // still work then: its owner destroys the writer first.
+  // Close()s it.
   ~StateWriter();
+  // Writes the newest snapshot still queued (pulling it if a change was
+  // marked since the last write), then stops the thread; nothing is
+  // written after. The source must still work until it returns: its owner
+  // closes the writer before it goes. Call once, from one thread.
+  void Close();
   StateWriter(const StateWriter&) = delete;
   StateWriter& operator=(const StateWriter&) = delete;
 
