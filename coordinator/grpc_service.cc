@@ -1,5 +1,9 @@
 #include "coordinator/grpc_service.h"
 
+#include <sys/resource.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include <chrono>
 #include <optional>
 #include <utility>
@@ -42,6 +46,16 @@ grpc::Status CoordinatorService::Refuse(const Caller& c, absl::string_view rpc,
               needs);
   return grpc::Status(code, absl::StrCat(rpc, " refused: needs ", needs, "; the caller is ",
                                          Who(c)));
+}
+
+void CoordinatorService::RunBelowHeartbeats() {
+  // Once per thread; only gRPC's synchronous threads come here (heartbeats
+  // run on its callback threads, which keep the default priority).
+  thread_local bool lowered = false;
+  if (lowered) return;
+  lowered = true;
+  // Raising one's niceness needs no privilege; failing leaves it as is.
+  setpriority(PRIO_PROCESS, static_cast<id_t>(syscall(SYS_gettid)), kSyncCallNice);
 }
 
 bool CoordinatorService::Abandoned(const grpc::ServerContextBase& ctx) {
@@ -96,6 +110,7 @@ grpc::Status CoordinatorService::Reply(absl::StatusOr<T> result, T* resp) {
 grpc::Status CoordinatorService::RegisterShard(grpc::ServerContext* ctx,
                                                const v1::RegisterShardRequest* req,
                                                v1::RegisterShardResponse* resp) {
+  RunBelowHeartbeats();
   if (Abandoned(*ctx)) return Dropped("RegisterShard");
   const Caller c = Identify(ctx);
   if (c.role != Role::kShard && !plaintext_) return Refuse(c, "RegisterShard", kNeedsShard);
@@ -138,6 +153,7 @@ grpc::Status CoordinatorService::HeartbeatCall(grpc::ServerContextBase* ctx,
 grpc::Status CoordinatorService::CreateJob(grpc::ServerContext* ctx,
                                            const v1::CreateJobRequest* req,
                                            v1::CreateJobResponse* resp) {
+  RunBelowHeartbeats();
   if (Abandoned(*ctx)) return Dropped("CreateJob");
   const Caller c = Identify(ctx);
   if (c.role != Role::kAdmin && c.role != Role::kTrainer) {
@@ -152,6 +168,7 @@ grpc::Status CoordinatorService::CreateJob(grpc::ServerContext* ctx,
 grpc::Status CoordinatorService::JoinJob(grpc::ServerContext* ctx,
                                          const v1::JoinJobRequest* req,
                                          v1::JoinJobResponse* resp) {
+  RunBelowHeartbeats();
   if (Abandoned(*ctx)) return Dropped("JoinJob");
   const Caller c = Identify(ctx);
   // A job not created yet is NOT_FOUND to a caller with a token: its ranks
@@ -165,6 +182,7 @@ grpc::Status CoordinatorService::JoinJob(grpc::ServerContext* ctx,
 grpc::Status CoordinatorService::LeaveJob(grpc::ServerContext* ctx,
                                           const v1::LeaveJobRequest* req,
                                           v1::LeaveJobResponse* resp) {
+  RunBelowHeartbeats();
   if (Abandoned(*ctx)) return Dropped("LeaveJob");
   const Caller c = Identify(ctx);
   if (!MayUseJobNamed(c, req->job_name(), false)) return Refuse(c, "LeaveJob", kNeedsJob);
@@ -174,6 +192,7 @@ grpc::Status CoordinatorService::LeaveJob(grpc::ServerContext* ctx,
 grpc::Status CoordinatorService::DeleteJob(grpc::ServerContext* ctx,
                                            const v1::DeleteJobRequest* req,
                                            v1::DeleteJobResponse* resp) {
+  RunBelowHeartbeats();
   if (Abandoned(*ctx)) return Dropped("DeleteJob");
   const Caller c = Identify(ctx);
   if (c.role != Role::kAdmin) return Refuse(c, "DeleteJob", kNeedsAdmin);
@@ -183,6 +202,7 @@ grpc::Status CoordinatorService::DeleteJob(grpc::ServerContext* ctx,
 grpc::Status CoordinatorService::GetJob(grpc::ServerContext* ctx,
                                         const v1::GetJobRequest* req,
                                         v1::GetJobResponse* resp) {
+  RunBelowHeartbeats();
   if (Abandoned(*ctx)) return Dropped("GetJob");
   const Caller c = Identify(ctx);
   if (!MayReadJob(c, req->job_id())) return Refuse(c, "GetJob", kNeedsJob);
@@ -192,6 +212,7 @@ grpc::Status CoordinatorService::GetJob(grpc::ServerContext* ctx,
 grpc::Status CoordinatorService::GetShardMap(grpc::ServerContext* ctx,
                                              const v1::GetShardMapRequest* req,
                                              v1::ShardMap* resp) {
+  RunBelowHeartbeats();
   if (Abandoned(*ctx)) return Dropped("GetShardMap");
   const Caller c = Identify(ctx);
   if (!MayReadJob(c, req->job_id())) return Refuse(c, "GetShardMap", kNeedsJob);
@@ -201,6 +222,7 @@ grpc::Status CoordinatorService::GetShardMap(grpc::ServerContext* ctx,
 grpc::Status CoordinatorService::WatchShardMap(grpc::ServerContext* ctx,
                                                const v1::WatchShardMapRequest* req,
                                                grpc::ServerWriter<v1::ShardMap>* writer) {
+  RunBelowHeartbeats();
   if (Abandoned(*ctx)) return Dropped("WatchShardMap");
   const Caller c = Identify(ctx);
   if (!MayReadJob(c, req->job_id())) return Refuse(c, "WatchShardMap", kNeedsJob);
@@ -235,6 +257,7 @@ grpc::Status CoordinatorService::WatchShardMap(grpc::ServerContext* ctx,
 
 grpc::Status CoordinatorService::Status(grpc::ServerContext* ctx, const v1::StatusRequest* req,
                                         v1::StatusResponse* resp) {
+  RunBelowHeartbeats();
   if (Abandoned(*ctx)) return Dropped("Status");
   const Caller c = Identify(ctx);
   const bool everything = c.role == Role::kAdmin || c.role == Role::kShard;
@@ -257,6 +280,7 @@ grpc::Status CoordinatorService::Status(grpc::ServerContext* ctx, const v1::Stat
 grpc::Status CoordinatorService::CreateCheckpoint(grpc::ServerContext* ctx,
                                                   const v1::CreateCheckpointRequest* req,
                                                   v1::CreateCheckpointResponse* resp) {
+  RunBelowHeartbeats();
   if (Abandoned(*ctx)) return Dropped("CreateCheckpoint");
   const Caller c = Identify(ctx);
   if (!MayUseJobNamed(c, req->job_name(), false)) return Refuse(c, "CreateCheckpoint", kNeedsJob);
@@ -266,6 +290,7 @@ grpc::Status CoordinatorService::CreateCheckpoint(grpc::ServerContext* ctx,
 grpc::Status CoordinatorService::ListCheckpoints(grpc::ServerContext* ctx,
                                                  const v1::ListCheckpointsRequest* req,
                                                  v1::ListCheckpointsResponse* resp) {
+  RunBelowHeartbeats();
   if (Abandoned(*ctx)) return Dropped("ListCheckpoints");
   const Caller c = Identify(ctx);
   if (!MayUseJobNamed(c, req->job_name(), false)) return Refuse(c, "ListCheckpoints", kNeedsJob);
@@ -276,6 +301,7 @@ grpc::Status CoordinatorService::ListCheckpoints(grpc::ServerContext* ctx,
 grpc::Status CoordinatorService::RestoreCheckpoint(grpc::ServerContext* ctx,
                                                    const v1::RestoreCheckpointRequest* req,
                                                    v1::RestoreCheckpointResponse* resp) {
+  RunBelowHeartbeats();
   if (Abandoned(*ctx)) return Dropped("RestoreCheckpoint");
   const Caller c = Identify(ctx);
   if (c.role != Role::kAdmin) return Refuse(c, "RestoreCheckpoint", kNeedsAdmin);
@@ -285,6 +311,7 @@ grpc::Status CoordinatorService::RestoreCheckpoint(grpc::ServerContext* ctx,
 grpc::Status CoordinatorService::DrainShard(grpc::ServerContext* ctx,
                                             const v1::DrainShardRequest* req,
                                             v1::DrainShardResponse* resp) {
+  RunBelowHeartbeats();
   if (Abandoned(*ctx)) return Dropped("DrainShard");
   const Caller c = Identify(ctx);
   if (c.role != Role::kAdmin) return Refuse(c, "DrainShard", kNeedsAdmin);
@@ -294,6 +321,7 @@ grpc::Status CoordinatorService::DrainShard(grpc::ServerContext* ctx,
 grpc::Status CoordinatorService::ForgetShard(grpc::ServerContext* ctx,
                                              const v1::ForgetShardRequest* req,
                                              v1::ForgetShardResponse* resp) {
+  RunBelowHeartbeats();
   if (Abandoned(*ctx)) return Dropped("ForgetShard");
   const Caller c = Identify(ctx);
   if (c.role != Role::kAdmin) return Refuse(c, "ForgetShard", kNeedsAdmin);

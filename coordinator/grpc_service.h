@@ -88,6 +88,12 @@ class CoordinatorService final
   security::Caller Identify(grpc::ServerContextBase* ctx) const;
   grpc::Status HeartbeatCall(grpc::ServerContextBase* ctx, const v1::HeartbeatRequest& req,
                              v1::HeartbeatResponse* resp);
+  // Lowers the calling (synchronous) thread's priority to kSyncCallNice,
+  // once: hundreds of threads serializing big maps for a storm of fetches
+  // would otherwise take the coordinator's core from the few callback
+  // threads that renew leases, and live shards would be declared DOWN.
+  static void RunBelowHeartbeats();
+  static constexpr int kSyncCallNice = 19;
   // The client cancelled the call or its deadline passed.
   static bool Abandoned(const grpc::ServerContextBase& ctx);
   // Counts a call dropped for that and answers it CANCELLED.
