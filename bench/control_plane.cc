@@ -45,7 +45,7 @@
 // Usage: bazel run -c opt //bench:control_plane -- [--shards=100,1000]
 //        [--steady_s=10] [--lease_ms=2000] [--jobs=small,large]
 //        [--ready_timeout_s=120] [--channels=64] [--threads=2]
-//        [--per_shard_maps=true]
+//        [--per_shard_maps=true] [--state_dir]
 #include <sched.h>
 #include <signal.h>
 #include <sys/stat.h>
@@ -112,6 +112,9 @@ ABSL_FLAG(bool, pin, true,
           "coordinator on CPU 0 (taskset), this process on the others (when there are 2+)");
 ABSL_FLAG(std::string, bin_dir, "", "folder holding coordinator/optimus-coord (default: runfiles)");
 ABSL_FLAG(std::string, work_dir, "", "folder for the coordinator's logs (default: a new temp dir)");
+ABSL_FLAG(bool, state_dir, false,
+          "give the coordinator a --state_dir in the work folder: every registration and job "
+          "change is answered once it is on disk (fsync)");
 
 namespace optimus {
 namespace bench {
@@ -824,6 +827,7 @@ struct RunOptions {
   int threads = 2;
   int address_bytes = 300;
   bool per_shard_maps = true;
+  bool state_dir = false;
   std::vector<BenchJob> jobs;
 };
 
@@ -840,6 +844,8 @@ Json RunOne(const RunOptions& o, int n) {
         std::string("--insecure_plaintext"), std::string("--down_shard_grace=inf")}) {
     args.push_back(a);
   }
+  if (o.state_dir) args.push_back(absl::StrCat("--state_dir=", o.work_dir, "/state-", n));
+  line["state_dir"] = o.state_dir;
   const std::string log = absl::StrCat(o.work_dir, "/coord-", n, ".log");
   line["coordinator"] = ShellLine({}, args);
   line["coordinator_pinned"] = o.pin;
@@ -1177,6 +1183,7 @@ int main(int argc, char** argv) {
   o.threads = std::max(1, absl::GetFlag(FLAGS_threads));
   o.address_bytes = std::max(1, absl::GetFlag(FLAGS_address_bytes));
   o.per_shard_maps = absl::GetFlag(FLAGS_per_shard_maps);
+  o.state_dir = absl::GetFlag(FLAGS_state_dir);
 
   // The coordinator on CPU 0, this process on the others.
   const long cpus = sysconf(_SC_NPROCESSORS_ONLN);

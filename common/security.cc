@@ -129,7 +129,7 @@ Role RoleOfCommonName(absl::string_view cn) {
   return Role::kNone;
 }
 
-Caller IdentifyCaller(const grpc::ServerContext& ctx, bool plaintext) {
+Caller IdentifyCaller(const grpc::ServerContextBase& ctx, bool plaintext) {
   Caller c;
   c.plaintext = plaintext;
   const auto& md = ctx.client_metadata();

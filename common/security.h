@@ -91,7 +91,7 @@ struct Caller {
   bool plaintext = false;  // The server runs without TLS: authorization is off.
   std::string peer;        // Its address, for logs.
 };
-Caller IdentifyCaller(const grpc::ServerContext& ctx, bool plaintext);
+Caller IdentifyCaller(const grpc::ServerContextBase& ctx, bool plaintext);
 
 // The role a certificate common name grants.
 Role RoleOfCommonName(absl::string_view cn);

@@ -23,23 +23,35 @@ std::shared_ptr<StateStore> MakeStore(const CoordinatorOptions& options) {
 Coordinator::Coordinator(const CoordinatorOptions& options)
     : options_(options),
       store_(MakeStore(options)),
-      writer_(store_ != nullptr ? std::make_unique<StateWriter>(store_.get()) : nullptr),
+      writer_(store_ != nullptr
+                  ? std::make_unique<StateWriter>(store_.get(), [this] { return PullState(); })
+                  : nullptr),
       checkpoints_(options.checkpoint_dir),
-      shards_(options.lease) {
+      leases_(options.lease) {
   absl::MutexLock lock(&mu_);
   shards_.AddShardDownListener([this](const std::vector<uint64_t>& shard_ids) {
-    // The registry calls its listeners from SweepExpired, under mu_.
+    // The registry calls its listeners from MarkDown, under mu_.
     mu_.AssertHeld();
     OnShardsDownLocked(shard_ids);
   });
 }
 
-Coordinator::~Coordinator() = default;
+Coordinator::~Coordinator() {
+  // The writer pulls the last state from the tables (and itself): before
+  // they go.
+  if (writer_ != nullptr) writer_->Close();
+}
 
 absl::Time Coordinator::Now() const { return options_.clock ? options_.clock() : absl::Now(); }
 
 absl::StatusOr<uint64_t> Coordinator::SnapshotLocked() {
   if (writer_ == nullptr) return 0;
+  return writer_->MarkChanged();
+}
+
+absl::StatusOr<StateWriter::Pulled> Coordinator::PullState() {
+  absl::MutexLock lock(&mu_);
+  Planning planning(&planning_);  // As long: the whole state, maps included.
   v1::CoordinatorState state;
   state.set_next_shard_id(shards_.next_id());
   state.set_next_job_id(jobs_.next_id());
@@ -67,11 +79,13 @@ absl::StatusOr<uint64_t> Coordinator::SnapshotLocked() {
     j->set_token(job.token);
     j->set_rollback_error(job.rollback_error);
   }
-  std::string bytes;
-  if (!state.SerializeToString(&bytes)) {
+  StateWriter::Pulled out;
+  if (!state.SerializeToString(&out.bytes)) {
     return absl::InternalError("serializing coordinator state");
   }
-  return writer_->Submit(std::move(bytes));
+  // Under mu_, where every change is marked: all of them are in the bytes.
+  out.seq = writer_->submitted_seq();
+  return out;
 }
 
 absl::Status Coordinator::WaitDurable(const absl::StatusOr<uint64_t>& seq) {
@@ -103,6 +117,7 @@ absl::Status Coordinator::Recover() {
   const absl::Time now = Now();
   shards_.Clear();
   jobs_.Clear();
+  leases_.Clear();
   shards_.set_next_id(state.next_shard_id());
   jobs_.set_next_id(state.next_job_id());
   data_plane_key_ = state.data_plane_key();
@@ -112,10 +127,14 @@ absl::Status Coordinator::Recover() {
     r.capabilities = s.capabilities();
     r.state = s.state();
     r.identity = s.identity();
-    // A fresh lease, doubled: it may have kept running, and needs a moment
-    // to reconnect.
-    r.last_heartbeat = now + options_.lease;
     r.down_since = now;
+    if (r.state == v1::SHARD_STATE_DOWN) {
+      leases_.AddDown(r.id, now, r.capabilities.hostname(), r.identity);
+    } else {
+      // A fresh lease, doubled: it may have kept running, and needs a
+      // moment to reconnect.
+      leases_.AddLive(r.id, now + options_.lease, r.capabilities.hostname(), r.identity);
+    }
     shards_.Restore(std::move(r));
   }
   for (const v1::PersistedJob& j : state.jobs()) {
@@ -168,7 +187,16 @@ Coordinator::TableSizes Coordinator::table_sizes() {
 
 Coordinator::Counters Coordinator::counters() {
   absl::MutexLock lock(&mu_);
-  return counters_;
+  Counters c = counters_;
+  c.heartbeats_deferred = heartbeats_deferred_.load();
+  return c;
+}
+
+void Coordinator::RunWithTablesLockedForTest(const std::function<void()>& f) {
+  absl::MutexLock commit(&commit_mu_);
+  absl::MutexLock lock(&mu_);
+  Planning planning(&planning_);
+  f();
 }
 
 absl::Status Coordinator::EnsureDataPlaneKey() {

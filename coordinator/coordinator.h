@@ -1,7 +1,9 @@
 // optimus-coord as a running server: `CoordinatorServer` is a handle that
 // owns a core (`Coordinator`, coordinator_core.h), its gRPC service and
-// server, the sweeper thread (leases, replication, checkpoint policies,
-// rollback, forgetting long-DOWN shards) and the /metrics endpoint, and
+// server, the lease thread (marks silent shards DOWN, never waiting for
+// the tables), the planning thread (failover, replication, checkpoint
+// policies, rollback, forgetting long-DOWN shards; woken at once by the
+// lease thread when a shard went DOWN) and the /metrics endpoint, and
 // stops them all in Shutdown() or its destructor. This header is what other
 // packages include to start a coordinator in-process; it brings the core
 // and CoordinatorOptions along.
@@ -28,13 +30,15 @@ namespace optimus {
 
 class CoordinatorService;
 
-// A running coordinator: the core, its gRPC server and the sweeper.
+// A running coordinator: the core, its gRPC server and its two threads.
 // Start() either returns a serving handle or an error; Shutdown() (or the
 // destructor) ends open WatchShardMap streams, stops the server and the
 // sweeper, and may be called from any thread, more than once.
 class CoordinatorServer {
  public:
-  // INVALID_ARGUMENT for bad options; UNAVAILABLE when the address cannot
+  // INVALID_ARGUMENT for bad options (lease, sweep_interval or
+  // down_shard_grace out of range, max_rpc_threads < 4); UNAVAILABLE when
+  // the address cannot
   // be bound; the core's error when its state cannot be recovered.
   static absl::StatusOr<std::unique_ptr<CoordinatorServer>> Start(const CoordinatorOptions& options);
   ~CoordinatorServer();
@@ -57,6 +61,11 @@ class CoordinatorServer {
 
  private:
   CoordinatorServer();
+  // Every sweep_interval: the lease sweep; wakes the planning loop when a
+  // shard went DOWN.
+  void LeaseLoop(absl::Duration interval);
+  // Every sweep_interval, or at once when the lease loop lost a shard.
+  void PlanningLoop(absl::Duration interval);
 
   std::unique_ptr<Coordinator> core_;
   std::unique_ptr<CoordinatorService> service_;
@@ -64,8 +73,11 @@ class CoordinatorServer {
   std::unique_ptr<HttpServer> http_;
   std::string host_;
   int port_ = 0;
-  absl::Notification stop_sweeper_;
-  std::thread sweeper_;
+  absl::Mutex loops_mu_;
+  bool stop_loops_ ABSL_GUARDED_BY(loops_mu_) = false;
+  bool shards_went_down_ ABSL_GUARDED_BY(loops_mu_) = false;
+  std::thread lease_thread_;
+  std::thread planning_thread_;
   absl::Mutex shutdown_mu_;
   bool shut_down_ ABSL_GUARDED_BY(shutdown_mu_) = false;
 };

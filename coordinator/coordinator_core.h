@@ -12,17 +12,31 @@
 //
 // Thread-safety: every method is safe from any thread. Locks, in the order
 // they are taken: commit_mu_ (serializes changes to the durable state and
-// is held while one waits to be durable), then mu_ (the tables; held
-// briefly, never while touching the disk), then the checkpoint manager's
-// and the state writer's own locks. Heartbeats and reads take only mu_, so
-// they never wait for an fsync; a change that must be durable before it is
-// answered applies itself under mu_, snapshots the state, releases mu_ and
-// waits for the writer, and undoes itself if the save fails.
+// is held while one waits to be durable), then mu_ (the tables; never held
+// while touching the disk, but held by planning: placement, failover),
+// then the checkpoint manager's, the state writer's and the lease table's
+// own locks. Heartbeats and reads take only mu_, so they never wait for an
+// fsync; a change that must be durable before it is answered applies
+// itself under mu_, snapshots the state, releases mu_ and waits for the
+// writer, and undoes itself if the save fails.
+//
+// Leases live in the lease table (lease_table.h), under its own small
+// lock, so that failure detection never waits behind planning: a heartbeat
+// renews its lease there first, then takes mu_ unless planning holds it
+// (or it stays taken for more than a moment): then it is answered with its
+// last reply (its report waits for the next heartbeat). The lease sweep
+// (SweepLeases, a thread of its own in the server) marks a silent shard
+// DOWN there, which its heartbeats see at once; the tables take the DOWN
+// shards and fail their chunks over, in one step, as soon as they are free
+// (SweepExpiredLeases, and the changes that place chunks: CreateJob,
+// DrainShard, ForgetShard).
 #ifndef OPTIMUS_COORDINATOR_COORDINATOR_CORE_H_
 #define OPTIMUS_COORDINATOR_COORDINATOR_CORE_H_
 
 #include <array>
+#include <atomic>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -37,6 +51,7 @@
 #include "coordinator/coordinator_options.h"
 #include "coordinator/job_spec.h"
 #include "coordinator/job_table.h"
+#include "coordinator/lease_table.h"
 #include "coordinator/shard_map.h"
 #include "coordinator/shard_registry.h"
 #include "coordinator/state_store.h"
@@ -47,9 +62,15 @@ namespace optimus {
 
 class Coordinator {
  public:
+  // Whether the caller of a call in progress gave up (cancelled, or its
+  // deadline passed): a call that may wait for the tables checks it once
+  // it has them, and if so changes nothing and returns CANCELLED, so that
+  // calls whose clients are gone are not executed late. Empty: never.
+  using Abandoned = std::function<bool()>;
+
   explicit Coordinator(const CoordinatorOptions& options);
-  // Writes the last snapshot still queued and finishes queued checkpoint
-  // file work.
+  // Writes the state if it changed since the last write and finishes
+  // queued checkpoint file work.
   ~Coordinator();
   Coordinator(const Coordinator&) = delete;
   Coordinator& operator=(const Coordinator&) = delete;
@@ -75,8 +96,11 @@ class Coordinator {
   // nothing.
   // `identity`: the caller's certificate common name (empty in plain-text
   // mode); only it may heartbeat as the new shard (ShardIdentityMatches).
+  // Registrations waiting to be durable at the same time are made durable
+  // by one write.
   absl::StatusOr<v1::RegisterShardResponse> RegisterShard(const v1::RegisterShardRequest& req,
-                                                          const std::string& identity = "");
+                                                          const std::string& identity = "",
+                                                          const Abandoned& abandoned = nullptr);
   // Whether `identity` registered shard `shard_id` (true for an unknown id:
   // Heartbeat tells it to register again).
   bool ShardIdentityMatches(uint64_t shard_id, const std::string& identity)
@@ -96,8 +120,8 @@ class Coordinator {
   std::optional<bool> JobTokenMatchesByName(const std::string& name, const std::string& token)
       ABSL_LOCKS_EXCLUDED(mu_);
 
-  // Renews the lease and records the shard's reported usage and per-job
-  // progress; a PENDING job turns READY once every shard holding its chunks
+  // Renews the lease (first, without waiting for the tables) and records
+  // the shard's reported usage and per-job progress; a PENDING job turns READY once every shard holding its chunks
   // (as primary or backup) reports the current epoch with all its chunks
   // loaded. A shard that reports, at the current epoch, every one of its
   // backup chunks of a job seeded (backups_seeded == backup_chunks, both
@@ -110,8 +134,14 @@ class Coordinator {
   // restore, or unknown to a coordinator that lost its state) is listed in
   // released_jobs: the shard frees it. UP and DRAINING shards are served;
   // an unknown (forgotten) or DOWN shard gets known=false and must register
-  // again (under a new id). Never waits for the disk.
-  v1::HeartbeatResponse Heartbeat(const v1::HeartbeatRequest& req);
+  // again (under a new id). Never waits for the disk, nor for planning:
+  // when planning holds the tables (or they stay taken for more than a
+  // moment), the lease is renewed all the same and the shard gets the
+  // assignments and checkpoint orders of its last reply, its report being taken from its next
+  // heartbeat (counted in Counters::heartbeats_deferred). The work is the
+  // same whatever the size of the shard's jobs (counts, not scans).
+  v1::HeartbeatResponse Heartbeat(const v1::HeartbeatRequest& req)
+      ABSL_LOCKS_EXCLUDED(mu_, commit_mu_);
 
   // Marks the shard DRAINING (durable) so that TickReplication moves its
   // chunks away while training runs; returns it with the number of chunks
@@ -126,14 +156,25 @@ class Coordinator {
   // again is told to register anew.
   absl::StatusOr<v1::ForgetShardResponse> ForgetShard(const v1::ForgetShardRequest& req);
 
-  // Marks DOWN every UP or DRAINING shard whose last heartbeat is older
-  // than the lease at `now` (the registry tells the core through its
-  // shard-down listener), then, for each PENDING/READY job holding chunks
-  // on a DOWN shard, fails it over or fails it (see PlanFailover in
-  // map_planner.h); RollbackFailedJobs may then restore a failed one. The
-  // epoch of a job that fails over goes up by exactly one. Returns the
-  // number of shards marked DOWN. Called by the sweeper thread.
-  int SweepExpiredLeases(absl::Time now);
+  // The lease sweep alone: marks DOWN, in the lease table, every live
+  // shard whose last heartbeat is older than the lease at `now`; from then
+  // on its heartbeats get known=false. Takes no coordinator lock, so it
+  // never waits behind planning. Returns how many it marked. Called by the
+  // lease thread.
+  int SweepLeases(absl::Time now) ABSL_LOCKS_EXCLUDED(mu_, commit_mu_);
+  // Whether the lease sweep marked the shard DOWN (the tables may not have
+  // taken it yet). Takes no coordinator lock.
+  bool LeaseExpired(uint64_t shard_id) const { return leases_.IsDown(shard_id); }
+
+  // SweepLeases, then the tables' part: every shard the lease table marked
+  // DOWN (in this call or before) is marked DOWN in the tables (the
+  // registry tells the core through its shard-down listener), then, for
+  // each PENDING/READY job holding chunks on a DOWN shard, fails it over or
+  // fails it (see PlanFailover in map_planner.h); RollbackFailedJobs may
+  // then restore a failed one. The epoch of a job that fails over goes up
+  // by exactly one. Returns the number of shards the tables marked DOWN.
+  // Called by the planning thread (woken by the lease thread).
+  int SweepExpiredLeases(absl::Time now) ABSL_LOCKS_EXCLUDED(mu_, commit_mu_);
 
   // Removes the shards that have been DOWN longer than
   // options.down_shard_grace at `now`; returns how many. Called by the
@@ -160,7 +201,8 @@ class Coordinator {
   // (PlacementGenerationLocked); else planned again (kOffLockPlacements
   // times, then under the lock): the result is the same as planning at
   // commit time.
-  absl::StatusOr<v1::CreateJobResponse> CreateJob(const v1::CreateJobRequest& req);
+  absl::StatusOr<v1::CreateJobResponse> CreateJob(const v1::CreateJobRequest& req,
+                                                  const Abandoned& abandoned = nullptr);
 
   // Records `rank` as joined (idempotent; a rank that left may join again).
   // NOT_FOUND for an unknown job; INVALID_ARGUMENT when world_size differs
@@ -245,6 +287,11 @@ class Coordinator {
   // Wakes every WaitForShardMap, which then returns UNAVAILABLE.
   void BeginShutdown();
 
+  // Runs `f` holding the tables' locks as planning does (commit_mu_, then
+  // mu_), for tests that show what does not wait for planning.
+  void RunWithTablesLockedForTest(const std::function<void()>& f)
+      ABSL_LOCKS_EXCLUDED(mu_, commit_mu_);
+
   // How big the tables are, for tests that check they do not grow.
   struct TableSizes {
     size_t shards = 0;
@@ -267,6 +314,9 @@ class Coordinator {
   struct Counters {
     uint64_t jobs_deleted = 0;      // By DeleteJob or replaced by a restore.
     uint64_t shards_forgotten = 0;  // By ForgetShard or the grace period.
+    // Heartbeats answered from the lease table while planning held the
+    // tables (lease renewed, report left for the next heartbeat).
+    uint64_t heartbeats_deferred = 0;
     std::array<uint64_t, kNumJobRefusals> jobs_refused{};  // By JobRefusal.
     // CreateJob/restore placements planned off the lock and found stale
     // (shards or jobs changed meanwhile), and jobs then placed under it.
@@ -281,10 +331,15 @@ class Coordinator {
 
  private:
   // ---- Durable state (coordinator.cc) ----
-  // Serializes the durable state (every shard, every job not being deleted)
-  // and queues it for the writer; returns its sequence number, 0 when the
-  // state is not kept. Never waits for I/O.
+  // Marks the durable state changed for the writer, which serializes it
+  // (PullState) when it next writes: one write covers every change marked
+  // before it (group commit). Returns the change's sequence number, 0 when
+  // the state is not kept. O(1): never serializes, never waits for I/O.
   absl::StatusOr<uint64_t> SnapshotLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The durable state (every shard, every job not being deleted),
+  // serialized under mu_, with the newest change sequence number it holds.
+  // Called by the writer's thread.
+  absl::StatusOr<StateWriter::Pulled> PullState() ABSL_LOCKS_EXCLUDED(mu_);
   // Waits until snapshot `seq` is durable. Call with no lock but
   // commit_mu_ held; "saving coordinator state: ..." on failure.
   absl::Status WaitDurable(const absl::StatusOr<uint64_t>& seq) ABSL_LOCKS_EXCLUDED(mu_);
@@ -298,16 +353,45 @@ class Coordinator {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Drops what jobs keep per shard for a shard that left the tables.
   void DropShardFromJobsLocked(uint64_t shard_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Heartbeat's work on the tables, after its lease was renewed.
+  void HeartbeatLocked(const v1::HeartbeatRequest& req, v1::HeartbeatResponse* resp)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Returns true when the job turned READY.
   bool MaybeMarkReadyLocked(JobRecord& job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Every shard holding chunks of `job` reported its current epoch loaded.
-  static bool AllHoldersAtCurrentEpoch(const JobRecord& job);
-  // Records a shard's backups of `job` as in sync when its report says so.
+  // Records a shard's backups of `job` as in sync when its report says so
+  // (once per shard and epoch).
   static void MarkSeeded(JobRecord& job, uint64_t shard_id, const v1::ShardJobProgress& p);
+  // The tables' part of a sweep: marks DOWN in the registry the shards the
+  // lease table marked DOWN since the last call, then (when it marked one,
+  // or `check_jobs` says so) fails over or fails every live job holding
+  // chunks on a DOWN shard, in the same step, so that the tables never
+  // show a shard DOWN whose chunks still count. Returns how many it marked.
+  // Needs commit_mu_: its save must not carry a change that is still
+  // waiting to be durable and may be undone.
+  int TakeDownShardsLocked(absl::Time now, bool check_jobs = false)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(commit_mu_, mu_);
+  // Takes mu_ for a heartbeat (true), or gives up (false, not held) when
+  // planning holds it or it stays taken for more than a moment. Never
+  // sleeps: heartbeats run on gRPC's few callback threads.
+  bool LockTablesForHeartbeat() ABSL_EXCLUSIVE_TRYLOCK_FUNCTION(true, mu_)
+      ABSL_NO_THREAD_SAFETY_ANALYSIS;  // Its body: a TryLock loop.
+  // Marks mu_ as held by planning (which may take long) for its scope;
+  // take it right after mu_.
+  class Planning {
+   public:
+    explicit Planning(std::atomic<int>* n) : n_(n) { n_->fetch_add(1); }
+    ~Planning() { n_->fetch_sub(1); }
+    Planning(const Planning&) = delete;
+    Planning& operator=(const Planning&) = delete;
+
+   private:
+    std::atomic<int>* const n_;
+  };
 
   // ---- Jobs (coordinator_jobs.cc) ----
   absl::StatusOr<v1::CreateJobResponse> CreateJobInternal(const v1::CreateJobRequest& req,
-                                                          const v1::RestoreSource* restore);
+                                                          const v1::RestoreSource* restore,
+                                                          const Abandoned& abandoned = nullptr);
   // Removes a job whose deletion is durable, and everything kept for it.
   void FinishDeleteLocked(uint64_t job_id, const char* why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
@@ -358,6 +442,12 @@ class Coordinator {
   ShardRegistry shards_ ABSL_GUARDED_BY(mu_);
   JobTable jobs_ ABSL_GUARDED_BY(mu_);
   Counters counters_ ABSL_GUARDED_BY(mu_);
+  // Thread-safe on its own, with a lock taken after mu_.
+  LeaseTable leases_;
+  std::atomic<uint64_t> heartbeats_deferred_{0};
+  // Holders of mu_ that are planning (Planning scopes): a heartbeat that
+  // finds mu_ taken by one does not wait for it.
+  std::atomic<int> planning_{0};
 };
 
 }  // namespace optimus

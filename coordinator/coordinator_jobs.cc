@@ -42,12 +42,14 @@ const char* JobStateName(v1::JobState s) {
 }
 }  // namespace
 
-absl::StatusOr<v1::CreateJobResponse> Coordinator::CreateJob(const v1::CreateJobRequest& req) {
-  return CreateJobInternal(req, nullptr);
+absl::StatusOr<v1::CreateJobResponse> Coordinator::CreateJob(const v1::CreateJobRequest& req,
+                                                             const Abandoned& abandoned) {
+  return CreateJobInternal(req, nullptr, abandoned);
 }
 
 absl::StatusOr<v1::CreateJobResponse> Coordinator::CreateJobInternal(
-    const v1::CreateJobRequest& req, const v1::RestoreSource* restore) {
+    const v1::CreateJobRequest& req, const v1::RestoreSource* restore,
+    const Abandoned& abandoned) {
   v1::JobSpec spec = req.spec();
   absl::StatusOr<CheckedSpec> checked = CheckAndFillSpec(spec, options_.job_limits);
   if (!checked.ok()) {
@@ -123,6 +125,12 @@ absl::StatusOr<v1::CreateJobResponse> Coordinator::CreateJobInternal(
   std::shared_ptr<const MapSnapshot> snap;
   {
     absl::MutexLock lock(&mu_);
+    if (abandoned && abandoned()) {
+      return absl::CancelledError(absl::StrCat("job \"", spec.name(),
+                                               "\" not created: the caller gave up first"));
+    }
+    Planning planning(&planning_);
+    TakeDownShardsLocked(Now());  // No chunk goes to a shard whose lease expired.
     JobRecord* holder = jobs_.FindByName(spec.name());
     const bool takes_over =
         holder != nullptr && restore != nullptr && holder->state == v1::JOB_STATE_FAILED;

@@ -83,6 +83,7 @@ void Coordinator::CommitMapChangeLocked(JobRecord& job) {
   }
   for (const auto& [shard_id, load] : job.load) job.departed.erase(shard_id);
   SetEndpointsLocked(job);
+  jobs_.IndexHolders(job);  // New holders get the job from their heartbeats.
   job.backup_seeded.resize(job.map.chunks_size(), false);
   // Reports of shards that no longer hold chunks of the job would keep
   // counting in its step and readiness.
@@ -139,6 +140,7 @@ int Coordinator::TickReplication(absl::Time now) {
   (void)now;  // Decisions depend on reports and states, not on time.
   absl::MutexLock commit(&commit_mu_);
   absl::MutexLock lock(&mu_);
+  Planning planning(&planning_);
   const ShardHealthMap health = shards_.Health();
   std::vector<ShardInfo> candidates = PlacementCandidatesLocked();
   int changed_jobs = 0;

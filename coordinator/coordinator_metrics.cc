@@ -74,6 +74,14 @@ std::string RenderCoordinatorMetrics(const CoordinatorMetricsInput& in) {
   m.Counter("optimus_coord_shards_forgotten_total",
             "DOWN shards removed from the tables (optimusctl shard forget, or the grace period).",
             in.shards_forgotten);
+  m.Counter("optimus_coord_calls_dropped_total",
+            "Calls answered CANCELLED without being served: their client had cancelled or "
+            "passed its deadline (the coordinator was overloaded or planning).",
+            in.calls_dropped);
+  m.Counter("optimus_coord_heartbeats_deferred_total",
+            "Heartbeats that renewed their lease but found the tables held by planning: "
+            "answered with the shard's last reply, their report taken at the next heartbeat.",
+            in.heartbeats_deferred);
   const char* kRefusedHelp =
       "CreateJob / restore refused with RESOURCE_EXHAUSTED, by the limit it hit (quota: "
       "--max_chunks_per_job, --max_tensors_per_job, --max_job_bytes; map_size: the gRPC "

@@ -25,6 +25,11 @@ struct CoordinatorMetricsInput {
   uint64_t jobs_refused_quota = 0;
   uint64_t jobs_refused_map_size = 0;
   uint64_t jobs_refused_capacity = 0;
+  // Calls dropped because their client had given up before they were
+  // served; heartbeats answered from the lease table while planning held
+  // the tables.
+  uint64_t calls_dropped = 0;
+  uint64_t heartbeats_deferred = 0;
 };
 
 std::string RenderCoordinatorMetrics(const CoordinatorMetricsInput& in);

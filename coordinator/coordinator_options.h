@@ -31,9 +31,21 @@ struct CoordinatorOptions {
   // Shorter detects failures sooner but costs more
   // heartbeats (shards are told to beat every lease/3). Default 2 s.
   absl::Duration lease = absl::Seconds(2);
-  // How often the sweeper checks leases; a dead shard is noticed within
-  // lease + sweep_interval. Default 200 ms.
+  // How often the lease thread checks leases; a dead shard is noticed
+  // within lease + sweep_interval, whatever planning holds the tables (its
+  // chunks fail over as soon as they are free). Also how often the
+  // planning thread moves chunks (drain, replication), runs checkpoint
+  // policies and forgets long-DOWN shards. Default 200 ms.
   absl::Duration sweep_interval = absl::Milliseconds(200);
+  // Most threads the gRPC server runs calls on (a grpc::ResourceQuota):
+  // a call that finds them all busy is refused at once with
+  // RESOURCE_EXHAUSTED ("Server Threadpool Exhausted"; clients retry)
+  // rather than start one more thread. Heartbeats do not need one (they
+  // are served on gRPC's callback API); map watches (WatchShardMap, one
+  // thread each for their whole life) may take half of them, beyond which
+  // a watch is refused, so that they cannot starve other calls.
+  // Default 256; at least 4.
+  int max_rpc_threads = 256;
   // A shard DOWN for longer than this leaves the coordinator's tables (and
   // status) on its own; `optimusctl shard forget` removes one at once. A
   // shard that comes back after that registers anew under a new id, as it

@@ -3,6 +3,7 @@
 // coordinator_core.h.
 #include <algorithm>
 #include <set>
+#include <thread>
 #include <utility>
 
 #include "absl/status/status.h"
@@ -24,7 +25,7 @@ const char* KindName(v1::ShardKind k) {
 }  // namespace
 
 absl::StatusOr<v1::RegisterShardResponse> Coordinator::RegisterShard(
-    const v1::RegisterShardRequest& req, const std::string& identity) {
+    const v1::RegisterShardRequest& req, const std::string& identity, const Abandoned& abandoned) {
   const v1::ShardCapabilities& caps = req.capabilities();
   if (caps.kind() != v1::SHARD_KIND_DPU && caps.kind() != v1::SHARD_KIND_HOST) {
     return absl::InvalidArgumentError("shard capabilities: kind must be DPU or HOST");
@@ -36,18 +37,28 @@ absl::StatusOr<v1::RegisterShardResponse> Coordinator::RegisterShard(
     return absl::InvalidArgumentError(
         "shard capabilities: data_address (the UCX worker address) is empty");
   }
-  absl::MutexLock commit(&commit_mu_);
+  // Shared: registrations wait to be durable together, and one write of
+  // the state covers every one made before it (the writer skips to the
+  // newest snapshot). Changes that undo themselves otherwise than by
+  // dropping what they added hold commit_mu_ alone.
+  absl::ReaderMutexLock commit(&commit_mu_);
   uint64_t id;
   absl::StatusOr<uint64_t> seq;
   {
     absl::MutexLock lock(&mu_);
-    id = shards_.Register(caps, Now()).id;
+    // Its id would be used up and the state written for nobody.
+    if (abandoned && abandoned()) {
+      return absl::CancelledError("shard not registered: the caller gave up first");
+    }
+    id = shards_.Register(caps).id;
     shards_.Find(id)->identity = identity;
+    leases_.AddLive(id, Now(), caps.hostname(), identity);
     seq = SnapshotLocked();
   }
   if (absl::Status s = WaitDurable(seq); !s.ok()) {
     absl::MutexLock lock(&mu_);
     shards_.Unregister(id);
+    leases_.Remove(id);
     SaveLaterLocked();
     return s;
   }
@@ -62,14 +73,45 @@ absl::StatusOr<v1::RegisterShardResponse> Coordinator::RegisterShard(
   return resp;
 }
 
+bool Coordinator::LockTablesForHeartbeat() {
+  if (mu_.TryLock()) return true;
+  // Other heartbeats or a read hold the tables for microseconds; planning
+  // may hold them for seconds. Spin (yielding to the holder) for a moment
+  // unless it is planning, then give up: a callback thread that slept or
+  // queued here would hold up every heartbeat behind it.
+  const absl::Time give_up = absl::Now() + absl::Milliseconds(1);
+  do {
+    if (planning_.load(std::memory_order_relaxed) > 0) return false;
+    std::this_thread::yield();
+    if (mu_.TryLock()) return true;
+  } while (absl::Now() < give_up);
+  return false;
+}
+
 v1::HeartbeatResponse Coordinator::Heartbeat(const v1::HeartbeatRequest& req) {
   v1::HeartbeatResponse resp;
-  absl::MutexLock lock(&mu_);
-  ShardRecord* shard =
-      shards_.Renew(req.shard_id(), Now(), req.memory_used_bytes(), req.chunks_owned());
-  if (shard == nullptr) {
+  // The lease first, under the lease table's lock alone: a shard that
+  // beats is alive, whatever the tables are busy with.
+  if (leases_.Renew(req.shard_id(), Now()) != LeaseTable::Renewal::kRenewed) {
     resp.set_known(false);
     return resp;
+  }
+  if (!LockTablesForHeartbeat()) {
+    heartbeats_deferred_.fetch_add(1, std::memory_order_relaxed);
+    return leases_.LastReply(req.shard_id());
+  }
+  HeartbeatLocked(req, &resp);
+  mu_.Unlock();
+  return resp;
+}
+
+void Coordinator::HeartbeatLocked(const v1::HeartbeatRequest& req, v1::HeartbeatResponse* out) {
+  v1::HeartbeatResponse& resp = *out;
+  ShardRecord* shard =
+      shards_.Report(req.shard_id(), req.memory_used_bytes(), req.chunks_owned());
+  if (shard == nullptr || leases_.IsDown(req.shard_id())) {
+    resp.set_known(false);
+    return;
   }
   shard->transports = req.transports();
   const uint64_t shard_id = shard->id;
@@ -89,7 +131,7 @@ v1::HeartbeatResponse Coordinator::Heartbeat(const v1::HeartbeatRequest& req) {
       if (p.map_epoch() >= job->map.epoch()) job->departed.erase(shard_id);
       continue;
     }
-    job->progress[shard_id] = p;
+    RecordProgress(*job, shard_id, p);
     MarkSeeded(*job, shard_id, p);
     became_ready |= MaybeMarkReadyLocked(*job);
   }
@@ -98,15 +140,25 @@ v1::HeartbeatResponse Coordinator::Heartbeat(const v1::HeartbeatRequest& req) {
   if (became_ready) SaveLaterLocked();
   resp.set_known(true);
   for (uint64_t id : released) resp.add_released_jobs(id);
-  for (const auto& [job_id, job] : jobs_.all()) {
-    if (job.state == v1::JOB_STATE_FAILED) continue;
-    if (job.load.count(shard_id) == 0 &&
-        (job.departed.count(shard_id) == 0 || !AllHoldersAtCurrentEpoch(job))) {
-      continue;
+  // The jobs this shard holds chunks of or departed from, from the index
+  // (not a walk over every job); entries it no longer has to do with go.
+  if (const std::set<uint64_t>* mine = jobs_.JobsOf(shard_id); mine != nullptr) {
+    std::vector<uint64_t> stale;
+    for (uint64_t job_id : *mine) {
+      JobRecord* job = jobs_.Find(job_id);
+      const bool holds = job != nullptr && job->load.count(shard_id) != 0;
+      const bool departed = job != nullptr && job->departed.count(shard_id) != 0;
+      if (!holds && !departed) {
+        stale.push_back(job_id);
+        continue;
+      }
+      if (job->state == v1::JOB_STATE_FAILED) continue;
+      if (!holds && !AllHoldersAtEpoch(*job)) continue;
+      v1::Assignment* a = resp.add_assignments();
+      a->set_job_id(job_id);
+      a->set_map_epoch(job->map.epoch());
     }
-    v1::Assignment* a = resp.add_assignments();
-    a->set_job_id(job_id);
-    a->set_map_epoch(job.map.epoch());
+    for (uint64_t job_id : stale) jobs_.Unindex(shard_id, job_id);
   }
   std::map<uint64_t, CheckpointJobView> views;  // Of the jobs the reports name.
   for (const v1::ShardCheckpointReport& r : req.checkpoints()) {
@@ -118,15 +170,7 @@ v1::HeartbeatResponse Coordinator::Heartbeat(const v1::HeartbeatRequest& req) {
   for (v1::CheckpointOrder& o : checkpoints_.OnHeartbeat(shard_id, req.checkpoints(), views)) {
     *resp.add_checkpoints() = std::move(o);
   }
-  return resp;
-}
-
-bool Coordinator::AllHoldersAtCurrentEpoch(const JobRecord& job) {
-  for (const auto& [shard_id, load] : job.load) {
-    auto p = job.progress.find(shard_id);
-    if (p == job.progress.end() || p->second.map_epoch() < job.map.epoch()) return false;
-  }
-  return true;
+  leases_.SetLastReply(shard_id, resp);
 }
 
 void Coordinator::MarkSeeded(JobRecord& job, uint64_t shard_id, const v1::ShardJobProgress& p) {
@@ -135,27 +179,23 @@ void Coordinator::MarkSeeded(JobRecord& job, uint64_t shard_id, const v1::ShardJ
   // not per chunk, so the flags are set only once all of them are seeded
   // (a backup seeded once stays in step: the primary publishes a step only
   // after the backup acknowledged it). They are cleared when a chunk's
-  // backup changes (the planners do).
+  // backup changes (the planners do), which comes with a new epoch: so
+  // a shard's flags are set once per epoch, over its own backups only.
   if (p.map_epoch() != job.map.epoch() || p.backup_chunks() == 0 ||
       p.backups_seeded() != p.backup_chunks()) {
     return;
   }
   auto load = job.load.find(shard_id);
   if (load == job.load.end() || load->second.backup_chunks != p.backup_chunks()) return;
-  for (int i = 0; i < job.map.chunks_size(); ++i) {
-    if (job.map.chunks(i).backup_shard_id() == shard_id) job.backup_seeded[i] = true;
-  }
+  JobRecord::HolderCounts& c = CountsAtEpoch(job);
+  if (!c.seeded.insert(shard_id).second) return;
+  auto mine = c.backups_of.find(shard_id);
+  if (mine == c.backups_of.end()) return;
+  for (int i : mine->second) job.backup_seeded[i] = true;
 }
 
 bool Coordinator::MaybeMarkReadyLocked(JobRecord& job) {
-  if (job.state != v1::JOB_STATE_PENDING) return false;
-  for (const auto& [shard_id, load] : job.load) {
-    auto p = job.progress.find(shard_id);
-    if (p == job.progress.end() || p->second.map_epoch() != job.map.epoch() ||
-        p->second.chunks_loaded() != load.num_chunks) {
-      return false;
-    }
-  }
+  if (job.state != v1::JOB_STATE_PENDING || !AllHoldersLoaded(job)) return false;
   job.state = v1::JOB_STATE_READY;
   OPTIMUS_LOG(Info, kLog, "job ready id=", job.id, " name=", job.spec.name(),
               " epoch=", job.map.epoch(), " shards=", job.load.size());
@@ -171,27 +211,37 @@ void Coordinator::OnShardsDownLocked(const std::vector<uint64_t>& shard_ids) {
 
 void Coordinator::DropShardFromJobsLocked(uint64_t shard_id) {
   for (auto& [job_id, job] : jobs_.all()) {
-    job.progress.erase(shard_id);
+    DropProgress(job, shard_id);
     job.departed.erase(shard_id);
   }
+  jobs_.UnindexShard(shard_id);
 }
 
-int Coordinator::SweepExpiredLeases(absl::Time now) {
-  absl::MutexLock commit(&commit_mu_);
-  absl::MutexLock lock(&mu_);
-  // Every shard lost in this sweep is DOWN before any job is looked at: a
-  // backup on a shard lost at the same time cannot be promoted. Jobs are
-  // checked on every sweep, not only when a shard was just lost: a state
-  // saved before a failover could be applied names DOWN shards too.
-  const int marked_down = shards_.SweepExpired(now);
-  const bool jobs_changed = FailoverJobsLocked();
-  if (marked_down > 0 || jobs_changed) {
+int Coordinator::SweepLeases(absl::Time now) { return leases_.SweepExpired(now); }
+
+int Coordinator::TakeDownShardsLocked(absl::Time now, bool check_jobs) {
+  const std::vector<uint64_t> down = leases_.TakeDown();
+  // Every shard lost since the last call is DOWN before any job is looked
+  // at: a backup on a shard lost at the same time cannot be promoted.
+  const int marked = down.empty() ? 0 : shards_.MarkDown(down, now);
+  const bool jobs_changed = (marked > 0 || check_jobs) && FailoverJobsLocked();
+  if (marked > 0 || jobs_changed) {
     // A restarted coordinator gives every shard a fresh lease and marks the
     // dead ones down again, so nobody waits for this save.
     SaveLaterLocked();
     map_changed_.SignalAll();
   }
-  return marked_down;
+  return marked;
+}
+
+int Coordinator::SweepExpiredLeases(absl::Time now) {
+  SweepLeases(now);
+  absl::MutexLock commit(&commit_mu_);
+  absl::MutexLock lock(&mu_);
+  Planning planning(&planning_);
+  // Jobs are checked on every sweep, not only when a shard was just lost:
+  // a state saved before a failover could be applied names DOWN shards too.
+  return TakeDownShardsLocked(now, /*check_jobs=*/true);
 }
 
 int Coordinator::ForgetLongDownShards(absl::Time now) {
@@ -202,6 +252,7 @@ int Coordinator::ForgetLongDownShards(absl::Time now) {
       shards_.ForgetDownLongerThan(options_.down_shard_grace, now);
   for (const ShardRecord& shard : gone) {
     DropShardFromJobsLocked(shard.id);
+    leases_.Remove(shard.id);
     ++counters_.shards_forgotten;
     OPTIMUS_LOG(Info, kLog, "shard forgotten id=", shard.id,
                 " host=", shard.capabilities.hostname(), ": DOWN for ",
@@ -220,6 +271,8 @@ absl::StatusOr<v1::ForgetShardResponse> Coordinator::ForgetShard(
   absl::StatusOr<uint64_t> seq;
   {
     absl::MutexLock lock(&mu_);
+    // A shard whose lease expired is DOWN, even before the next sweep.
+    TakeDownShardsLocked(Now());
     const ShardRecord* shard = shards_.Find(req.shard_id());
     if (shard != nullptr) *resp.mutable_shard() = ShardStatusLocked(*shard, PlannedLoadLocked(), Now());
     absl::StatusOr<ShardRecord> forgotten = shards_.Forget(req.shard_id());
@@ -235,6 +288,7 @@ absl::StatusOr<v1::ForgetShardResponse> Coordinator::ForgetShard(
   }
   absl::MutexLock lock(&mu_);
   DropShardFromJobsLocked(record.id);
+  leases_.Remove(record.id);
   ++counters_.shards_forgotten;
   OPTIMUS_LOG(Info, kLog, "shard forgotten id=", record.id,
               " host=", record.capabilities.hostname(), " (by request)");
@@ -248,6 +302,7 @@ absl::StatusOr<v1::DrainShardResponse> Coordinator::DrainShard(const v1::DrainSh
   uint32_t chunks_held = 0, backups_held = 0;
   {
     absl::MutexLock lock(&mu_);
+    TakeDownShardsLocked(Now());  // Not a shard whose lease expired.
     ShardRecord* shard = shards_.Find(req.shard_id());
     if (shard == nullptr) {
       return absl::NotFoundError(absl::StrCat("no shard with id ", req.shard_id()));
@@ -270,6 +325,7 @@ absl::StatusOr<v1::DrainShardResponse> Coordinator::DrainShard(const v1::DrainSh
     }
     // Checked with the placement rule over what is planned now, so that the
     // drain does not start what it cannot finish.
+    Planning planning(&planning_);
     std::vector<ShardInfo> candidates = PlacementCandidatesLocked();
     candidates.erase(std::remove_if(candidates.begin(), candidates.end(),
                                     [&](const ShardInfo& s) { return s.id == shard->id; }),
@@ -317,10 +373,10 @@ absl::StatusOr<v1::DrainShardResponse> Coordinator::DrainShard(const v1::DrainSh
 namespace optimus {
 
 bool Coordinator::ShardIdentityMatches(uint64_t shard_id, const std::string& identity) {
-  absl::MutexLock lock(&mu_);
-  const ShardRecord* shard = shards_.Find(shard_id);
-  // An unknown id is told so by Heartbeat (known=false): it registers again.
-  return shard == nullptr || shard->identity == identity;
+  // From the lease table, so that a heartbeat's check does not wait for
+  // the tables either. An unknown id is told so by Heartbeat (known=false):
+  // it registers again.
+  return leases_.IdentityMatches(shard_id, identity);
 }
 
 }  // namespace optimus

@@ -1,6 +1,7 @@
 // Coordinator: the status of every shard and job, as `optimusctl status`
 // and /metrics show it. See coordinator_core.h.
 #include <algorithm>
+#include <optional>
 #include <set>
 
 #include "absl/strings/numbers.h"
@@ -57,8 +58,9 @@ v1::ShardStatus Coordinator::ShardStatusLocked(const ShardRecord& shard,
     s.set_backup_chunks(p->second.backup_chunks);
   }
   s.set_transports(shard.transports);
-  s.set_lease_age_ms(static_cast<uint64_t>(
-      std::max<int64_t>(0, absl::ToInt64Milliseconds(now - shard.last_heartbeat))));
+  const std::optional<absl::Time> renewed = leases_.LastRenewal(shard.id);
+  s.set_lease_age_ms(static_cast<uint64_t>(std::max<int64_t>(
+      0, renewed.has_value() ? absl::ToInt64Milliseconds(now - *renewed) : 0)));
   return s;
 }
 

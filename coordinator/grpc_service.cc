@@ -1,5 +1,10 @@
 #include "coordinator/grpc_service.h"
 
+#include <sys/resource.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <chrono>
 #include <optional>
 #include <utility>
 
@@ -43,7 +48,28 @@ grpc::Status CoordinatorService::Refuse(const Caller& c, absl::string_view rpc,
                                          Who(c)));
 }
 
-Caller CoordinatorService::Identify(grpc::ServerContext* ctx) const {
+void CoordinatorService::RunBelowHeartbeats() {
+  // Once per thread; only gRPC's synchronous threads come here (heartbeats
+  // run on its callback threads, which keep the default priority).
+  thread_local bool lowered = false;
+  if (lowered) return;
+  lowered = true;
+  // Raising one's niceness needs no privilege; failing leaves it as is.
+  setpriority(PRIO_PROCESS, static_cast<id_t>(syscall(SYS_gettid)), kSyncCallNice);
+}
+
+bool CoordinatorService::Abandoned(const grpc::ServerContextBase& ctx) {
+  return ctx.IsCancelled() || ctx.deadline() < std::chrono::system_clock::now();
+}
+
+grpc::Status CoordinatorService::Dropped(absl::string_view rpc) {
+  dropped_.fetch_add(1);
+  errors_[static_cast<int>(absl::StatusCode::kCancelled)].fetch_add(1);
+  return grpc::Status(grpc::StatusCode::CANCELLED,
+                      absl::StrCat(rpc, " dropped: the caller gave up before it was served"));
+}
+
+Caller CoordinatorService::Identify(grpc::ServerContextBase* ctx) const {
   Caller c = security::IdentifyCaller(*ctx, plaintext_);
   c.peer = ctx->peer();
   return c;
@@ -84,40 +110,66 @@ grpc::Status CoordinatorService::Reply(absl::StatusOr<T> result, T* resp) {
 grpc::Status CoordinatorService::RegisterShard(grpc::ServerContext* ctx,
                                                const v1::RegisterShardRequest* req,
                                                v1::RegisterShardResponse* resp) {
+  RunBelowHeartbeats();
+  if (Abandoned(*ctx)) return Dropped("RegisterShard");
   const Caller c = Identify(ctx);
   if (c.role != Role::kShard && !plaintext_) return Refuse(c, "RegisterShard", kNeedsShard);
-  return Reply(core_->RegisterShard(*req, plaintext_ ? std::string() : c.identity), resp);
+  // Checked again once the tables are free: a registration waits for
+  // other changes to be durable first.
+  grpc::Status s = Reply(core_->RegisterShard(*req, plaintext_ ? std::string() : c.identity,
+                                              [ctx] { return Abandoned(*ctx); }),
+                         resp);
+  if (s.error_code() == grpc::StatusCode::CANCELLED) dropped_.fetch_add(1);
+  return s;
 }
 
-grpc::Status CoordinatorService::Heartbeat(grpc::ServerContext* ctx,
-                                           const v1::HeartbeatRequest* req,
-                                           v1::HeartbeatResponse* resp) {
+grpc::ServerUnaryReactor* CoordinatorService::Heartbeat(grpc::CallbackServerContext* ctx,
+                                                        const v1::HeartbeatRequest* req,
+                                                        v1::HeartbeatResponse* resp) {
+  // Served on the callback thread itself: the core's Heartbeat waits at
+  // most a few milliseconds for the tables, then answers from the lease
+  // table.
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  reactor->Finish(HeartbeatCall(ctx, *req, resp));
+  return reactor;
+}
+
+grpc::Status CoordinatorService::HeartbeatCall(grpc::ServerContextBase* ctx,
+                                               const v1::HeartbeatRequest& req,
+                                               v1::HeartbeatResponse* resp) {
+  if (Abandoned(*ctx)) return Dropped("Heartbeat");
   if (!plaintext_) {
     const Caller c = Identify(ctx);
     if (c.role != Role::kShard) return Refuse(c, "Heartbeat", kNeedsShard);
-    if (!core_->ShardIdentityMatches(req->shard_id(), c.identity)) {
+    if (!core_->ShardIdentityMatches(req.shard_id(), c.identity)) {
       return Refuse(c, "Heartbeat",
-                    absl::StrCat("the certificate that registered shard ", req->shard_id()));
+                    absl::StrCat("the certificate that registered shard ", req.shard_id()));
     }
   }
-  *resp = core_->Heartbeat(*req);
+  *resp = core_->Heartbeat(req);
   return grpc::Status::OK;
 }
 
 grpc::Status CoordinatorService::CreateJob(grpc::ServerContext* ctx,
                                            const v1::CreateJobRequest* req,
                                            v1::CreateJobResponse* resp) {
+  RunBelowHeartbeats();
+  if (Abandoned(*ctx)) return Dropped("CreateJob");
   const Caller c = Identify(ctx);
   if (c.role != Role::kAdmin && c.role != Role::kTrainer) {
     return Refuse(c, "CreateJob",
                   "the admin or trainer role (a client certificate \"trainer:<who>\")");
   }
-  return Reply(core_->CreateJob(*req), resp);
+  grpc::Status s = Reply(core_->CreateJob(*req, [ctx] { return Abandoned(*ctx); }), resp);
+  if (s.error_code() == grpc::StatusCode::CANCELLED) dropped_.fetch_add(1);
+  return s;
 }
 
 grpc::Status CoordinatorService::JoinJob(grpc::ServerContext* ctx,
                                          const v1::JoinJobRequest* req,
                                          v1::JoinJobResponse* resp) {
+  RunBelowHeartbeats();
+  if (Abandoned(*ctx)) return Dropped("JoinJob");
   const Caller c = Identify(ctx);
   // A job not created yet is NOT_FOUND to a caller with a token: its ranks
   // wait for rank 0 to create it.
@@ -130,6 +182,8 @@ grpc::Status CoordinatorService::JoinJob(grpc::ServerContext* ctx,
 grpc::Status CoordinatorService::LeaveJob(grpc::ServerContext* ctx,
                                           const v1::LeaveJobRequest* req,
                                           v1::LeaveJobResponse* resp) {
+  RunBelowHeartbeats();
+  if (Abandoned(*ctx)) return Dropped("LeaveJob");
   const Caller c = Identify(ctx);
   if (!MayUseJobNamed(c, req->job_name(), false)) return Refuse(c, "LeaveJob", kNeedsJob);
   return Reply(core_->LeaveJob(*req), resp);
@@ -138,6 +192,8 @@ grpc::Status CoordinatorService::LeaveJob(grpc::ServerContext* ctx,
 grpc::Status CoordinatorService::DeleteJob(grpc::ServerContext* ctx,
                                            const v1::DeleteJobRequest* req,
                                            v1::DeleteJobResponse* resp) {
+  RunBelowHeartbeats();
+  if (Abandoned(*ctx)) return Dropped("DeleteJob");
   const Caller c = Identify(ctx);
   if (c.role != Role::kAdmin) return Refuse(c, "DeleteJob", kNeedsAdmin);
   return Reply(core_->DeleteJob(*req), resp);
@@ -146,6 +202,8 @@ grpc::Status CoordinatorService::DeleteJob(grpc::ServerContext* ctx,
 grpc::Status CoordinatorService::GetJob(grpc::ServerContext* ctx,
                                         const v1::GetJobRequest* req,
                                         v1::GetJobResponse* resp) {
+  RunBelowHeartbeats();
+  if (Abandoned(*ctx)) return Dropped("GetJob");
   const Caller c = Identify(ctx);
   if (req->for_shard_id() != 0) {
     // One shard's part of the map: asked by that shard (its certificate),
@@ -167,6 +225,8 @@ grpc::Status CoordinatorService::GetJob(grpc::ServerContext* ctx,
 grpc::Status CoordinatorService::GetShardMap(grpc::ServerContext* ctx,
                                              const v1::GetShardMapRequest* req,
                                              v1::ShardMap* resp) {
+  RunBelowHeartbeats();
+  if (Abandoned(*ctx)) return Dropped("GetShardMap");
   const Caller c = Identify(ctx);
   if (!MayReadJob(c, req->job_id())) return Refuse(c, "GetShardMap", kNeedsJob);
   return Reply(core_->GetShardMap(req->job_id()), resp);
@@ -175,8 +235,24 @@ grpc::Status CoordinatorService::GetShardMap(grpc::ServerContext* ctx,
 grpc::Status CoordinatorService::WatchShardMap(grpc::ServerContext* ctx,
                                                const v1::WatchShardMapRequest* req,
                                                grpc::ServerWriter<v1::ShardMap>* writer) {
+  RunBelowHeartbeats();
+  if (Abandoned(*ctx)) return Dropped("WatchShardMap");
   const Caller c = Identify(ctx);
   if (!MayReadJob(c, req->job_id())) return Refuse(c, "WatchShardMap", kNeedsJob);
+  // Each watch holds a server thread while it lasts; past the limit the
+  // threads left are for every other call.
+  if (watchers_.fetch_add(1) >= max_watchers_) {
+    watchers_.fetch_sub(1);
+    errors_[static_cast<int>(absl::StatusCode::kResourceExhausted)].fetch_add(1);
+    return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                        absl::StrCat("the coordinator serves at most ", max_watchers_,
+                                     " map watches at a time (half of --max_rpc_threads); "
+                                     "retry later or poll GetShardMap"));
+  }
+  struct Release {
+    std::atomic<int>* n;
+    ~Release() { n->fetch_sub(1); }
+  } release{&watchers_};
   // The sync API has no cancellation callback: wait in short slices and
   // poll IsCancelled() between them.
   constexpr absl::Duration kPollInterval = absl::Milliseconds(100);
@@ -194,6 +270,8 @@ grpc::Status CoordinatorService::WatchShardMap(grpc::ServerContext* ctx,
 
 grpc::Status CoordinatorService::Status(grpc::ServerContext* ctx, const v1::StatusRequest* req,
                                         v1::StatusResponse* resp) {
+  RunBelowHeartbeats();
+  if (Abandoned(*ctx)) return Dropped("Status");
   const Caller c = Identify(ctx);
   const bool everything = c.role == Role::kAdmin || c.role == Role::kShard;
   if (!everything && c.token.empty()) return Refuse(c, "Status", kNeedsJob);
@@ -215,6 +293,8 @@ grpc::Status CoordinatorService::Status(grpc::ServerContext* ctx, const v1::Stat
 grpc::Status CoordinatorService::CreateCheckpoint(grpc::ServerContext* ctx,
                                                   const v1::CreateCheckpointRequest* req,
                                                   v1::CreateCheckpointResponse* resp) {
+  RunBelowHeartbeats();
+  if (Abandoned(*ctx)) return Dropped("CreateCheckpoint");
   const Caller c = Identify(ctx);
   if (!MayUseJobNamed(c, req->job_name(), false)) return Refuse(c, "CreateCheckpoint", kNeedsJob);
   return Reply(core_->CreateCheckpoint(*req), resp);
@@ -223,6 +303,8 @@ grpc::Status CoordinatorService::CreateCheckpoint(grpc::ServerContext* ctx,
 grpc::Status CoordinatorService::ListCheckpoints(grpc::ServerContext* ctx,
                                                  const v1::ListCheckpointsRequest* req,
                                                  v1::ListCheckpointsResponse* resp) {
+  RunBelowHeartbeats();
+  if (Abandoned(*ctx)) return Dropped("ListCheckpoints");
   const Caller c = Identify(ctx);
   if (!MayUseJobNamed(c, req->job_name(), false)) return Refuse(c, "ListCheckpoints", kNeedsJob);
   *resp = core_->ListCheckpoints(*req);
@@ -232,6 +314,8 @@ grpc::Status CoordinatorService::ListCheckpoints(grpc::ServerContext* ctx,
 grpc::Status CoordinatorService::RestoreCheckpoint(grpc::ServerContext* ctx,
                                                    const v1::RestoreCheckpointRequest* req,
                                                    v1::RestoreCheckpointResponse* resp) {
+  RunBelowHeartbeats();
+  if (Abandoned(*ctx)) return Dropped("RestoreCheckpoint");
   const Caller c = Identify(ctx);
   if (c.role != Role::kAdmin) return Refuse(c, "RestoreCheckpoint", kNeedsAdmin);
   return Reply(core_->RestoreCheckpoint(*req), resp);
@@ -240,6 +324,8 @@ grpc::Status CoordinatorService::RestoreCheckpoint(grpc::ServerContext* ctx,
 grpc::Status CoordinatorService::DrainShard(grpc::ServerContext* ctx,
                                             const v1::DrainShardRequest* req,
                                             v1::DrainShardResponse* resp) {
+  RunBelowHeartbeats();
+  if (Abandoned(*ctx)) return Dropped("DrainShard");
   const Caller c = Identify(ctx);
   if (c.role != Role::kAdmin) return Refuse(c, "DrainShard", kNeedsAdmin);
   return Reply(core_->DrainShard(*req), resp);
@@ -248,6 +334,8 @@ grpc::Status CoordinatorService::DrainShard(grpc::ServerContext* ctx,
 grpc::Status CoordinatorService::ForgetShard(grpc::ServerContext* ctx,
                                              const v1::ForgetShardRequest* req,
                                              v1::ForgetShardResponse* resp) {
+  RunBelowHeartbeats();
+  if (Abandoned(*ctx)) return Dropped("ForgetShard");
   const Caller c = Identify(ctx);
   if (c.role != Role::kAdmin) return Refuse(c, "ForgetShard", kNeedsAdmin);
   return Reply(core_->ForgetShard(*req), resp);

@@ -1,6 +1,12 @@
 // The Coordinator gRPC service (proto/optimus.proto): converts each call
 // to the core's method and its absl::Status to a grpc::Status, counts the
-// errors it answers, and does nothing else.
+// errors it answers, and does nothing else. Heartbeat is served on gRPC's
+// callback API (it never blocks for long: see Coordinator::Heartbeat), so
+// it needs none of the server's capped threads; the other methods are
+// synchronous. A call whose client already gave up (cancelled, or past its
+// deadline) is dropped, answered CANCELLED, before the core does its work
+// (and, for RegisterShard and CreateJob, once more after they got the
+// tables). At most `max_watchers` WatchShardMap streams run at a time.
 //
 // Borrows the core, which must outlive it. Thread-safe (gRPC calls it from
 // its threads).
@@ -19,20 +25,30 @@
 
 namespace optimus {
 
-class CoordinatorService final : public v1::Coordinator::Service {
+class CoordinatorService final
+    : public v1::Coordinator::WithCallbackMethod_Heartbeat<v1::Coordinator::Service> {
  public:
   // `plaintext`: the server runs without TLS, and so without authorization
   // (every caller is an admin). Otherwise each call is checked against the
-  // caller's role and job token (common/security.h).
-  CoordinatorService(Coordinator* core, bool plaintext) : core_(core), plaintext_(plaintext) {}
+  // caller's role and job token (common/security.h). `max_watchers`: most
+  // WatchShardMap streams at a time (each holds a server thread); beyond,
+  // a watch is refused with RESOURCE_EXHAUSTED.
+  CoordinatorService(Coordinator* core, bool plaintext, int max_watchers = 1 << 20)
+      : core_(core), plaintext_(plaintext), max_watchers_(max_watchers) {}
 
   // Errors answered so far, by absl::StatusCode value (index 0 unused).
   std::vector<uint64_t> errors() const;
+  // Calls dropped because their client had given up (also counted in
+  // errors() as CANCELLED).
+  uint64_t dropped() const { return dropped_.load(); }
+  // WatchShardMap streams open now.
+  int watchers() const { return watchers_.load(); }
 
   grpc::Status RegisterShard(grpc::ServerContext*, const v1::RegisterShardRequest* req,
                              v1::RegisterShardResponse* resp) override;
-  grpc::Status Heartbeat(grpc::ServerContext*, const v1::HeartbeatRequest* req,
-                         v1::HeartbeatResponse* resp) override;
+  grpc::ServerUnaryReactor* Heartbeat(grpc::CallbackServerContext* ctx,
+                                      const v1::HeartbeatRequest* req,
+                                      v1::HeartbeatResponse* resp) override;
   grpc::Status CreateJob(grpc::ServerContext*, const v1::CreateJobRequest* req,
                          v1::CreateJobResponse* resp) override;
   grpc::Status JoinJob(grpc::ServerContext*, const v1::JoinJobRequest* req,
@@ -69,7 +85,19 @@ class CoordinatorService final : public v1::Coordinator::Service {
   template <typename T>
   grpc::Status Reply(absl::StatusOr<T> result, T* resp);
 
-  security::Caller Identify(grpc::ServerContext* ctx) const;
+  security::Caller Identify(grpc::ServerContextBase* ctx) const;
+  grpc::Status HeartbeatCall(grpc::ServerContextBase* ctx, const v1::HeartbeatRequest& req,
+                             v1::HeartbeatResponse* resp);
+  // Lowers the calling (synchronous) thread's priority to kSyncCallNice,
+  // once: hundreds of threads serializing big maps for a storm of fetches
+  // would otherwise take the coordinator's core from the few callback
+  // threads that renew leases, and live shards would be declared DOWN.
+  static void RunBelowHeartbeats();
+  static constexpr int kSyncCallNice = 19;
+  // The client cancelled the call or its deadline passed.
+  static bool Abandoned(const grpc::ServerContextBase& ctx);
+  // Counts a call dropped for that and answers it CANCELLED.
+  grpc::Status Dropped(absl::string_view rpc);
   // PERMISSION_DENIED (UNAUTHENTICATED for a caller with no certificate and
   // no token), counted and logged.
   grpc::Status Refuse(const security::Caller& c, absl::string_view rpc, absl::string_view needs);
@@ -79,7 +107,10 @@ class CoordinatorService final : public v1::Coordinator::Service {
 
   Coordinator* const core_;
   const bool plaintext_;
+  const int max_watchers_;
   std::array<std::atomic<uint64_t>, kNumCodes> errors_{};
+  std::atomic<uint64_t> dropped_{0};
+  std::atomic<int> watchers_{0};
 };
 
 }  // namespace optimus

@@ -72,14 +72,56 @@ struct JobRecord {
   // The current map as fetches read it; null or of an older epoch until
   // the first fetch after a map change builds it (SnapshotOf). Volatile.
   std::shared_ptr<const MapSnapshot> snapshot;
+
+  // Kept so that a heartbeat costs the same whatever the size of the job:
+  // counts over the current map's holders instead of scans of its holders
+  // or chunks. Rebuilt (one pass over holders and chunks) the first time
+  // they are used at a new epoch (CountsAtEpoch); kept up to date by
+  // RecordProgress and DropProgress. Volatile.
+  struct HolderCounts {
+    uint64_t epoch = 0;     // The map epoch they count (0: not built).
+    uint32_t at_epoch = 0;  // Holders whose report is at this epoch or newer.
+    uint32_t loaded = 0;    // Holders reporting this epoch with all their chunks loaded.
+    // Indices into map.chunks, by backup shard.
+    std::map<uint64_t, std::vector<int>> backups_of;
+    // Backup shards whose chunks were marked in sync at this epoch (so
+    // once per shard and epoch, not on every heartbeat).
+    std::set<uint64_t> seeded;
+  };
+  HolderCounts counts;
 };
+
+// The job's counts at its current epoch, rebuilt first when the epoch
+// changed since they were built.
+JobRecord::HolderCounts& CountsAtEpoch(JobRecord& job);
+// Records shard `shard_id`'s report, keeping the counts; the shard must
+// hold chunks of the job (job.load has it).
+void RecordProgress(JobRecord& job, uint64_t shard_id, const v1::ShardJobProgress& p);
+// Drops what the shard reported, keeping the counts.
+void DropProgress(JobRecord& job, uint64_t shard_id);
+// Every holder reports the current epoch (or newer).
+bool AllHoldersAtEpoch(JobRecord& job);
+// Every holder reports the current epoch with all its chunks loaded.
+bool AllHoldersLoaded(JobRecord& job);
 
 class JobTable {
  public:
-  // Adds `job` (its id must be new) and gives it its name.
+  // Adds `job` (its id must be new), gives it its name and indexes its
+  // holders (JobsOf).
   JobRecord& Add(JobRecord job);
   // Removes the job and, when the name is its own, the name. Returns it.
   std::optional<JobRecord> Remove(uint64_t id);
+
+  // The index a heartbeat reads instead of walking every job: per shard,
+  // the jobs it holds chunks of or departed from, and maybe a few it no
+  // longer has to do with (the reader drops those with Unindex). Call
+  // IndexHolders after a job's load or departed shards changed.
+  void IndexHolders(const JobRecord& job);
+  // The jobs indexed for `shard_id` (nullptr: none).
+  const std::set<uint64_t>* JobsOf(uint64_t shard_id) const;
+  void Unindex(uint64_t shard_id, uint64_t job_id);
+  // The shard left the tables.
+  void UnindexShard(uint64_t shard_id) { jobs_of_shard_.erase(shard_id); }
   // Gives `name` to job `id` (undoing a restore that took it over).
   void ClaimName(const std::string& name, uint64_t id) { ids_by_name_[name] = id; }
 
@@ -88,6 +130,7 @@ class JobTable {
     jobs_.clear();
     ids_by_name_.clear();
     ++generation_;
+    jobs_of_shard_.clear();
   }
 
   // Changes whenever a job is added or removed, or Touch() is called (a
@@ -117,6 +160,7 @@ class JobTable {
   uint64_t generation_ = 0;
   std::map<uint64_t, JobRecord> jobs_;
   std::map<std::string, uint64_t> ids_by_name_;
+  std::map<uint64_t, std::set<uint64_t>> jobs_of_shard_;
 };
 
 // The job's current map as fetches read it: job.snapshot, built anew when

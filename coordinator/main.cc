@@ -23,6 +23,10 @@
 ABSL_FLAG(std::string, listen, "127.0.0.1:7070", "gRPC listen address HOST:PORT; port 0 picks one");
 ABSL_FLAG(int, lease_ms, 2000, "A shard with no heartbeat for this many ms is marked DOWN");
 ABSL_FLAG(int, sweep_ms, 200, "How often leases are checked, in ms");
+ABSL_FLAG(int, max_rpc_threads, 256,
+          "Most threads the gRPC server runs calls on; a call finding them all busy is refused "
+          "with RESOURCE_EXHAUSTED (clients retry). Heartbeats need none; map watches take at "
+          "most half. At least 4");
 ABSL_FLAG(std::string, port_file, "",
           "If set, the bound port is written to this file (atomically) once serving");
 ABSL_FLAG(int, metrics_port, 0, "HTTP port for /metrics, /healthz and /readyz; 0: off");
@@ -107,6 +111,7 @@ int main(int argc, char** argv) {
   options.job_limits.max_tensors = absl::GetFlag(FLAGS_max_tensors_per_job);
   options.job_limits.max_job_bytes = absl::GetFlag(FLAGS_max_job_bytes);
   options.sweep_interval = absl::Milliseconds(absl::GetFlag(FLAGS_sweep_ms));
+  options.max_rpc_threads = absl::GetFlag(FLAGS_max_rpc_threads);
   options.checkpoint_dir = absl::GetFlag(FLAGS_checkpoint_dir);
   options.rollback_on_shard_loss = absl::GetFlag(FLAGS_rollback_on_shard_loss);
   options.state_dir = absl::GetFlag(FLAGS_state_dir);

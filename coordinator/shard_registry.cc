@@ -24,11 +24,10 @@ void ShardRegistry::AddShardDownListener(ShardDownListener listener) {
   listeners_.push_back(std::move(listener));
 }
 
-const ShardRecord& ShardRegistry::Register(const v1::ShardCapabilities& caps, absl::Time now) {
+const ShardRecord& ShardRegistry::Register(const v1::ShardCapabilities& caps) {
   ShardRecord shard;
   shard.id = next_id_++;
   shard.capabilities = caps;
-  shard.last_heartbeat = now;
   ++generation_;
   return shards_[shard.id] = std::move(shard);
 }
@@ -39,30 +38,29 @@ void ShardRegistry::Unregister(uint64_t id) {
   if (id + 1 == next_id_) --next_id_;
 }
 
-ShardRecord* ShardRegistry::Renew(uint64_t id, absl::Time now, uint64_t memory_used_bytes,
-                                  uint32_t chunks_reported) {
+ShardRecord* ShardRegistry::Report(uint64_t id, uint64_t memory_used_bytes,
+                                   uint32_t chunks_reported) {
   auto it = shards_.find(id);
-  // A DRAINING shard still holds chunks and keeps its lease.
+  // A DRAINING shard still holds chunks and keeps reporting.
   if (it == shards_.end() || it->second.state == v1::SHARD_STATE_DOWN) return nullptr;
   ShardRecord& shard = it->second;
-  shard.last_heartbeat = now;
   shard.memory_used_bytes = memory_used_bytes;
   shard.chunks_reported = chunks_reported;
   return &shard;
 }
 
-int ShardRegistry::SweepExpired(absl::Time now) {
+int ShardRegistry::MarkDown(const std::vector<uint64_t>& ids, absl::Time now) {
   std::vector<uint64_t> down;
-  for (auto& [id, shard] : shards_) {
-    if (shard.state == v1::SHARD_STATE_DOWN || now - shard.last_heartbeat <= lease_) continue;
-    const bool was_draining = shard.state == v1::SHARD_STATE_DRAINING;
+  for (uint64_t id : ids) {
+    auto it = shards_.find(id);
+    if (it == shards_.end() || it->second.state == v1::SHARD_STATE_DOWN) continue;
+    ShardRecord& shard = it->second;
+    if (shard.state == v1::SHARD_STATE_DRAINING) {
+      OPTIMUS_LOG(Info, kLog, "shard ", id, " was draining when it went down");
+    }
     shard.state = v1::SHARD_STATE_DOWN;
     shard.down_since = now;
     down.push_back(id);
-    OPTIMUS_LOG(Warning, kLog, "shard down id=", id, " host=", shard.capabilities.hostname(),
-                was_draining ? " (was draining)" : "", ": no heartbeat for ",
-                absl::FormatDuration(now - shard.last_heartbeat), " (lease ",
-                absl::FormatDuration(lease_), ")");
   }
   if (!down.empty()) {
     ++generation_;

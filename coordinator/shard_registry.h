@@ -1,13 +1,14 @@
 // The coordinator's shard membership: registration (ids 1, 2, ... never
-// reused), leases renewed by heartbeats, the expiry sweep that marks a
-// shard DOWN, and forgetting DOWN shards (at once, or once they have been
+// reused), what heartbeats report, marking shards DOWN (once their lease
+// expired: the leases themselves are in lease_table.h, under a lock of
+// their own), and forgetting DOWN shards (at once, or once they have been
 // DOWN longer than a grace period). A shard's death is reported to the
 // listeners added with AddShardDownListener; the registry knows nothing of
 // jobs or maps.
 //
 // Not thread-safe on its own: the Coordinator owns one as a member guarded
 // by its lock and calls it only under that lock; listeners run under it
-// too, on the thread that called SweepExpired. It does no I/O.
+// too, on the thread that called MarkDown. It does no I/O.
 #ifndef OPTIMUS_COORDINATOR_SHARD_REGISTRY_H_
 #define OPTIMUS_COORDINATOR_SHARD_REGISTRY_H_
 
@@ -28,7 +29,6 @@ struct ShardRecord {
   uint64_t id = 0;
   v1::ShardCapabilities capabilities;
   v1::ShardState state = v1::SHARD_STATE_UP;
-  absl::Time last_heartbeat;
   // When it was marked DOWN (by this process: a recovered DOWN shard counts
   // from the recovery), for the grace period.
   absl::Time down_since;
@@ -46,29 +46,29 @@ struct ShardRecord {
 
 class ShardRegistry {
  public:
-  // Called with the ids of the shards one SweepExpired marked DOWN, all of
+  // Called with the ids of the shards one MarkDown marked DOWN, all of
   // them marked before the call (a backup lost in the same sweep as its
   // primary is already DOWN when the listener looks).
   using ShardDownListener = std::function<void(const std::vector<uint64_t>& shard_ids)>;
 
-  explicit ShardRegistry(absl::Duration lease) : lease_(lease) {}
+  ShardRegistry() = default;
 
   void AddShardDownListener(ShardDownListener listener);
 
-  // A new UP shard with the next id and a lease from `now`.
-  const ShardRecord& Register(const v1::ShardCapabilities& caps, absl::Time now);
+  // A new UP shard with the next id.
+  const ShardRecord& Register(const v1::ShardCapabilities& caps);
   // Undoes the Register that returned `id` (its state could not be saved):
   // the id is handed out again when it was the last one.
   void Unregister(uint64_t id);
 
-  // Renews an UP or DRAINING shard's lease and records its report; nullptr
-  // for a shard that is unknown or DOWN (it must register again).
-  ShardRecord* Renew(uint64_t id, absl::Time now, uint64_t memory_used_bytes,
-                     uint32_t chunks_reported);
+  // Records an UP or DRAINING shard's report; nullptr for a shard that is
+  // unknown or DOWN (it must register again).
+  ShardRecord* Report(uint64_t id, uint64_t memory_used_bytes, uint32_t chunks_reported);
 
-  // Marks DOWN every UP or DRAINING shard whose last heartbeat is older than
-  // the lease at `now`, then tells the listeners. Returns how many.
-  int SweepExpired(absl::Time now);
+  // Marks DOWN (since `now`) each of `ids` that is UP or DRAINING (the
+  // lease table found their leases expired), then tells the listeners
+  // about those. Returns how many it marked.
+  int MarkDown(const std::vector<uint64_t>& ids, absl::Time now);
 
   // Removes the DOWN shard `id` and returns it as it was. NOT_FOUND for an
   // unknown id; FAILED_PRECONDITION for an UP or DRAINING shard.
@@ -94,7 +94,7 @@ class ShardRegistry {
   ShardHealthMap Health() const;
 
   // Changes whenever a shard comes, goes or changes state through the
-  // registry (Register, Unregister, SweepExpired, Forget*, Restore, Clear):
+  // registry (Register, Unregister, MarkDown, Forget*, Restore, Clear):
   // what placement planned off the lock compares before it commits. Who
   // changes a record's state through Find or mutable_all calls Touch().
   uint64_t generation() const { return generation_; }
@@ -102,10 +102,8 @@ class ShardRegistry {
 
   uint64_t next_id() const { return next_id_; }
   void set_next_id(uint64_t id) { next_id_ = id; }
-  absl::Duration lease() const { return lease_; }
 
  private:
-  const absl::Duration lease_;
   uint64_t next_id_ = 1;
   uint64_t generation_ = 0;
   std::map<uint64_t, ShardRecord> shards_;

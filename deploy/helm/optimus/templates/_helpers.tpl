@@ -166,6 +166,7 @@ prometheus.io/path: /metrics
 --metrics_port={{ int $c.metricsPort }}
 --lease_ms={{ int $c.leaseMs }}
 --sweep_ms={{ int $c.sweepMs }}
+--max_rpc_threads={{ int $c.maxRpcThreads }}
 --down_shard_grace={{ $c.downShardGrace }}
 --max_chunks_per_job={{ int64 $c.maxChunksPerJob }}
 --max_tensors_per_job={{ int64 $c.maxTensorsPerJob }}
