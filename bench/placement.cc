@@ -38,29 +38,6 @@ namespace {
 constexpr uint64_t kChunkElems = uint64_t{2} << 20;
 constexpr uint64_t kBytesPerElem = 24;  // AdamW, bf16, with the forwarded sum.
 
-// The placement as it was before the index: for each copy, largest chunk
-// first, a scan of every shard (DPU first, fewest planned bytes, lower id).
-int ScanPick(const std::vector<ShardInfo>& shards, uint64_t need, uint64_t exclude_id) {
-  for (bool want_dpu : {true, false}) {
-    int best = -1;
-    for (size_t i = 0; i < shards.size(); ++i) {
-      const ShardInfo& s = shards[i];
-      if (s.is_dpu != want_dpu || (exclude_id != 0 && s.id == exclude_id)) continue;
-      const uint64_t free = s.memory_planned_bytes >= s.memory_limit_bytes
-                                ? 0
-                                : s.memory_limit_bytes - s.memory_planned_bytes;
-      if (need > free) continue;
-      if (best < 0 || s.memory_planned_bytes < shards[best].memory_planned_bytes ||
-          (s.memory_planned_bytes == shards[best].memory_planned_bytes &&
-           s.id < shards[best].id)) {
-        best = static_cast<int>(i);
-      }
-    }
-    if (best >= 0) return best;
-  }
-  return -1;
-}
-
 std::vector<ChunkSpec> ScanPlace(std::vector<ChunkSpec> chunks, std::vector<ShardInfo> shards,
                                  uint64_t overhead) {
   std::vector<size_t> order(chunks.size());
@@ -74,7 +51,7 @@ std::vector<ChunkSpec> ScanPlace(std::vector<ChunkSpec> chunks, std::vector<Shar
     for (size_t idx : order) {
       ChunkSpec& c = chunks[idx];
       const uint64_t need = c.num_elems * kBytesPerElem + overhead;
-      const int best = ScanPick(shards, need, pass == 0 ? 0 : c.shard_id);
+      const int best = PickShard(shards, need, pass == 0 ? 0 : c.shard_id);
       if (best < 0) return {};
       (pass == 0 ? c.shard_id : c.backup_shard_id) = shards[best].id;
       shards[best].memory_planned_bytes += need;
