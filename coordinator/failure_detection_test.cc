@@ -28,6 +28,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "coordinator/coordinator.h"
+#include "coordinator/test_fixtures.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "proto/optimus.grpc.pb.h"
@@ -35,35 +36,13 @@
 namespace optimus {
 namespace {
 
+using coord_test::OneTensorJob;
+using coord_test::DpuRegistration;
+using coord_test::TablesHeld;
+
 constexpr absl::Duration kLease = absl::Seconds(2);
 
-v1::RegisterShardRequest Registration(int i) {
-  v1::RegisterShardRequest req;
-  v1::ShardCapabilities* c = req.mutable_capabilities();
-  c->set_kind(v1::SHARD_KIND_DPU);
-  c->set_memory_limit_bytes(uint64_t{1} << 30);
-  c->set_data_address(absl::StrCat("ucx-", i));
-  c->set_hostname(absl::StrCat("node", i));
-  return req;
-}
 
-// One tensor of 8 chunks of 64 elements.
-v1::CreateJobRequest Job(const std::string& name, uint32_t replication) {
-  v1::CreateJobRequest req;
-  v1::JobSpec* s = req.mutable_spec();
-  s->set_name(name);
-  s->set_world_size(1);
-  v1::TensorSpec* w = s->add_tensors();
-  w->set_name("w");
-  w->add_shape(64 * 8);
-  s->mutable_optimizer()->set_kind(v1::OPTIMIZER_ADAMW);
-  s->mutable_optimizer()->set_lr(1e-3f);
-  s->set_grad_dtype(v1::DTYPE_BF16);
-  s->set_param_dtype(v1::DTYPE_BF16);
-  s->set_max_chunk_bytes(256);
-  s->set_replication(replication);
-  return req;
-}
 
 // What `shard` reports for the job after loading `map`: all loaded and
 // its backups seeded.
@@ -101,11 +80,11 @@ TEST(FailureDetectionTest, LeasesAreRenewedAndExpireWhilePlanningHoldsTheTables)
   ASSERT_TRUE(core.Recover().ok());
   std::vector<uint64_t> ids;
   for (int i = 0; i < 3; ++i) {
-    auto r = core.RegisterShard(Registration(i));
+    auto r = core.RegisterShard(DpuRegistration(i));
     ASSERT_TRUE(r.ok()) << r.status();
     ids.push_back(r->shard_id());
   }
-  auto created = core.CreateJob(Job("j", /*replication=*/1));
+  auto created = core.CreateJob(OneTensorJob("j", 8, /*replication=*/1));
   ASSERT_TRUE(created.ok()) << created.status();
   const v1::ShardMap map = created->map();
   auto beat = [&](uint64_t shard, bool report) {
@@ -124,14 +103,7 @@ TEST(FailureDetectionTest, LeasesAreRenewedAndExpireWhilePlanningHoldsTheTables)
   const std::vector<uint64_t> alive = {ids[1], ids[2]};
 
   // Planning holds the tables until released.
-  absl::Notification held, release;
-  std::thread planner([&] {
-    core.RunWithTablesLockedForTest([&] {
-      held.Notify();
-      release.WaitForNotification();
-    });
-  });
-  held.WaitForNotification();
+  TablesHeld tables(&core);
   // Two half-leases: the live shards beat in each, the silent one never.
   // Each beat is answered (with the last reply: the job at epoch 1).
   for (int half = 0; half < 2; ++half) {
@@ -149,8 +121,7 @@ TEST(FailureDetectionTest, LeasesAreRenewedAndExpireWhilePlanningHoldsTheTables)
   EXPECT_EQ(core.SweepLeases(now), 1);
   EXPECT_FALSE(beat(silent, false).known());
   for (uint64_t s : alive) EXPECT_TRUE(beat(s, false).known());
-  release.Notify();
-  planner.join();
+  tables.Release();
 
   // The tables take the DOWN shard and fail its chunks over.
   EXPECT_EQ(core.SweepExpiredLeases(now), 1);
@@ -199,7 +170,7 @@ TEST(FailureDetectionTest, TheServersLeaseThreadMarksASilentShardDownWhilePlanni
   std::vector<uint64_t> ids;
   for (int i = 0; i < 2; ++i) {
     v1::RegisterShardResponse resp;
-    ASSERT_TRUE(stub->RegisterShard(Ctx().get(), Registration(i), &resp).ok());
+    ASSERT_TRUE(stub->RegisterShard(Ctx().get(), DpuRegistration(i), &resp).ok());
     ids.push_back(resp.shard_id());
   }
   const uint64_t silent = ids[0], alive = ids[1];
@@ -212,14 +183,7 @@ TEST(FailureDetectionTest, TheServersLeaseThreadMarksASilentShardDownWhilePlanni
     return resp.known();
   };
   Coordinator* core = (*server)->core();
-  absl::Notification held, release;
-  std::thread planner([&] {
-    core->RunWithTablesLockedForTest([&] {
-      held.Notify();
-      release.WaitForNotification();
-    });
-  });
-  held.WaitForNotification();
+  TablesHeld tables(core);
   // As in the core test: two half-leases, the live shard beating in each.
   clock.Advance(kLease / 2);
   EXPECT_TRUE(beat(alive));
@@ -235,8 +199,7 @@ TEST(FailureDetectionTest, TheServersLeaseThreadMarksASilentShardDownWhilePlanni
   EXPECT_FALSE(core->LeaseExpired(alive));
   EXPECT_TRUE(beat(alive));
   EXPECT_FALSE(beat(silent));  // Told to register again, tables still held.
-  release.Notify();
-  planner.join();
+  tables.Release();
   // The planning thread, woken by the lease thread, takes it into the
   // tables once they are free.
   v1::StatusResponse st;
@@ -266,21 +229,13 @@ TEST(FailureDetectionTest, ACallWhoseClientGaveUpWhileItWaitedIsNotExecuted) {
   auto stub = v1::Coordinator::NewStub(
       grpc::CreateChannel((*server)->address(), grpc::InsecureChannelCredentials()));
   Coordinator* core = (*server)->core();
-  absl::Notification held, release;
-  std::thread planner([&] {
-    core->RunWithTablesLockedForTest([&] {
-      held.Notify();
-      release.WaitForNotification();
-    });
-  });
-  held.WaitForNotification();
+  TablesHeld tables(core);
   // The registration waits for the tables; its client gives up.
   v1::RegisterShardResponse resp;
   const grpc::Status s =
-      stub->RegisterShard(Ctx(absl::Milliseconds(300)).get(), Registration(0), &resp);
+      stub->RegisterShard(Ctx(absl::Milliseconds(300)).get(), DpuRegistration(0), &resp);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << s.error_message();
-  release.Notify();
-  planner.join();
+  tables.Release();
   // The server gets the tables, sees nobody waits, and drops it.
   const absl::Time give_up = absl::Now() + absl::Seconds(60);
   while (MetricValue((*server)->RenderMetrics(), "optimus_coord_calls_dropped_total") == 0 &&
@@ -292,7 +247,7 @@ TEST(FailureDetectionTest, ACallWhoseClientGaveUpWhileItWaitedIsNotExecuted) {
   ASSERT_TRUE(stub->Status(Ctx().get(), v1::StatusRequest(), &st).ok());
   EXPECT_EQ(st.shards_size(), 0);
   // Its id was never used up.
-  ASSERT_TRUE(stub->RegisterShard(Ctx().get(), Registration(1), &resp).ok());
+  ASSERT_TRUE(stub->RegisterShard(Ctx().get(), DpuRegistration(1), &resp).ok());
   EXPECT_EQ(resp.shard_id(), 1u);
 }
 
@@ -308,11 +263,11 @@ TEST(FailureDetectionTest, WatchersCannotTakeEveryThreadOfTheCappedServer) {
   std::vector<uint64_t> ids;
   for (int i = 0; i < 2; ++i) {
     v1::RegisterShardResponse resp;
-    ASSERT_TRUE(stub->RegisterShard(Ctx().get(), Registration(i), &resp).ok());
+    ASSERT_TRUE(stub->RegisterShard(Ctx().get(), DpuRegistration(i), &resp).ok());
     ids.push_back(resp.shard_id());
   }
   v1::CreateJobResponse job;
-  ASSERT_TRUE(stub->CreateJob(Ctx().get(), Job("watched", 0), &job).ok());
+  ASSERT_TRUE(stub->CreateJob(Ctx().get(), OneTensorJob("watched", 8, 0), &job).ok());
 
   // 12 watchers, each on its own connection; an accepted one gets the map
   // and then blocks its server thread waiting for the next epoch.
@@ -380,7 +335,7 @@ TEST(FailureDetectionTest, WatchersCannotTakeEveryThreadOfTheCappedServer) {
       EXPECT_TRUE(resp.known());
     }
     v1::RegisterShardResponse reg;
-    const grpc::Status r = stub->RegisterShard(Ctx().get(), Registration(100 + round), &reg);
+    const grpc::Status r = stub->RegisterShard(Ctx().get(), DpuRegistration(100 + round), &reg);
     ASSERT_TRUE(r.ok()) << r.error_message();
     v1::StatusResponse st;
     const grpc::Status s = stub->Status(Ctx().get(), v1::StatusRequest(), &st);

@@ -10,26 +10,26 @@ namespace {
 constexpr char kLog[] = "coord";
 }  // namespace
 
-void LeaseTable::AddLive(uint64_t id, absl::Time renewed, std::string host,
-                         std::string identity) {
-  absl::MutexLock lock(&mu_);
+LeaseTable::Lease& LeaseTable::ResetLocked(uint64_t id, absl::Time renewed, std::string host,
+                                           std::string identity) {
   Lease& l = leases_[id];
   l = Lease();
   l.renewed = renewed;
   l.host = std::move(host);
   l.identity = std::move(identity);
-  l.last_reply.set_known(true);
+  return l;
+}
+
+void LeaseTable::AddLive(uint64_t id, absl::Time renewed, std::string host,
+                         std::string identity) {
+  absl::MutexLock lock(&mu_);
+  ResetLocked(id, renewed, std::move(host), std::move(identity)).last_reply.set_known(true);
 }
 
 void LeaseTable::AddDown(uint64_t id, absl::Time since, std::string host,
                          std::string identity) {
   absl::MutexLock lock(&mu_);
-  Lease& l = leases_[id];
-  l = Lease();
-  l.renewed = since;
-  l.down = true;
-  l.host = std::move(host);
-  l.identity = std::move(identity);
+  ResetLocked(id, since, std::move(host), std::move(identity)).down = true;
 }
 
 void LeaseTable::Remove(uint64_t id) {

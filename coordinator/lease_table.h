@@ -91,6 +91,10 @@ class LeaseTable {
     v1::HeartbeatResponse last_reply;
   };
 
+  // The entry for `id`, emptied and set to these values.
+  Lease& ResetLocked(uint64_t id, absl::Time renewed, std::string host, std::string identity)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
   const absl::Duration lease_;
   mutable absl::Mutex mu_;
   std::map<uint64_t, Lease> leases_ ABSL_GUARDED_BY(mu_);

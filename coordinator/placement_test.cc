@@ -13,32 +13,18 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 #include "coordinator/coordinator.h"
+#include "coordinator/test_fixtures.h"
 #include "gtest/gtest.h"
 #include "proto/optimus.pb.h"
 
 namespace optimus {
 namespace {
 
+using coord_test::OneTensorJob;
+using coord_test::DpuRegistration;
+
 constexpr absl::Duration kLease = absl::Seconds(2);
 
-// One tensor "w" of num_chunks chunks of 64 elements; world 1, AdamW, bf16
-// (18 bytes per element: about 9 KiB per chunk with its bookkeeping).
-v1::CreateJobRequest Job(const std::string& name, int num_chunks, uint32_t replication = 0) {
-  v1::CreateJobRequest req;
-  v1::JobSpec* s = req.mutable_spec();
-  s->set_name(name);
-  s->set_world_size(1);
-  v1::TensorSpec* w = s->add_tensors();
-  w->set_name("w");
-  w->add_shape(64 * num_chunks);
-  s->mutable_optimizer()->set_kind(v1::OPTIMIZER_ADAMW);
-  s->mutable_optimizer()->set_lr(1e-3f);
-  s->set_grad_dtype(v1::DTYPE_BF16);
-  s->set_param_dtype(v1::DTYPE_BF16);
-  s->set_max_chunk_bytes(256);
-  s->set_replication(replication);
-  return req;
-}
 
 class OffLockPlacementTest : public ::testing::Test {
  protected:
@@ -56,13 +42,7 @@ class OffLockPlacementTest : public ::testing::Test {
   }
 
   uint64_t AddShard(uint64_t memory_limit_bytes = uint64_t{1} << 30) {
-    v1::RegisterShardRequest req;
-    v1::ShardCapabilities* c = req.mutable_capabilities();
-    c->set_kind(v1::SHARD_KIND_DPU);
-    c->set_memory_limit_bytes(memory_limit_bytes);
-    c->set_data_address(absl::StrCat("ucx-", next_name_));
-    c->set_hostname(absl::StrCat("node", next_name_++));
-    auto resp = coord_->RegisterShard(req);
+    auto resp = coord_->RegisterShard(DpuRegistration(next_name_++, memory_limit_bytes));
     EXPECT_TRUE(resp.ok()) << resp.status();
     return resp->shard_id();
   }
@@ -89,7 +69,7 @@ class OffLockPlacementTest : public ::testing::Test {
 
 TEST_F(OffLockPlacementTest, QuietShardsCommitTheFirstPlan) {
   for (int i = 0; i < 3; ++i) AddShard();
-  auto job = coord_->CreateJob(Job("quiet", 9));
+  auto job = coord_->CreateJob(OneTensorJob("quiet", 9));
   ASSERT_TRUE(job.ok()) << job.status();
   EXPECT_EQ(attempts_, std::vector<int>({0}));
   EXPECT_EQ(coord_->counters().placement_retries, 0u);
@@ -105,7 +85,7 @@ TEST_F(OffLockPlacementTest, AShardRegisteredDuringPlanningIsPlacedOn) {
   during_planning_ = [&](int attempt) {
     if (attempt == 0) late = AddShard();
   };
-  auto job = coord_->CreateJob(Job("late", 9));
+  auto job = coord_->CreateJob(OneTensorJob("late", 9));
   ASSERT_TRUE(job.ok()) << job.status();
   EXPECT_EQ(attempts_, std::vector<int>({0, 1}));
   EXPECT_EQ(coord_->counters().placement_retries, 1u);
@@ -122,7 +102,7 @@ TEST_F(OffLockPlacementTest, ARefusalPlannedBeforeAShardRegisteredIsNotTheAnswer
   during_planning_ = [&](int attempt) {
     if (attempt == 0) big = AddShard();
   };
-  auto job = coord_->CreateJob(Job("fits-later", 4));
+  auto job = coord_->CreateJob(OneTensorJob("fits-later", 4));
   ASSERT_TRUE(job.ok()) << job.status();
   EXPECT_EQ(Holders(job->job_id()), (std::map<uint64_t, int>{{big, 4}}));
   EXPECT_EQ(coord_->counters().jobs_refused[static_cast<int>(Coordinator::JobRefusal::kCapacity)],
@@ -139,7 +119,7 @@ TEST_F(OffLockPlacementTest, AShardDrainedDuringPlanningGetsNothing) {
     auto drained = coord_->DrainShard(req);
     ASSERT_TRUE(drained.ok()) << drained.status();
   };
-  auto job = coord_->CreateJob(Job("drain", 8, /*replication=*/1));
+  auto job = coord_->CreateJob(OneTensorJob("drain", 8, /*replication=*/1));
   ASSERT_TRUE(job.ok()) << job.status();
   EXPECT_EQ(coord_->counters().placement_retries, 1u);
   const std::map<uint64_t, int> held = Holders(job->job_id());
@@ -158,7 +138,7 @@ TEST_F(OffLockPlacementTest, AShardDownDuringPlanningGetsNothing) {
     ASSERT_TRUE(coord_->Heartbeat(beat).known());
     ASSERT_EQ(coord_->SweepExpiredLeases(now_), 1);  // b.
   };
-  auto job = coord_->CreateJob(Job("down", 6));
+  auto job = coord_->CreateJob(OneTensorJob("down", 6));
   ASSERT_TRUE(job.ok()) << job.status();
   EXPECT_EQ(Holders(job->job_id()), (std::map<uint64_t, int>{{a, 6}}));
   (void)b;
@@ -172,10 +152,10 @@ TEST_F(OffLockPlacementTest, AJobCreatedDuringPlanningIsPlannedAround) {
   during_planning_ = [&](int attempt) {
     if (attempt != 0 || nested) return;
     nested = true;
-    auto other = coord_->CreateJob(Job("first", 3));  // 2 chunks on a, 1 on b.
+    auto other = coord_->CreateJob(OneTensorJob("first", 3));  // 2 chunks on a, 1 on b.
     ASSERT_TRUE(other.ok()) << other.status();
   };
-  auto job = coord_->CreateJob(Job("second", 3));
+  auto job = coord_->CreateJob(OneTensorJob("second", 3));
   ASSERT_TRUE(job.ok()) << job.status();
   EXPECT_EQ(coord_->counters().placement_retries, 1u);
   // Planned around "first": b, a, b. A stale plan (as if "first" did not
@@ -193,7 +173,7 @@ TEST_F(OffLockPlacementTest, ShardsThatKeepChangingArePlannedUnderTheLock) {
   AddShard();
   std::set<uint64_t> added;
   during_planning_ = [&](int) { added.insert(AddShard()); };
-  auto job = coord_->CreateJob(Job("busy", 12));
+  auto job = coord_->CreateJob(OneTensorJob("busy", 12));
   ASSERT_TRUE(job.ok()) << job.status();
   EXPECT_EQ(static_cast<int>(attempts_.size()), Coordinator::kOffLockPlacements);
   EXPECT_EQ(coord_->counters().placement_retries,
@@ -212,9 +192,9 @@ TEST_F(OffLockPlacementTest, ANameTakenDuringPlanningIsRefused) {
   during_planning_ = [&](int attempt) {
     if (attempt != 0 || nested) return;
     nested = true;
-    ASSERT_TRUE(coord_->CreateJob(Job("same", 2)).ok());
+    ASSERT_TRUE(coord_->CreateJob(OneTensorJob("same", 2)).ok());
   };
-  auto job = coord_->CreateJob(Job("same", 3));
+  auto job = coord_->CreateJob(OneTensorJob("same", 3));
   EXPECT_EQ(job.status().code(), absl::StatusCode::kAlreadyExists) << job.status();
   EXPECT_EQ(coord_->table_sizes().jobs, 1u);
 }

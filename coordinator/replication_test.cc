@@ -16,6 +16,7 @@
 #include "absl/time/time.h"
 #include "common/checkpoint_files.h"
 #include "coordinator/coordinator.h"
+#include "coordinator/test_fixtures.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/optimizer_spec.h"
@@ -23,6 +24,8 @@
 
 namespace optimus {
 namespace {
+
+using coord_test::OneTensorJob;
 
 using ::testing::HasSubstr;
 
@@ -38,23 +41,6 @@ constexpr uint64_t kChunkBytes = 64 * kBytesPerElem + kChunkOverhead;
 // A replicated chunk also holds the fp32 gradient sum: 4 more per element.
 constexpr uint64_t kRepChunkBytes = 64 * (kBytesPerElem + 4) + kChunkOverhead;
 
-// One tensor "w" of num_chunks * 64 elements.
-v1::CreateJobRequest Job(const std::string& name, int num_chunks, uint32_t replication) {
-  v1::CreateJobRequest req;
-  v1::JobSpec* s = req.mutable_spec();
-  s->set_name(name);
-  s->set_world_size(1);
-  v1::TensorSpec* w = s->add_tensors();
-  w->set_name("w");
-  w->add_shape(64 * num_chunks);
-  s->mutable_optimizer()->set_kind(v1::OPTIMIZER_ADAMW);
-  s->mutable_optimizer()->set_lr(1e-3f);
-  s->set_grad_dtype(v1::DTYPE_BF16);
-  s->set_param_dtype(v1::DTYPE_BF16);
-  s->set_max_chunk_bytes(256);
-  s->set_replication(replication);
-  return req;
-}
 
 class ReplicationTest : public ::testing::Test {
  protected:
@@ -71,12 +57,9 @@ class ReplicationTest : public ::testing::Test {
 
   uint64_t AddShard(v1::ShardKind kind = v1::SHARD_KIND_DPU,
                     uint64_t memory_limit_bytes = uint64_t{1} << 30, bool checkpoints = false) {
-    v1::RegisterShardRequest req;
+    v1::RegisterShardRequest req = coord_test::DpuRegistration(next_name_++, memory_limit_bytes);
     v1::ShardCapabilities* c = req.mutable_capabilities();
     c->set_kind(kind);
-    c->set_memory_limit_bytes(memory_limit_bytes);
-    c->set_data_address(absl::StrCat("ucx-", next_name_));
-    c->set_hostname(absl::StrCat("node", next_name_++));
     c->set_checkpoints(checkpoints);
     auto resp = coord_->RegisterShard(req);
     EXPECT_TRUE(resp.ok()) << resp.status();
@@ -200,7 +183,7 @@ uint32_t Count(const v1::ShardMap& map, uint64_t shard, bool as_backup) {
 
 TEST_F(ReplicationTest, BackupsGoToAnotherShardAndCountInLoadMemoryAndReadiness) {
   const uint64_t a = AddShard(), b = AddShard(), c = AddShard();
-  const uint64_t job = CreateOk(Job("llm", 6, 1));
+  const uint64_t job = CreateOk(OneTensorJob("llm", 6, 1));
   const v1::ShardMap map = Map(job);
   ASSERT_EQ(map.chunks_size(), 6);
   for (const auto& ch : map.chunks()) {
@@ -239,22 +222,22 @@ TEST_F(ReplicationTest, BackupsGoToAnotherShardAndCountInLoadMemoryAndReadiness)
 
 TEST_F(ReplicationTest, ReplicationIsZeroOrOneAndOneNeedsTwoShardsAndRoomForBackups) {
   const uint64_t a = AddShard(v1::SHARD_KIND_DPU, 4 * kChunkBytes);
-  auto r = coord_->CreateJob(Job("two", 2, 2));
+  auto r = coord_->CreateJob(OneTensorJob("two", 2, 2));
   EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(std::string(r.status().message()), HasSubstr("replication must be 0 or 1"));
 
-  r = coord_->CreateJob(Job("one-shard", 2, 1));
+  r = coord_->CreateJob(OneTensorJob("one-shard", 2, 1));
   EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(std::string(r.status().message()), HasSubstr("at least 2 live shards"));
   EXPECT_THAT(std::string(r.status().message()), HasSubstr("1 live"));
 
   // Room for 4 chunks on a and 1 on b: 3 chunks fit without backups, not with.
   const uint64_t b = AddShard(v1::SHARD_KIND_DPU, kChunkBytes);
-  r = coord_->CreateJob(Job("big", 3, 1));
+  r = coord_->CreateJob(OneTensorJob("big", 3, 1));
   EXPECT_EQ(r.status().code(), absl::StatusCode::kResourceExhausted);
   EXPECT_THAT(std::string(r.status().message()), HasSubstr("for their backups"));
   EXPECT_TRUE(coord_->Status().jobs().empty());
-  const uint64_t job = CreateOk(Job("big", 3, 0));
+  const uint64_t job = CreateOk(OneTensorJob("big", 3, 0));
   EXPECT_EQ(JobStatusOf(job).replication(), 0u);
   EXPECT_EQ(JobStatusOf(job).chunks_with_backup(), 0u);
   (void)a;
@@ -263,7 +246,7 @@ TEST_F(ReplicationTest, ReplicationIsZeroOrOneAndOneNeedsTwoShardsAndRoomForBack
 
 TEST_F(ReplicationTest, LostPrimaryFailsOverToSeededBackupsWithOneEpochBump) {
   const uint64_t a = AddShard(), b = AddShard(), c = AddShard();
-  const uint64_t job = CreateOk(Job("llm", 6, 1));
+  const uint64_t job = CreateOk(OneTensorJob("llm", 6, 1));
   const v1::ShardMap before = Map(job);
   BeatAll({a, b, c});
   ASSERT_EQ(JobStatusOf(job).state(), v1::JOB_STATE_READY);
@@ -311,7 +294,7 @@ TEST_F(ReplicationTest, LostPrimaryFailsOverToSeededBackupsWithOneEpochBump) {
 // epoch's snapshot: read before and after a failover, it follows the map.
 TEST_F(ReplicationTest, AShardsPartOfTheMapFollowsAFailover) {
   const uint64_t a = AddShard(), b = AddShard(), c = AddShard();
-  const uint64_t job = CreateOk(Job("llm", 6, 1));
+  const uint64_t job = CreateOk(OneTensorJob("llm", 6, 1));
   // Chunks (as serialized) of `map` that `shard` holds.
   auto held_in = [](const v1::ShardMap& map, uint64_t shard) {
     std::vector<std::string> out;
@@ -352,7 +335,7 @@ TEST_F(ReplicationTest, AShardsPartOfTheMapFollowsAFailover) {
 
 TEST_F(ReplicationTest, LostPrimaryWithBackupsNotYetSeededFailsTheJob) {
   const uint64_t a = AddShard(), b = AddShard(), c = AddShard();
-  const uint64_t job = CreateOk(Job("llm", 6, 1));
+  const uint64_t job = CreateOk(OneTensorJob("llm", 6, 1));
   BeatAll({a, b, c}, /*seeded=*/false);
   ASSERT_EQ(JobStatusOf(job).state(), v1::JOB_STATE_READY);
   const uint64_t epoch = Map(job).epoch();
@@ -365,7 +348,7 @@ TEST_F(ReplicationTest, LostPrimaryWithBackupsNotYetSeededFailsTheJob) {
 
 TEST_F(ReplicationTest, LosingAPrimaryAndItsBackupTogetherFailsTheJob) {
   const uint64_t a = AddShard(), b = AddShard(), c = AddShard();
-  const uint64_t job = CreateOk(Job("llm", 6, 1));
+  const uint64_t job = CreateOk(OneTensorJob("llm", 6, 1));
   BeatAll({a, b, c});
   Kill({a, b}, {c});
   EXPECT_EQ(JobStatusOf(job).state(), v1::JOB_STATE_FAILED);
@@ -373,7 +356,7 @@ TEST_F(ReplicationTest, LosingAPrimaryAndItsBackupTogetherFailsTheJob) {
 
 TEST_F(ReplicationTest, ReplicationZeroStillFailsOnALostShard) {
   const uint64_t a = AddShard(), b = AddShard();
-  const uint64_t job = CreateOk(Job("llm", 4, 0));
+  const uint64_t job = CreateOk(OneTensorJob("llm", 4, 0));
   BeatAll({a, b});
   Kill({a}, {b});
   EXPECT_EQ(JobStatusOf(job).state(), v1::JOB_STATE_FAILED);
@@ -384,7 +367,7 @@ TEST_F(ReplicationTest, LostBackupShardLeavesTheJobReadyAndAReplacementGetsTheBa
   const uint64_t a = AddShard(v1::SHARD_KIND_DPU, 2 * kRepChunkBytes);
   const uint64_t b = AddShard(v1::SHARD_KIND_DPU, 2 * kRepChunkBytes);
   const uint64_t h = AddShard(v1::SHARD_KIND_HOST);
-  const uint64_t job = CreateOk(Job("llm", 4, 1));
+  const uint64_t job = CreateOk(OneTensorJob("llm", 4, 1));
   ASSERT_EQ(Count(Map(job), h, /*as_backup=*/true), 4u);
   ASSERT_EQ(Count(Map(job), h, /*as_backup=*/false), 0u);
   // Backups never seeded: losing them must not matter.
@@ -418,7 +401,7 @@ TEST_F(ReplicationTest, LostBackupShardLeavesTheJobReadyAndAReplacementGetsTheBa
 
 TEST_F(ReplicationTest, SeededReportsCountOnlyForTheCurrentMap) {
   const uint64_t a = AddShard(), b = AddShard();
-  const uint64_t job = CreateOk(Job("llm", 2, 1));
+  const uint64_t job = CreateOk(OneTensorJob("llm", 2, 1));
   // A report about another epoch says nothing about the current backups.
   v1::HeartbeatRequest req;
   req.set_shard_id(b);
@@ -442,7 +425,7 @@ TEST_F(ReplicationTest, SeededReportsCountOnlyForTheCurrentMap) {
 
 TEST_F(ReplicationTest, DrainOfAReplicatedShardPromotesAndReplacesInOneEpoch) {
   const uint64_t a = AddShard(), b = AddShard(), c = AddShard();
-  const uint64_t job = CreateOk(Job("llm", 6, 1));
+  const uint64_t job = CreateOk(OneTensorJob("llm", 6, 1));
   const v1::ShardMap before = Map(job);
   BeatAll({a, b, c});
   ASSERT_EQ(JobStatusOf(job).backups_in_sync(), 6u);
@@ -509,7 +492,7 @@ TEST_F(ReplicationTest, DrainOfAReplicatedShardPromotesAndReplacesInOneEpoch) {
 
 TEST_F(ReplicationTest, DrainWithoutReplicationSeedsATemporaryBackupThenPromotesIt) {
   const uint64_t a = AddShard(), b = AddShard();
-  const uint64_t job = CreateOk(Job("llm", 4, 0));
+  const uint64_t job = CreateOk(OneTensorJob("llm", 4, 0));
   const v1::ShardMap before = Map(job);
   const uint32_t on_a = Count(before, a, false);
   ASSERT_GT(on_a, 0u);
@@ -562,7 +545,7 @@ TEST_F(ReplicationTest, DrainWithoutReplicationSeedsATemporaryBackupThenPromotes
 
 TEST_F(ReplicationTest, DrainingShardLostAfterItsTemporaryBackupsAreSeededFailsOver) {
   const uint64_t a = AddShard(), b = AddShard();
-  const uint64_t job = CreateOk(Job("llm", 4, 0));
+  const uint64_t job = CreateOk(OneTensorJob("llm", 4, 0));
   BeatAll({a, b});
   v1::DrainShardRequest drain;
   drain.set_shard_id(a);
@@ -579,7 +562,7 @@ TEST_F(ReplicationTest, DrainingShardLostAfterItsTemporaryBackupsAreSeededFailsO
 TEST_F(ReplicationTest, DrainIsRefusedWhenTheChunksFitNowhereElseAndChangesNothing) {
   const uint64_t a = AddShard(v1::SHARD_KIND_DPU, 3 * kChunkBytes);
   const uint64_t b = AddShard(v1::SHARD_KIND_DPU, 3 * kChunkBytes);
-  const uint64_t job = CreateOk(Job("llm", 4, 0));  // 2 chunks each; room for 1 more each.
+  const uint64_t job = CreateOk(OneTensorJob("llm", 4, 0));  // 2 chunks each; room for 1 more each.
   BeatAll({a, b});
   v1::DrainShardRequest drain;
   drain.set_shard_id(a);
@@ -613,14 +596,14 @@ TEST_F(ReplicationTest, DrainingShardsGetNoNewChunks) {
   ASSERT_TRUE(coord_->DrainShard(drain).ok());
   coord_->TickReplication(now_);
   EXPECT_EQ(ShardStatusOf(a).state(), v1::SHARD_STATE_DRAINING);
-  const uint64_t job = CreateOk(Job("llm", 4, 0));
+  const uint64_t job = CreateOk(OneTensorJob("llm", 4, 0));
   EXPECT_EQ(Holders(Map(job)), (std::set<uint64_t>{b}));
   // Only one shard takes chunks: no room for replication.
-  auto r = coord_->CreateJob(Job("replicated", 4, 1));
+  auto r = coord_->CreateJob(OneTensorJob("replicated", 4, 1));
   EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition);
   // A backup lost on b's partner is not re-placed on the draining shard.
   const uint64_t c = AddShard();
-  const uint64_t rep = CreateOk(Job("replicated", 4, 1));
+  const uint64_t rep = CreateOk(OneTensorJob("replicated", 4, 1));
   EXPECT_EQ(Holders(Map(rep)), (std::set<uint64_t>{b, c}));
   BeatAll({b, c});
   Kill({c}, {a, b});
@@ -639,7 +622,7 @@ TEST_F(ReplicationTest, CheckpointsAreOrderedFromPrimariesOnly) {
   const uint64_t a = AddShard(v1::SHARD_KIND_DPU, 2 * kRepChunkBytes, /*checkpoints=*/true);
   const uint64_t b = AddShard(v1::SHARD_KIND_DPU, 2 * kRepChunkBytes, /*checkpoints=*/true);
   const uint64_t h = AddShard(v1::SHARD_KIND_HOST, uint64_t{1} << 30, /*checkpoints=*/false);
-  const uint64_t job = CreateOk(Job("llm", 4, 1));
+  const uint64_t job = CreateOk(OneTensorJob("llm", 4, 1));
   ASSERT_EQ(Count(Map(job), h, true), 4u);
   BeatAll({a, b, h});
   ASSERT_EQ(JobStatusOf(job).state(), v1::JOB_STATE_READY);
@@ -659,7 +642,7 @@ TEST_F(ReplicationTest, RestoredJobKeepsItsReplicationAndGetsBackups) {
   const uint64_t a = AddShard(v1::SHARD_KIND_DPU, uint64_t{1} << 30, true);
   const uint64_t b = AddShard(v1::SHARD_KIND_DPU, uint64_t{1} << 30, true);
   const uint64_t c = AddShard(v1::SHARD_KIND_DPU, uint64_t{1} << 30, true);
-  const uint64_t job = CreateOk(Job("llm", 6, 1));
+  const uint64_t job = CreateOk(OneTensorJob("llm", 6, 1));
   BeatAll({a, b, c});
   v1::CreateCheckpointRequest req;
   req.set_job_name("llm");
