@@ -19,6 +19,9 @@ PACKAGES=(
   libssl-dev openssl
   python3-dev pybind11-dev python3-pytest python3-yaml
   iproute2
+  # etcd mode: /usr/bin/etcd for its tests (and a local cluster), and the
+  # v3 API's .proto files, compiled at build time (bazel/etcd_api.bzl).
+  etcd-server golang-etcd-server-dev
 )
 
 missing=()

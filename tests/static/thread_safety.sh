@@ -3,7 +3,8 @@
 # (-Wthread-safety, as errors): a guarded field read or written without its
 # lock, or a function called without the lock it requires, fails the build.
 # Usage: thread_safety.sh OUT_LOG GEN_DIR SOURCES...   (run by the genrule in
-# BUILD; GEN_DIR holds the generated proto/ headers).
+# BUILD; GEN_DIR holds the generated proto/ headers, and etcd's under
+# external/etcd_api).
 set -euo pipefail
 out="$1"; gen="$2"; shift 2
 CLANG="$(command -v clang++-14 || command -v clang++ || true)"
@@ -13,7 +14,7 @@ if [ -z "${CLANG}" ]; then
 fi
 # Only the analysis' warnings, as errors; everything else is gcc's job.
 FLAGS=(-std=c++17 -fsyntax-only -Wno-everything -Wthread-safety -Werror=thread-safety
-       -I. -I"${gen}" -I/usr/include/torch/csrc/api/include
+       -I. -I"${gen}" -I"${gen}/external/etcd_api" -I/usr/include/torch/csrc/api/include
        $(pkg-config --cflags grpc++ protobuf ucx))
 checked=0
 failed=0
