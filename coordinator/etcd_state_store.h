@@ -53,7 +53,7 @@
 namespace optimus {
 
 // Which election key a writer must still hold (v3electionpb::LeaderKey's
-// key and rev).
+// key and rev). An empty key writes unfenced (benchmarks and tools only).
 struct EtcdFence {
   std::string key;
   int64_t create_revision = 0;

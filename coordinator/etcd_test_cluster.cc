@@ -13,18 +13,37 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <set>
 #include <sstream>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "coordinator/etcd_client.h"
 
 extern char** environ;
 
 namespace optimus {
+namespace {
+int PickOnePort();
+}  // namespace
 
 int PickFreePort() {
+  // bind(0) may hand the same port out twice in a row once it is closed:
+  // never give one out twice.
+  static absl::Mutex mu(absl::kConstInit);
+  static std::set<int>* given = new std::set<int>();
+  for (int attempt = 0; attempt < 100; ++attempt) {
+    const int port = PickOnePort();
+    absl::MutexLock lock(&mu);
+    if (port != 0 && given->insert(port).second) return port;
+  }
+  return 0;
+}
+
+namespace {
+int PickOnePort() {
   const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
   if (fd < 0) return 0;
   sockaddr_in addr{};
@@ -40,6 +59,7 @@ int PickFreePort() {
   ::close(fd);
   return port;
 }
+}  // namespace
 
 std::string TestFolder(const std::string& name) {
   const char* t = std::getenv("TEST_TMPDIR");

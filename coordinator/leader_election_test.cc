@@ -14,6 +14,7 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <functional>
 #include <fstream>
 #include <memory>
 #include <optional>
@@ -39,8 +40,11 @@ using google::protobuf::util::MessageDifferencer;
 
 // Hang guard for anything awaited; never a speed requirement.
 constexpr absl::Duration kHangGuard = absl::Seconds(90);
-// The coordinators' --lease_ms: their etcd lease's TTL is 4 s.
-constexpr int kLeaseMs = 4000;
+// The coordinators' etcd lease TTL (--etcd_lease_ttl_s). Their shard lease
+// (--lease_ms) is a minute: the shards registered here never heartbeat, and
+// must stay UP while the state is compared.
+constexpr int kTtlS = 4;
+constexpr int kLeaseMs = 60000;
 
 const char kBinary[] = "coordinator/optimus-coord";
 
@@ -129,6 +133,7 @@ Coord StartCoord(const std::string& folder, const std::string& name, const std::
       absl::StrCat("--etcd_endpoints=", etcd),
       absl::StrCat("--etcd_prefix=", prefix),
       absl::StrCat("--lease_ms=", kLeaseMs),
+      absl::StrCat("--etcd_lease_ttl_s=", kTtlS),
   };
   absl::StatusOr<pid_t> pid = SpawnLogged(argv, c.log);
   EXPECT_TRUE(pid.ok()) << pid.status();
@@ -307,7 +312,7 @@ TEST_F(LeaderElectionTest, StandbyLeadsWithTheSameStateWhenTheLeaderIsKilled) {
   ASSERT_TRUE(WaitFor([&] { return FileExists(c2_.port_file); })) << ReadFile(c2_.log);
   // A figure, not a requirement: the lease's TTL plus etcd's expiry check.
   std::printf("takeover after SIGKILL of the leader: %.2f s (etcd lease TTL %d s)\n",
-              absl::ToDoubleSeconds(absl::Now() - killed), (kLeaseMs + 999) / 1000);
+              absl::ToDoubleSeconds(absl::Now() - killed), kTtlS);
   EXPECT_EQ(HttpGet(c2_.http_port, "/readyz"), 200);
   auto stub2 = StubFor(c2_);
   ExpectSameState(before, Look(stub2.get()));
@@ -322,7 +327,7 @@ TEST_F(LeaderElectionTest, AKilledEtcdMemberChangesNothingAndSigtermHandsOver) {
   cluster_->Kill(0);
   // Three TTLs without m0: the leader keeps its lease through the others
   // (waitpid would reap it had it exited) and the standby stays one.
-  absl::SleepFor(absl::Milliseconds(3 * kLeaseMs));
+  absl::SleepFor(absl::Seconds(3 * kTtlS));
   int wstatus;
   EXPECT_EQ(::waitpid(c1_.pid, &wstatus, WNOHANG), 0) << ReadFile(c1_.log);
   EXPECT_EQ(::waitpid(c2_.pid, &wstatus, WNOHANG), 0) << ReadFile(c2_.log);
@@ -340,10 +345,10 @@ TEST_F(LeaderElectionTest, AKilledEtcdMemberChangesNothingAndSigtermHandsOver) {
 
   ::kill(c1_.pid, SIGTERM);
   const absl::Time stopped = absl::Now();
-  std::optional<int> exit = WaitExit(c1_.pid);
-  ASSERT_TRUE(exit.has_value());
+  std::optional<int> ended = WaitExit(c1_.pid);
+  ASSERT_TRUE(ended.has_value());
   c1_.pid = 0;
-  EXPECT_TRUE(WIFEXITED(*exit) && WEXITSTATUS(*exit) == 0) << *exit;
+  EXPECT_TRUE(WIFEXITED(*ended) && WEXITSTATUS(*ended) == 0) << *ended;
   ASSERT_TRUE(WaitFor([&] { return FileExists(c2_.port_file); })) << ReadFile(c2_.log);
   std::printf("takeover after SIGTERM of the leader: %.2f s\n",
               absl::ToDoubleSeconds(absl::Now() - stopped));
@@ -365,10 +370,10 @@ TEST_F(LeaderElectionTest, ALeaderWhoseElectionKeyIsGoneExitsAndTheStandbyLeads)
   del.set_key((*leader)->key());
   ASSERT_TRUE((*client)->DeleteRange(del).ok());
 
-  std::optional<int> exit = WaitExit(c1_.pid);
-  ASSERT_TRUE(exit.has_value());
+  std::optional<int> ended = WaitExit(c1_.pid);
+  ASSERT_TRUE(ended.has_value());
   c1_.pid = 0;
-  EXPECT_TRUE(WIFEXITED(*exit) && WEXITSTATUS(*exit) == 3) << *exit;
+  EXPECT_TRUE(WIFEXITED(*ended) && WEXITSTATUS(*ended) == 3) << *ended;
   EXPECT_TRUE(absl::StrContains(ReadFile(c1_.log), "LEADERSHIP LOST"));
   ASSERT_TRUE(WaitFor([&] { return FileExists(c2_.port_file); })) << ReadFile(c2_.log);
 }
@@ -381,9 +386,9 @@ TEST(LeaderElectionFlagsTest, StateDirAndEtcdAreExclusive) {
        "--etcd_endpoints=127.0.0.1:1"},
       log);
   ASSERT_TRUE(pid.ok()) << pid.status();
-  std::optional<int> exit = WaitExit(*pid);
-  ASSERT_TRUE(exit.has_value());
-  EXPECT_TRUE(WIFEXITED(*exit) && WEXITSTATUS(*exit) == 2) << *exit;
+  std::optional<int> ended = WaitExit(*pid);
+  ASSERT_TRUE(ended.has_value());
+  EXPECT_TRUE(WIFEXITED(*ended) && WEXITSTATUS(*ended) == 2) << *ended;
   EXPECT_TRUE(absl::StrContains(ReadFile(log), "exclusive")) << ReadFile(log);
 }
 
