@@ -265,6 +265,26 @@ TEST_F(EtcdStoreTest, BytesThatDoNotParseAreRefusedAndWriteNothing) {
   EXPECT_EQ(ModRevisions(client_.get(), store->state_prefix()), before);
 }
 
+TEST_F(EtcdStoreTest, AnEndpointThatIsDownIsSkippedAndNamedWhenAllAre) {
+  const std::string dead = absl::StrCat("127.0.0.1:", PickFreePort());
+  EtcdClientOptions o;
+  o.endpoints = {dead, cluster_->endpoints()[0]};
+  auto client = EtcdClient::Create(o);
+  ASSERT_TRUE(client.ok());
+  etcdserverpb::PutRequest put;
+  put.set_key("/endpoint-test");
+  put.set_value("v");
+  auto r = (*client)->Put(put);
+  EXPECT_TRUE(r.ok()) << r.status();
+
+  o.endpoints = {dead};
+  auto lone = EtcdClient::Create(o);
+  ASSERT_TRUE(lone.ok());
+  auto failed = (*lone)->Put(put);
+  EXPECT_EQ(failed.status().code(), absl::StatusCode::kUnavailable) << failed.status();
+  EXPECT_TRUE(absl::StrContains(failed.status().message(), dead)) << failed.status();
+}
+
 TEST(EtcdEndpointsTest, ParsesListsAndRefusesBadEntries) {
   auto ok = ParseEtcdEndpoints("127.0.0.1:2379, http://etcd-1:2379/,etcd-2:22379");
   ASSERT_TRUE(ok.ok()) << ok.status();
