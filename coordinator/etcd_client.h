@@ -24,6 +24,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -135,10 +136,16 @@ class EtcdClient {
   absl::Status Call(const char* what, absl::Duration timeout, EtcdCancel* cancel,
                     const std::function<grpc::Status(Endpoint&, grpc::ClientContext*)>& call);
 
+  // Keeps every channel that is not READY connecting (see the .cc).
+  void KeepConnecting();
+
   const EtcdClientOptions options_;
   std::vector<std::unique_ptr<Endpoint>> endpoints_;
   // Where the next call starts.
   std::atomic<size_t> current_{0};
+  absl::Mutex mu_;
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  std::thread connector_;
 };
 
 }  // namespace optimus

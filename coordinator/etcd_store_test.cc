@@ -211,7 +211,7 @@ TEST_F(EtcdStoreTest, LargeJobsAndLargeSavesAreSplitAndComeBackEqual) {
   state.set_next_shard_id(41);
   state.set_next_job_id(2);
   for (uint64_t id = 1; id <= 40; ++id) *state.add_shards() = Shard(id);
-  *state.add_jobs() = Job(1, 4000);
+  *state.add_jobs() = Job(1, 7000);  // ~15 bytes a chunk: ~104 KB.
   ASSERT_GT(state.jobs(0).ByteSizeLong(), 60u * 1024);
   ASSERT_TRUE(store->Save(Bytes(state)).ok());
   EXPECT_GT(store->last_save().txns, 1);
@@ -224,7 +224,7 @@ TEST_F(EtcdStoreTest, LargeJobsAndLargeSavesAreSplitAndComeBackEqual) {
   EXPECT_TRUE(MessageDifferencer::Equals(Parse(**loaded), state));
 
   // The job changes: new parts replace the old ones (none left behind).
-  *state.mutable_jobs(0) = Job(1, 4000, /*epoch=*/9);
+  *state.mutable_jobs(0) = Job(1, 7000, /*epoch=*/9);
   ASSERT_TRUE(store->Save(Bytes(state)).ok());
   EXPECT_EQ(ModRevisions(client_.get(), store->state_prefix()).size(), keys);
   loaded = Store()->Load();
