@@ -116,7 +116,7 @@ EtcdClient::EtcdClient(EtcdClientOptions options) : options_(std::move(options))
     // SETTINGS exchange) is given, and at 100 ms every attempt on a loaded
     // machine was cut short ("tcp handshaker shutdown"), so no member was
     // ever reached. That stays at gRPC's 20 s (etcd_store_test's
-    // SlowHandshakeStillConnects).
+    // AMemberWhoseConnectionIsSlowToSetUpIsStillReached).
     args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
     args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
     e->channel = grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
