@@ -12,6 +12,7 @@
 // reads when it takes over).
 //
 // Usage: bazel run -c opt //bench:etcd_state -- [--shards=1000,16384]
+// (figures and the command used: docs/benchmarks.md)
 #include <cstdio>
 #include <string>
 #include <vector>
