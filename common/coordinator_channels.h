@@ -66,7 +66,7 @@ class CoordinatorChannels {
       absl::string_view addresses, const security::TlsOptions& tls, absl::string_view who,
       grpc::ChannelArguments args = {});
 
-  static constexpr absl::Duration kMaxBackoffWithStandbys = absl::Seconds(1);
+  static constexpr absl::Duration kMaxBackoffWithStandbys = absl::Milliseconds(500);
 
   size_t size() const { return addresses_.size(); }
   const std::string& address(size_t i) const { return addresses_[i]; }
