@@ -382,15 +382,24 @@ class ClientImpl : public Client {
                                                options_.coordinator_address, "): ", s.message()));
   }
 
-  // One control-plane call through whichever coordinator leads.
+  // One control-plane call through whichever coordinator leads: with
+  // several addresses, one that does not answer (UNAVAILABLE) is followed
+  // at once by a try at the next. Every call here may be repeated
+  // (CreateJob's repeat answers ALREADY_EXISTS, which JoinOrCreate takes
+  // as "join it").
   template <class Request, class Response>
   absl::Status CallCoordinator(
       grpc::Status (v1::Coordinator::Stub::*method)(grpc::ClientContext*, const Request&,
                                                    Response*),
       const Request& request, Response* response) {
-    grpc::ClientContext ctx;
-    SetDeadline(&ctx);
-    return FromGrpc(stub_->Call(method, &ctx, request, response));
+    return FromGrpc(stub_->CallAround(
+        method,
+        [this] {
+          auto ctx = std::make_unique<grpc::ClientContext>();
+          SetDeadline(ctx.get());
+          return ctx;
+        },
+        request, response));
   }
 
   absl::Status CreateJob(const JobDef& def) override {

@@ -123,6 +123,26 @@ class LeaderStub {
     return s;
   }
 
+  // Call, and with several addresses an UNAVAILABLE answer is tried again
+  // at once where Report moved (at most once per address), each try with a
+  // new context from `make_context` (a callable returning
+  // std::unique_ptr<grpc::ClientContext>, with its deadline and metadata).
+  // Refused connections, the usual UNAVAILABLE, never reached a
+  // coordinator; a call broken mid-flight may have, so use it for calls
+  // that may be repeated. One address: one try, as Call.
+  template <class Request, class Response, class MakeContext>
+  grpc::Status CallAround(
+      grpc::Status (Stub::*method)(grpc::ClientContext*, const Request&, Response*),
+      const MakeContext& make_context, const Request& request, Response* response) {
+    grpc::Status s;
+    for (size_t tries = 0; tries < channels_->size(); ++tries) {
+      std::unique_ptr<grpc::ClientContext> ctx = make_context();
+      s = Call(method, ctx.get(), request, response);
+      if (s.error_code() != grpc::StatusCode::UNAVAILABLE) break;
+    }
+    return s;
+  }
+
   // The stub the next call should use and its index, for calls Call does
   // not fit (streams); report their outcome with Report.
   std::pair<size_t, Stub*> Pick() const {

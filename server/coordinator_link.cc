@@ -97,6 +97,19 @@ ShardMapView MapFromProto(const v1::ShardMap& map) {
   return v;
 }
 
+// Makes a new context with a deadline `seconds` from when it is made: each
+// try of CallAround gets its own. Register, heartbeat and a job's fetch may
+// all be repeated (a repeated registration leaves an unused id that goes
+// DOWN after the lease, as after a coordinator restart).
+struct Deadline {
+  int seconds;
+  std::unique_ptr<grpc::ClientContext> operator()() const {
+    auto ctx = std::make_unique<grpc::ClientContext>();
+    ctx->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(seconds));
+    return ctx;
+  }
+};
+
 class GrpcCoordinatorLink : public CoordinatorLink {
  public:
   explicit GrpcCoordinatorLink(std::shared_ptr<CoordinatorChannels> channels)
@@ -131,17 +144,12 @@ class GrpcCoordinatorLink : public CoordinatorLink {
     caps->set_hostname(r.hostname);
     caps->set_checkpoints(r.checkpoints);
     v1::RegisterShardResponse resp;
-    grpc::ClientContext ctx;
-    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
-    const size_t at = stub_.channels().current();
-    absl::Status s = FromGrpc(stub_.Call(&v1::Coordinator::Stub::RegisterShard, &ctx, req, &resp));
+    absl::Status s = FromGrpc(
+        stub_.CallAround(&v1::Coordinator::Stub::RegisterShard, Deadline{5}, req, &resp));
     if (!s.ok()) {
       return absl::Status(s.code(), absl::StrCat("registering with coordinator at ",
-                                                 stub_.channels().address(at),
-                                                 stub_.channels().size() > 1
-                                                     ? absl::StrCat(" (of ", stub_.channels().addresses(), ")")
-                                                     : std::string(),
-                                                 ": ", s.message()));
+                                                 stub_.channels().addresses(), ": ",
+                                                 s.message()));
     }
     return Registered{resp.shard_id(), static_cast<int64_t>(resp.lease_ms()),
                       resp.data_plane_key()};
@@ -175,9 +183,11 @@ class GrpcCoordinatorLink : public CoordinatorLink {
       for (const v1::CheckpointFile& f : c.files) *p->add_files() = f;
     }
     v1::HeartbeatResponse resp;
-    grpc::ClientContext ctx;
-    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
-    if (absl::Status s = FromGrpc(stub_.Call(&v1::Coordinator::Stub::Heartbeat, &ctx, req, &resp)); !s.ok()) return s;
+    if (absl::Status s = FromGrpc(
+            stub_.CallAround(&v1::Coordinator::Stub::Heartbeat, Deadline{2}, req, &resp));
+        !s.ok()) {
+      return s;
+    }
     HeartbeatReply out;
     out.known = resp.known();
     for (const v1::Assignment& a : resp.assignments()) {
@@ -196,9 +206,11 @@ class GrpcCoordinatorLink : public CoordinatorLink {
     req.set_job_id(job_id);
     req.set_for_shard_id(shard_id);
     v1::GetJobResponse resp;
-    grpc::ClientContext ctx;
-    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
-    if (absl::Status s = FromGrpc(stub_.Call(&v1::Coordinator::Stub::GetJob, &ctx, req, &resp)); !s.ok()) return s;
+    if (absl::Status s =
+            FromGrpc(stub_.CallAround(&v1::Coordinator::Stub::GetJob, Deadline{5}, req, &resp));
+        !s.ok()) {
+      return s;
+    }
     absl::StatusOr<JobConfig> config = ConfigFromSpec(job_id, resp.spec());
     if (!config.ok()) {
       return absl::InvalidArgumentError(
