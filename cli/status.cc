@@ -263,7 +263,7 @@ void SetCliConnectWait(absl::Duration wait) {
 
 std::shared_ptr<grpc::Channel> CoordinatorChannel(const std::string& address) {
   std::shared_ptr<grpc::ChannelCredentials> credentials;
-  absl::Duration wait;
+  absl::Duration wait = absl::Seconds(3);
   {
     absl::MutexLock lock(&tls_mu);
     if (!cli_tls.has_value()) {

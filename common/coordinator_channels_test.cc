@@ -63,11 +63,12 @@ TEST(ParseCoordinatorAddressesTest, BadListsAreClearErrors) {
   EXPECT_THAT(ErrorOf("a:http"), HasSubstr("not a number from 1 to 65535"));
   EXPECT_THAT(ErrorOf(":7070"), HasSubstr("no host"));
   EXPECT_THAT(ErrorOf("::1:7070"), HasSubstr("must be in brackets"));
-  EXPECT_THAT(ErrorOf("[::1:7070"), HasSubstr("must be in brackets"));
+  EXPECT_THAT(ErrorOf("[::1:7070"), HasSubstr("bracketed"));
   EXPECT_THAT(ErrorOf("[]:7070"), HasSubstr("bracketed"));
   EXPECT_THAT(ErrorOf("a b:7070"), HasSubstr("has a ' '"));
-  EXPECT_THAT(ErrorOf("a:1 b:2"), HasSubstr("not a number"));  // A space is not a separator.
-  EXPECT_THAT(ErrorOf("a:1;b:2"), HasSubstr("not a number"));
+  // Only a comma separates.
+  EXPECT_THAT(ErrorOf("a:1 b:2"), HasSubstr("coordinator address \"a:1 b:2\""));
+  EXPECT_THAT(ErrorOf("a:1;b:2"), HasSubstr("coordinator address \"a:1;b:2\""));
   EXPECT_THAT(ErrorOf("a:7070,a:7070"), HasSubstr("listed twice"));
   EXPECT_THAT(ErrorOf("dns:"), HasSubstr("no address after the scheme"));
   EXPECT_THAT(ErrorOf("ipv4:"), HasSubstr("no address after the scheme"));

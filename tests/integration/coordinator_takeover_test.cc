@@ -115,7 +115,7 @@ TEST_F(CoordinatorTakeoverTest, ShardsWorkersAndOptimusctlFollowTheCoordinatorTh
     EXPECT_EQ(got, want) << "tensor " << t;
   }
   // The workers' own calls reach the coordinator that listens now.
-  for (uint32_t r = 0; r < 2; ++r) EXPECT_OK(cluster_->worker(r)->Leave()) << "rank " << r;
+  for (uint32_t r = 0; r < 2; ++r) EXPECT_OK(cluster_->worker(r)->Leave());
   ASSERT_OK_AND_ASSIGN(v1::StatusResponse st, cluster_->Status());
   ASSERT_EQ(st.jobs_size(), 1);
   EXPECT_EQ(st.jobs(0).workers_joined(), 0u);
