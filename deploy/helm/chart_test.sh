@@ -7,7 +7,7 @@
 #      NetworkPolicies, TLS test hook), plain text (tests/values/plaintext-values.yaml),
 #      etcd mode with the chart's etcd (optimus/ci/etcd-values.yaml: two
 #      coordinators, a 3-member etcd StatefulSet) and over an external etcd
-#      with TLS (tests/values/etcd-external-values.yaml);
+#      (tests/values/etcd-external-values.yaml);
 #   3. validates each rendering with tests/validate.js: YAML without duplicate
 #      keys, every object against the Kubernetes API schemas (PrometheusRule and
 #      ServiceMonitor against the Prometheus Operator's), the merged values

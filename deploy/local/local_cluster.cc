@@ -99,6 +99,10 @@ ABSL_FLAG(std::string, etcd_endpoints, "",
           "a state folder: optimus-coord's etcd mode, with leader election");
 ABSL_FLAG(std::string, etcd_prefix, "/optimus-local",
           "with --etcd_endpoints: the key prefix of this cluster's state");
+ABSL_FLAG(int, etcd_lease_ttl_s, 0,
+          "with --etcd_endpoints: the leader's etcd lease TTL in seconds (optimus-coord "
+          "--etcd_lease_ttl_s; a standby takes over within about it); 0: optimus-coord's default "
+          "(--lease_ms rounded up, at least 2)");
 ABSL_FLAG(int, coordinators, 1,
           "optimus-coord processes (with --etcd_endpoints): one leads, the others stand by "
           "without listening; shards, workers and this launcher are given every address");
@@ -559,6 +563,9 @@ int main(int argc, char** argv) {
       args.push_back("--etcd_endpoints=" + etcd);
       args.push_back("--etcd_prefix=" + absl::GetFlag(FLAGS_etcd_prefix));
       args.push_back("--advertise_address=" + listen);
+      if (absl::GetFlag(FLAGS_etcd_lease_ttl_s) > 0) {
+        args.push_back(absl::StrCat("--etcd_lease_ttl_s=", absl::GetFlag(FLAGS_etcd_lease_ttl_s)));
+      }
     }
     if (metrics_port > 0) {
       args.push_back(absl::StrCat("--metrics_port=",
@@ -1030,7 +1037,10 @@ int main(int argc, char** argv) {
                                               ", \"new_leader_at_step\": ", new_leader_at_step,
                                               ", \"leader_gap_ms\": ",
                                               absl::ToInt64Milliseconds(leader_gap),
-                                              ", \"lease_ms\": 2000")
+                                              ", \"etcd_lease_ttl_s\": ",
+                                              absl::GetFlag(FLAGS_etcd_lease_ttl_s) > 0
+                                                  ? absl::GetFlag(FLAGS_etcd_lease_ttl_s)
+                                                  : 2)
                                : "")
                   .c_str());
   std::fflush(stdout);

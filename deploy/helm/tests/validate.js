@@ -397,15 +397,6 @@ if (values.coordinator.enabled) {
           `${eid}: no PodDisruptionBudget`);
       }
     }
-    if (values.etcd.tlsSecret) {
-      const dir = f.etcd_tls_dir;
-      const mount = (c.volumeMounts || []).find((m) => m.mountPath === dir);
-      const vol = mount && s.spec.template.spec.volumes.find((v) => v.name === mount.name);
-      expect(vol && vol.secret && vol.secret.secretName === values.etcd.tlsSecret,
-        `--etcd_tls_dir=${dir} is not the Secret etcd.tlsSecret (${values.etcd.tlsSecret})`);
-    } else {
-      expect(f.etcd_tls_dir === undefined, "--etcd_tls_dir set without etcd.tlsSecret");
-    }
   }
 } else {
   expect(coordSets.length === 0 && etcdSets.length === 0, "coordinator.enabled is false but a coordinator or etcd workload rendered");

@@ -221,9 +221,6 @@ prometheus.io/path: /metrics
 {{- if eq (include "optimus.coordinatorStore" .) "etcd" }}
 --etcd_endpoints={{ include "optimus.etcdEndpoints" . }}
 --etcd_prefix={{ include "optimus.etcdPrefix" . }}
-{{- if .Values.etcd.tlsSecret }}
---etcd_tls_dir=/etc/optimus-etcd-tls
-{{- end }}
 {{- else }}
 --state_dir={{ trimSuffix "/" $c.persistence.mountPath }}/state
 {{- end }}
