@@ -1666,6 +1666,10 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& opt
   if (options.coordinator_address.empty()) {
     return absl::InvalidArgumentError("ClientOptions.coordinator_address is required");
   }
+  // A bad address list is refused before anything (the data plane) starts.
+  if (auto list = ParseCoordinatorAddresses(options.coordinator_address); !list.ok()) {
+    return list.status();
+  }
   auto c = std::make_unique<ClientImpl>(options);
   if (auto s = c->Init(); !s.ok()) return s;
   return std::unique_ptr<Client>(std::move(c));

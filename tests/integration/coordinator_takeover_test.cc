@@ -147,6 +147,18 @@ TEST_F(CoordinatorTakeoverTest, ATrainerStartingInTheGapReachesTheNewLeader) {
   EXPECT_EQ(session->client->tensors().size(), 2u);
 }
 
+// A trainer given a malformed list learns it at once, naming the entry.
+TEST(CoordinatorListTest, AClientRefusesABadListBeforeStartingAnything) {
+  client::ClientOptions o;
+  o.coordinator_address = "coord-a:7070,coord-b";
+  o.tls.plaintext = true;
+  auto c = client::Client::Connect(o);
+  ASSERT_FALSE(c.ok());
+  EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument) << c.status();
+  EXPECT_THAT(std::string(c.status().message()), HasSubstr("\"coord-b\""));
+  EXPECT_THAT(std::string(c.status().message()), HasSubstr("no port"));
+}
+
 }  // namespace
 }  // namespace harness
 }  // namespace optimus
