@@ -53,6 +53,9 @@ absl::Status UseCoordinator(const GlobalFlags& globals);
 
 // A validator for positive whole numbers (ids, seconds), naming `what`.
 CLI::Validator PositiveWhole(const std::string& what);
+// A validator for --coordinator: one HOST:PORT or several, comma-separated
+// (common/coordinator_channels.h says what is accepted).
+CLI::Validator CoordinatorAddresses();
 // A validator for a non-empty value, naming what it should be.
 CLI::Validator NonEmpty(const std::string& what);
 

@@ -14,6 +14,7 @@
 #include "absl/strings/str_join.h"
 #include "cli/command_util.h"
 #include "cli/status.h"
+#include "common/coordinator_channels.h"
 #include "common/wire.h"
 
 namespace optimus {
@@ -29,7 +30,8 @@ constexpr char kRootFooter[] =
     "  2  usage error (unknown command or flag, missing or bad value)\n"
     "\n"
     "Environment:\n"
-    "  OPTIMUS_COORDINATOR         HOST:PORT when --coordinator is not given\n"
+    "  OPTIMUS_COORDINATOR         HOST:PORT (or several, comma-separated: a leader\n"
+    "                              and its standbys) when --coordinator is not given\n"
     "  OPTIMUS_TLS_DIR             the folder when --tls_dir is not given\n"
     "  OPTIMUS_INSECURE_PLAINTEXT  1: plain-text gRPC (local clusters only)\n"
     "  OPTIMUS_JOB_TOKEN           job create: the token the new job takes\n"
@@ -37,7 +39,7 @@ constexpr char kRootFooter[] =
     "Run `optimusctl COMMAND --help` for a command's flags.";
 
 constexpr char kCommandFooter[] =
-    "Global flags (see optimusctl --help): --coordinator HOST:PORT,\n"
+    "Global flags (see optimusctl --help): --coordinator HOST:PORT[,HOST:PORT...],\n"
     "--timeout_ms N, --tls_dir DIR, --insecure_plaintext.\n"
     "Exit codes: 0 done, 1 failed, 2 usage error.";
 
@@ -164,6 +166,7 @@ void AddPageSizeFlag(CLI::App* cmd, StatusQuery* query) {
 }
 
 absl::Status UseCoordinator(const GlobalFlags& globals) {
+  SetCliConnectWait(globals.timeout());
   absl::Status s = SetCliTls(globals.tls);
   if (!s.ok()) {
     // LoadTls names the program itself.
@@ -181,6 +184,15 @@ CLI::Validator PositiveWhole(const std::string& what) {
         return absl::StrCat("\"", value, "\" is not ", what, " (a positive whole number)");
       },
       "", "positive whole number");
+}
+
+CLI::Validator CoordinatorAddresses() {
+  return CLI::Validator(
+      [](std::string& value) -> std::string {
+        absl::StatusOr<std::vector<std::string>> list = ParseCoordinatorAddresses(value);
+        return list.ok() ? std::string() : std::string(list.status().message());
+      },
+      "", "coordinator addresses");
 }
 
 CLI::Validator NonEmpty(const std::string& what) {
@@ -204,11 +216,13 @@ void ConfigureRoot(CLI::App* root, GlobalFlags* g) {
   root->require_subcommand(1);
   root->footer(kRootFooter);
   root->set_version_flag("--version", absl::StrCat("optimusctl ", kOptimusctlVersion));
-  root->add_option("--coordinator", g->coordinator, "the coordinator's gRPC address")
-      ->type_name("HOST:PORT")
+  root->add_option("--coordinator", g->coordinator,
+                   "the coordinator's gRPC address; several (a leader and its standbys, "
+                   "comma-separated): whichever leads")
+      ->type_name("HOST:PORT[,HOST:PORT...]")
       ->envname("OPTIMUS_COORDINATOR")
       ->capture_default_str()
-      ->check(NonEmpty("HOST:PORT"));
+      ->check(CoordinatorAddresses());
   root->add_option("--timeout_ms", g->timeout_ms,
                    "give up on the coordinator after this many milliseconds")
       ->type_name("N")

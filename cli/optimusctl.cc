@@ -1,6 +1,6 @@
 // optimusctl: the operator's command line for an optimus cluster, in
 // kubectl's manner (CLI11: every command has its own flags and --help):
-//   optimusctl [--coordinator=HOST:PORT] [--timeout_ms=N]
+//   optimusctl [--coordinator=HOST:PORT[,HOST:PORT...]] [--timeout_ms=N]
 //              [--tls_dir=DIR | --insecure_plaintext] COMMAND [flags]
 //   status | version
 //   job list | describe NAME | create -f FILE | delete NAME [--force]

@@ -466,6 +466,47 @@ TEST(OptimusctlErrorsTest, UnreachableCoordinatorExitsOneWithAClearMessage) {
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
 }
 
+// A leader and a standby (state in etcd): the standby does not listen, and
+// optimusctl talks to whichever does, in either order of the list.
+TEST_F(OptimusctlTest, SeveralCoordinatorAddressesReachTheOneThatListens) {
+  RegisterShard(v1::SHARD_KIND_DPU, "bf-0");
+  const std::string standby = absl::StrCat("127.0.0.1:", UnusedPort());
+  for (const std::string& list :
+       {standby + "," + server_->address(), server_->address() + ", " + standby}) {
+    const RunResult r = RunOptimusctl(absl::StrCat("--coordinator='", list, "' status --json"));
+    ASSERT_EQ(r.exit_code, 0) << list << ": " << r.err;
+    EXPECT_EQ(ParseOrFail(r.out)["shards"].size(), 1u) << list;
+  }
+  // $OPTIMUS_COORDINATOR takes a list too.
+  const RunResult r =
+      RunOptimusctl("shard list -o json", "OPTIMUS_COORDINATOR=" + standby + "," + server_->address());
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+}
+
+TEST(OptimusctlErrorsTest, BadCoordinatorListsAreUsageErrors) {
+  const struct {
+    std::string list, says;
+  } kCases[] = {
+      {"a:1,,b:2", "entry 2 is empty"},
+      {"a:1,b", "\"b\" (in \"a:1,b\"): no port"},
+      {"a:1,a:1", "listed twice"},
+      {"a:99999", "not a number from 1 to 65535"},
+  };
+  for (const auto& c : kCases) {
+    const RunResult r = RunOptimusctl("--coordinator=" + c.list + " status");
+    EXPECT_EQ(r.exit_code, 2) << c.list;
+    EXPECT_THAT(r.err, HasSubstr("--coordinator")) << c.list;
+    EXPECT_THAT(r.err, HasSubstr(c.says)) << c.list;
+    EXPECT_TRUE(r.out.empty()) << c.list << ": " << r.out;
+  }
+  // Nobody at any address: the command fails naming them all.
+  const std::string both =
+      absl::StrCat("127.0.0.1:", UnusedPort(), ",127.0.0.1:", UnusedPort());
+  const RunResult r = RunOptimusctl("--coordinator=" + both + " --timeout_ms=1000 status");
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_THAT(r.err, HasSubstr("cannot reach coordinator at " + both + ":"));
+}
+
 TEST(OptimusctlErrorsTest, UsageErrorsExitTwo) {
   RunResult r = RunOptimusctl("frobnicate");
   EXPECT_EQ(r.exit_code, 2);

@@ -25,7 +25,8 @@ struct DrainFlags {
 };
 
 // Marks the shard DRAINING; with --wait, polls status until it holds no
-// chunk, printing each change of what is left to stderr.
+// chunk, printing each change of what is left to stderr. A poll that finds
+// no coordinator (a restart, a takeover) is tried again until --wait_s.
 int Drain(const GlobalFlags& g, const DrainFlags& f) {
   if (!UseCoordinator(g).ok()) return 2;
   const uint64_t id = f.shard_id;
@@ -42,6 +43,17 @@ int Drain(const GlobalFlags& g, const DrainFlags& f) {
   std::string last_line;
   while (true) {
     absl::StatusOr<v1::StatusResponse> status = FetchStatus(g.coordinator, g.timeout(), query);
+    if (absl::IsUnavailable(status.status()) && absl::Now() < deadline) {
+      // The coordinator restarting, or its standby taking over (the drain
+      // is in its state and goes on under the new leader): ask again.
+      const std::string line = absl::StrCat(status.status().message(), "; asking again");
+      if (line != last_line) {
+        std::cerr << line << "\n";
+        last_line = line;
+      }
+      absl::SleepFor(absl::Milliseconds(500));
+      continue;
+    }
     if (!status.ok()) return Fail(status.status());
     const DrainProgress p = FindDrainProgress(*status, id);
     if (!p.found) return Fail(absl::NotFoundError(absl::StrCat("shard ", id, " is gone")));

@@ -12,6 +12,9 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/time/clock.h"
+#include "common/coordinator_channels.h"
 #include "common/grpc_limits.h"
 #include "common/grpc_status.h"
 #include "grpcpp/grpcpp.h"
@@ -237,6 +240,11 @@ namespace {
 
 absl::Mutex tls_mu;
 std::optional<security::TlsMaterial> cli_tls ABSL_GUARDED_BY(tls_mu);
+absl::Duration cli_connect_wait ABSL_GUARDED_BY(tls_mu) = absl::Seconds(3);
+// Several addresses: their channels, kept for the process (drain --wait
+// asks again and again, and follows a takeover).
+absl::flat_hash_map<std::string, std::shared_ptr<CoordinatorChannels>> cli_channels
+    ABSL_GUARDED_BY(tls_mu);
 
 }  // namespace
 
@@ -248,18 +256,48 @@ absl::Status SetCliTls(const security::TlsOptions& options) {
   return absl::OkStatus();
 }
 
-std::shared_ptr<grpc::Channel> CoordinatorChannel(const std::string& address) {
+void SetCliConnectWait(absl::Duration wait) {
   absl::MutexLock lock(&tls_mu);
-  if (!cli_tls.has_value()) {
-    absl::StatusOr<security::TlsMaterial> m =
-        security::LoadTls(security::TlsOptions(), false, "optimusctl");
-    if (!m.ok()) {
-      std::fprintf(stderr, "optimusctl: %s\n", std::string(m.status().message()).c_str());
-      return grpc::CreateChannel(address, grpc::SslCredentials(grpc::SslCredentialsOptions()));
+  cli_connect_wait = wait;
+}
+
+std::shared_ptr<grpc::Channel> CoordinatorChannel(const std::string& address) {
+  std::shared_ptr<grpc::ChannelCredentials> credentials;
+  absl::Duration wait = absl::Seconds(3);
+  {
+    absl::MutexLock lock(&tls_mu);
+    if (!cli_tls.has_value()) {
+      absl::StatusOr<security::TlsMaterial> m =
+          security::LoadTls(security::TlsOptions(), false, "optimusctl");
+      if (!m.ok()) {
+        std::fprintf(stderr, "optimusctl: %s\n", std::string(m.status().message()).c_str());
+        return grpc::CreateChannel(address, grpc::SslCredentials(grpc::SslCredentialsOptions()));
+      }
+      cli_tls = *std::move(m);
     }
-    cli_tls = *std::move(m);
+    credentials = security::ChannelCredentials(*cli_tls);
+    wait = cli_connect_wait;
   }
-  return CreateLimitedChannel(address, security::ChannelCredentials(*cli_tls));
+  // One address (or one the flag's check would have refused): one channel.
+  absl::StatusOr<std::vector<std::string>> list = ParseCoordinatorAddresses(address);
+  if (!list.ok() || list->size() == 1) return CreateLimitedChannel(address, credentials);
+  std::shared_ptr<CoordinatorChannels> channels;
+  {
+    absl::MutexLock lock(&tls_mu);
+    std::shared_ptr<CoordinatorChannels>& c = cli_channels[address];
+    if (c == nullptr) {
+      absl::StatusOr<std::shared_ptr<CoordinatorChannels>> made =
+          CoordinatorChannels::Create(address, credentials, LimitedChannelArgs());
+      if (!made.ok()) return CreateLimitedChannel(list->front(), credentials);
+      c = *std::move(made);
+    }
+    channels = c;
+  }
+  // The leader is the one that accepts a connection (standbys do not
+  // listen). None within the wait (a takeover under way): the current
+  // one, whose call then fails UNAVAILABLE naming every address.
+  channels->WaitForConnected(absl::Now() + wait);
+  return channels->channel(channels->current());
 }
 
 absl::StatusOr<v1::StatusResponse> FetchStatus(const std::string& address,

@@ -25,7 +25,13 @@ absl::Status SetCliTls(const security::TlsOptions& options);
 // A channel to the coordinator at `address` under that TLS setting (loaded
 // from the environment if SetCliTls was not called; if that fails, a TLS
 // channel that trusts no CA: calls fail, nothing is sent in clear).
+// Several addresses ("HOST:PORT,HOST:PORT": a leader and its standbys):
+// the channel of the one that accepts a connection within the connect wait
+// (SetCliConnectWait; default 3 s), asked again at every call, so a
+// command that polls (drain --wait) follows a takeover.
 std::shared_ptr<grpc::Channel> CoordinatorChannel(const std::string& address);
+// How long CoordinatorChannel waits for one of several addresses to connect.
+void SetCliConnectWait(absl::Duration wait);
 
 inline constexpr uint32_t kDefaultStatusPageSize = 1000;
 

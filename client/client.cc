@@ -15,6 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
+#include "common/coordinator_channels.h"
 #include "common/grpc_limits.h"
 #include "common/grpc_status.h"
 #include "common/logging.h"
@@ -346,10 +347,10 @@ class ClientImpl : public Client {
       GiveBatchBuffer(TakeBatchBuffer());
       GiveBatchBuffer(std::move(first));
     }
-    auto channel = security::Dial(options_.coordinator_address, options_.tls, "optimus client");
-    if (!channel.ok()) return channel.status();
-    channel_ = *std::move(channel);
-    stub_ = v1::Coordinator::NewStub(channel_);
+    auto channels =
+        CoordinatorChannels::Dial(options_.coordinator_address, options_.tls, "optimus client");
+    if (!channels.ok()) return channels.status();
+    stub_ = std::make_unique<LeaderStub<v1::Coordinator>>(*std::move(channels));
     {
       absl::MutexLock lock(&mu_);
       token_ = options_.job_token;
@@ -381,14 +382,32 @@ class ClientImpl : public Client {
                                                options_.coordinator_address, "): ", s.message()));
   }
 
+  // One control-plane call through whichever coordinator leads: with
+  // several addresses, one that does not answer (UNAVAILABLE) is followed
+  // at once by a try at the next. Every call here may be repeated
+  // (CreateJob's repeat answers ALREADY_EXISTS, which JoinOrCreate takes
+  // as "join it").
+  template <class Request, class Response>
+  absl::Status CallCoordinator(
+      grpc::Status (v1::Coordinator::Stub::*method)(grpc::ClientContext*, const Request&,
+                                                   Response*),
+      const Request& request, Response* response) {
+    return FromGrpc(stub_->CallAround(
+        method,
+        [this] {
+          auto ctx = std::make_unique<grpc::ClientContext>();
+          SetDeadline(ctx.get());
+          return ctx;
+        },
+        request, response));
+  }
+
   absl::Status CreateJob(const JobDef& def) override {
     v1::CreateJobRequest req;
     *req.mutable_spec() = ToJobSpec(def);
     req.set_job_token(job_token());
     v1::CreateJobResponse resp;
-    grpc::ClientContext ctx;
-    SetDeadline(&ctx);
-    absl::Status s = FromGrpc(stub_->CreateJob(&ctx, req, &resp));
+    absl::Status s = CallCoordinator(&v1::Coordinator::Stub::CreateJob, req, &resp);
     if (s.ok() && !resp.job_token().empty()) {
       absl::MutexLock lock(&mu_);
       token_ = resp.job_token();
@@ -407,9 +426,7 @@ class ClientImpl : public Client {
     req.set_world_size(world_size);
     v1::JoinJobResponse join;
     {
-      grpc::ClientContext ctx;
-      SetDeadline(&ctx);
-      auto s = FromGrpc(stub_->JoinJob(&ctx, req, &join));
+      auto s = CallCoordinator(&v1::Coordinator::Stub::JoinJob, req, &join);
       if (!s.ok()) return Annotate(s, absl::StrCat("joining job '", name, "'"));
     }
     {
@@ -440,9 +457,7 @@ class ClientImpl : public Client {
   absl::Status FetchJob(uint64_t job_id, v1::GetJobResponse* job) {
     v1::GetJobRequest greq;
     greq.set_job_id(job_id);
-    grpc::ClientContext ctx;
-    SetDeadline(&ctx);
-    return FromGrpc(stub_->GetJob(&ctx, greq, job));
+    return CallCoordinator(&v1::Coordinator::Stub::GetJob, greq, job);
   }
 
   // Routes for every tensor under `map`, connecting to shards not seen yet.
@@ -569,15 +584,14 @@ class ClientImpl : public Client {
     req.set_rank(rank_);
     // LeaveJob is idempotent: a connection the coordinator's restart broke
     // (UNAVAILABLE, e.g. "Broken pipe" on the first RPC after it) is tried
-    // again on a fresh one, within rpc_timeout.
+    // again on a fresh one, within rpc_timeout; so is a leader that died
+    // (the next try goes to the next address: a standby taking over).
     const absl::Time give_up = absl::Now() + options_.rpc_timeout;
     absl::Duration pause = absl::Milliseconds(100);
     absl::Status s;
     for (;;) {
       v1::LeaveJobResponse resp;
-      grpc::ClientContext ctx;
-      SetDeadline(&ctx);
-      s = FromGrpc(stub_->LeaveJob(&ctx, req, &resp));
+      s = CallCoordinator(&v1::Coordinator::Stub::LeaveJob, req, &resp);
       if (!absl::IsUnavailable(s) || absl::Now() + pause > give_up) break;
       absl::SleepFor(pause);
       pause = std::min(pause * 2, absl::Seconds(1));
@@ -1531,8 +1545,8 @@ class ClientImpl : public Client {
   static constexpr size_t kKeptBatchBuffers = 4;
   absl::Mutex batch_mu_;
   std::vector<std::unique_ptr<uint8_t[]>> batch_free_ ABSL_GUARDED_BY(batch_mu_);
-  std::shared_ptr<grpc::Channel> channel_;
-  std::unique_ptr<v1::Coordinator::Stub> stub_;
+  // Set by Start; its calls are thread-safe.
+  std::unique_ptr<LeaderStub<v1::Coordinator>> stub_;
   std::thread recovery_;
   // Endpoints by shard id; used by Join and the recovery thread only.
   std::map<uint64_t, transport::EndpointRef> eps_;
@@ -1651,6 +1665,10 @@ void SplitDecayGroups(JobDef* def, float weight_decay) {
 absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& options) {
   if (options.coordinator_address.empty()) {
     return absl::InvalidArgumentError("ClientOptions.coordinator_address is required");
+  }
+  // A bad address list is refused before anything (the data plane) starts.
+  if (auto list = ParseCoordinatorAddresses(options.coordinator_address); !list.ok()) {
+    return list.status();
   }
   auto c = std::make_unique<ClientImpl>(options);
   if (auto s = c->Init(); !s.ok()) return s;

@@ -53,7 +53,13 @@ namespace optimus {
 namespace client {
 
 struct ClientOptions {
-  // gRPC address of optimus-coord, "host:port". Required.
+  // gRPC address of optimus-coord, "host:port". Required. Several,
+  // "host:port,host:port" (a leader and its standbys, state in etcd): the
+  // client's calls go to whichever leads (common/coordinator_channels.h);
+  // a call made during a takeover fails UNAVAILABLE and is retried where
+  // the client retries (Leave, the recovery of a failed-over request;
+  // JoinOrCreate's joins), reaching the new leader. INVALID_ARGUMENT from
+  // Connect for a malformed list.
   std::string coordinator_address;
   // TLS to the coordinator (its CA; a client certificate only to create
   // jobs: "trainer:<who>" or "admin:<who>"), or plain text when asked for.
@@ -249,7 +255,7 @@ class Client {
   // under it. FAILED_PRECONDITION before Join; NOT_FOUND when the job is gone
   // (deleted, or replaced by a restore); UNAVAILABLE when the coordinator
   // cannot be reached (an UNAVAILABLE answer is tried again within
-  // rpc_timeout first: a coordinator restarting).
+  // rpc_timeout first: a coordinator restarting, or a standby taking over).
   virtual absl::Status Leave() = 0;
 
   // The joined job's tensors, in definition order; index = position.

@@ -105,7 +105,8 @@ absl::StatusOr<SessionOptions> ResolveSessionOptions(const SessionOptions& optio
   if (r.coordinator.empty()) r.coordinator = Env("OPTIMUS_COORDINATOR");
   if (r.coordinator.empty()) {
     return absl::InvalidArgumentError(
-        "no coordinator address: pass one, or set OPTIMUS_COORDINATOR=host:port");
+        "no coordinator address: pass one, or set OPTIMUS_COORDINATOR=host:port (several: "
+        "host:port,host:port)");
   }
   if (r.job_name.empty()) r.job_name = Env("OPTIMUS_JOB");
   r.job_spec_path = SpecPath(options);

@@ -20,7 +20,9 @@ namespace optimus {
 namespace client {
 
 struct SessionOptions {
-  // "host:port" of optimus-coord. Empty: $OPTIMUS_COORDINATOR.
+  // "host:port" of optimus-coord, or several comma-separated (a leader and
+  // its standbys: ClientOptions::coordinator_address). Empty:
+  // $OPTIMUS_COORDINATOR.
   std::string coordinator;
   // This worker's rank and the number of workers. < 0: $RANK and
   // $WORLD_SIZE (torchrun sets both); with neither set, the job spec's

@@ -101,6 +101,36 @@ TEST_F(TlsLoadTest, ReadsAFolderAndRequiresACertWhereNeeded) {
   EXPECT_TRUE(absl::IsNotFound(LoadTls(o, false, "test").status()));
 }
 
+// Several coordinators (a leader and its standbys) share one certificate
+// that names every host clients dial them by.
+TEST(MakeLocalCaTest, ACoordinatorListNamesEveryHost) {
+  const char* tmp = std::getenv("TEST_TMPDIR");
+  const std::string dir = absl::StrCat(tmp != nullptr ? tmp : "/tmp", "/ca-coordinators");
+  const char* runfiles = std::getenv("TEST_SRCDIR");
+  const std::string script =
+      absl::StrCat(runfiles != nullptr ? runfiles : ".", "/optimus/scripts/make_local_ca.sh ");
+  const std::string cmd = absl::StrCat(
+      script, dir, " --shards 1 --coordinators 'coord-a.ml.svc:7070, 10.1.2.3:7071,[::2]:7072,localhost:7073' >/dev/null");
+  ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
+  FILE* p = popen(absl::StrCat("openssl x509 -noout -text -in ", dir, "/coordinator/tls.crt").c_str(), "r");
+  ASSERT_NE(p, nullptr);
+  std::string text;
+  char buf[4096];
+  size_t n;
+  while ((n = fread(buf, 1, sizeof(buf), p)) > 0) text.append(buf, n);
+  ASSERT_EQ(pclose(p), 0);
+  for (const char* want : {"DNS:coord-a.ml.svc", "IP Address:10.1.2.3", "IP Address:0:0:0:0:0:0:0:2",
+                           "DNS:localhost", "IP Address:127.0.0.1"}) {
+    EXPECT_NE(text.find(want), std::string::npos) << want << " not in\n" << text;
+  }
+  // localhost is named once, not twice.
+  EXPECT_EQ(text.find("DNS:localhost"), text.rfind("DNS:localhost"));
+  // An entry without a port is refused, making nothing.
+  const std::string bad = absl::StrCat(script, dir, "-bad --coordinators coord-a 2>/dev/null");
+  EXPECT_NE(std::system(bad.c_str()), 0);
+  EXPECT_NE(std::system(absl::StrCat("test -e ", dir, "-bad/coordinator/tls.crt").c_str()), 0);
+}
+
 }  // namespace
 }  // namespace security
 }  // namespace optimus

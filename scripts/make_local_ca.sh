@@ -5,18 +5,23 @@
 #
 #   OUT/ca/           the CA (ca.key stays here; never hand it out)
 #   OUT/coordinator/  server certificate for optimus-coord (localhost,
-#                     127.0.0.1, ::1 and every --host given)
+#                     127.0.0.1, ::1, every --host given and every host of
+#                     --coordinators): one certificate every coordinator
+#                     (a leader and its standbys) can serve with
 #   OUT/shard-N/      client certificates "shard:shard-N", N = 0..shards-1
 #   OUT/admin/        "admin:local" (optimusctl)
 #   OUT/trainer/      "trainer:local" (may create jobs)
 #   OUT/worker/       only ca.crt: a worker proves a job token instead
 #
-# Usage: make_local_ca.sh OUT [--shards N] [--host NAME]...
+# Usage: make_local_ca.sh OUT [--shards N] [--host NAME]... [--coordinators LIST]
+#   --coordinators takes the list the shards and workers are given
+#   (HOST:PORT,HOST:PORT,...; [V6]:PORT for IPv6): TLS checks each
+#   coordinator against the name it is dialled by, so every host is named.
 # For a real cluster use your own CA (or cert-manager) with the same
 # common names; see docs/operations.md "Security".
 set -euo pipefail
 
-usage() { echo "usage: $0 OUT [--shards N] [--host NAME]..." >&2; exit 2; }
+usage() { echo "usage: $0 OUT [--shards N] [--host NAME]... [--coordinators HOST:PORT,...]" >&2; exit 2; }
 [ $# -ge 1 ] || usage
 out=$1; shift
 shards=4
@@ -25,6 +30,20 @@ while [ $# -gt 0 ]; do
   case "$1" in
     --shards) shards=${2:?}; shift 2 ;;
     --host) hosts+=("${2:?}"); shift 2 ;;
+    --coordinators)
+      IFS=',' read -r -a entries <<<"${2:?}"
+      for e in "${entries[@]}"; do
+        e=${e// /}
+        if [[ "$e" =~ ^\[([0-9A-Fa-f:.]+)\]:[0-9]+$ ]]; then
+          hosts+=("${BASH_REMATCH[1]}")
+        elif [[ "$e" =~ ^([A-Za-z0-9._-]+):[0-9]+$ ]]; then
+          hosts+=("${BASH_REMATCH[1]}")
+        else
+          echo "$0: --coordinators: '$e' is not HOST:PORT (or [IPV6]:PORT)" >&2
+          exit 2
+        fi
+      done
+      shift 2 ;;
     *) usage ;;
   esac
 done
@@ -63,6 +82,7 @@ issue() {
 
 san="DNS:localhost,IP:127.0.0.1,IP:::1"
 for h in "${hosts[@]}"; do
+  case ",$san," in *",DNS:$h,"* | *",IP:$h,"*) continue ;; esac  # Named already.
   if [[ "$h" =~ ^[0-9.]+$ || "$h" == *:* ]]; then san="$san,IP:$h"; else san="$san,DNS:$h"; fi
 done
 issue coordinator "optimus-coordinator" "serverAuth,clientAuth" "$san"

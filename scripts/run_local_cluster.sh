@@ -4,6 +4,10 @@
 # Extra arguments go to optimus-local-cluster, e.g. --steps=500 --shards=3;
 # --python_workers runs the Python example (python/examples/train_gpt.py,
 # optimus.torch.DistributedOptimizer) as the workers instead of the C++ ones.
+# With an etcd you run, --etcd_endpoints=127.0.0.1:2379 --coordinators=2
+# keeps the state there and starts a leader and a standby; every shard and
+# worker is given both addresses and follows whichever leads
+# (docs/operations.md "Two coordinators").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install_deps.sh

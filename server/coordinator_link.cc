@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/checkpoint_files.h"
+#include "common/coordinator_channels.h"
 #include "common/grpc_limits.h"
 #include "common/grpc_status.h"
 #include "common/security.h"
@@ -96,23 +97,39 @@ ShardMapView MapFromProto(const v1::ShardMap& map) {
   return v;
 }
 
+// Makes a new context with a deadline `seconds` from when it is made: each
+// try of CallAround gets its own. Register, heartbeat and a job's fetch may
+// all be repeated (a repeated registration leaves an unused id that goes
+// DOWN after the lease, as after a coordinator restart).
+struct Deadline {
+  int seconds;
+  std::unique_ptr<grpc::ClientContext> operator()() const {
+    auto ctx = std::make_unique<grpc::ClientContext>();
+    ctx->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(seconds));
+    return ctx;
+  }
+};
+
 class GrpcCoordinatorLink : public CoordinatorLink {
  public:
-  GrpcCoordinatorLink(const std::string& address,
-                      std::shared_ptr<grpc::ChannelCredentials> credentials)
-      : address_(address) {
-    // Reconnect quickly after a coordinator restart: gRPC's default backoff
-    // grows to minutes, and the restarted coordinator expects a heartbeat
-    // within two leases. Only the pause between attempts is shortened:
-    // gRPC also reads GRPC_ARG_MIN_RECONNECT_BACKOFF_MS as the least time
-    // one attempt (TCP connect + TLS handshake) is given, and a short one
-    // there (it was 100 ms) cut every handshake of a loaded coordinator
-    // short, so the shard never registered. That stays at gRPC's 20 s.
+  explicit GrpcCoordinatorLink(std::shared_ptr<CoordinatorChannels> channels)
+      : stub_(std::move(channels)) {}
+
+  // Reconnect quickly after a coordinator restart: gRPC's default backoff
+  // grows to minutes, and the restarted coordinator expects a heartbeat
+  // within two leases. Only the pause between attempts is shortened:
+  // gRPC also reads GRPC_ARG_MIN_RECONNECT_BACKOFF_MS as the least time
+  // one attempt (TCP connect + TLS handshake) is given, and a short one
+  // there (it was 100 ms) cut every handshake of a loaded coordinator
+  // short, so the shard never registered. That stays at gRPC's 20 s.
+  // With several addresses CoordinatorChannels sets the same pauses.
+  static grpc::ChannelArguments Args(size_t addresses) {
     grpc::ChannelArguments args = LimitedChannelArgs();
-    args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
-    args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 500);
-    channel_ = grpc::CreateCustomChannel(address, std::move(credentials), args);
-    stub_ = v1::Coordinator::NewStub(channel_);
+    if (addresses == 1) {
+      args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
+      args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 500);
+    }
+    return args;
   }
 
   absl::StatusOr<Registered> Register(const ShardRegistration& r) override {
@@ -127,12 +144,12 @@ class GrpcCoordinatorLink : public CoordinatorLink {
     caps->set_hostname(r.hostname);
     caps->set_checkpoints(r.checkpoints);
     v1::RegisterShardResponse resp;
-    grpc::ClientContext ctx;
-    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
-    absl::Status s = FromGrpc(stub_->RegisterShard(&ctx, req, &resp));
+    absl::Status s = FromGrpc(
+        stub_.CallAround(&v1::Coordinator::Stub::RegisterShard, Deadline{5}, req, &resp));
     if (!s.ok()) {
-      return absl::Status(s.code(), absl::StrCat("registering with coordinator at ", address_,
-                                                 ": ", s.message()));
+      return absl::Status(s.code(), absl::StrCat("registering with coordinator at ",
+                                                 stub_.channels().addresses(), ": ",
+                                                 s.message()));
     }
     return Registered{resp.shard_id(), static_cast<int64_t>(resp.lease_ms()),
                       resp.data_plane_key()};
@@ -166,9 +183,11 @@ class GrpcCoordinatorLink : public CoordinatorLink {
       for (const v1::CheckpointFile& f : c.files) *p->add_files() = f;
     }
     v1::HeartbeatResponse resp;
-    grpc::ClientContext ctx;
-    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
-    if (absl::Status s = FromGrpc(stub_->Heartbeat(&ctx, req, &resp)); !s.ok()) return s;
+    if (absl::Status s = FromGrpc(
+            stub_.CallAround(&v1::Coordinator::Stub::Heartbeat, Deadline{2}, req, &resp));
+        !s.ok()) {
+      return s;
+    }
     HeartbeatReply out;
     out.known = resp.known();
     for (const v1::Assignment& a : resp.assignments()) {
@@ -187,9 +206,11 @@ class GrpcCoordinatorLink : public CoordinatorLink {
     req.set_job_id(job_id);
     req.set_for_shard_id(shard_id);
     v1::GetJobResponse resp;
-    grpc::ClientContext ctx;
-    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
-    if (absl::Status s = FromGrpc(stub_->GetJob(&ctx, req, &resp)); !s.ok()) return s;
+    if (absl::Status s =
+            FromGrpc(stub_.CallAround(&v1::Coordinator::Stub::GetJob, Deadline{5}, req, &resp));
+        !s.ok()) {
+      return s;
+    }
     absl::StatusOr<JobConfig> config = ConfigFromSpec(job_id, resp.spec());
     if (!config.ok()) {
       return absl::InvalidArgumentError(
@@ -209,20 +230,23 @@ class GrpcCoordinatorLink : public CoordinatorLink {
   }
 
  private:
-  const std::string address_;
-  std::shared_ptr<grpc::Channel> channel_;
-  std::unique_ptr<v1::Coordinator::Stub> stub_;
+  LeaderStub<v1::Coordinator> stub_;
 };
 
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<CoordinatorLink>> NewGrpcCoordinatorLink(
     const std::string& address, const security::TlsOptions& tls_options) {
+  absl::StatusOr<std::vector<std::string>> list = ParseCoordinatorAddresses(address);
+  if (!list.ok()) return list.status();
   absl::StatusOr<security::TlsMaterial> tls =
       security::LoadTls(tls_options, /*need_cert=*/true, "optimus-shard");
   if (!tls.ok()) return tls.status();
+  absl::StatusOr<std::shared_ptr<CoordinatorChannels>> channels = CoordinatorChannels::Create(
+      address, security::ChannelCredentials(*tls), GrpcCoordinatorLink::Args(list->size()));
+  if (!channels.ok()) return channels.status();
   return std::unique_ptr<CoordinatorLink>(
-      std::make_unique<GrpcCoordinatorLink>(address, security::ChannelCredentials(*tls)));
+      std::make_unique<GrpcCoordinatorLink>(*std::move(channels)));
 }
 
 }  // namespace server

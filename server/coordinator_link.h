@@ -31,8 +31,10 @@ class CoordinatorLink {
   virtual absl::StatusOr<JobDescription> GetJob(uint64_t job_id, uint64_t shard_id) = 0;
 };
 
-// Talks to optimus-coord at "HOST:PORT" over gRPC; reconnects quickly after
-// a coordinator restart. Each call has a deadline (register and get 5 s,
+// Talks to optimus-coord at "HOST:PORT" over gRPC, or to whichever of
+// several ("HOST:PORT,HOST:PORT": a leader and its standbys) answers,
+// following a takeover (common/coordinator_channels.h); reconnects quickly
+// after a coordinator restart. INVALID_ARGUMENT for a bad address list. Each call has a deadline (register and get 5 s,
 // heartbeat 2 s). With TLS the shard's certificate ("shard:<who>") is its
 // identity: the coordinator lets only it heartbeat as the shard it
 // registers (common/security.h).

@@ -17,7 +17,9 @@
 #include "common/version.h"
 #include "server/shard_server.h"
 
-ABSL_FLAG(std::string, coordinator, "127.0.0.1:7070", "optimus-coord gRPC address host:port");
+ABSL_FLAG(std::string, coordinator, "127.0.0.1:7070",
+          "optimus-coord gRPC address HOST:PORT, or several (a leader and its standbys, state "
+          "in etcd) as HOST:PORT,HOST:PORT: the shard follows whichever leads");
 ABSL_FLAG(std::string, kind, "host", "dpu (BlueField Arm cores) or host (CPU fallback)");
 ABSL_FLAG(int64_t, memory_limit_mb, 1024, "state budget for all jobs on this shard, MiB");
 ABSL_FLAG(int64_t, staging_mb, 0,
@@ -74,7 +76,7 @@ ABSL_FLAG(bool, verbose, false, "debug logging");
 ABSL_FLAG(std::string, log_format, "text", "text, or json (one object per line, for log collectors)");
 
 int main(int argc, char** argv) {
-  absl::SetProgramUsageMessage("optimus-shard --coordinator=HOST:PORT [--kind=dpu|host]");
+  absl::SetProgramUsageMessage("optimus-shard --coordinator=HOST:PORT[,HOST:PORT...] [--kind=dpu|host]");
   absl::FlagsUsageConfig usage_config;
   usage_config.version_string = [] { return optimus::VersionLine("optimus-shard"); };
   absl::SetFlagsUsageConfig(usage_config);

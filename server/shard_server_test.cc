@@ -239,6 +239,21 @@ std::vector<float> FirstStep(const std::vector<float>& init, const std::vector<f
   return want;
 }
 
+// A malformed coordinator list is refused before the shard starts anything.
+TEST(ShardServerStartTest, ABadCoordinatorListIsAClearError) {
+  for (const char* bad : {"a:7070,,b:7070", "a:7070,b", "a:7070,a:7070"}) {
+    ShardServerOptions o;
+    o.coordinator_address = bad;
+    o.tls.plaintext = true;
+    o.memory_limit_bytes = 64 << 20;
+    auto s = ShardServer::Start(o);
+    ASSERT_FALSE(s.ok()) << bad;
+    EXPECT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument) << bad << ": " << s.status();
+    EXPECT_NE(s.status().message().find("coordinator address"), absl::string_view::npos)
+        << s.status();
+  }
+}
+
 TEST_F(ShardServerTest, ServesTheStepTorchWouldComputeAndRefusesBadRequests) {
   Load(OneChunkJob(link_->shard_id()));
   Peer peer(fabric_, shard_->data_address());

@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # Tests the optimus Helm chart with no cluster and no helm binary:
 #   1. builds deploy/helm/render (Go text/template + sprig, Helm's functions);
-#   2. renders the chart with five value sets: default, DPU-only
+#   2. renders the chart with seven value sets: default, DPU-only
 #      (optimus/ci/dpu-only-values.yaml), host-only (optimus/ci/host-only-values.yaml),
 #      everything on (optimus/ci/full-values.yaml: PrometheusRule,
-#      NetworkPolicies, TLS test hook) and plain text (tests/values/plaintext-values.yaml);
+#      NetworkPolicies, TLS test hook), plain text (tests/values/plaintext-values.yaml),
+#      etcd mode with the chart's etcd (optimus/ci/etcd-values.yaml: two
+#      coordinators, a 3-member etcd StatefulSet) and over an external etcd
+#      (tests/values/etcd-external-values.yaml);
 #   3. validates each rendering with tests/validate.js: YAML without duplicate
 #      keys, every object against the Kubernetes API schemas (PrometheusRule and
 #      ServiceMonitor against the Prometheus Operator's), the merged values
@@ -113,8 +116,10 @@ declare -A SET_VALUES=(
   [host-only]="$CHART/ci/host-only-values.yaml"
   [full]="$CHART/ci/full-values.yaml"
   [plaintext]="$HELM_DIR/tests/values/plaintext-values.yaml"
+  [etcd]="$CHART/ci/etcd-values.yaml"
+  [etcd-external]="$HELM_DIR/tests/values/etcd-external-values.yaml"
 )
-for set in default dpu-only host-only full plaintext; do
+for set in default dpu-only host-only full plaintext etcd etcd-external; do
   values_args=()
   [ -z "${SET_VALUES[$set]}" ] || values_args=(--values="${SET_VALUES[$set]}")
   out="$TMP/$set"
@@ -228,6 +233,10 @@ expect_render_failure alert-selector-with-braces "$HELM_DIR/tests/bad/alert-sele
   "metrics.prometheusRule.selector must be PromQL label matchers without braces"
 expect_render_failure ucx-port-range-reversed "$HELM_DIR/tests/bad/ucx-port-range-reversed.yaml" \
   "want 1024 <= FIRST <= LAST <= 65535"
+expect_render_failure file-store-with-two-coordinators "$HELM_DIR/tests/bad/file-store-with-two-coordinators.yaml" \
+  "coordinator.replicas is 2 but coordinator.stateStore is file"
+expect_render_failure etcd-endpoints-not-host-port "$HELM_DIR/tests/bad/etcd-endpoints-not-host-port.yaml" \
+  "etcd.endpoints must be HOST:PORT,HOST:PORT"
 
 bad="$TMP/schema-violation"
 mkdir -p "$bad"
@@ -288,6 +297,18 @@ BASE=full expect_validate_failure mutated-policy-without-shards \
   "shards cannot reach the coordinator's gRPC port"
 BASE=full expect_validate_failure mutated-policy-open-rule '0,/^      from:$/s//      x-from:/' \
   "has no 'from', so it admits every source"
+# etcd mode: a standby must never be routed to, and etcd must stay the
+# coordinators' alone.
+BASE=etcd expect_validate_failure mutated-etcd-service-routes-standbys \
+  '/^kind: Service$/,/^---$/s/^  type: ClusterIP$/  type: ClusterIP\n  publishNotReadyAddresses: true/' \
+  "no coordinator Service that routes to ready pods only"
+BASE=etcd expect_validate_failure mutated-etcd-one-replica '/^kind: Deployment$/,/^---$/s/^  replicas: 2$/  replicas: 1/' \
+  "the coordinator Deployment runs 1 pods, want 2"
+BASE=etcd expect_validate_failure mutated-etcd-missing-member \
+  's/^\( *--etcd_endpoints=.*\),[^,]*etcd-2[^,]*$/\1/' "want every member"
+BASE=etcd expect_validate_failure mutated-etcd-open-to-shards \
+  '/^kind: NetworkPolicy$/,/^---$/s/app.kubernetes.io\/component: coordinator$/app.kubernetes.io\/component: etcd/' \
+  "the coordinators cannot reach etcd's client port"
 
 sed '0,/livenessProbe:/s//livenessprobe:/' "$TMP/default/manifests.yaml" >"$TMP/misspelt-field.yaml"
 if "$PY" "$HELM_DIR/tests/strict_fields.py" "$TMP/misspelt-field.yaml" 2>"$TMP/misspelt-field.err" >/dev/null; then
@@ -311,4 +332,4 @@ if "$SHARD_BIN" --flagfile="$TMP/unknown-flag.flags" --version >/dev/null 2>&1; 
 fi
 echo "unknown-flag: optimus-shard rejects a flag file with an unknown flag"
 
-echo "chart_test: PASS (${summary[*]} rendered and validated; helm test command run against real coordinators; 6 render failures, 2 schema failures, 13 broken manifests and 1 bad flag file caught)"
+echo "chart_test: PASS (${summary[*]} rendered and validated; helm test command run against real coordinators; 8 render failures, 2 schema failures, 17 broken manifests and 1 bad flag file caught)"

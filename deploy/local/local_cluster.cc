@@ -3,10 +3,13 @@
 // progress line, then checks the result against the same training done in
 // one process with torch::optim::AdamW. Its last line is one JSON summary.
 // Every child is stopped before it exits, on success, failure or Ctrl-C.
+#include <arpa/inet.h>
 #include <fcntl.h>
+#include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
 #include <sys/prctl.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/types.h>
 #include <sys/wait.h>
@@ -20,6 +23,7 @@
 #include <filesystem>
 #include <fstream>
 #include <memory>
+#include <random>
 #include <sstream>
 #include <string>
 #include <system_error>
@@ -31,6 +35,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/clock.h"
+#include "common/coordinator_channels.h"
 #include "common/grpc_limits.h"
 #include "deploy/local/mlp_task.h"
 #include "grpcpp/grpcpp.h"
@@ -87,7 +92,24 @@ ABSL_FLAG(int, worker_min_step_ms, 0,
           "--coordinator_down_ms=180000, without tens of thousands of steps; same results)");
 ABSL_FLAG(int, metrics_port, 0,
           "serve Prometheus /metrics and /healthz: the coordinator on this port, shard i on "
-          "this port + 1 + i (0: off)");
+          "this port + 1 + i, and with --coordinators=N coordinator j > 0 on this port + "
+          "shards + j (0: off)");
+ABSL_FLAG(std::string, etcd_endpoints, "",
+          "keep the coordinator's state in this etcd (HOST:PORT,...; one you run) instead of "
+          "a state folder: optimus-coord's etcd mode, with leader election");
+ABSL_FLAG(std::string, etcd_prefix, "/optimus-local",
+          "with --etcd_endpoints: the key prefix of this cluster's state");
+ABSL_FLAG(int, etcd_lease_ttl_s, 0,
+          "with --etcd_endpoints: the leader's etcd lease TTL in seconds (optimus-coord "
+          "--etcd_lease_ttl_s; a standby takes over within about it); 0: optimus-coord's default "
+          "(--lease_ms rounded up, at least 2)");
+ABSL_FLAG(int, coordinators, 1,
+          "optimus-coord processes (with --etcd_endpoints): one leads, the others stand by "
+          "without listening; shards, workers and this launcher are given every address");
+ABSL_FLAG(int, kill_leader_at_step, 0,
+          "drill (--coordinators >= 2): SIGKILL the leading optimus-coord when rank 0 reports "
+          "this step (after the drain, when --drain_shard_at_step is the same step); a standby "
+          "takes over and training goes on (0: never)");
 
 // Drills end training this many steps after their event (restart, drain,
 // failover, rollback), so there is training before and after it whatever the
@@ -238,13 +260,17 @@ void StopChild(pid_t pid) {
 }
 
 // Whether job `name` has a complete checkpoint to roll back to.
-bool HasCompleteCheckpoint(optimus::v1::Coordinator::Stub* stub, const std::string& name) {
+using CoordStub = optimus::LeaderStub<optimus::v1::Coordinator>;
+
+bool HasCompleteCheckpoint(CoordStub& stub, const std::string& name) {
   optimus::v1::ListCheckpointsRequest req;
   req.set_job_name(name);
   optimus::v1::ListCheckpointsResponse resp;
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(1));
-  if (!stub->ListCheckpoints(&ctx, req, &resp).ok()) return false;
+  if (!stub.Call(&optimus::v1::Coordinator::Stub::ListCheckpoints, &ctx, req, &resp).ok()) {
+    return false;
+  }
   for (const auto& c : resp.checkpoints()) {
     if (c.state() == optimus::v1::CHECKPOINT_STATE_COMPLETE) return true;
   }
@@ -370,6 +396,35 @@ void ResumeAll(const std::vector<pid_t>& pids) {
   }
 }
 
+// A port on 127.0.0.1 below the ephemeral range that nothing is bound to
+// now; 0 if none found. A standby coordinator does not listen until it
+// leads: meanwhile a port of the ephemeral range could be taken by an
+// outgoing connection's local end, and the standby could never listen.
+int FreePortBelowEphemeral() {
+  int low = 32768;
+  if (FILE* f = std::fopen("/proc/sys/net/ipv4/ip_local_port_range", "r"); f != nullptr) {
+    if (std::fscanf(f, "%d", &low) != 1) low = 32768;
+    std::fclose(f);
+  }
+  if (low <= 10100) return 0;
+  std::mt19937 rng(static_cast<uint32_t>(getpid()) ^
+                   static_cast<uint32_t>(absl::ToUnixNanos(absl::Now())));
+  std::uniform_int_distribution<int> pick(10000, low - 1);
+  for (int attempt = 0; attempt < 200; ++attempt) {
+    const int port = pick(rng);
+    const int fd = socket(AF_INET, SOCK_STREAM, 0);
+    if (fd < 0) return 0;
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    addr.sin_port = htons(static_cast<uint16_t>(port));
+    const bool free = bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0;
+    close(fd);
+    if (free) return port;
+  }
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -409,6 +464,7 @@ int main(int argc, char** argv) {
       return Die("--python_mode must be layerwise, delayed or none");
     }
     if (absl::GetFlag(FLAGS_kill_coordinator_at_step) > 0 ||
+        absl::GetFlag(FLAGS_kill_leader_at_step) > 0 ||
         absl::GetFlag(FLAGS_kill_shard_at_step) > 0 ||
         absl::GetFlag(FLAGS_drain_shard_at_step) > 0 ||
         !absl::GetFlag(FLAGS_stop_when_file).empty() ||
@@ -471,27 +527,89 @@ int main(int argc, char** argv) {
     if (std::string why = MakeDirs(ckpt_dir); !why.empty()) return Die(why);
   }
   if (metrics_port < 0 || metrics_port + shards > 65535) return Die("--metrics_port out of range");
-  auto coord_args = [&](const std::string& listen) {
+  const std::string etcd = absl::GetFlag(FLAGS_etcd_endpoints);
+  const int num_coords = absl::GetFlag(FLAGS_coordinators);
+  const int kill_leader_at = absl::GetFlag(FLAGS_kill_leader_at_step);
+  if (num_coords < 1 || num_coords > 9) return Die("--coordinators must be 1 to 9");
+  if (num_coords > 1 && etcd.empty()) {
+    return Die("--coordinators > 1 needs --etcd_endpoints: a standby takes over from the state "
+               "in etcd");
+  }
+  if (kill_leader_at < 0) return Die("negative step flags");
+  if (kill_leader_at > 0 && num_coords < 2) {
+    return Die("--kill_leader_at_step needs --coordinators >= 2 (a standby to take over)");
+  }
+  if (kill_leader_at > 0 && (absl::GetFlag(FLAGS_kill_coordinator_at_step) > 0 || kill_shard_at > 0)) {
+    return Die("--kill_leader_at_step, --kill_coordinator_at_step and --kill_shard_at_step are "
+               "exclusive");
+  }
+  if (!etcd.empty() && absl::GetFlag(FLAGS_kill_coordinator_at_step) > 0) {
+    return Die("--kill_coordinator_at_step restarts optimus-coord from its state folder; with "
+               "--etcd_endpoints use --coordinators=2 --kill_leader_at_step");
+  }
+  if (metrics_port > 0 && metrics_port + shards + num_coords > 65535) {
+    return Die("--metrics_port out of range");
+  }
+  // Coordinator i's flags, listening on `listen`: its state in the work
+  // dir's folder, or in etcd (then it stands by until elected, and says
+  // where it listens once it leads: --advertise_address).
+  auto coord_args = [&](int i, const std::string& listen) {
     std::vector<std::string> args{root + "/coordinator/optimus-coord", "--listen=" + listen,
-                                  "--port_file=" + port_file, "--lease_ms=2000",
-                                  "--state_dir=" + state_dir, tls_flag("coordinator")};
-    if (metrics_port > 0) args.push_back(absl::StrCat("--metrics_port=", metrics_port));
+                                  "--lease_ms=2000", tls_flag("coordinator")};
+    if (etcd.empty()) {
+      args.push_back("--port_file=" + port_file);
+      args.push_back("--state_dir=" + state_dir);
+    } else {
+      args.push_back("--etcd_endpoints=" + etcd);
+      args.push_back("--etcd_prefix=" + absl::GetFlag(FLAGS_etcd_prefix));
+      args.push_back("--advertise_address=" + listen);
+      if (absl::GetFlag(FLAGS_etcd_lease_ttl_s) > 0) {
+        args.push_back(absl::StrCat("--etcd_lease_ttl_s=", absl::GetFlag(FLAGS_etcd_lease_ttl_s)));
+      }
+    }
+    if (metrics_port > 0) {
+      args.push_back(absl::StrCat("--metrics_port=",
+                                  i == 0 ? metrics_port : metrics_port + shards + i));
+    }
     if (ckpt_every > 0) args.push_back("--checkpoint_dir=" + ckpt_dir);
     return args;
   };
+  auto coord_log = [&](int i) {
+    return etcd.empty() ? dir + "/coord.log" : absl::StrCat(dir, "/coord-", i, ".log");
+  };
   const int coordinator_port = absl::GetFlag(FLAGS_coordinator_port);
   if (coordinator_port < 0 || coordinator_port > 65535) return Die("--coordinator_port out of range");
-  pid_t coord =
-      Spawn(coord_args(absl::StrCat("127.0.0.1:", coordinator_port)), dir + "/coord.log");
-  if (coord < 0) return Die("cannot start optimus-coord");
-  std::string port;
-  for (int i = 0; i < 300 && port.empty(); ++i) {
-    std::ifstream in(port_file);
-    std::getline(in, port);
-    if (port.empty()) absl::SleepFor(absl::Milliseconds(50));
+  // Every coordinator's process and address; coord_addr, what shards,
+  // workers and this launcher are given, lists them all.
+  std::vector<pid_t> coord_pids(num_coords, -1);
+  std::vector<std::string> coord_listen(num_coords);
+  std::string coord_addr;
+  if (etcd.empty()) {
+    coord_pids[0] =
+        Spawn(coord_args(0, absl::StrCat("127.0.0.1:", coordinator_port)), coord_log(0));
+    if (coord_pids[0] < 0) return Die("cannot start optimus-coord");
+    std::string port;
+    for (int i = 0; i < 300 && port.empty(); ++i) {
+      std::ifstream in(port_file);
+      std::getline(in, port);
+      if (port.empty()) absl::SleepFor(absl::Milliseconds(50));
+    }
+    if (port.empty()) return Die("optimus-coord did not start:\n" + TailOf(coord_log(0)));
+    coord_listen[0] = coord_addr = "127.0.0.1:" + port;
+  } else {
+    for (int i = 0; i < num_coords; ++i) {
+      const int p = num_coords == 1 && coordinator_port > 0 ? coordinator_port
+                                                            : FreePortBelowEphemeral();
+      if (p == 0) return Die("no free port below the ephemeral range for optimus-coord");
+      coord_listen[i] = absl::StrCat("127.0.0.1:", p);
+      coord_pids[i] = Spawn(coord_args(i, coord_listen[i]), coord_log(i));
+      if (coord_pids[i] < 0) return Die("cannot start optimus-coord");
+      absl::StrAppend(&coord_addr, i == 0 ? "" : ",", coord_listen[i]);
+    }
+    std::fprintf(stderr, "optimus-local-cluster: %d coordinators (%s), state in etcd at %s\n",
+                 num_coords, coord_addr.c_str(), etcd.c_str());
   }
-  if (port.empty()) return Die("optimus-coord did not start:\n" + TailOf(dir + "/coord.log"));
-  const std::string coord_addr = "127.0.0.1:" + port;
+  pid_t coord = coord_pids[0];  // The state-folder mode's one coordinator.
 
   // 2. Shard servers; wait until all are registered.
   std::vector<pid_t> shard_pids;
@@ -509,9 +627,33 @@ int main(int argc, char** argv) {
   } else {
     admin_tls.dir = tls_dir + "/admin";
   }
-  auto admin_channel = optimus::security::Dial(coord_addr, admin_tls, "optimus-local-cluster");
-  if (!admin_channel.ok()) return Die(std::string(admin_channel.status().message()));
-  auto stub = optimus::v1::Coordinator::NewStub(*admin_channel);
+  auto admin_channels =
+      optimus::CoordinatorChannels::Dial(coord_addr, admin_tls, "optimus-local-cluster");
+  if (!admin_channels.ok()) return Die(std::string(admin_channels.status().message()));
+  CoordStub stub(*admin_channels);
+  // Each coordinator on its own, to tell which one leads (only it listens).
+  std::vector<std::unique_ptr<optimus::v1::Coordinator::Stub>> each_coord;
+  for (int i = 0; i < num_coords; ++i) {
+    each_coord.push_back(optimus::v1::Coordinator::NewStub((*admin_channels)->channel(i)));
+  }
+  auto leader_index = [&]() -> int {
+    for (int i = 0; i < num_coords; ++i) {
+      if (coord_pids[i] < 0) continue;
+      optimus::v1::StatusRequest req;
+      req.set_page_size(1);
+      optimus::v1::StatusResponse resp;
+      grpc::ClientContext ctx;
+      ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(1));
+      if (each_coord[i]->Status(&ctx, req, &resp).ok()) return i;
+    }
+    return -1;
+  };
+  if (!etcd.empty() &&
+      !(*admin_channels)->WaitForConnected(absl::Now() + absl::Seconds(60))) {
+    std::string logs;
+    for (int i = 0; i < num_coords; ++i) absl::StrAppend(&logs, TailOf(coord_log(i)), "\n");
+    return Die("no optimus-coord took the lead within 60 s:\n" + logs);
+  }
   int up = 0;
   for (int i = 0; i < 900 && up < shards; ++i) {
     optimus::v1::StatusRequest req;
@@ -519,7 +661,7 @@ int main(int argc, char** argv) {
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(1));
     up = 0;
-    if (stub->Status(&ctx, req, &resp).ok()) {
+    if (stub.Call(&optimus::v1::Coordinator::Stub::Status, &ctx, req, &resp).ok()) {
       for (const auto& s : resp.shards()) up += s.state() == optimus::v1::SHARD_STATE_UP;
     }
     if (up < shards) absl::SleepFor(absl::Milliseconds(50));
@@ -533,7 +675,8 @@ int main(int argc, char** argv) {
   // train until the launcher writes the last step into stop_file.
   const int kill_at = absl::GetFlag(FLAGS_kill_coordinator_at_step);
   const std::string stop_when = absl::GetFlag(FLAGS_stop_when_file);
-  const bool open_ended = kill_at > 0 || kill_shard_at > 0 || drain_at > 0 || !stop_when.empty();
+  const bool open_ended = kill_at > 0 || kill_shard_at > 0 || drain_at > 0 ||
+                          kill_leader_at > 0 || !stop_when.empty();
   const std::string stop_file = dir + "/stop-after-step";
   RemoveFile(stop_file);
   // Until the stop file: at most kDrillStepCap x --steps in a drill;
@@ -620,6 +763,17 @@ int main(int argc, char** argv) {
   int shard_killed_at_step = 0;
   int drained_at_step = 0, drain_done_at_step = 0;
   uint64_t drain_id = 0;
+  // The leader-kill drill: which coordinator led and was killed, when, and
+  // which one leads after it (found by asking each: only the leader
+  // listens) and how long after the kill it first answered.
+  int killed_leader = -1, new_leader = -1;
+  int leader_killed_at_step = 0, new_leader_at_step = 0;
+  absl::Time leader_killed_time;
+  absl::Duration leader_gap;
+  // Training ends a set number of steps after the last of the drill's
+  // events: the drain done and the new leader found, when both are asked.
+  auto drain_done = [&] { return drain_at == 0 || drain_done_at_step > 0; };
+  auto leader_back = [&] { return kill_leader_at == 0 || new_leader >= 0; };
   auto shard0_id = [&]() -> uint64_t {
     // Shard 0 logs its id when it registers.
     std::ifstream in(dir + "/shard-0.log");
@@ -632,7 +786,7 @@ int main(int argc, char** argv) {
   };
   auto drill = [&]() -> bool {
     if (kill_shard_at > 0 && shard_killed_at_step == 0 && last_step >= kill_shard_at &&
-        (replication > 0 || HasCompleteCheckpoint(stub.get(), kJobName))) {
+        (replication > 0 || HasCompleteCheckpoint(stub, kJobName))) {
       // Without a replica the job rolls back: only once a checkpoint exists.
       kill(shard_pids[0], SIGKILL);
       // Reap it at once, as an init system or container runtime would:
@@ -652,7 +806,8 @@ int main(int argc, char** argv) {
       optimus::v1::DrainShardResponse resp;
       grpc::ClientContext ctx;
       ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
-      const grpc::Status st = stub->DrainShard(&ctx, req, &resp);
+      const grpc::Status st =
+          stub.Call(&optimus::v1::Coordinator::Stub::DrainShard, &ctx, req, &resp);
       if (!st.ok()) {
         std::fprintf(stderr, "drill: drain of shard %llu refused: %s\n",
                      static_cast<unsigned long long>(drain_id), st.error_message().c_str());
@@ -667,16 +822,43 @@ int main(int argc, char** argv) {
       optimus::v1::StatusResponse resp;
       grpc::ClientContext ctx;
       ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(1));
-      if (stub->Status(&ctx, req, &resp).ok()) {
+      if (stub.Call(&optimus::v1::Coordinator::Stub::Status, &ctx, req, &resp).ok()) {
         for (const auto& sh : resp.shards()) {
           if (sh.shard_id() == drain_id && sh.chunks_owned() == 0) {
             drain_done_at_step = last_step;
             StopChild(shard_pids[0]);
             shard_pids[0] = -1;
             std::fprintf(stderr, "drill: shard 0 drained at step %d and stopped\n", last_step);
-            stop_after(last_step);
+            if (leader_back()) stop_after(last_step);
           }
         }
+      }
+    }
+    if (kill_leader_at > 0 && leader_killed_at_step == 0 && last_step >= kill_leader_at) {
+      // None answering (an election under way): try again at the next step.
+      if (const int leader = leader_index(); leader >= 0) {
+        kill(coord_pids[leader], SIGKILL);
+        int st = 0;
+        if (WaitFor(coord_pids[leader], absl::Seconds(5), &st)) coord_pids[leader] = -1;
+        killed_leader = leader;
+        leader_killed_at_step = last_step;
+        leader_killed_time = absl::Now();
+        std::fprintf(stderr,
+                     "fault drill: killed the leading optimus-coord %d (%s, SIGKILL) at step %d\n",
+                     leader, coord_listen[leader].c_str(), last_step);
+      }
+    }
+    if (leader_killed_at_step > 0 && new_leader < 0) {
+      if (const int leader = leader_index(); leader >= 0) {
+        new_leader = leader;
+        new_leader_at_step = last_step;
+        leader_gap = absl::Now() - leader_killed_time;
+        std::fprintf(stderr,
+                     "fault drill: optimus-coord %d (%s) leads at step %d, %.0f ms after the "
+                     "kill\n",
+                     leader, coord_listen[leader].c_str(), last_step,
+                     absl::ToDoubleMilliseconds(leader_gap));
+        if (drain_done()) stop_after(last_step);
       }
     }
     if (kill_at > 0 && killed_at_step == 0 && last_step >= kill_at) {
@@ -689,7 +871,7 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "fault drill: killed optimus-coord (SIGKILL) at step %d\n", last_step);
     }
     if (coord_down && absl::Now() >= restart_at) {
-      coord = Spawn(coord_args(coord_addr), dir + "/coord-restarted.log");
+      coord = Spawn(coord_args(0, coord_addr), dir + "/coord-restarted.log");
       if (coord < 0) return false;
       coord_down = false;
       restarted_at_step = last_step;
@@ -729,6 +911,12 @@ int main(int argc, char** argv) {
       restart_at = absl::Now();
       if (!drill()) return Die("cannot restart optimus-coord");
     }
+    // Training ended before a standby was seen leading: wait for it (a
+    // generous bound, against a hang only).
+    for (int i = 0; i < 600 && leader_killed_at_step > 0 && new_leader < 0; ++i) {
+      drill();
+      if (new_leader < 0) absl::SleepFor(absl::Milliseconds(100));
+    }
   }
   bool workers_ok = true;
   for (int r = 0; r < workers; ++r) {
@@ -748,25 +936,35 @@ int main(int argc, char** argv) {
 
   // 4. After a drill, the restarted coordinator must know the cluster again:
   // every shard back UP (heartbeating under its old id) and the job READY.
-  if (kill_at > 0) {
+  if (kill_leader_at > 0 && new_leader < 0) {
+    workers_ok = false;
+    std::string logs;
+    for (int i = 0; i < num_coords; ++i) absl::StrAppend(&logs, TailOf(coord_log(i)), "\n");
+    std::fprintf(stderr, "no standby took over after the leader was killed:\n%s\n", logs.c_str());
+  }
+  if (kill_at > 0 || (kill_leader_at > 0 && new_leader >= 0)) {
+    // Every shard but a drained and stopped one.
+    const int want_up = shards - (drain_done_at_step > 0 ? 1 : 0);
     bool recovered = false;
     for (int i = 0; i < 100 && !recovered; ++i) {
       optimus::v1::StatusRequest req;
       optimus::v1::StatusResponse resp;
       grpc::ClientContext ctx;
       ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(1));
-      if (stub->Status(&ctx, req, &resp).ok()) {
+      if (stub.Call(&optimus::v1::Coordinator::Stub::Status, &ctx, req, &resp).ok()) {
         int up_now = 0;
         for (const auto& s : resp.shards()) up_now += s.state() == optimus::v1::SHARD_STATE_UP;
-        recovered = up_now == shards && resp.shards_size() == shards && resp.jobs_size() == 1 &&
+        recovered = up_now == want_up && resp.jobs_size() == 1 &&
                     resp.jobs(0).state() == optimus::v1::JOB_STATE_READY;
       }
       if (!recovered) absl::SleepFor(absl::Milliseconds(100));
     }
     if (!recovered) {
       workers_ok = false;
-      std::fprintf(stderr, "the restarted coordinator did not recover the cluster:\n%s\n",
-                   TailOf(dir + "/coord-restarted.log").c_str());
+      std::fprintf(stderr, "the %s coordinator did not recover the cluster:\n%s\n",
+                   kill_at > 0 ? "restarted" : "new leading",
+                   TailOf(kill_at > 0 ? dir + "/coord-restarted.log" : coord_log(new_leader))
+                       .c_str());
     }
   }
 
@@ -774,7 +972,13 @@ int main(int argc, char** argv) {
   for (pid_t p : shard_pids) {
     if (p > 0) StopChild(p);
   }
-  StopChild(coord);
+  if (etcd.empty()) {
+    StopChild(coord);
+  } else {
+    for (pid_t p : coord_pids) {
+      if (p > 0) StopChild(p);
+    }
+  }
   g_children.clear();
   if (!workers_ok) return Die("training failed");
 
@@ -824,6 +1028,19 @@ int main(int argc, char** argv) {
                            drain_at > 0
                                ? absl::StrCat(", \"drain_started_at_step\": ", drained_at_step,
                                               ", \"drained_at_step\": ", drain_done_at_step)
+                               : "",
+                           num_coords > 1 ? absl::StrCat(", \"coordinators\": ", num_coords) : "",
+                           kill_leader_at > 0
+                               ? absl::StrCat(", \"leader_killed_at_step\": ", leader_killed_at_step,
+                                              ", \"killed_leader\": ", killed_leader,
+                                              ", \"new_leader\": ", new_leader,
+                                              ", \"new_leader_at_step\": ", new_leader_at_step,
+                                              ", \"leader_gap_ms\": ",
+                                              absl::ToInt64Milliseconds(leader_gap),
+                                              ", \"etcd_lease_ttl_s\": ",
+                                              absl::GetFlag(FLAGS_etcd_lease_ttl_s) > 0
+                                                  ? absl::GetFlag(FLAGS_etcd_lease_ttl_s)
+                                                  : 2)
                                : "")
                   .c_str());
   std::fflush(stdout);

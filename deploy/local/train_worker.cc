@@ -24,7 +24,9 @@
 #include "common/logging.h"
 #include "deploy/local/mlp_task.h"
 
-ABSL_FLAG(std::string, coordinator, "127.0.0.1:7070", "optimus-coord address host:port");
+ABSL_FLAG(std::string, coordinator, "127.0.0.1:7070",
+          "optimus-coord address host:port, or several (a leader and its standbys) "
+          "comma-separated");
 ABSL_FLAG(std::string, job, "local-mlp", "job name");
 ABSL_FLAG(int, rank, 0, "this worker's rank");
 ABSL_FLAG(int, world_size, 2, "number of workers");

@@ -14,7 +14,8 @@ marked "# optimus" (pass --torch to run the plain torch.optim.AdamW version):
 
 and no clip_grad_norm_ (the shards clip the global norm). Rank, world size
 and the coordinator come from $RANK, $WORLD_SIZE (as torchrun sets them)
-and $OPTIMUS_COORDINATOR; each rank trains on its own batches. Rank 0
+and $OPTIMUS_COORDINATOR (host:port, or a comma-separated list of a
+leader and its standbys); each rank trains on its own batches. Rank 0
 prints one JSON object per step and a summary (the local cluster reads
 them: `scripts/run_local_cluster.sh --python_workers`).
 """

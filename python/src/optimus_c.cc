@@ -28,6 +28,7 @@
 #include "client/session.h"
 #include "common/checkpoint_files.h"
 #include "common/dtype.h"
+#include "common/coordinator_channels.h"
 #include "common/grpc_limits.h"
 #include "common/grpc_status.h"
 #include "common/security.h"
@@ -190,9 +191,12 @@ absl::StatusOr<std::string> CheckpointAt(const std::string& coordinator, const s
                                          const std::string& token, uint64_t step,
                                          absl::Duration timeout) {
   // TLS as the client's ($OPTIMUS_TLS_DIR or $OPTIMUS_INSECURE_PLAINTEXT).
-  auto channel = security::Dial(coordinator, security::TlsOptions(), "optimus python");
-  if (!channel.ok()) return channel.status();
-  auto stub = v1::Coordinator::NewStub(*channel);
+  // Whichever coordinator leads, when several are given; a call that finds
+  // none during a takeover (UNAVAILABLE) is tried again until `timeout`.
+  auto channels =
+      CoordinatorChannels::Dial(coordinator, security::TlsOptions(), "optimus python");
+  if (!channels.ok()) return channels.status();
+  LeaderStub<v1::Coordinator> stub(*std::move(channels));
   auto Ctx = [&token](absl::Duration rpc_timeout) {
     auto ctx = std::make_unique<grpc::ClientContext>();
     ctx->set_deadline(absl::ToChronoTime(absl::Now() + rpc_timeout));
@@ -209,7 +213,12 @@ absl::StatusOr<std::string> CheckpointAt(const std::string& coordinator, const s
   // 1. The shards' reports reach the step (heartbeats: about a second).
   for (;;) {
     v1::StatusResponse st;
-    absl::Status s = FromGrpc(stub->Status(Ctx(rpc).get(), v1::StatusRequest(), &st));
+    absl::Status s =
+        FromGrpc(stub.Call(&v1::Coordinator::Stub::Status, Ctx(rpc).get(), v1::StatusRequest(), &st));
+    if (absl::IsUnavailable(s) && absl::Now() < deadline) {
+      absl::SleepFor(absl::Milliseconds(200));
+      continue;
+    }
     if (!s.ok()) return s;
     bool at = false;
     for (const auto& j : st.jobs()) {
@@ -225,7 +234,12 @@ absl::StatusOr<std::string> CheckpointAt(const std::string& coordinator, const s
     v1::CreateCheckpointRequest req;
     req.set_job_name(name);
     v1::CreateCheckpointResponse resp;
-    absl::Status s = FromGrpc(stub->CreateCheckpoint(Ctx(rpc).get(), req, &resp));
+    absl::Status s =
+        FromGrpc(stub.Call(&v1::Coordinator::Stub::CreateCheckpoint, Ctx(rpc).get(), req, &resp));
+    if (absl::IsUnavailable(s) && absl::Now() < deadline) {
+      absl::SleepFor(absl::Milliseconds(200));
+      continue;
+    }
     if (s.ok()) {
       info = resp.checkpoint();
       break;
@@ -241,7 +255,12 @@ absl::StatusOr<std::string> CheckpointAt(const std::string& coordinator, const s
     v1::ListCheckpointsRequest req;
     req.set_job_name(name);
     v1::ListCheckpointsResponse resp;
-    absl::Status s = FromGrpc(stub->ListCheckpoints(Ctx(rpc).get(), req, &resp));
+    absl::Status s =
+        FromGrpc(stub.Call(&v1::Coordinator::Stub::ListCheckpoints, Ctx(rpc).get(), req, &resp));
+    if (absl::IsUnavailable(s) && absl::Now() < deadline) {
+      absl::SleepFor(absl::Milliseconds(200));
+      continue;
+    }
     if (!s.ok()) return s;
     for (const auto& c : resp.checkpoints()) {
       if (c.checkpoint_id() < info.checkpoint_id()) continue;

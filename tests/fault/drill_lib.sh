@@ -220,3 +220,97 @@ net_cleanup() {
     ip netns del "${ns}" 2>/dev/null || true
   done
 }
+
+# ---- etcd (the coordinators' state in etcd: the leader-kill drill) ----------------
+# Debian's etcd-server; OPTIMUS_ETCD_BIN overrides where it is.
+ETCD_BIN="${OPTIMUS_ETCD_BIN:-/usr/bin/etcd}"
+ETCD_PIDS=()
+ETCD_ENDPOINTS=""
+
+# require_etcd: skips the test, saying why, when etcd is not installed.
+require_etcd() {
+  [ -x "${ETCD_BIN}" ] || skip_test "needs etcd at ${ETCD_BIN} (Debian's etcd-server; scripts/install_deps.sh installs it) to keep the coordinators' state"
+}
+
+# free_ports N: N distinct ports on 127.0.0.1 below the ephemeral range that
+# nothing is bound to now, space-separated (below the range: a port a
+# process listens on later must not be taken meanwhile by an outgoing
+# connection's local end).
+free_ports() {
+  /usr/bin/python3 - "$1" <<'PY'
+import random, socket, sys
+n = int(sys.argv[1])
+low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+ports = set()
+for _ in range(1000):
+    if len(ports) == n:
+        break
+    p = random.randrange(10000, max(10001, low))
+    if p in ports:
+        continue
+    s = socket.socket()
+    try:
+        s.bind(("127.0.0.1", p))
+        ports.add(p)
+    except OSError:
+        pass
+    finally:
+        s.close()
+if len(ports) < n:
+    sys.exit("no %d free ports below the ephemeral range" % n)
+print(" ".join(str(p) for p in sorted(ports)))
+PY
+}
+
+# etcd_healthy PORT: the member answering on client port PORT says it is
+# healthy (its /health: a leader elected, the member in the quorum).
+etcd_healthy() {
+  /usr/bin/python3 - "$1" <<'PY' 2>/dev/null
+import json, sys, urllib.request
+with urllib.request.urlopen("http://127.0.0.1:%s/health" % sys.argv[1], timeout=2) as r:
+    sys.exit(0 if json.loads(r.read()).get("health") in ("true", True) else 1)
+PY
+}
+
+# etcd_start N: an etcd cluster of N members on loopback (data and logs
+# under $TEST_TMPDIR/etcd-K), waits until every member is healthy, and sets
+# ETCD_ENDPOINTS to their client addresses (HOST:PORT,...). etcd_stop (an
+# EXIT trap) ends them.
+etcd_start() {
+  local n=$1 k ports cluster="" client peer
+  read -r -a ports <<<"$(free_ports $((2 * n)))"
+  for ((k = 0; k < n; k++)); do
+    cluster="${cluster}${cluster:+,}etcd-${k}=http://127.0.0.1:${ports[$((2 * k + 1))]}"
+  done
+  ETCD_ENDPOINTS=""
+  for ((k = 0; k < n; k++)); do
+    client=${ports[$((2 * k))]}
+    peer=${ports[$((2 * k + 1))]}
+    mkdir -p "${TEST_TMPDIR}/etcd-${k}"
+    # A longer election timeout than the default 1 s: on a loaded 2-core
+    # machine a member's heartbeats can be late by that much, and an etcd
+    # election is not what this drill is about.
+    "${ETCD_BIN}" --name "etcd-${k}" --data-dir "${TEST_TMPDIR}/etcd-${k}/data" \
+      --listen-client-urls "http://127.0.0.1:${client}" \
+      --advertise-client-urls "http://127.0.0.1:${client}" \
+      --listen-peer-urls "http://127.0.0.1:${peer}" \
+      --initial-advertise-peer-urls "http://127.0.0.1:${peer}" \
+      --initial-cluster "${cluster}" --initial-cluster-state new \
+      --initial-cluster-token "optimus-drill-$$" \
+      --heartbeat-interval 100 --election-timeout 2500 \
+      >"${TEST_TMPDIR}/etcd-${k}.log" 2>&1 &
+    ETCD_PIDS+=("$!")
+    ETCD_ENDPOINTS="${ETCD_ENDPOINTS}${ETCD_ENDPOINTS:+,}127.0.0.1:${client}"
+  done
+  for ((k = 0; k < n; k++)); do
+    wait_for "etcd member ${k} healthy" 60 etcd_healthy "${ports[$((2 * k))]}"
+  done
+  echo "etcd: ${n} members, clients at ${ETCD_ENDPOINTS}"
+}
+
+etcd_stop() {
+  local pid
+  for pid in "${ETCD_PIDS[@]}"; do kill -TERM "${pid}" 2>/dev/null || true; done
+  for pid in "${ETCD_PIDS[@]}"; do wait "${pid}" 2>/dev/null || true; done
+  ETCD_PIDS=()
+}

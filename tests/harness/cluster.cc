@@ -1,6 +1,9 @@
 #include "tests/harness/cluster.h"
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
 #include <stdlib.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -8,6 +11,7 @@
 #include <cstdio>
 #include <cstring>
 #include <cstdlib>
+#include <random>
 #include <thread>
 #include <utility>
 
@@ -148,6 +152,33 @@ absl::StatusOr<std::string> NewTempDir(absl::string_view prefix) {
   return tmpl;
 }
 
+absl::StatusOr<int> FreePortBelowEphemeral() {
+  // Below the ephemeral range: a port nothing listens on for a while must
+  // not be taken meanwhile by an outgoing connection's local end.
+  int low = 32768;
+  if (FILE* f = std::fopen("/proc/sys/net/ipv4/ip_local_port_range", "r"); f != nullptr) {
+    if (std::fscanf(f, "%d", &low) != 1) low = 32768;
+    std::fclose(f);
+  }
+  if (low <= 10100) return absl::InternalError("the ephemeral port range starts too low");
+  std::mt19937 rng(static_cast<uint32_t>(getpid()) ^
+                   static_cast<uint32_t>(absl::ToUnixNanos(absl::Now())));
+  std::uniform_int_distribution<int> pick(10000, low - 1);
+  for (int attempt = 0; attempt < 200; ++attempt) {
+    const int port = pick(rng);
+    const int fd = socket(AF_INET, SOCK_STREAM, 0);
+    if (fd < 0) break;
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    addr.sin_port = htons(static_cast<uint16_t>(port));
+    const bool free = bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0;
+    close(fd);
+    if (free) return port;
+  }
+  return absl::InternalError("no free port below the ephemeral range");
+}
+
 // ---- Cluster ----------------------------------------------------------------
 
 Cluster::Cluster(const ClusterOptions& options) : options_(options) {}
@@ -189,7 +220,22 @@ absl::StatusOr<std::unique_ptr<Cluster>> Cluster::Start(const ClusterOptions& op
   if (options.transport == TransportKind::kLoopback) {
     c->fabric_ = transport::LoopbackFabric::Create(options.loopback);
   }
+  int standby_port = 0;
+  if (options.standby_address) {
+    if (options.state_dir.empty()) {
+      return absl::InvalidArgumentError("standby_address needs a state_dir");
+    }
+    absl::StatusOr<int> port = FreePortBelowEphemeral();
+    if (!port.ok()) return port.status();
+    standby_port = *port;
+  }
   if (auto s = c->StartCoordinator("127.0.0.1:0"); !s.ok()) return s;
+  c->coord_targets_ = c->coord_address_;
+  if (options.standby_address) {
+    c->first_address_ = c->coord_address_;
+    c->standby_listen_ = absl::StrCat("127.0.0.1:", standby_port);
+    c->coord_targets_ = absl::StrCat("localhost:", standby_port, ",", c->coord_address_);
+  }
   for (int i = 0; i < options.num_shards; ++i) {
     if (auto s = c->AddShard(); !s.ok()) return s.status();
   }
@@ -230,6 +276,14 @@ absl::Status Cluster::RestartCoordinator() {
   return StartCoordinator(coord_address_);
 }
 
+absl::Status Cluster::MoveCoordinator() {
+  if (!options_.standby_address) {
+    return absl::FailedPreconditionError("MoveCoordinator needs ClusterOptions.standby_address");
+  }
+  coord_.reset();
+  return StartCoordinator(coord_address_ == standby_listen_ ? first_address_ : standby_listen_);
+}
+
 Cluster::~Cluster() {
   workers_.clear();
   last_push_.clear();
@@ -260,7 +314,7 @@ absl::StatusOr<v1::StatusResponse> Cluster::Status() {
 
 absl::StatusOr<size_t> Cluster::AddShard() {
   server::ShardServerOptions s;
-  s.coordinator_address = coord_address_;
+  s.coordinator_address = coord_targets_;
   s.tls = TlsFor(absl::StrCat("shard-", shards_.size()));
   s.memory_limit_bytes = options_.shard_memory_limit_bytes;
   s.kernel_threads = options_.kernel_threads;
@@ -326,7 +380,7 @@ absl::Status Cluster::ConnectWorkers() {
   last_push_.assign(options_.num_workers, {});
   for (uint32_t r = 0; r < options_.num_workers; ++r) {
     client::ClientOptions o;
-    o.coordinator_address = coord_address_;
+    o.coordinator_address = coord_targets_;
     o.tls = TlsFor("trainer");
     o.job_token = options_.job_token;
     o.transport = TransportOptions(absl::StrCat("worker", r));

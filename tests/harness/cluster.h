@@ -76,6 +76,10 @@ absl::StatusOr<std::string> NewTempDir(absl::string_view prefix = "cluster");
 // the folder, for ClusterOptions.tls_root.
 absl::StatusOr<std::string> MakeTestCa(int shards);
 
+// A port on 127.0.0.1 below the ephemeral range that nothing is bound to
+// now (for an address a process will listen on later). INTERNAL if none.
+absl::StatusOr<int> FreePortBelowEphemeral();
+
 // This process's resident memory in bytes (/proc/self/statm; 0 if unreadable).
 uint64_t ResidentBytes();
 
@@ -111,6 +115,16 @@ struct ClusterOptions {
   // The coordinator's durable state folder (StopCoordinator /
   // RestartCoordinator need one to come back knowing the jobs). Empty: none.
   std::string state_dir;
+  // A standby's address besides the coordinator's: a port on 127.0.0.1
+  // where nothing listens at first, dialled as "localhost:PORT" (a DNS
+  // name, which TLS then checks against the certificate's DNS:localhost).
+  // Shards and workers are given both, the standby first
+  // ("localhost:B,127.0.0.1:A": coordinator_address()), so that their
+  // first calls find nobody there. MoveCoordinator then stops the
+  // coordinator and starts one at the other address over the same
+  // state_dir: what a standby's takeover (state in etcd) looks like to
+  // shards and workers. Default off.
+  bool standby_address = false;
   // TLS: a folder made by scripts/make_local_ca.sh (MakeTestCa): the
   // coordinator serves with coordinator/, shard i presents shard-<i>/,
   // workers trainer/ with job_token, and stub() admin/. Empty: plain text
@@ -161,8 +175,13 @@ class Cluster {
 
   // ---- Coordinator ----
   CoordinatorServer* coordinator() { return coord_.get(); }
-  std::string coordinator_address() const { return coord_address_; }
-  // A gRPC stub to the coordinator, for RPCs without a helper below.
+  // What shards and workers are given: the coordinator's address, or with
+  // standby_address both addresses (see there).
+  std::string coordinator_address() const { return coord_targets_; }
+  // The address the coordinator listens on now ("127.0.0.1:PORT").
+  std::string listening_address() const { return coord_address_; }
+  // A gRPC stub to the coordinator that listens now (it moves with
+  // MoveCoordinator), for RPCs without a helper below.
   v1::Coordinator::Stub* stub() { return stub_.get(); }
   absl::StatusOr<v1::StatusResponse> Status();
 
@@ -172,6 +191,10 @@ class Cluster {
   // state_dir. FAILED_PRECONDITION without a state_dir, or when not stopped.
   absl::Status StopCoordinator();
   absl::Status RestartCoordinator();
+  // With standby_address: stops the coordinator (if it runs) and starts a
+  // new one at the other address over the same state_dir.
+  // FAILED_PRECONDITION without standby_address or state_dir.
+  absl::Status MoveCoordinator();
 
   // ---- Shards ----
   // Starts one more shard; returns its index.
@@ -277,6 +300,9 @@ class Cluster {
   std::shared_ptr<transport::LoopbackFabric> fabric_;  // Loopback only.
   std::unique_ptr<CoordinatorServer> coord_;
   std::string coord_address_;  // Kept across StopCoordinator.
+  std::string coord_targets_;  // coordinator_address().
+  // With standby_address: where each of the two coordinators listens.
+  std::string first_address_, standby_listen_;
   std::unique_ptr<v1::Coordinator::Stub> stub_;
   // TLS options for the folder `who` of options_.tls_root (plain text
   // without one).

@@ -22,7 +22,13 @@
 //    (--binaries) export. The NetworkPolicies, evaluated as Kubernetes does,
 //    let the shards, the test pod and the listed peers reach their ports and
 //    keep other pods out, no rule admits every source, and UCX listens where
-//    the policy opens. The `helm test` pod runs optimusctl status against the
+//    the policy opens. In etcd mode (coordinator.stateStore etcd): the
+//    coordinators are a Deployment of coordinator.replicas advertising their
+//    pod IP, behind a Service that routes to the ready leader only, given
+//    etcd.endpoints or every member of the chart's etcd StatefulSet (which
+//    forms one cluster, is probed on /health without liveness depending on
+//    its quorum, and is reachable by the coordinators alone under the
+//    NetworkPolicies). The `helm test` pod runs optimusctl status against the
 //    coordinator the shards use, with the admin Secret under TLS (its command
 //    is written to --hook-out for chart_test.sh to run).
 // Prints a summary line per value set; exits 1 with every failure listed.
@@ -199,8 +205,15 @@ if (args["flags-out"]) {
   for (const [k, v] of Object.entries(flagFiles)) fs.writeFileSync(path.join(args["flags-out"], k), v);
 }
 
-const workloads = [...byKind("DaemonSet"), ...byKind("StatefulSet")];
-const podLabels = workloads.map((w) => w.spec.template.metadata.labels);
+const componentOf = (w) => w.spec.template.metadata.labels["app.kubernetes.io/component"];
+const allWorkloads = [...byKind("DaemonSet"), ...byKind("StatefulSet"), ...byKind("Deployment")];
+const podLabels = allWorkloads.map((w) => w.spec.template.metadata.labels);
+// The optimus processes (flag files, /healthz and /readyz); the chart's etcd
+// is checked on its own below.
+const workloads = allWorkloads.filter((w) => componentOf(w) !== "etcd");
+const coordSets = allWorkloads.filter((w) => componentOf(w) === "coordinator");
+const etcdSets = allWorkloads.filter((w) => componentOf(w) === "etcd");
+const coordStore = values.coordinator.stateStore || "file";
 for (const w of workloads) {
   const id = `${w.kind} ${w.metadata.name}`;
   const tmpl = w.spec.template;
@@ -255,7 +268,7 @@ for (const w of workloads) {
       expect(w.metadata.name.endsWith(`-shard-${kind}`), `${id}: runs --kind=${kind}`);
       const kv = values[kind];
       expect(Number(flags.memory_limit_mb) === kv.memoryLimitMb, `${id}: --memory_limit_mb=${flags.memory_limit_mb}, values say ${kv.memoryLimitMb}`);
-      expect(/^[^:]+:[0-9]+$/.test(flags.coordinator || ""), `${id}: --coordinator='${flags.coordinator}' is not HOST:PORT`);
+      expect(/^[^:,]+:[0-9]+(,[^:,]+:[0-9]+)*$/.test(flags.coordinator || ""), `${id}: --coordinator='${flags.coordinator}' is not HOST:PORT[,HOST:PORT...]`);
       if (values.coordinator.enabled) {
         const svc = byKind("Service").find((s) => flags.coordinator === `${s.metadata.name}.${s.metadata.namespace}.svc:${values.coordinator.port}`);
         expect(svc && svc.spec.clusterIP !== "None", `${id}: --coordinator=${flags.coordinator} is not the coordinator Service`);
@@ -293,10 +306,12 @@ for (const kind of ["dpu", "host"]) {
     expect(!(flagFiles[`shard-${kind}.flags`]), `${kind}.enabled is false but its flag file rendered`);
   }
 }
-const sts = byKind("StatefulSet");
+const sts = coordSets;
 if (values.coordinator.enabled) {
-  if (expect(sts.length === 1, `coordinator.enabled is true but ${sts.length} StatefulSets rendered`)) {
-    const s = sts[0];
+  if (expect(coordSets.length === 1, `coordinator.enabled is true but ${coordSets.length} coordinator workloads rendered`) &&
+      coordStore === "file") {
+    const s = coordSets[0];
+    expect(s.kind === "StatefulSet", `coordinator.stateStore file: the coordinator is a ${s.kind}, want a StatefulSet with its volume`);
     expect(s.spec.replicas === 1, "the coordinator StatefulSet must run exactly one replica");
     expect(byKind("Service").some((x) => x.metadata.name === s.spec.serviceName && x.spec.clusterIP === "None"),
       `StatefulSet serviceName ${s.spec.serviceName} is not a headless Service of the release`);
@@ -311,9 +326,80 @@ if (values.coordinator.enabled) {
     const mount = values.coordinator.persistence.mountPath.replace(/\/$/, "");
     expect((coordFlagsFile.state_dir || "").startsWith(`${mount}/`),
       `--state_dir=${coordFlagsFile.state_dir} is not on the coordinator's volume (${mount}): its state would not survive a restart`);
+    expect(etcdSets.length === 0, "coordinator.stateStore file but an etcd StatefulSet rendered");
+  } else if (coordSets.length === 1) {
+    // ---- etcd mode: a leader and standbys over etcd ----
+    const s = coordSets[0];
+    const ns = s.metadata.namespace;
+    const want = values.coordinator.replicas || 2;
+    expect(s.kind === "Deployment", `coordinator.stateStore etcd: the coordinator is a ${s.kind}, want a Deployment`);
+    expect(s.spec.replicas === want, `the coordinator Deployment runs ${s.spec.replicas} pods, want ${want} (coordinator.replicas, default 2 in etcd mode)`);
+    const c = s.spec.template.spec.containers[0];
+    // Where it listens once it leads: its own pod IP.
+    expect((c.args || []).includes(`--advertise_address=$(POD_IP):${values.coordinator.port}`),
+      `the coordinator does not advertise $(POD_IP):${values.coordinator.port}: ${(c.args || []).join(" ")}`);
+    const podIp = (c.env || []).find((e) => e.name === "POD_IP");
+    expect(podIp && podIp.valueFrom && podIp.valueFrom.fieldRef && podIp.valueFrom.fieldRef.fieldPath === "status.podIP",
+      "POD_IP is not the pod's IP (fieldRef status.podIP)");
+    // The Service sends calls to the ready pod only: the leader.
+    const svc = byKind("Service").find((x) => x.spec.clusterIP !== "None" && matches(x.spec.selector, s.spec.template.metadata.labels));
+    expect(svc && !svc.spec.publishNotReadyAddresses, "no coordinator Service that routes to ready pods only (the leader)");
+    expect(!byKind("Service").some((x) => x.spec.clusterIP === "None" && matches(x.spec.selector, s.spec.template.metadata.labels)),
+      "etcd mode renders a headless Service for the coordinators: clients would reach standbys");
+    const f = parseFlags(flagFiles["coordinator.flags"] || "");
+    expect(f.state_dir === undefined, `etcd mode but --state_dir=${f.state_dir} set`);
+    const prefix = values.etcd.prefix || `/optimus/${ns}/`;
+    expect((f.etcd_prefix || "").startsWith(prefix), `--etcd_prefix=${f.etcd_prefix}, want ${prefix}...`);
+    const eps = (f.etcd_endpoints || "").split(",");
+    if (values.etcd.endpoints) {
+      expect(f.etcd_endpoints === values.etcd.endpoints, `--etcd_endpoints=${f.etcd_endpoints}, values say ${values.etcd.endpoints}`);
+      expect(etcdSets.length === 0, "etcd.endpoints is set but the chart's own etcd rendered too");
+    } else if (expect(etcdSets.length === 1 && etcdSets[0].kind === "StatefulSet", `no etcd StatefulSet for etcd mode without etcd.endpoints (${etcdSets.length} rendered)`)) {
+      const es = etcdSets[0];
+      const ev = values.etcd.statefulSet;
+      const eid = `StatefulSet ${es.metadata.name}`;
+      expect(es.spec.replicas === ev.replicas, `${eid}: ${es.spec.replicas} members, values say ${ev.replicas}`);
+      expect(matches(es.spec.selector.matchLabels, es.spec.template.metadata.labels), `${eid}: spec.selector does not select its own pods`);
+      expect(es.spec.podManagementPolicy === "Parallel", `${eid}: members must start together (podManagementPolicy Parallel) to elect a leader`);
+      const hs = byKind("Service").find((x) => x.metadata.name === es.spec.serviceName);
+      expect(hs && hs.spec.clusterIP === "None" && hs.spec.publishNotReadyAddresses === true && matches(hs.spec.selector, es.spec.template.metadata.labels),
+        `${eid}: serviceName ${es.spec.serviceName} is not a headless Service publishing its not-ready members`);
+      // The coordinator is given every member by its stable name.
+      const wantEps = [...Array(ev.replicas).keys()].map((i) => `${es.metadata.name}-${i}.${es.spec.serviceName}.${ns}.svc:${ev.clientPort}`);
+      expect(deepEqual(eps, wantEps), `--etcd_endpoints=${f.etcd_endpoints}, want every member: ${wantEps.join(",")}`);
+      const ec = es.spec.template.spec.containers[0];
+      const arg = (name) => ((ec.args || []).find((a) => a.startsWith(`--${name}=`)) || "").slice(name.length + 3);
+      const initial = arg("initial-cluster").split(",").filter(Boolean);
+      expect(initial.length === ev.replicas && initial.every((m, i) =>
+        m === `${es.metadata.name}-${i}=http://${es.metadata.name}-${i}.${es.spec.serviceName}.${ns}.svc:${ev.peerPort}`),
+        `${eid}: --initial-cluster does not name every member at its peer port: ${initial.join(",")}`);
+      expect(arg("name") === "$(POD_NAME)" && (ec.env || []).some((e) => e.name === "POD_NAME" && e.valueFrom && e.valueFrom.fieldRef.fieldPath === "metadata.name"),
+        `${eid}: a member is not named after its pod`);
+      const portByName = {};
+      for (const p of ec.ports || []) portByName[p.name] = p.containerPort;
+      expect(portByName.client === ev.clientPort && portByName.peer === ev.peerPort && portByName.metrics === ev.metricsPort,
+        `${eid}: container ports ${JSON.stringify(portByName)} differ from values`);
+      expect(arg("listen-metrics-urls").endsWith(`:${ev.metricsPort}`), `${eid}: /health is not served on the metrics port ${ev.metricsPort}`);
+      const rp = ec.readinessProbe && ec.readinessProbe.httpGet;
+      const lp = ec.livenessProbe && ec.livenessProbe.httpGet;
+      expect(rp && rp.path === "/health" && (rp.port === "metrics" || rp.port === ev.metricsPort), `${eid}: readiness is not /health on the metrics port`);
+      // Liveness must not depend on the quorum: /health fails without one.
+      expect(lp && lp.path !== "/health", `${eid}: liveness probe missing or on /health (which fails whenever the quorum is lost)`);
+      expect(ec.resources && ec.resources.requests && ec.resources.limits, `${eid}: no resource requests and limits`);
+      if (ev.persistence.enabled) {
+        const vct = (es.spec.volumeClaimTemplates || [])[0];
+        expect(vct && vct.spec.resources.requests.storage === ev.persistence.size &&
+          (ec.volumeMounts || []).some((m) => m.name === vct.metadata.name),
+          `${eid}: no mounted volume claim template of etcd.statefulSet.persistence.size`);
+      }
+      if (values.podDisruptionBudget.etcd && values.podDisruptionBudget.etcd.enabled) {
+        expect(byKind("PodDisruptionBudget").some((p) => matches(p.spec.selector.matchLabels, es.spec.template.metadata.labels)),
+          `${eid}: no PodDisruptionBudget`);
+      }
+    }
   }
 } else {
-  expect(sts.length === 0, "coordinator.enabled is false but a StatefulSet rendered");
+  expect(coordSets.length === 0 && etcdSets.length === 0, "coordinator.enabled is false but a coordinator or etcd workload rendered");
 }
 
 // Every Service and PDB selects some pod of the release; ServiceMonitors select a Service with their port.
@@ -336,7 +422,7 @@ for (const m of serviceMonitors) {
   }
 }
 // The ServiceAccount the pods use exists (or is named by the user), with no RBAC.
-for (const w of workloads) {
+for (const w of allWorkloads) {
   const sa = w.spec.template.spec.serviceAccountName;
   if (values.serviceAccount.create) {
     expect(byKind("ServiceAccount").some((x) => x.metadata.name === sa), `${w.kind} ${w.metadata.name} uses ServiceAccount ${sa}, which is not rendered`);
@@ -538,6 +624,25 @@ if (np.enabled) {
         const listed = peers.some((p) => peerAdmits(p, src, ns));
         expect(reaches(src, labels, ns, port) === listed,
           `NetworkPolicy: a pod ${JSON.stringify(src.labels)} of namespace ${src.namespace} ${listed ? "cannot reach" : "reaches"} the coordinator on port ${port}`);
+      }
+    }
+  }
+  for (const es of etcdSets) {
+    const labels = es.spec.template.metadata.labels;
+    const ns = nsOf(es);
+    const ev = values.etcd.statefulSet;
+    for (const s of coordSets) {
+      expect(reaches({ labels: s.spec.template.metadata.labels, namespace: ns, nsLabels: {} }, labels, ns, ev.clientPort),
+        `NetworkPolicy: the coordinators cannot reach etcd's client port ${ev.clientPort}`);
+    }
+    expect(reaches({ labels, namespace: ns, nsLabels: {} }, labels, ns, ev.peerPort), `NetworkPolicy: etcd members cannot reach each other's peer port ${ev.peerPort}`);
+    for (const d of shardSets) {
+      const src = srcOfSet(d);
+      if (src) expect(!reaches(src, labels, ns, ev.clientPort), `NetworkPolicy: the ${d.metadata.name} shards reach etcd, which only the coordinators use`);
+    }
+    for (const src of [stranger(ns), outsider]) {
+      for (const port of [ev.clientPort, ev.peerPort]) {
+        expect(!reaches(src, labels, ns, port), `NetworkPolicy: a pod ${JSON.stringify(src.labels)} of namespace ${src.namespace} reaches etcd on port ${port}`);
       }
     }
   }

@@ -101,7 +101,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         (named_parameters()) and carries the forward pre-hooks. Without it,
         tensors are named "group{g}.{i}" and step() waits for the new
         parameters before it returns.
-    coordinator: optimus-coord's "host:port"; default $OPTIMUS_COORDINATOR.
+    coordinator: optimus-coord's "host:port", or several comma-separated
+        ("a:7070,b:7070": a leader and its standbys; calls follow whichever
+        leads); default $OPTIMUS_COORDINATOR.
     job_name: default $OPTIMUS_JOB, the job spec's name, or "optimus-job".
     rank, world_size: default $RANK and $WORLD_SIZE (as torchrun sets them);
         with neither, the job spec's world_size, else one process.

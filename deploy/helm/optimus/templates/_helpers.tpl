@@ -57,8 +57,8 @@ app.kubernetes.io/part-of: optimus
 {{- printf "%s-coord.%s.svc:%d" (include "optimus.fullname" .) .Release.Namespace (int .Values.coordinator.port) -}}
 {{- else -}}
 {{- $addr := required "coordinatorAddress is required when coordinator.enabled is false: set it to the HOST:PORT of the optimus-coord the shards should register with" .Values.coordinatorAddress -}}
-{{- if not (regexMatch "^[^:/\\s]+:[0-9]+$" $addr) -}}
-{{- fail (printf "coordinatorAddress must be HOST:PORT, got %q" $addr) -}}
+{{- if not (regexMatch "^[^:/\\s,]+:[0-9]+(,[^:/\\s,]+:[0-9]+)*$" $addr) -}}
+{{- fail (printf "coordinatorAddress must be HOST:PORT, or several (a leader and its standbys) as HOST:PORT,HOST:PORT; got %q" $addr) -}}
 {{- end -}}
 {{- $addr -}}
 {{- end -}}
@@ -159,6 +159,53 @@ prometheus.io/path: /metrics
 {{- .Values.checkpoints.existingClaim | default (printf "%s-checkpoints" (include "optimus.fullname" .)) -}}
 {{- end -}}
 
+{{/* coordinator.stateStore, checked: "file" or "etcd". */}}
+{{- define "optimus.coordinatorStore" -}}
+{{- $s := .Values.coordinator.stateStore | default "file" -}}
+{{- if not (has $s (list "file" "etcd")) -}}
+{{- fail (printf "coordinator.stateStore must be file or etcd, got %q" $s) -}}
+{{- end -}}
+{{- $s -}}
+{{- end -}}
+
+{{/* How many coordinator pods: coordinator.replicas, else 2 with etcd and 1 with the file store. */}}
+{{- define "optimus.coordinatorReplicas" -}}
+{{- $store := include "optimus.coordinatorStore" . -}}
+{{- $r := .Values.coordinator.replicas -}}
+{{- if and (eq $store "file") $r (gt (int $r) 1) -}}
+{{- fail (printf "coordinator.replicas is %d but coordinator.stateStore is file: a standby needs the state in etcd (set coordinator.stateStore=etcd), or keep one replica" (int $r)) -}}
+{{- end -}}
+{{- if $r -}}{{- int $r -}}{{- else if eq $store "etcd" -}}2{{- else -}}1{{- end -}}
+{{- end -}}
+
+{{/* The chart runs its own etcd: etcd mode without etcd.endpoints. */}}
+{{- define "optimus.ownEtcd" -}}
+{{- if and .Values.coordinator.enabled (eq (include "optimus.coordinatorStore" .) "etcd") (not .Values.etcd.endpoints) -}}true{{- end -}}
+{{- end -}}
+
+{{/* The etcd client endpoints the coordinator uses: etcd.endpoints, or each member of the chart's own etcd by its stable name. */}}
+{{- define "optimus.etcdEndpoints" -}}
+{{- if .Values.etcd.endpoints -}}
+{{- if not (regexMatch "^[^:/\\s,]+:[0-9]+(,[^:/\\s,]+:[0-9]+)*$" .Values.etcd.endpoints) -}}
+{{- fail (printf "etcd.endpoints must be HOST:PORT,HOST:PORT...; got %q" .Values.etcd.endpoints) -}}
+{{- end -}}
+{{- .Values.etcd.endpoints -}}
+{{- else -}}
+{{- $fullname := include "optimus.fullname" . -}}
+{{- $e := .Values.etcd.statefulSet -}}
+{{- $list := list -}}
+{{- range $i := until (int $e.replicas) -}}
+{{- $list = append $list (printf "%s-etcd-%d.%s-etcd.%s.svc:%d" $fullname $i $fullname $.Release.Namespace (int $e.clientPort)) -}}
+{{- end -}}
+{{- join "," $list -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The key prefix of this release's state in etcd. */}}
+{{- define "optimus.etcdPrefix" -}}
+{{- .Values.etcd.prefix | default (printf "/optimus/%s/%s" .Release.Namespace .Release.Name) -}}
+{{- end -}}
+
 {{/* The coordinator's flag file. */}}
 {{- define "optimus.coordinatorFlags" -}}
 {{- $c := .Values.coordinator -}}
@@ -171,7 +218,12 @@ prometheus.io/path: /metrics
 --max_chunks_per_job={{ int64 $c.maxChunksPerJob }}
 --max_tensors_per_job={{ int64 $c.maxTensorsPerJob }}
 --max_job_bytes={{ int64 $c.maxJobBytes }}
+{{- if eq (include "optimus.coordinatorStore" .) "etcd" }}
+--etcd_endpoints={{ include "optimus.etcdEndpoints" . }}
+--etcd_prefix={{ include "optimus.etcdPrefix" . }}
+{{- else }}
 --state_dir={{ trimSuffix "/" $c.persistence.mountPath }}/state
+{{- end }}
 {{ include "optimus.tlsFlag" . }}
 {{- if .Values.checkpoints.enabled }}
 --checkpoint_dir={{ .Values.checkpoints.mountPath }}
