@@ -1,6 +1,7 @@
 #include "common/coordinator_channels.h"
 
 #include <algorithm>
+#include <optional>
 #include <utility>
 
 #include "absl/strings/ascii.h"
@@ -205,20 +206,55 @@ bool CoordinatorChannels::WaitForConnected(absl::Time deadline) {
     absl::MutexLock lock(&mu_);
     start = current_;
   }
-  for (;;) {
-    // From the current one on: with one leader, the order only matters in
-    // the instant two could both be connected (an old leader on its way out).
-    for (size_t k = 0; k < n; ++k) {
-      const size_t j = (start + k) % n;
-      if (channels_[j]->GetState(/*try_to_connect=*/true) == GRPC_CHANNEL_READY) {
-        absl::MutexLock lock(&mu_);
-        MoveToLocked(j, "is not connected");
-        return true;
-      }
+  // gRPC advances a connection attempt only while some thread polls for
+  // it (a call, a state watch, or its backup poller every 5 s): GetState
+  // and a sleep in between do not, and the attempts never finished within
+  // optimusctl's 3 s wait. So every channel that is not READY is watched
+  // on one completion queue, in short rounds (a watch cannot be cancelled:
+  // once one is READY the others end within a round).
+  constexpr absl::Duration kRound = absl::Milliseconds(100);
+  grpc::CompletionQueue cq;
+  size_t pending = 0;
+  std::optional<size_t> ready;
+  auto watch = [&](size_t j, grpc_connectivity_state s) {
+    channels_[j]->NotifyOnStateChange(s, absl::ToChronoTime(std::min(deadline, absl::Now() + kRound)),
+                                      &cq, reinterpret_cast<void*>(j));
+    ++pending;
+  };
+  // From the current one on: with one leader, the order only matters in the
+  // instant two could both be connected (an old leader on its way out).
+  for (size_t k = 0; k < n && !ready.has_value(); ++k) {
+    const size_t j = (start + k) % n;
+    const grpc_connectivity_state s = channels_[j]->GetState(/*try_to_connect=*/true);
+    if (s == GRPC_CHANNEL_READY) {
+      ready = j;
+    } else if (absl::Now() < deadline) {
+      watch(j, s);
     }
-    if (absl::Now() >= deadline) return false;
-    absl::SleepFor(std::min(absl::Milliseconds(20), deadline - absl::Now()));
   }
+  while (pending > 0) {
+    void* tag = nullptr;
+    bool changed = false;
+    if (!cq.Next(&tag, &changed)) break;
+    --pending;
+    if (ready.has_value()) continue;  // Draining the other watches.
+    const size_t j = reinterpret_cast<size_t>(tag);
+    const grpc_connectivity_state s = channels_[j]->GetState(/*try_to_connect=*/true);
+    if (s == GRPC_CHANNEL_READY) {
+      ready = j;
+    } else if (absl::Now() < deadline) {
+      watch(j, s);
+    }
+  }
+  cq.Shutdown();
+  void* tag = nullptr;
+  bool changed = false;
+  while (cq.Next(&tag, &changed)) {
+  }
+  if (!ready.has_value()) return false;
+  absl::MutexLock lock(&mu_);
+  MoveToLocked(*ready, "is not connected");
+  return true;
 }
 
 }  // namespace optimus

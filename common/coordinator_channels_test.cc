@@ -6,7 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "grpcpp/grpcpp.h"
-#include "grpcpp/health_check_service_interface.h"
+#include "grpcpp/generic/async_generic_service.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
@@ -86,17 +86,20 @@ TEST(CoordinatorChannelsTest, BadListsMakeNoChannels) {
   EXPECT_TRUE(absl::IsInvalidArgument(d.status())) << d.status();
 }
 
-// A gRPC server with no service of its own (the health service only): it
-// accepts connections, which is all a standby does not do.
+// A gRPC server with no service of its own (every method UNIMPLEMENTED): it
+// accepts connections, which is all a standby does not do. gRPC refuses to
+// start a server with no service at all ("At least one of the completion
+// queues must be frequently polled"), hence the generic callback service.
 class Listener {
  public:
   // On `port` (0: any free one).
   explicit Listener(int port = 0) {
-    grpc::EnableDefaultHealthCheckService(true);
     grpc::ServerBuilder b;
     b.AddListeningPort(absl::StrCat("127.0.0.1:", port), grpc::InsecureServerCredentials(),
                        &port_);
+    b.RegisterCallbackGenericService(&generic_);
     server_ = b.BuildAndStart();
+    EXPECT_NE(server_, nullptr) << "cannot listen on 127.0.0.1:" << port;
   }
   ~Listener() { Stop(); }
   void Stop() {
@@ -108,6 +111,7 @@ class Listener {
 
  private:
   int port_ = 0;
+  grpc::CallbackGenericService generic_;
   std::unique_ptr<grpc::Server> server_;
 };
 
