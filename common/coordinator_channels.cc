@@ -111,7 +111,47 @@ CoordinatorChannels::CoordinatorChannels(std::vector<std::string> addresses,
                                          std::vector<std::shared_ptr<grpc::Channel>> channels)
     : addresses_(std::move(addresses)),
       channels_(std::move(channels)),
-      joined_(absl::StrJoin(addresses_, ",")) {}
+      joined_(absl::StrJoin(addresses_, ",")) {
+  if (channels_.size() > 1) connector_ = std::thread([this] { KeepConnecting(); });
+}
+
+CoordinatorChannels::~CoordinatorChannels() {
+  {
+    absl::MutexLock lock(&stop_mu_);
+    stop_ = true;
+  }
+  if (connector_.joinable()) connector_.join();
+}
+
+void CoordinatorChannels::KeepConnecting() {
+  // gRPC advances a connection attempt (its backoff timer, the TCP connect,
+  // the TLS handshake) only while some thread polls for it: a call, a state
+  // watch, or its backup poller every 5 s. A call on a channel in
+  // TRANSIENT_FAILURE fails at once without polling, and Report then moves
+  // on to the next address, so a caller that first tried the leader before
+  // it listened (a shard started with the coordinators) found it never
+  // connected: its calls only bounced between the addresses. This thread
+  // waits on every channel that is not READY, so each connects as soon as
+  // its backoff allows and Report finds the leader READY.
+  constexpr absl::Duration kPoll = absl::Milliseconds(200);
+  while (true) {
+    bool all_ready = true;
+    for (const std::shared_ptr<grpc::Channel>& c : channels_) {
+      {
+        absl::MutexLock lock(&stop_mu_);
+        if (stop_) return;
+      }
+      const grpc_connectivity_state s = c->GetState(/*try_to_connect=*/true);
+      if (s == GRPC_CHANNEL_READY) continue;
+      all_ready = false;
+      c->WaitForStateChange(s, absl::ToChronoTime(absl::Now() + kPoll));
+    }
+    if (all_ready) {
+      absl::MutexLock lock(&stop_mu_);
+      if (stop_mu_.AwaitWithTimeout(absl::Condition(&stop_), kPoll)) return;
+    }
+  }
+}
 
 absl::StatusOr<std::shared_ptr<CoordinatorChannels>> CoordinatorChannels::Create(
     absl::string_view addresses, std::shared_ptr<grpc::ChannelCredentials> credentials,

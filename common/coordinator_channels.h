@@ -25,6 +25,7 @@
 #include <cstddef>
 #include <memory>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -85,16 +86,26 @@ class CoordinatorChannels {
   // that would rather ask the leader first than learn from a failed call.
   bool WaitForConnected(absl::Time deadline) ABSL_LOCKS_EXCLUDED(mu_);
 
+  ~CoordinatorChannels();
+  CoordinatorChannels(const CoordinatorChannels&) = delete;
+  CoordinatorChannels& operator=(const CoordinatorChannels&) = delete;
+
  private:
   CoordinatorChannels(std::vector<std::string> addresses,
                       std::vector<std::shared_ptr<grpc::Channel>> channels);
   void MoveToLocked(size_t to, absl::string_view why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // With several addresses: keeps every channel that is not READY
+  // connecting (see the .cc), until the destructor.
+  void KeepConnecting() ABSL_LOCKS_EXCLUDED(stop_mu_);
 
   const std::vector<std::string> addresses_;
   const std::vector<std::shared_ptr<grpc::Channel>> channels_;
   const std::string joined_;
   mutable absl::Mutex mu_;
   size_t current_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::Mutex stop_mu_;
+  bool stop_ ABSL_GUARDED_BY(stop_mu_) = false;
+  std::thread connector_;
 };
 
 // A generated gRPC stub per address of a CoordinatorChannels, calling
