@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <utility>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/logging.h"
@@ -137,6 +138,18 @@ absl::StatusOr<v3electionpb::LeaderKey> EtcdLeadership::Campaign() {
     switch (key.status().code()) {
       case absl::StatusCode::kDeadlineExceeded:
         // etcd withdrew the candidacy; campaign again.
+        continue;
+      case absl::StatusCode::kUnknown:
+        // etcd's own transient errors come as UNKNOWN with its message
+        // (while it elects a raft leader after a member died): campaign
+        // again. Any other UNKNOWN ends the campaign.
+        if (!absl::StrContains(key.status().message(), "request timed out") &&
+            !absl::StrContains(key.status().message(), "leader changed") &&
+            !absl::StrContains(key.status().message(), "no leader")) {
+          return key.status();
+        }
+        OPTIMUS_LOG(Warning, kLog, "campaigning: ", key.status().ToString());
+        absl::SleepFor(absl::Milliseconds(500));
         continue;
       case absl::StatusCode::kUnavailable:
         // No member answered: the keep-alive thread gives up when the lease
