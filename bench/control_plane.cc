@@ -924,6 +924,7 @@ Json RunOne(const RunOptions& o, int n) {
   // Jobs.
   Json jobs = Json::array();
   uint64_t kept_job = 0;
+  v1::ShardMap kept_map;  // The kept job's map when it was created.
   for (const BenchJob& j : o.jobs) {
     Json jl{{"name", j.name}, {"params", j.num_params()}, {"replication", j.replication}};
     const absl::Time start = absl::Now();
@@ -967,6 +968,7 @@ Json RunOne(const RunOptions& o, int n) {
     jobs.push_back(jl);
     if (j.key == "large" && ready.ok() && final_state == "JOB_STATE_READY") {
       kept_job = job_id;
+      kept_map = created.map();
       continue;
     }
     grpc::ClientContext dctx;
@@ -997,6 +999,17 @@ Json RunOne(const RunOptions& o, int n) {
       if (id != 0) killed.insert(id);
     }
     line["killed"] = k;
+    // Chunks of the kept job whose primary and backup were both killed:
+    // replication 1 cannot fail those over (the job rolls back or fails,
+    // as it must), so a FAILED job with this above 0 is the placement's
+    // odds, not the coordinator's doing.
+    if (kept_job != 0) {
+      int both = 0;
+      for (const v1::ChunkPlacement& c : kept_map.chunks()) {
+        both += killed.count(c.shard_id()) != 0 && killed.count(c.backup_shard_id()) != 0;
+      }
+      line["chunks_with_both_holders_killed"] = both;
+    }
     // Shards the coordinator had declared DOWN already (wrongly) before
     // they were killed: their time to DOWN says nothing.
     if (auto st = GetStatus(admin.get(), DownShards(), absl::Seconds(30)); st.ok()) {
