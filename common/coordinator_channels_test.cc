@@ -1,5 +1,11 @@
 #include "common/coordinator_channels.h"
 
+#include <fcntl.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdlib>
 #include <memory>
 #include <string>
 
@@ -9,6 +15,8 @@
 #include "grpcpp/generic/async_generic_service.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+
+extern char** environ;
 
 namespace optimus {
 namespace {
@@ -191,6 +199,87 @@ TEST(CoordinatorChannelsTest, SlowAnswersFromAConnectedLeaderDoNotMove) {
   ASSERT_EQ(c->current(), 0u);
   c->Report(0, grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED, "slow"));
   EXPECT_EQ(c->current(), 0u);
+}
+
+// common/grpc_listener_for_test listening on `port` in a process of its
+// own (see there why), until destroyed.
+class ListenerProcess {
+ public:
+  explicit ListenerProcess(int port) {
+    const char* srcdir = std::getenv("TEST_SRCDIR");
+    if (srcdir == nullptr) return;
+    binary_ = absl::StrCat(srcdir, "/optimus/common/grpc_listener_for_test");
+    if (access(binary_.c_str(), X_OK) != 0) return;
+    int in[2], out[2];
+    if (pipe(in) != 0 || pipe(out) != 0) return;
+    posix_spawn_file_actions_t actions;
+    posix_spawn_file_actions_init(&actions);
+    posix_spawn_file_actions_adddup2(&actions, in[0], 0);
+    posix_spawn_file_actions_adddup2(&actions, out[1], 1);
+    posix_spawn_file_actions_addclose(&actions, in[1]);
+    posix_spawn_file_actions_addclose(&actions, out[0]);
+    std::string port_arg = absl::StrCat(port);
+    char* argv[] = {binary_.data(), port_arg.data(), nullptr};
+    const int rc = posix_spawn(&pid_, binary_.c_str(), &actions, nullptr, argv, environ);
+    posix_spawn_file_actions_destroy(&actions);
+    close(in[0]);
+    close(out[1]);
+    to_child_ = in[1];
+    if (rc != 0) {
+      pid_ = -1;
+      close(out[0]);
+      return;
+    }
+    // It prints "listening" once it does (or exits: EOF).
+    std::string said;
+    char ch;
+    while (said.find('\n') == std::string::npos && read(out[0], &ch, 1) == 1) said += ch;
+    close(out[0]);
+    listening_ = said == "listening\n";
+  }
+  ~ListenerProcess() {
+    if (to_child_ >= 0) close(to_child_);
+    if (pid_ > 0) waitpid(pid_, nullptr, 0);
+  }
+  bool built() const { return !binary_.empty() && access(binary_.c_str(), X_OK) == 0; }
+  bool listening() const { return listening_; }
+
+ private:
+  std::string binary_;
+  pid_t pid_ = -1;
+  int to_child_ = -1;
+  bool listening_ = false;
+};
+
+// The failure mode of shards started with the coordinators: every address
+// was tried before anything listened, and from then on calls failed at once
+// on channels in TRANSIENT_FAILURE and only bounced between the addresses.
+// A standby elected later must become connected with no call made on it,
+// so that the next failed call finds it. The coordinator runs in another
+// process and the test's BUILD rule switches gRPC's backup poller off:
+// either would connect the channel without the library's own thread (the
+// poller 5 to 10 s later), hiding that it is missing.
+TEST(CoordinatorChannelsTest, AnAddressThatStartsListeningLaterGetsConnectedWithoutCalls) {
+  const int first = DeadPort(), second = DeadPort();
+  auto c = Channels(absl::StrCat("127.0.0.1:", first, ",127.0.0.1:", second));
+  // Both tried, neither listens.
+  EXPECT_FALSE(c->WaitForConnected(absl::Now() + absl::Milliseconds(300)));
+  c->Report(0, grpc::Status(grpc::StatusCode::UNAVAILABLE, "connection refused"));
+  c->Report(1, grpc::Status(grpc::StatusCode::UNAVAILABLE, "connection refused"));
+  ListenerProcess elected(second);
+  if (!elected.built()) GTEST_SKIP() << "common/grpc_listener_for_test is not built here";
+  ASSERT_TRUE(elected.listening()) << "the test could not listen on its port again";
+  // Nobody calls, nobody watches: only the channels' own thread can connect it.
+  const absl::Time give_up = absl::Now() + kHangGuard;
+  while (c->channel(1)->GetState(/*try_to_connect=*/false) != GRPC_CHANNEL_READY &&
+         absl::Now() < give_up) {
+    absl::SleepFor(absl::Milliseconds(50));
+  }
+  EXPECT_EQ(c->channel(1)->GetState(false), GRPC_CHANNEL_READY)
+      << "a coordinator listening at the second address was never connected to";
+  // The next failed call on the dead one moves straight to it.
+  c->Report(c->current(), grpc::Status(grpc::StatusCode::UNAVAILABLE, "connection refused"));
+  EXPECT_EQ(c->current(), 1u);
 }
 
 TEST(CoordinatorChannelsTest, WaitForConnectedGivesUpWhenNoOneListens) {
