@@ -299,11 +299,15 @@ TEST_F(EtcdStoreTest, AnEndpointThatIsDownIsSkippedAndNamedWhenAllAre) {
 // A TCP relay to `target` that holds every connection `delay` before it
 // passes any byte: a member behind a slow network or on a loaded machine,
 // where the TCP connect and the HTTP/2 SETTINGS exchange take that long.
+// On `listen_port` (0: any free one).
 class SlowRelay {
  public:
-  SlowRelay(int target_port, absl::Duration delay) : target_port_(target_port), delay_(delay) {
+  SlowRelay(int target_port, absl::Duration delay, int listen_port = 0)
+      : target_port_(target_port), delay_(delay) {
     listen_fd_ = ::socket(AF_INET, SOCK_STREAM, 0);
-    sockaddr_in addr = Loopback(0);
+    const int one = 1;
+    ::setsockopt(listen_fd_, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+    sockaddr_in addr = Loopback(listen_port);
     socklen_t len = sizeof(addr);
     EXPECT_EQ(::bind(listen_fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
     EXPECT_EQ(::listen(listen_fd_, 16), 0);
@@ -395,6 +399,46 @@ TEST_F(EtcdStoreTest, AMemberWhoseConnectionIsSlowToSetUpIsStillReached) {
     absl::SleepFor(absl::Milliseconds(100));
   }
   EXPECT_TRUE(last.ok()) << "never reached " << member << " through a 3 s handshake: " << last;
+}
+
+// A member that was down when the client first tried it (connection
+// refused, the channel backing off) and comes up later is reached by the
+// next calls, within gRPC's backoff (here at most 1 s), although calls on
+// a failed channel fail at once and poll nothing: the client's own thread
+// keeps the channel connecting. The test's BUILD rule switches gRPC's
+// backup poller off, which would otherwise connect it 5 to 10 s later.
+TEST_F(EtcdStoreTest, AMemberThatComesUpAfterFailedCallsIsReached) {
+  const std::string& member = cluster_->endpoints()[0];
+  int member_port = 0;
+  ASSERT_TRUE(absl::SimpleAtoi(member.substr(member.rfind(':') + 1), &member_port)) << member;
+  const int port = PickFreePort();
+  EtcdClientOptions o;
+  o.endpoints = {absl::StrCat("127.0.0.1:", port)};
+  o.call_timeout = absl::Seconds(2);
+  auto client = EtcdClient::Create(o);
+  ASSERT_TRUE(client.ok());
+  etcdserverpb::PutRequest put;
+  put.set_key("/late-member");
+  put.set_value("v");
+  for (int i = 0; i < 3; ++i) {
+    auto r = (*client)->Put(put);
+    ASSERT_EQ(r.status().code(), absl::StatusCode::kUnavailable) << r.status();
+    absl::SleepFor(absl::Milliseconds(300));
+  }
+  // The member comes up at that address.
+  SlowRelay up(member_port, absl::ZeroDuration(), port);
+  ASSERT_EQ(up.address(), o.endpoints[0]) << "the test could not listen on its port";
+  // Calls every 100 ms until one gets through; a hang guard only.
+  const absl::Time guard = absl::Now() + absl::Seconds(30);
+  absl::Status last;
+  while (absl::Now() < guard) {
+    auto r = (*client)->Put(put);
+    last = r.status();
+    if (r.ok()) break;
+    absl::SleepFor(absl::Milliseconds(100));
+  }
+  EXPECT_TRUE(last.ok()) << "a member that came up at " << o.endpoints[0]
+                         << " was never reached: " << last;
 }
 
 TEST(EtcdEndpointsTest, ParsesListsAndRefusesBadEntries) {
