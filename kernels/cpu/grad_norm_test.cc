@@ -237,7 +237,9 @@ TEST(GradSumOfSquaresTest, NonFiniteInAnyOneSlotGivesNonFinite) {
               EXPECT_FALSE(std::isfinite(*got))
                   << isa << " " << DTypeName(dtype) << " W=" << workers << " slot=" << slot
                   << " value=" << bad << " at " << i << ": " << *got;
-              if (std::isnan(bad)) EXPECT_TRUE(std::isnan(*got)) << isa;
+              if (std::isnan(bad)) {
+                EXPECT_TRUE(std::isnan(*got)) << isa;
+              }
             }
           }
         }
