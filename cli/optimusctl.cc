@@ -16,6 +16,7 @@
 #include "CLI/CLI.hpp"
 #include "cli/commands.h"
 #include "cli/plan_command.h"
+#include "cli/status.h"
 
 int main(int argc, char** argv) {
   CLI::App app("optimusctl: the operator's command line for an optimus cluster", "optimusctl");
@@ -29,5 +30,7 @@ int main(int argc, char** argv) {
   optimus::AddCheckpointCommands(&app, &globals, &exit_code);
   optimus::plan::AddPlanCommand(&app, &exit_code);
   optimus::AddVersionCommand(&app, &exit_code);
-  return optimus::RunCommandLine(&app, argc, argv, &exit_code);
+  const int code = optimus::RunCommandLine(&app, argc, argv, &exit_code);
+  optimus::ReleaseCliChannels();
+  return code;
 }

@@ -261,6 +261,15 @@ void SetCliConnectWait(absl::Duration wait) {
   cli_connect_wait = wait;
 }
 
+void ReleaseCliChannels() {
+  absl::flat_hash_map<std::string, std::shared_ptr<CoordinatorChannels>> channels;
+  {
+    absl::MutexLock lock(&tls_mu);
+    channels.swap(cli_channels);
+  }
+  // Destroyed here, outside the lock (the destructor joins a thread).
+}
+
 std::shared_ptr<grpc::Channel> CoordinatorChannel(const std::string& address) {
   std::shared_ptr<grpc::ChannelCredentials> credentials;
   absl::Duration wait = absl::Seconds(3);

@@ -32,6 +32,13 @@ absl::Status SetCliTls(const security::TlsOptions& options);
 std::shared_ptr<grpc::Channel> CoordinatorChannel(const std::string& address);
 // How long CoordinatorChannel waits for one of several addresses to connect.
 void SetCliConnectWait(absl::Duration wait);
+// Drops the channels CoordinatorChannel kept for several addresses (their
+// connecting thread stops, gRPC closes them). optimusctl's main calls it
+// before returning, while gRPC is still whole: left to the static
+// destructors, the channels went after gRPC's own teardown had begun, and
+// their TLS connections' OpenSSL state was never freed (LeakSanitizer in
+// --config=fuzz, coordinator_takeover_test).
+void ReleaseCliChannels();
 
 inline constexpr uint32_t kDefaultStatusPageSize = 1000;
 
