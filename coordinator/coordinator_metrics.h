@@ -30,6 +30,10 @@ struct CoordinatorMetricsInput {
   // the tables.
   uint64_t calls_dropped = 0;
   uint64_t heartbeats_deferred = 0;
+  // GetJob maps cut and serialized, and answers sent from the bytes of an
+  // earlier fetch of the same (job, epoch, shard).
+  uint64_t map_parts_serialized = 0;
+  uint64_t map_parts_reused = 0;
 };
 
 std::string RenderCoordinatorMetrics(const CoordinatorMetricsInput& in);

@@ -144,6 +144,8 @@ std::string CoordinatorServer::RenderMetrics() const {
   in.shards_forgotten = counters.shards_forgotten;
   in.calls_dropped = service_->dropped();
   in.heartbeats_deferred = counters.heartbeats_deferred;
+  in.map_parts_serialized = counters.map_parts_serialized;
+  in.map_parts_reused = counters.map_parts_reused;
   using Why = Coordinator::JobRefusal;
   in.jobs_refused_quota = counters.jobs_refused[static_cast<int>(Why::kQuota)];
   in.jobs_refused_map_size = counters.jobs_refused[static_cast<int>(Why::kMapSize)];

@@ -13,6 +13,7 @@
 #include "common/grpc_status.h"
 #include "common/logging.h"
 #include "common/security.h"
+#include "google/protobuf/unknown_field_set.h"
 
 namespace optimus {
 
@@ -219,7 +220,18 @@ grpc::Status CoordinatorService::GetJob(grpc::ServerContext* ctx,
   } else if (!MayReadJob(c, req->job_id())) {
     return Refuse(c, "GetJob", kNeedsJob);
   }
-  return Reply(core_->GetJob(req->job_id(), req->for_shard_id()), resp);
+  absl::StatusOr<Coordinator::SerializedJob> job =
+      core_->GetJobSerialized(req->job_id(), req->for_shard_id());
+  if (!job.ok()) return Reply(absl::StatusOr<v1::GetJobResponse>(job.status()), resp);
+  // The spec and the map go out as the bytes the epoch's first fetch made:
+  // set as unknown fields 2 and 3 (length-delimited, as a sub-message is
+  // on the wire), they are copied into the answer as they are, and the
+  // caller parses them as JobSpec and ShardMap.
+  *resp = std::move(job->head);
+  google::protobuf::UnknownFieldSet* raw = resp->GetReflection()->MutableUnknownFields(resp);
+  raw->AddLengthDelimited(v1::GetJobResponse::kSpecFieldNumber, *job->spec);
+  raw->AddLengthDelimited(v1::GetJobResponse::kMapFieldNumber, *job->map);
+  return grpc::Status::OK;
 }
 
 grpc::Status CoordinatorService::GetShardMap(grpc::ServerContext* ctx,
