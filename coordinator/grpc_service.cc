@@ -70,6 +70,17 @@ grpc::Status CoordinatorService::Dropped(absl::string_view rpc) {
                       absl::StrCat(rpc, " dropped: the caller gave up before it was served"));
 }
 
+grpc::Status CoordinatorService::MapReadsBusy(grpc::ServerContext* ctx, absl::string_view rpc) {
+  map_reads_refused_.fetch_add(1);
+  errors_[static_cast<int>(absl::StatusCode::kResourceExhausted)].fetch_add(1);
+  ctx->AddTrailingMetadata(kRetryAfterKey, absl::StrCat(kMapReadRetryAfterMs));
+  return grpc::Status(
+      grpc::StatusCode::RESOURCE_EXHAUSTED,
+      absl::StrCat(rpc, " refused: the coordinator is serving its most map reads at once (",
+                   max_map_reads_, ", --max_concurrent_map_reads); nothing was read: retry "
+                   "after about ", kMapReadRetryAfterMs, " ms, with jittered backoff"));
+}
+
 Caller CoordinatorService::Identify(grpc::ServerContextBase* ctx) const {
   Caller c = security::IdentifyCaller(*ctx, plaintext_);
   c.peer = ctx->peer();
@@ -205,6 +216,11 @@ grpc::Status CoordinatorService::GetJob(grpc::ServerContext* ctx,
                                         v1::GetJobResponse* resp) {
   RunBelowHeartbeats();
   if (Abandoned(*ctx)) return Dropped("GetJob");
+  // Before anything that takes the tables' lock: a read refused here costs
+  // the coordinator next to nothing.
+  MapReadSlot slot(this);
+  if (!slot.held()) return MapReadsBusy(ctx, "GetJob");
+  if (while_reading_map_ != nullptr) while_reading_map_();
   const Caller c = Identify(ctx);
   if (req->for_shard_id() != 0) {
     // One shard's part of the map: asked by that shard (its certificate),
@@ -239,6 +255,9 @@ grpc::Status CoordinatorService::GetShardMap(grpc::ServerContext* ctx,
                                              v1::ShardMap* resp) {
   RunBelowHeartbeats();
   if (Abandoned(*ctx)) return Dropped("GetShardMap");
+  MapReadSlot slot(this);
+  if (!slot.held()) return MapReadsBusy(ctx, "GetShardMap");
+  if (while_reading_map_ != nullptr) while_reading_map_();
   const Caller c = Identify(ctx);
   if (!MayReadJob(c, req->job_id())) return Refuse(c, "GetShardMap", kNeedsJob);
   return Reply(core_->GetShardMap(req->job_id()), resp);

@@ -1,9 +1,14 @@
 // Map reads under a fetch storm: each shard's part of a job's map is
 // serialized once per epoch and reused by later fetches of the same epoch
 // (the core, directly), and the gRPC service answers GetJob from those
-// bytes, the same message a parse of the core's GetJob gives.
+// bytes, the same message a parse of the core's GetJob gives; a real
+// coordinator serves at most max_concurrent_map_reads map reads at once
+// and refuses the others at once with RESOURCE_EXHAUSTED, changing
+// nothing.
+#include <atomic>
 #include <chrono>
 #include <memory>
+#include <thread>
 #include <string>
 #include <vector>
 
@@ -168,6 +173,114 @@ TEST(MapReadsOverGrpcTest, GetJobAnswersFromTheEpochsBytes) {
   }
   EXPECT_THAT((*server)->RenderMetrics(),
               HasSubstr("optimus_coord_map_parts_serialized_total 2"));
+}
+
+// K map reads stuck inside the coordinator (the tables held, as a long
+// planning pass holds them) and n more: the n are refused at once with
+// RESOURCE_EXHAUSTED, saying to retry, the K are answered once the tables
+// are free, a refused read retried then is answered, and nothing changed.
+TEST(MapReadsOverGrpcTest, ReadsPastTheBoundAreRefusedAtOnceAndNoneIsLost) {
+  constexpr int kBound = 2;
+  constexpr int kMore = 4;
+  CoordinatorOptions options;
+  options.max_concurrent_map_reads = kBound;
+  auto server = CoordinatorServer::Start(options);
+  ASSERT_TRUE(server.ok()) << server.status();
+  auto channel = grpc::CreateChannel((*server)->address(), grpc::InsecureChannelCredentials());
+  auto stub = v1::Coordinator::NewStub(channel);
+  std::vector<uint64_t> shards;
+  for (int i = 0; i < 3; ++i) {
+    v1::RegisterShardRequest req = DpuRegistration(i);
+    v1::RegisterShardResponse resp;
+    ASSERT_TRUE(stub->RegisterShard(Ctx().get(), req, &resp).ok());
+    shards.push_back(resp.shard_id());
+  }
+  v1::CreateJobResponse created;
+  ASSERT_TRUE(stub->CreateJob(Ctx().get(), OneTensorJob("bounded", 9, 1), &created).ok());
+  Coordinator* core = (*server)->core();
+  // The jobs, and the shards' ids and states (lease ages move on).
+  auto state = [core] {
+    const v1::StatusResponse st = core->Status();
+    std::string out;
+    for (const auto& j : st.jobs()) out += j.SerializeAsString();
+    for (const auto& sh : st.shards()) out += absl::StrCat(";", sh.shard_id(), "=", sh.state());
+    return out;
+  };
+  const std::string state_before = state();
+
+  // Even calls fetch a shard's part, odd ones the whole map.
+  auto read = [&](int i, std::string* error, std::string* retry_after) {
+    auto ctx = Ctx();
+    grpc::Status s;
+    if (i % 2 == 0) {
+      v1::GetJobRequest req;
+      req.set_job_id(created.job_id());
+      req.set_for_shard_id(shards[static_cast<size_t>(i / 2) % shards.size()]);
+      v1::GetJobResponse resp;
+      s = stub->GetJob(ctx.get(), req, &resp);
+      if (s.ok() && resp.map().epoch() != 1) s = grpc::Status(grpc::StatusCode::INTERNAL, "epoch");
+    } else {
+      v1::GetShardMapRequest req;
+      req.set_job_id(created.job_id());
+      v1::ShardMap resp;
+      s = stub->GetShardMap(ctx.get(), req, &resp);
+      if (s.ok() && resp.chunks_size() != 9) s = grpc::Status(grpc::StatusCode::INTERNAL, "map");
+    }
+    *error = s.error_message();
+    auto md = ctx->GetServerTrailingMetadata().find(CoordinatorService::kRetryAfterKey);
+    if (md != ctx->GetServerTrailingMetadata().end()) {
+      *retry_after = std::string(md->second.data(), md->second.size());
+    }
+    return s.error_code();
+  };
+
+  std::vector<grpc::StatusCode> codes(kBound + kMore, grpc::StatusCode::UNKNOWN);
+  std::vector<std::string> errors(kBound + kMore), retry_after(kBound + kMore);
+  std::atomic<int> refused{0}, answered{0};
+  std::vector<std::thread> threads;
+  {
+    coord_test::TablesHeld held(core);
+    for (int i = 0; i < kBound + kMore; ++i) {
+      threads.emplace_back([&, i] {
+        codes[i] = read(i, &errors[i], &retry_after[i]);
+        (codes[i] == grpc::StatusCode::RESOURCE_EXHAUSTED ? refused : answered).fetch_add(1);
+      });
+    }
+    // The reads past the bound come back while the others wait for the
+    // tables (hang guard only: they need no time).
+    const absl::Time guard = absl::Now() + absl::Seconds(60);
+    while (refused.load() < kMore && absl::Now() < guard) absl::SleepFor(absl::Milliseconds(5));
+    ASSERT_EQ(refused.load(), kMore) << "reads past the bound were not refused at once";
+    EXPECT_EQ(answered.load(), 0);
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(refused.load(), kMore);
+  EXPECT_EQ(answered.load(), kBound);
+  for (int i = 0; i < kBound + kMore; ++i) {
+    SCOPED_TRACE(absl::StrCat("read ", i, ": ", errors[i]));
+    if (codes[i] == grpc::StatusCode::RESOURCE_EXHAUSTED) {
+      EXPECT_THAT(errors[i], HasSubstr("retry after about 100 ms"));
+      EXPECT_THAT(errors[i], HasSubstr("--max_concurrent_map_reads"));
+      EXPECT_EQ(retry_after[i], "100");
+      // Retried now that the coordinator is free: answered.
+      std::string error, ignored;
+      EXPECT_EQ(read(i, &error, &ignored), grpc::StatusCode::OK) << error;
+    } else {
+      EXPECT_EQ(codes[i], grpc::StatusCode::OK);
+    }
+  }
+  EXPECT_EQ(state(), state_before);
+  EXPECT_THAT((*server)->RenderMetrics(),
+              HasSubstr(absl::StrCat("optimus_coord_map_reads_refused_total ", kMore)));
+}
+
+TEST(MapReadsOverGrpcTest, ABoundBelowOneIsRefusedAtStart) {
+  CoordinatorOptions options;
+  options.max_concurrent_map_reads = 0;
+  auto server = CoordinatorServer::Start(options);
+  ASSERT_FALSE(server.ok());
+  EXPECT_EQ(server.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(server.status().message(), HasSubstr("max_concurrent_map_reads"));
 }
 
 }  // namespace
