@@ -16,6 +16,7 @@
 #include "absl/time/time.h"
 #include "coordinator/coordinator.h"
 #include "coordinator/coordinator_core.h"
+#include "coordinator/grpc_service.h"
 #include "coordinator/test_fixtures.h"
 #include "gmock/gmock.h"
 #include "grpcpp/grpcpp.h"
