@@ -145,7 +145,10 @@ TEST_F(FetchStormTest, RefusedShardsAndRanksRetryAndAllEndUpLoadedAndJoined) {
                                 [&] { return Refused() >= before + kRanks; }));
   FreeTheSlot();
   for (auto& t : ranks) t.join();
-  for (uint32_t r = 0; r < kRanks; ++r) EXPECT_OK(joined[r]) << "rank " << r;
+  for (uint32_t r = 0; r < kRanks; ++r) {
+    SCOPED_TRACE(absl::StrCat("rank ", r));
+    EXPECT_OK(joined[r]);
+  }
   EXPECT_EQ(JobNamed(name).workers_joined(), kRanks);
 
   // And the job trains.
