@@ -48,6 +48,7 @@
 //        [--steady_s=10] [--lease_ms=2000] [--jobs=small,large]
 //        [--ready_timeout_s=120] [--channels=64] [--threads=2]
 //        [--per_shard_maps=true] [--state_dir]
+//        [--coord_flags=--max_concurrent_map_reads=8,...]
 #include <sched.h>
 #include <signal.h>
 #include <sys/stat.h>
@@ -115,6 +116,8 @@ ABSL_FLAG(bool, pin, true,
           "coordinator on CPU 0 (taskset), this process on the others (when there are 2+)");
 ABSL_FLAG(std::string, bin_dir, "", "folder holding coordinator/optimus-coord (default: runfiles)");
 ABSL_FLAG(std::string, work_dir, "", "folder for the coordinator's logs (default: a new temp dir)");
+ABSL_FLAG(std::string, coord_flags, "",
+          "more flags for optimus-coord, comma-separated (e.g. --max_concurrent_map_reads=8)");
 ABSL_FLAG(bool, state_dir, false,
           "give the coordinator a --state_dir in the work folder: every registration and job "
           "change is answered once it is on disk (fsync)");
@@ -884,6 +887,7 @@ struct RunOptions {
   int address_bytes = 300;
   bool per_shard_maps = true;
   bool state_dir = false;
+  std::vector<std::string> coord_flags;
   std::vector<BenchJob> jobs;
 };
 
@@ -901,6 +905,7 @@ Json RunOne(const RunOptions& o, int n) {
     args.push_back(a);
   }
   if (o.state_dir) args.push_back(absl::StrCat("--state_dir=", o.work_dir, "/state-", n));
+  for (const std::string& f : o.coord_flags) args.push_back(f);
   line["state_dir"] = o.state_dir;
   const std::string log = absl::StrCat(o.work_dir, "/coord-", n, ".log");
   line["coordinator"] = ShellLine({}, args);
@@ -1247,6 +1252,9 @@ int main(int argc, char** argv) {
   const int lease_ms = absl::GetFlag(FLAGS_lease_ms);
   if (lease_ms < 100) Die(kWho, "--lease_ms must be at least 100");
   o.lease = absl::Milliseconds(lease_ms);
+  for (absl::string_view f : absl::StrSplit(absl::GetFlag(FLAGS_coord_flags), ',', absl::SkipEmpty())) {
+    o.coord_flags.emplace_back(f);
+  }
   o.steady = absl::Seconds(std::max(0.0, absl::GetFlag(FLAGS_steady_s)));
   o.ready_timeout = absl::Seconds(std::max(1.0, absl::GetFlag(FLAGS_ready_timeout_s)));
   o.kill_fraction = absl::GetFlag(FLAGS_kill_fraction);
