@@ -16,8 +16,10 @@
 //     the one loaded, asking only for its own part of the map
 //     (for_shard_id, as optimus-shard does; --per_shard_maps=false asks for
 //     the whole map, as it did before) and counting the chunks the map
-//     gives it as primary or backup; freeing the jobs the coordinator
-//     released.
+//     gives it as primary or backup; a fetch refused as busy
+//     (RESOURCE_EXHAUSTED) is tried again after a jittered, growing wait,
+//     as optimus-shard's loader does (common/busy_retry.h); freeing the
+//     jobs the coordinator released.
 //
 // A few completion-queue threads and one scheduler thread drive every
 // shard with gRPC's async API; the shards share --channels connections.
@@ -46,6 +48,7 @@
 //        [--steady_s=10] [--lease_ms=2000] [--jobs=small,large]
 //        [--ready_timeout_s=120] [--channels=64] [--threads=2]
 //        [--per_shard_maps=true] [--state_dir]
+//        [--coord_flags=--max_concurrent_map_reads=8,...]
 #include <sched.h>
 #include <signal.h>
 #include <sys/stat.h>
@@ -89,6 +92,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "bench/proc_cluster.h"
+#include "common/busy_retry.h"
 #include "common/grpc_limits.h"
 #include "common/json.h"
 #include "common/model_presets.h"
@@ -112,6 +116,8 @@ ABSL_FLAG(bool, pin, true,
           "coordinator on CPU 0 (taskset), this process on the others (when there are 2+)");
 ABSL_FLAG(std::string, bin_dir, "", "folder holding coordinator/optimus-coord (default: runfiles)");
 ABSL_FLAG(std::string, work_dir, "", "folder for the coordinator's logs (default: a new temp dir)");
+ABSL_FLAG(std::string, coord_flags, "",
+          "more flags for optimus-coord, comma-separated (e.g. --max_concurrent_map_reads=8)");
 ABSL_FLAG(bool, state_dir, false,
           "give the coordinator a --state_dir in the work folder: every registration and job "
           "change is answered once it is on disk (fsync)");
@@ -209,13 +215,19 @@ struct Counters {
   uint64_t registrations = 0;
   uint64_t register_errors = 0;
   uint64_t fetches_ok = 0;
-  uint64_t fetch_errors = 0;
+  uint64_t fetch_errors = 0;  // Failed, not counting the busy refusals.
+  // Refused as busy (RESOURCE_EXHAUSTED: past --max_concurrent_map_reads,
+  // or no server thread free), then tried again after a jittered wait.
+  uint64_t fetches_refused = 0;
   uint64_t fetch_bytes = 0;  // GetJobResponse bytes received.
   // Chunks a per-shard answer carried that the shard holds neither as
   // primary nor as backup (0 unless the coordinator cuts maps wrong).
   uint64_t foreign_chunks = 0;
   std::vector<float> heartbeat_ms;
   std::vector<float> fetch_ms;
+  // From a shard's first try at fetching a (job, epoch) to its answer,
+  // busy refusals and waits included.
+  std::vector<float> fetch_load_ms;
   std::string last_error;
 };
 
@@ -315,6 +327,17 @@ class Simulator {
     absl::Time next = absl::InfiniteFuture();
     std::map<uint64_t, Held> jobs;
     std::set<uint64_t> fetching;
+    // By job: busy refusals of its fetch in a row, and when the first try
+    // of the fetch now in progress started.
+    std::map<uint64_t, int> busy_in_a_row;
+    std::map<uint64_t, absl::Time> fetch_since;
+  };
+  // A fetch refused as busy, to be tried again at `when`.
+  struct Refetch {
+    absl::Time when;
+    size_t shard;
+    uint64_t shard_id, job_id;
+    bool operator>(const Refetch& o) const { return when > o.when; }
   };
   enum class Kind { kRegister, kHeartbeat, kGetJob };
   struct Call {
@@ -381,10 +404,24 @@ class Simulator {
       std::vector<std::unique_ptr<Call>> calls;
       std::vector<v1::HeartbeatRequest> beats;
       std::vector<v1::RegisterShardRequest> regs;
+      std::vector<Refetch> refetches;
       {
         absl::MutexLock lock(&mu_);
         if (stopping_) return;
         const absl::Time now = absl::Now();
+        while (!refetch_.empty() && refetch_.top().when <= now) {
+          const Refetch r = refetch_.top();
+          refetch_.pop();
+          Shard& s = shards_[r.shard];
+          if (!s.alive || s.id != r.shard_id) {  // Dead, or registered anew.
+            s.fetching.erase(r.job_id);
+            s.busy_in_a_row.erase(r.job_id);
+            s.fetch_since.erase(r.job_id);
+            continue;
+          }
+          ++in_flight_;
+          refetches.push_back(r);
+        }
         while (!due_.empty() && due_.top().when <= now) {
           const Due d = due_.top();
           due_.pop();
@@ -415,6 +452,7 @@ class Simulator {
           calls.push_back(std::move(call));
         }
       }
+      for (const Refetch& f : refetches) StartGetJob(f.shard, f.shard_id, f.job_id);
       size_t b = 0, r = 0;
       for (auto& call : calls) {
         v1::Coordinator::Stub* stub = StubOf(call->shard);
@@ -532,6 +570,7 @@ class Simulator {
                   continue;
                 }
                 s.fetching.insert(a.job_id());
+                s.fetch_since[a.job_id()] = now;
                 ++in_flight_;
                 fetch.emplace_back(s.id, a.job_id());
               }
@@ -542,7 +581,25 @@ class Simulator {
             }
             break;
           case Kind::kGetJob:
+            if (c->status.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED) {
+              // As optimus-shard's loader: again after a random wait that
+              // grows while the coordinator stays busy (still "fetching",
+              // so that heartbeats start no second fetch meanwhile).
+              ++counters_.fetches_refused;
+              refetch_.push(Refetch{
+                  now + JitteredBusyBackoff(BusyBackoff(), s.busy_in_a_row[c->job_id]++),
+                  c->shard, c->shard_id, c->job_id});
+              break;
+            }
             s.fetching.erase(c->job_id);
+            s.busy_in_a_row.erase(c->job_id);
+            if (auto since = s.fetch_since.find(c->job_id); since != s.fetch_since.end()) {
+              if (c->status.ok()) {
+                counters_.fetch_load_ms.push_back(
+                    static_cast<float>(absl::ToDoubleMilliseconds(now - since->second)));
+              }
+              s.fetch_since.erase(since);
+            }
             if (!c->status.ok()) {
               ++counters_.fetch_errors;
               counters_.last_error = absl::StrCat("GetJob: ", c->status.error_message());
@@ -673,6 +730,8 @@ class Simulator {
   mutable absl::Mutex mu_;
   std::vector<Shard> shards_ ABSL_GUARDED_BY(mu_);
   std::priority_queue<Due, std::vector<Due>, std::greater<Due>> due_ ABSL_GUARDED_BY(mu_);
+  std::priority_queue<Refetch, std::vector<Refetch>, std::greater<Refetch>> refetch_
+      ABSL_GUARDED_BY(mu_);
   absl::Duration interval_ ABSL_GUARDED_BY(mu_) = absl::Milliseconds(667);
   int registering_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t registrations_made_ ABSL_GUARDED_BY(mu_) = 0;
@@ -828,6 +887,7 @@ struct RunOptions {
   int address_bytes = 300;
   bool per_shard_maps = true;
   bool state_dir = false;
+  std::vector<std::string> coord_flags;
   std::vector<BenchJob> jobs;
 };
 
@@ -845,6 +905,7 @@ Json RunOne(const RunOptions& o, int n) {
     args.push_back(a);
   }
   if (o.state_dir) args.push_back(absl::StrCat("--state_dir=", o.work_dir, "/state-", n));
+  for (const std::string& f : o.coord_flags) args.push_back(f);
   line["state_dir"] = o.state_dir;
   const std::string log = absl::StrCat(o.work_dir, "/coord-", n, ".log");
   line["coordinator"] = ShellLine({}, args);
@@ -1116,6 +1177,9 @@ Json RunOne(const RunOptions& o, int n) {
   line["told_to_register"] = c.told_to_register;
   line["map_fetches"] = c.fetches_ok;
   line["map_fetch_errors"] = c.fetch_errors;
+  line["map_fetches_refused_busy"] = c.fetches_refused;
+  line["map_load_p50_ms"] = JsonRound(Percentile(c.fetch_load_ms, 0.5), 2);
+  line["map_load_p99_ms"] = JsonRound(Percentile(c.fetch_load_ms, 0.99), 2);
   line["map_fetch_p50_ms"] = JsonRound(Percentile(c.fetch_ms, 0.5), 2);
   line["map_fetch_p99_ms"] = JsonRound(Percentile(c.fetch_ms, 0.99), 2);
   line["per_shard_maps"] = o.per_shard_maps;
@@ -1188,6 +1252,9 @@ int main(int argc, char** argv) {
   const int lease_ms = absl::GetFlag(FLAGS_lease_ms);
   if (lease_ms < 100) Die(kWho, "--lease_ms must be at least 100");
   o.lease = absl::Milliseconds(lease_ms);
+  for (absl::string_view f : absl::StrSplit(absl::GetFlag(FLAGS_coord_flags), ',', absl::SkipEmpty())) {
+    o.coord_flags.emplace_back(f);
+  }
   o.steady = absl::Seconds(std::max(0.0, absl::GetFlag(FLAGS_steady_s)));
   o.ready_timeout = absl::Seconds(std::max(1.0, absl::GetFlag(FLAGS_ready_timeout_s)));
   o.kill_fraction = absl::GetFlag(FLAGS_kill_fraction);

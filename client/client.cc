@@ -15,6 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
+#include "common/busy_retry.h"
 #include "common/coordinator_channels.h"
 #include "common/grpc_limits.h"
 #include "common/grpc_status.h"
@@ -425,8 +426,13 @@ class ClientImpl : public Client {
     req.set_rank(rank);
     req.set_world_size(world_size);
     v1::JoinJobResponse join;
+    // Every rank of a big job joins at once, with the shards fetching their
+    // maps: a coordinator that refuses a call as busy is asked again after
+    // a jittered wait, within ready_timeout from now.
+    const absl::Time give_up = absl::Now() + options_.ready_timeout;
     {
-      auto s = CallCoordinator(&v1::Coordinator::Stub::JoinJob, req, &join);
+      auto s = RetryWhileBusy(
+          [&] { return CallCoordinator(&v1::Coordinator::Stub::JoinJob, req, &join); }, give_up);
       if (!s.ok()) return Annotate(s, absl::StrCat("joining job '", name, "'"));
     }
     {
@@ -436,9 +442,8 @@ class ClientImpl : public Client {
     }
     // Wait for the shards to load the job.
     v1::GetJobResponse job;
-    const absl::Time give_up = absl::Now() + options_.ready_timeout;
     for (;;) {
-      auto s = FetchJob(join.job_id(), &job);
+      auto s = FetchJob(join.job_id(), &job, give_up);
       if (!s.ok()) return Annotate(s, "waiting for the job to be ready");
       if (job.state() == v1::JOB_STATE_READY) break;
       if (job.state() == v1::JOB_STATE_FAILED) {
@@ -454,10 +459,15 @@ class ClientImpl : public Client {
     return Adopt(job, rank);
   }
 
-  absl::Status FetchJob(uint64_t job_id, v1::GetJobResponse* job) {
+  // A fetch the coordinator refuses as busy (past its bound on map reads)
+  // is tried again after jittered, growing waits until `give_up`; the
+  // default, now, tries once.
+  absl::Status FetchJob(uint64_t job_id, v1::GetJobResponse* job,
+                        absl::Time give_up = absl::InfinitePast()) {
     v1::GetJobRequest greq;
     greq.set_job_id(job_id);
-    return CallCoordinator(&v1::Coordinator::Stub::GetJob, greq, job);
+    return RetryWhileBusy(
+        [&] { return CallCoordinator(&v1::Coordinator::Stub::GetJob, greq, job); }, give_up);
   }
 
   // Routes for every tensor under `map`, connecting to shards not seen yet.

@@ -189,6 +189,8 @@ Coordinator::Counters Coordinator::counters() {
   absl::MutexLock lock(&mu_);
   Counters c = counters_;
   c.heartbeats_deferred = heartbeats_deferred_.load();
+  c.map_parts_serialized = map_parts_serialized_.load();
+  c.map_parts_reused = map_parts_reused_.load();
   return c;
 }
 

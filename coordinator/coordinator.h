@@ -52,6 +52,9 @@ class CoordinatorServer {
   std::string address() const;
   // Borrowed; valid until this handle is destroyed.
   Coordinator* core() { return core_.get(); }
+  // Map reads refused so far for being past max_concurrent_map_reads.
+  // Takes no lock of the core's.
+  uint64_t map_reads_refused() const;
   // The /metrics and /healthz port, or 0 when they are off.
   int metrics_port() const;
   // The Prometheus text that /metrics serves.

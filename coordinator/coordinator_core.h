@@ -232,6 +232,21 @@ class Coordinator {
   absl::StatusOr<v1::GetJobResponse> GetJob(uint64_t job_id, uint64_t for_shard_id = 0);
   absl::StatusOr<v1::ShardMap> GetShardMap(uint64_t job_id);
 
+  // GetJob's answer as the gRPC service sends it, the same on the wire:
+  // `head` holds every field but spec and map (state and current_step are
+  // read at each call; the rest is small), `spec` and `map` the serialized
+  // JobSpec and ShardMap (the whole map, or the shard's part). Those two
+  // are made once per (job, epoch, shard) and kept with the epoch's
+  // snapshot (MapSnapshot::part_bytes), so that a fetch repeated or
+  // retried at the same epoch costs a lookup, not a cut and a
+  // serialization; counted in Counters::map_parts_serialized / _reused.
+  struct SerializedJob {
+    v1::GetJobResponse head;
+    std::shared_ptr<const std::string> spec;
+    std::shared_ptr<const std::string> map;
+  };
+  absl::StatusOr<SerializedJob> GetJobSerialized(uint64_t job_id, uint64_t for_shard_id = 0);
+
   // Waits up to `timeout` for the job's map to have an epoch > after_epoch
   // and returns it; std::nullopt when the wait timed out. NOT_FOUND for an
   // unknown (or deleted) job, FAILED_PRECONDITION once the job has FAILED
@@ -322,6 +337,11 @@ class Coordinator {
     // (shards or jobs changed meanwhile), and jobs then placed under it.
     uint64_t placement_retries = 0;
     uint64_t placements_under_lock = 0;
+    // GetJobSerialized: maps (a shard's part, or the whole) cut and
+    // serialized, and answers sent from bytes made by an earlier fetch of
+    // the same (job, epoch, shard).
+    uint64_t map_parts_serialized = 0;
+    uint64_t map_parts_reused = 0;
   };
   // How many times CreateJob plans a placement off the lock before it
   // plans one under it.
@@ -445,6 +465,9 @@ class Coordinator {
   // Thread-safe on its own, with a lock taken after mu_.
   LeaseTable leases_;
   std::atomic<uint64_t> heartbeats_deferred_{0};
+  // Counters::map_parts_serialized / _reused; counted with no lock held.
+  std::atomic<uint64_t> map_parts_serialized_{0};
+  std::atomic<uint64_t> map_parts_reused_{0};
   // Holders of mu_ that are planning (Planning scopes): a heartbeat that
   // finds mu_ taken by one does not wait for it.
   std::atomic<int> planning_{0};

@@ -398,6 +398,58 @@ absl::StatusOr<v1::GetJobResponse> Coordinator::GetJob(uint64_t job_id, uint64_t
   return resp;
 }
 
+absl::StatusOr<Coordinator::SerializedJob> Coordinator::GetJobSerialized(uint64_t job_id,
+                                                                         uint64_t for_shard_id) {
+  std::shared_ptr<const MapSnapshot> snap;
+  SerializedJob out;
+  {
+    absl::MutexLock lock(&mu_);
+    JobRecord* job = jobs_.Find(job_id);
+    if (job == nullptr) return absl::NotFoundError(absl::StrCat("no job with id ", job_id));
+    snap = SnapshotOf(*job);
+    out.head.set_state(job->state);
+    if (for_shard_id == 0) out.head.set_current_step(ViewLocked(*job).min_applied_step);
+  }
+  out.head.set_job_id(job_id);
+  if (for_shard_id != 0) {
+    v1::MapSummary* summary = out.head.mutable_summary();
+    summary->set_for_shard_id(for_shard_id);
+    summary->set_chunks(static_cast<uint32_t>(snap->map.chunks_size()));
+    summary->set_shards(static_cast<uint32_t>(snap->map.shards_size()));
+  }
+  out.head.set_resume_step(snap->resume_step);
+  if (snap->restore.has_value()) *out.head.mutable_restore() = *snap->restore;
+  {
+    absl::MutexLock lock(&snap->bytes_mu);
+    out.spec = snap->spec_bytes;
+    auto it = snap->part_bytes.find(for_shard_id);
+    if (it != snap->part_bytes.end()) out.map = it->second;
+  }
+  if (out.spec != nullptr && out.map != nullptr) {
+    map_parts_reused_.fetch_add(1);
+    return out;
+  }
+  // Made with no lock held: fetches of other shards' parts go on meanwhile.
+  // Two first fetches of one part may both make it; the first one kept
+  // wins, and the bytes are the same.
+  std::shared_ptr<const std::string> spec = out.spec;
+  if (spec == nullptr) spec = std::make_shared<const std::string>(snap->spec.SerializeAsString());
+  std::shared_ptr<const std::string> part = out.map;
+  if (part == nullptr) {
+    part = std::make_shared<const std::string>(
+        for_shard_id == 0 ? snap->map.SerializeAsString()
+                          : ShardViewOf(*snap, for_shard_id).SerializeAsString());
+    map_parts_serialized_.fetch_add(1);
+  } else {
+    map_parts_reused_.fetch_add(1);
+  }
+  absl::MutexLock lock(&snap->bytes_mu);
+  if (snap->spec_bytes == nullptr) snap->spec_bytes = std::move(spec);
+  out.spec = snap->spec_bytes;
+  out.map = snap->part_bytes.try_emplace(for_shard_id, std::move(part)).first->second;
+  return out;
+}
+
 absl::StatusOr<v1::ShardMap> Coordinator::GetShardMap(uint64_t job_id) {
   std::shared_ptr<const MapSnapshot> snap;
   {

@@ -82,6 +82,18 @@ std::string RenderCoordinatorMetrics(const CoordinatorMetricsInput& in) {
             "Heartbeats that renewed their lease but found the tables held by planning: "
             "answered with the shard's last reply, their report taken at the next heartbeat.",
             in.heartbeats_deferred);
+  m.Counter("optimus_coord_map_parts_serialized_total",
+            "GetJob maps (a shard's part, or the whole) cut and serialized: once per job, "
+            "epoch and shard.",
+            in.map_parts_serialized);
+  m.Counter("optimus_coord_map_parts_reused_total",
+            "GetJob answers sent from the bytes an earlier fetch of the same job, epoch and "
+            "shard made (repeated or retried fetches).",
+            in.map_parts_reused);
+  m.Counter("optimus_coord_map_reads_refused_total",
+            "GetJob / GetShardMap refused with RESOURCE_EXHAUSTED: --max_concurrent_map_reads "
+            "were being served (a fetch storm); their callers retry with backoff.",
+            in.map_reads_refused);
   const char* kRefusedHelp =
       "CreateJob / restore refused with RESOURCE_EXHAUSTED, by the limit it hit (quota: "
       "--max_chunks_per_job, --max_tensors_per_job, --max_job_bytes; map_size: the gRPC "

@@ -30,6 +30,13 @@ struct CoordinatorMetricsInput {
   // the tables.
   uint64_t calls_dropped = 0;
   uint64_t heartbeats_deferred = 0;
+  // GetJob maps cut and serialized, and answers sent from the bytes of an
+  // earlier fetch of the same (job, epoch, shard).
+  uint64_t map_parts_serialized = 0;
+  uint64_t map_parts_reused = 0;
+  // GetJob / GetShardMap refused with RESOURCE_EXHAUSTED for being past
+  // --max_concurrent_map_reads.
+  uint64_t map_reads_refused = 0;
 };
 
 std::string RenderCoordinatorMetrics(const CoordinatorMetricsInput& in);

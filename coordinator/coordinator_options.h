@@ -46,6 +46,19 @@ struct CoordinatorOptions {
   // a watch is refused, so that they cannot starve other calls.
   // Default 256; at least 4.
   int max_rpc_threads = 256;
+  // Most map reads (GetJob, GetShardMap) served at once. When every shard
+  // of a cluster fetches its part of a new job's map at once (thousands of
+  // calls in a second), the ones past this bound are answered
+  // RESOURCE_EXHAUSTED at once ("retry after about N ms", also in trailing
+  // metadata "optimus-retry-after-ms"), without touching the tables;
+  // optimus-shard and the client library retry them with jittered
+  // backoff (common/busy_retry.h). A read served from the epoch's bytes
+  // takes microseconds of CPU and a first cut of a big map a few
+  // milliseconds, so a few dozen at once keep a coordinator's cores busy;
+  // more only queue on the same cores and hold server threads that
+  // registrations, joins and job changes need. Default 32 (an eighth of
+  // max_rpc_threads' default); at least 1.
+  int max_concurrent_map_reads = 32;
   // A shard DOWN for longer than this leaves the coordinator's tables (and
   // status) on its own; `optimusctl shard forget` removes one at once. A
   // shard that comes back after that registers anew under a new id, as it
@@ -89,6 +102,10 @@ struct CoordinatorOptions {
   // each placement planned off the lock (attempt 0, 1, ...), before it is
   // checked and committed; a test changes the shards there to make it stale.
   std::function<void(int attempt)> after_off_lock_placement;
+  // For tests: called by GetJob and GetShardMap while they hold their
+  // map-read slot (max_concurrent_map_reads), before they read; a test
+  // blocks in it to keep the slots taken.
+  std::function<void()> while_reading_map;
 };
 
 }  // namespace optimus

@@ -34,6 +34,11 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
         "coordinator options: max_rpc_threads must be >= 4 (gRPC keeps pollers among them), "
         "not ", options.max_rpc_threads));
   }
+  if (options.max_concurrent_map_reads < 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "coordinator options: max_concurrent_map_reads must be >= 1, not ",
+        options.max_concurrent_map_reads));
+  }
   const size_t colon = options.listen_address.rfind(':');
   if (colon == std::string::npos) {
     return absl::InvalidArgumentError(
@@ -55,7 +60,9 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   // Watches hold a thread each for as long as they last: at most half of
   // the threads, so that other calls always find one.
   s->service_ = std::make_unique<CoordinatorService>(s->core_.get(), tls->plaintext,
-                                                     options.max_rpc_threads / 2);
+                                                     options.max_rpc_threads / 2,
+                                                     options.max_concurrent_map_reads,
+                                                     options.while_reading_map);
   grpc::ServerBuilder builder;
   builder.AddListeningPort(options.listen_address, security::ServerCredentials(*tls), &s->port_);
   builder.RegisterService(s->service_.get());
@@ -90,6 +97,7 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
               tls->plaintext ? " (INSECURE plain text)" : absl::StrCat(" (TLS from ", tls->dir, ")"),
               " lease=", absl::FormatDuration(options.lease),
               " max_rpc_threads=", options.max_rpc_threads,
+              " max_concurrent_map_reads=", options.max_concurrent_map_reads,
               " down_shard_grace=", absl::FormatDuration(options.down_shard_grace));
   return s;
 }
@@ -130,6 +138,8 @@ void CoordinatorServer::PlanningLoop(absl::Duration interval) {
   }
 }
 
+uint64_t CoordinatorServer::map_reads_refused() const { return service_->map_reads_refused(); }
+
 int CoordinatorServer::metrics_port() const { return http_ != nullptr ? http_->port() : 0; }
 
 std::string CoordinatorServer::RenderMetrics() const {
@@ -143,7 +153,10 @@ std::string CoordinatorServer::RenderMetrics() const {
   in.jobs_deleted = counters.jobs_deleted;
   in.shards_forgotten = counters.shards_forgotten;
   in.calls_dropped = service_->dropped();
+  in.map_reads_refused = service_->map_reads_refused();
   in.heartbeats_deferred = counters.heartbeats_deferred;
+  in.map_parts_serialized = counters.map_parts_serialized;
+  in.map_parts_reused = counters.map_parts_reused;
   using Why = Coordinator::JobRefusal;
   in.jobs_refused_quota = counters.jobs_refused[static_cast<int>(Why::kQuota)];
   in.jobs_refused_map_size = counters.jobs_refused[static_cast<int>(Why::kMapSize)];

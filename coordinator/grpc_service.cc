@@ -13,6 +13,7 @@
 #include "common/grpc_status.h"
 #include "common/logging.h"
 #include "common/security.h"
+#include "google/protobuf/unknown_field_set.h"
 
 namespace optimus {
 
@@ -67,6 +68,17 @@ grpc::Status CoordinatorService::Dropped(absl::string_view rpc) {
   errors_[static_cast<int>(absl::StatusCode::kCancelled)].fetch_add(1);
   return grpc::Status(grpc::StatusCode::CANCELLED,
                       absl::StrCat(rpc, " dropped: the caller gave up before it was served"));
+}
+
+grpc::Status CoordinatorService::MapReadsBusy(grpc::ServerContext* ctx, absl::string_view rpc) {
+  map_reads_refused_.fetch_add(1);
+  errors_[static_cast<int>(absl::StatusCode::kResourceExhausted)].fetch_add(1);
+  ctx->AddTrailingMetadata(kRetryAfterKey, absl::StrCat(kMapReadRetryAfterMs));
+  return grpc::Status(
+      grpc::StatusCode::RESOURCE_EXHAUSTED,
+      absl::StrCat(rpc, " refused: the coordinator is serving its most map reads at once (",
+                   max_map_reads_, ", --max_concurrent_map_reads); nothing was read: retry "
+                   "after about ", kMapReadRetryAfterMs, " ms, with jittered backoff"));
 }
 
 Caller CoordinatorService::Identify(grpc::ServerContextBase* ctx) const {
@@ -204,6 +216,11 @@ grpc::Status CoordinatorService::GetJob(grpc::ServerContext* ctx,
                                         v1::GetJobResponse* resp) {
   RunBelowHeartbeats();
   if (Abandoned(*ctx)) return Dropped("GetJob");
+  // Before anything that takes the tables' lock: a read refused here costs
+  // the coordinator next to nothing.
+  MapReadSlot slot(this);
+  if (!slot.held()) return MapReadsBusy(ctx, "GetJob");
+  if (while_reading_map_ != nullptr) while_reading_map_();
   const Caller c = Identify(ctx);
   if (req->for_shard_id() != 0) {
     // One shard's part of the map: asked by that shard (its certificate),
@@ -219,7 +236,18 @@ grpc::Status CoordinatorService::GetJob(grpc::ServerContext* ctx,
   } else if (!MayReadJob(c, req->job_id())) {
     return Refuse(c, "GetJob", kNeedsJob);
   }
-  return Reply(core_->GetJob(req->job_id(), req->for_shard_id()), resp);
+  absl::StatusOr<Coordinator::SerializedJob> job =
+      core_->GetJobSerialized(req->job_id(), req->for_shard_id());
+  if (!job.ok()) return Reply(absl::StatusOr<v1::GetJobResponse>(job.status()), resp);
+  // The spec and the map go out as the bytes the epoch's first fetch made:
+  // set as unknown fields 2 and 3 (length-delimited, as a sub-message is
+  // on the wire), they are copied into the answer as they are, and the
+  // caller parses them as JobSpec and ShardMap.
+  *resp = std::move(job->head);
+  google::protobuf::UnknownFieldSet* raw = resp->GetReflection()->MutableUnknownFields(resp);
+  raw->AddLengthDelimited(v1::GetJobResponse::kSpecFieldNumber, *job->spec);
+  raw->AddLengthDelimited(v1::GetJobResponse::kMapFieldNumber, *job->map);
+  return grpc::Status::OK;
 }
 
 grpc::Status CoordinatorService::GetShardMap(grpc::ServerContext* ctx,
@@ -227,6 +255,9 @@ grpc::Status CoordinatorService::GetShardMap(grpc::ServerContext* ctx,
                                              v1::ShardMap* resp) {
   RunBelowHeartbeats();
   if (Abandoned(*ctx)) return Dropped("GetShardMap");
+  MapReadSlot slot(this);
+  if (!slot.held()) return MapReadsBusy(ctx, "GetShardMap");
+  if (while_reading_map_ != nullptr) while_reading_map_();
   const Caller c = Identify(ctx);
   if (!MayReadJob(c, req->job_id())) return Refuse(c, "GetShardMap", kNeedsJob);
   return Reply(core_->GetShardMap(req->job_id()), resp);

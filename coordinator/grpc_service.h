@@ -16,6 +16,8 @@
 #include <array>
 #include <atomic>
 #include <cstdint>
+#include <functional>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -32,9 +34,18 @@ class CoordinatorService final
   // (every caller is an admin). Otherwise each call is checked against the
   // caller's role and job token (common/security.h). `max_watchers`: most
   // WatchShardMap streams at a time (each holds a server thread); beyond,
-  // a watch is refused with RESOURCE_EXHAUSTED.
-  CoordinatorService(Coordinator* core, bool plaintext, int max_watchers = 1 << 20)
-      : core_(core), plaintext_(plaintext), max_watchers_(max_watchers) {}
+  // a watch is refused with RESOURCE_EXHAUSTED. `max_map_reads`: most
+  // GetJob / GetShardMap calls served at once; beyond, one is refused at
+  // once with RESOURCE_EXHAUSTED, saying when to retry.
+  // `while_reading_map`: CoordinatorOptions::while_reading_map (tests).
+  CoordinatorService(Coordinator* core, bool plaintext, int max_watchers = 1 << 20,
+                     int max_map_reads = 1 << 20,
+                     std::function<void()> while_reading_map = nullptr)
+      : core_(core),
+        plaintext_(plaintext),
+        max_watchers_(max_watchers),
+        max_map_reads_(max_map_reads),
+        while_reading_map_(std::move(while_reading_map)) {}
 
   // Errors answered so far, by absl::StatusCode value (index 0 unused).
   std::vector<uint64_t> errors() const;
@@ -43,6 +54,13 @@ class CoordinatorService final
   uint64_t dropped() const { return dropped_.load(); }
   // WatchShardMap streams open now.
   int watchers() const { return watchers_.load(); }
+  // Map reads refused for being past max_map_reads (also counted in
+  // errors() as RESOURCE_EXHAUSTED).
+  uint64_t map_reads_refused() const { return map_reads_refused_.load(); }
+  // What a refused map read tells its caller to wait, at least, before it
+  // retries (its message, and trailing metadata kRetryAfterKey in ms).
+  static constexpr int kMapReadRetryAfterMs = 100;
+  static constexpr char kRetryAfterKey[] = "optimus-retry-after-ms";
 
   grpc::Status RegisterShard(grpc::ServerContext*, const v1::RegisterShardRequest* req,
                              v1::RegisterShardResponse* resp) override;
@@ -94,6 +112,28 @@ class CoordinatorService final
   // threads that renew leases, and live shards would be declared DOWN.
   static void RunBelowHeartbeats();
   static constexpr int kSyncCallNice = 19;
+  // A slot among the max_map_reads map reads served at once, held for its
+  // scope; held() is false when none was free (nothing is held then).
+  class MapReadSlot {
+   public:
+    explicit MapReadSlot(CoordinatorService* s)
+        : n_(&s->map_reads_), held_(n_->fetch_add(1) < s->max_map_reads_) {
+      if (!held_) n_->fetch_sub(1);
+    }
+    ~MapReadSlot() {
+      if (held_) n_->fetch_sub(1);
+    }
+    MapReadSlot(const MapReadSlot&) = delete;
+    MapReadSlot& operator=(const MapReadSlot&) = delete;
+    bool held() const { return held_; }
+
+   private:
+    std::atomic<int>* const n_;
+    const bool held_;
+  };
+  // Counts a map read refused for want of a slot and answers it
+  // RESOURCE_EXHAUSTED with when to retry.
+  grpc::Status MapReadsBusy(grpc::ServerContext* ctx, absl::string_view rpc);
   // The client cancelled the call or its deadline passed.
   static bool Abandoned(const grpc::ServerContextBase& ctx);
   // Counts a call dropped for that and answers it CANCELLED.
@@ -108,9 +148,13 @@ class CoordinatorService final
   Coordinator* const core_;
   const bool plaintext_;
   const int max_watchers_;
+  const int max_map_reads_;
+  const std::function<void()> while_reading_map_;
   std::array<std::atomic<uint64_t>, kNumCodes> errors_{};
   std::atomic<uint64_t> dropped_{0};
   std::atomic<int> watchers_{0};
+  std::atomic<int> map_reads_{0};
+  std::atomic<uint64_t> map_reads_refused_{0};
 };
 
 }  // namespace optimus

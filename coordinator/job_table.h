@@ -15,6 +15,8 @@
 #include <string>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
 #include "coordinator/map_planner.h"
 #include "proto/optimus.pb.h"
 
@@ -33,6 +35,19 @@ struct MapSnapshot {
   std::map<uint64_t, std::vector<int>> chunks_of;
   // By shard id: index into map.shards of its endpoint.
   std::map<uint64_t, int> endpoint_of;
+
+  // What fetches of this epoch send, serialized once by the first fetch
+  // that needs it (with no coordinator lock held) and shared by the next
+  // ones: a retried or repeated fetch of the epoch costs a lookup and a
+  // copy of bytes, not a cut and a serialization. The spec (the same for
+  // every shard, tens of KB for a big model), and each shard's part of the
+  // map (ShardViewOf; key 0: the whole map). They go with the snapshot:
+  // once a newer epoch's snapshot replaced it in the job's record, the
+  // last fetch still holding it frees them.
+  mutable absl::Mutex bytes_mu;
+  mutable std::shared_ptr<const std::string> spec_bytes ABSL_GUARDED_BY(bytes_mu);
+  mutable std::map<uint64_t, std::shared_ptr<const std::string>> part_bytes
+      ABSL_GUARDED_BY(bytes_mu);
 };
 
 struct JobRecord {

@@ -36,6 +36,11 @@ ABSL_FLAG(int, max_rpc_threads, 256,
           "Most threads the gRPC server runs calls on; a call finding them all busy is refused "
           "with RESOURCE_EXHAUSTED (clients retry). Heartbeats need none; map watches take at "
           "most half. At least 4");
+ABSL_FLAG(int, max_concurrent_map_reads, 32,
+          "Most GetJob / GetShardMap calls served at once; past it a map read is refused at once "
+          "with RESOURCE_EXHAUSTED and its caller retries with jittered backoff (optimus-shard "
+          "and the client library do). Bounds the threads and CPU a fetch storm (every shard "
+          "fetching a new job's map) takes from other calls. At least 1");
 ABSL_FLAG(std::string, port_file, "",
           "If set, the bound port is written to this file (atomically) once serving");
 ABSL_FLAG(int, metrics_port, 0, "HTTP port for /metrics, /healthz and /readyz; 0: off");
@@ -292,6 +297,7 @@ int main(int argc, char** argv) {
   options.job_limits.max_job_bytes = absl::GetFlag(FLAGS_max_job_bytes);
   options.sweep_interval = absl::Milliseconds(absl::GetFlag(FLAGS_sweep_ms));
   options.max_rpc_threads = absl::GetFlag(FLAGS_max_rpc_threads);
+  options.max_concurrent_map_reads = absl::GetFlag(FLAGS_max_concurrent_map_reads);
   options.checkpoint_dir = absl::GetFlag(FLAGS_checkpoint_dir);
   options.rollback_on_shard_loss = absl::GetFlag(FLAGS_rollback_on_shard_loss);
   options.state_dir = absl::GetFlag(FLAGS_state_dir);

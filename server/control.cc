@@ -14,6 +14,7 @@
 #include "absl/strings/escaping.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
+#include "common/busy_retry.h"
 #include "common/security.h"
 #include "common/logging.h"
 #include "kernels/cpu/optimizer.h"
@@ -194,13 +195,16 @@ absl::StatusOr<ChunkRef> Shard::PlaceChunk(const Job& job, const ChunkPlacement&
   return chunk;
 }
 
-absl::Status Shard::LoadJob(uint64_t job_id) {
+absl::Status Shard::LoadJob(uint64_t job_id, bool* coordinator_busy) {
   // Only our part of the map: our chunks and the shards we exchange with.
   // primary_of below then knows the primaries of our chunks only; a
   // forward for a chunk we no longer hold is answered "retry" rather than
   // "fenced", and its sender learns from its own map that it moved.
   absl::StatusOr<JobDescription> desc = link_->GetJob(job_id, shard_id_.load());
-  if (!desc.ok()) return desc.status();
+  if (!desc.ok()) {
+    if (coordinator_busy != nullptr) *coordinator_busy = IsBusy(desc.status());
+    return desc.status();
+  }
   if (JobRef existing = table_.Find(job_id); existing != nullptr) {
     if (absl::Status s = ApplyMap(existing, *desc); !s.ok()) return s;
     BeatNow();
@@ -245,20 +249,38 @@ void Shard::RequestLoad(uint64_t job_id, uint64_t epoch) {
 }
 
 void Shard::LoaderLoop() {
+  // Busy refusals in a row: the next wait's bound doubles with each.
+  int busy_in_a_row = 0;
   for (;;) {
-    uint64_t job_id;
+    uint64_t job_id, epoch;
     {
       absl::MutexLock lock(&load_mu_);
       load_mu_.Await(absl::Condition(this, &Shard::LoadWantedOrStopping));
       if (load_stop_) return;
       job_id = loads_wanted_.begin()->first;
+      epoch = loads_wanted_.begin()->second;
       loads_wanted_.erase(loads_wanted_.begin());
     }
     // A request for an epoch loaded meanwhile costs one GetJob and no more
     // (LoadJob and ApplyMap skip what they have).
-    if (absl::Status s = LoadJob(job_id); !s.ok()) {
-      OPTIMUS_LOG(Error, kLog, "loading job ", job_id, ": ", s.ToString());
+    bool busy = false;
+    absl::Status s = LoadJob(job_id, &busy);
+    if (!busy) {
+      busy_in_a_row = 0;
+      if (!s.ok()) OPTIMUS_LOG(Error, kLog, "loading job ", job_id, ": ", s.ToString());
+      continue;
     }
+    // Every shard handed the job fetches its part now: the coordinator
+    // serves a few at a time and refused this one. Ask again after a
+    // random wait (so that the refused shards do not come back together),
+    // growing while it stays busy; a stop ends the wait.
+    const absl::Duration wait = JitteredBusyBackoff(BusyBackoff(), busy_in_a_row++);
+    OPTIMUS_LOG(Info, kLog, "loading job ", job_id, ": the coordinator is busy (",
+                s.message(), "); trying again in ", absl::FormatDuration(wait));
+    absl::MutexLock lock(&load_mu_);
+    uint64_t& wanted = loads_wanted_[job_id];
+    wanted = std::max(wanted, epoch);
+    if (load_mu_.AwaitWithTimeout(absl::Condition(&load_stop_), wait)) return;
   }
 }
 

@@ -136,11 +136,16 @@ class Shard : public ShardServer {
   absl::Status Register();
   absl::Status HeartbeatOnce();
   HeartbeatReport BuildReport() const;
-  absl::Status LoadJob(uint64_t job_id);
+  // `coordinator_busy` (optional) is set when the map fetch was refused
+  // because the coordinator was serving its most map reads (a fetch
+  // storm): nothing was loaded, and the same fetch may be tried again.
+  absl::Status LoadJob(uint64_t job_id, bool* coordinator_busy = nullptr);
   // Job loading runs on its own thread (a job of many chunks, or one
   // restored from a checkpoint, takes long; the heartbeat must go on):
   // the heartbeat asks for a load, LoaderLoop does it and then has the
-  // next heartbeat go out at once.
+  // next heartbeat go out at once. A fetch the coordinator refused as busy
+  // is tried again by the loader after a jittered, growing wait
+  // (common/busy_retry.h), not at once and not only at the next heartbeat.
   void RequestLoad(uint64_t job_id, uint64_t epoch) ABSL_LOCKS_EXCLUDED(load_mu_);
   void LoaderLoop() ABSL_LOCKS_EXCLUDED(load_mu_);
   bool LoadWantedOrStopping() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(load_mu_) {

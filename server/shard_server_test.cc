@@ -42,13 +42,20 @@ class FakeLink : public CoordinatorLink {
     ++beats_;
     HeartbeatReply reply;
     reply.known = known_;
-    for (const auto& [id, d] : jobs_) reply.assignments.emplace_back(id, d.map.epoch);
+    if (assign_) {
+      for (const auto& [id, d] : jobs_) reply.assignments.emplace_back(id, d.map.epoch);
+      if (assign_once_ && !jobs_.empty()) assign_ = false;
+    }
     reply.released_jobs = released_;
     return reply;
   }
   absl::StatusOr<JobDescription> GetJob(uint64_t job_id, uint64_t for_shard_id) override {
     absl::MutexLock lock(&mu_);
     fetched_for_.push_back(for_shard_id);
+    if (busy_fetches_ > 0) {
+      --busy_fetches_;
+      return absl::ResourceExhaustedError("the coordinator is serving its most map reads");
+    }
     auto it = jobs_.find(job_id);
     if (it == jobs_.end()) return absl::NotFoundError("no such job");
     return it->second;
@@ -62,6 +69,14 @@ class FakeLink : public CoordinatorLink {
     absl::MutexLock lock(&mu_);
     jobs_.erase(job_id);
     released_.push_back(job_id);
+  }
+  // The next `n` GetJobs are refused as a busy coordinator refuses them;
+  // with `once`, a job is assigned in one heartbeat reply only (so that
+  // only the shard itself can ask for it again).
+  void RefuseFetches(int n, bool once) {
+    absl::MutexLock lock(&mu_);
+    busy_fetches_ = n;
+    assign_once_ = once;
   }
   void Forget() {
     absl::MutexLock lock(&mu_);
@@ -93,6 +108,9 @@ class FakeLink : public CoordinatorLink {
   HeartbeatReport last_ ABSL_GUARDED_BY(mu_);
   uint64_t beats_ ABSL_GUARDED_BY(mu_) = 0;
   std::vector<uint64_t> fetched_for_ ABSL_GUARDED_BY(mu_);
+  int busy_fetches_ ABSL_GUARDED_BY(mu_) = 0;
+  bool assign_once_ ABSL_GUARDED_BY(mu_) = false;
+  bool assign_ ABSL_GUARDED_BY(mu_) = true;
 };
 
 // A worker speaking raw wire requests to the shard.
@@ -463,6 +481,15 @@ TEST_F(ShardServerTest, AsksForItsOwnPartOfTheMapAndLetsGoUnderAnEmptyPart) {
   const std::vector<uint64_t> asked = link_->fetched_for();
   ASSERT_FALSE(asked.empty());
   for (uint64_t id : asked) EXPECT_EQ(id, me);
+}
+
+// A coordinator busy with a fetch storm refuses the shard's first fetches
+// (RESOURCE_EXHAUSTED), and assigns the job in one heartbeat only: the
+// shard asks again by itself, after its backoff, and loads the job.
+TEST_F(ShardServerTest, AFetchRefusedAsBusyIsTriedAgainByTheShard) {
+  link_->RefuseFetches(3, /*once=*/true);
+  Load(OneChunkJob(link_->shard_id()));
+  EXPECT_EQ(link_->fetched_for().size(), 4u);
 }
 
 TEST_F(ShardServerTest, ForgottenShardDropsEverythingAndRegistersAgain) {

@@ -251,6 +251,10 @@ absl::Status Cluster::StartCoordinator(const std::string& address) {
   copts.checkpoint_dir = options_.checkpoint_dir;
   copts.state_dir = options_.state_dir;
   copts.job_limits = options_.job_limits;
+  if (options_.max_concurrent_map_reads > 0) {
+    copts.max_concurrent_map_reads = options_.max_concurrent_map_reads;
+  }
+  copts.while_reading_map = options_.while_reading_map;
   if (options_.serve_metrics) copts.metrics_address = "127.0.0.1:0";
   auto coord = CoordinatorServer::Start(copts);
   if (!coord.ok()) return coord.status();

@@ -134,6 +134,11 @@ struct ClusterOptions {
   std::string job_token;
   // The coordinator's job quotas (chunks, tensors, bytes per job).
   JobLimits job_limits;
+  // The coordinator's bound on map reads served at once (0: its default),
+  // and its test hook run by each map read that holds a slot
+  // (CoordinatorOptions::while_reading_map).
+  int max_concurrent_map_reads = 0;
+  std::function<void()> while_reading_map;
   // Each shard's bounds on pulls waiting or being sent (per peer, in all;
   // 0: the shard's default).
   uint64_t max_parked_pulls_per_peer = 0;
