@@ -383,7 +383,7 @@ absl::StatusOr<v1::GetJobResponse> Coordinator::GetJob(uint64_t job_id, uint64_t
     if (for_shard_id == 0) resp.set_current_step(ViewLocked(*job).min_applied_step);
   }
   resp.set_job_id(job_id);
-  *resp.mutable_spec() = snap->spec;
+  *resp.mutable_spec() = for_shard_id == 0 ? snap->spec : ShardSpecOf(snap->spec);
   if (for_shard_id == 0) {
     *resp.mutable_map() = snap->map;
   } else {
@@ -421,7 +421,7 @@ absl::StatusOr<Coordinator::SerializedJob> Coordinator::GetJobSerialized(uint64_
   if (snap->restore.has_value()) *out.head.mutable_restore() = *snap->restore;
   {
     absl::MutexLock lock(&snap->bytes_mu);
-    out.spec = snap->spec_bytes;
+    out.spec = for_shard_id == 0 ? snap->spec_bytes : snap->shard_spec_bytes;
     auto it = snap->part_bytes.find(for_shard_id);
     if (it != snap->part_bytes.end()) out.map = it->second;
   }
@@ -433,7 +433,11 @@ absl::StatusOr<Coordinator::SerializedJob> Coordinator::GetJobSerialized(uint64_
   // Two first fetches of one part may both make it; the first one kept
   // wins, and the bytes are the same.
   std::shared_ptr<const std::string> spec = out.spec;
-  if (spec == nullptr) spec = std::make_shared<const std::string>(snap->spec.SerializeAsString());
+  if (spec == nullptr) {
+    spec = std::make_shared<const std::string>(
+        for_shard_id == 0 ? snap->spec.SerializeAsString()
+                          : ShardSpecOf(snap->spec).SerializeAsString());
+  }
   std::shared_ptr<const std::string> part = out.map;
   if (part == nullptr) {
     part = std::make_shared<const std::string>(
@@ -444,8 +448,10 @@ absl::StatusOr<Coordinator::SerializedJob> Coordinator::GetJobSerialized(uint64_
     map_parts_reused_.fetch_add(1);
   }
   absl::MutexLock lock(&snap->bytes_mu);
-  if (snap->spec_bytes == nullptr) snap->spec_bytes = std::move(spec);
-  out.spec = snap->spec_bytes;
+  std::shared_ptr<const std::string>& kept =
+      for_shard_id == 0 ? snap->spec_bytes : snap->shard_spec_bytes;
+  if (kept == nullptr) kept = std::move(spec);
+  out.spec = kept;
   out.map = snap->part_bytes.try_emplace(for_shard_id, std::move(part)).first->second;
   return out;
 }

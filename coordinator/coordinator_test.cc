@@ -208,6 +208,9 @@ TEST_F(CoordinatorTest, AShardGetsOnlyItsPartOfTheMap) {
   };
   const v1::GetJobResponse whole = get(0);
   EXPECT_FALSE(whole.has_summary());
+  ASSERT_EQ(whole.spec().tensors_size(), 2);
+  EXPECT_FALSE(whole.spec().tensors(0).name().empty());
+  EXPECT_GT(whole.spec().tensors(1).shape_size(), 0);
   ASSERT_EQ(whole.map().chunks_size(), 17);  // 1024 / 64 + 1.
   ASSERT_EQ(whole.map().shards_size(), 6);
   std::map<uint64_t, std::string> address;
@@ -217,6 +220,15 @@ TEST_F(CoordinatorTest, AShardGetsOnlyItsPartOfTheMap) {
     const v1::GetJobResponse part = get(id);
     EXPECT_EQ(part.map().epoch(), whole.map().epoch());
     EXPECT_EQ(part.spec().name(), "parts");
+    // The spec as a shard reads it: every tensor at its index with its
+    // group and frozen flag, no names or shapes; the rest as it is.
+    v1::JobSpec want_spec = whole.spec();
+    for (v1::TensorSpec& t : *want_spec.mutable_tensors()) {
+      t.clear_name();
+      t.clear_shape();
+    }
+    EXPECT_EQ(part.spec().SerializeAsString(), want_spec.SerializeAsString());
+    EXPECT_LT(part.spec().ByteSizeLong(), whole.spec().ByteSizeLong());
     EXPECT_EQ(part.summary().for_shard_id(), id);
     EXPECT_EQ(part.summary().chunks(), 17u);
     EXPECT_EQ(part.summary().shards(), 6u);

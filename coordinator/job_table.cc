@@ -142,6 +142,15 @@ std::shared_ptr<const MapSnapshot> SnapshotOf(JobRecord& job) {
   return job.snapshot;
 }
 
+v1::JobSpec ShardSpecOf(const v1::JobSpec& spec) {
+  v1::JobSpec out = spec;
+  for (v1::TensorSpec& t : *out.mutable_tensors()) {
+    t.clear_name();
+    t.clear_shape();
+  }
+  return out;
+}
+
 v1::ShardMap ShardViewOf(const MapSnapshot& snap, uint64_t shard_id) {
   v1::ShardMap view;
   view.set_job_id(snap.map.job_id());

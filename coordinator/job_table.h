@@ -46,6 +46,8 @@ struct MapSnapshot {
   // last fetch still holding it frees them.
   mutable absl::Mutex bytes_mu;
   mutable std::shared_ptr<const std::string> spec_bytes ABSL_GUARDED_BY(bytes_mu);
+  // The spec as a shard's part carries it (ShardSpecOf).
+  mutable std::shared_ptr<const std::string> shard_spec_bytes ABSL_GUARDED_BY(bytes_mu);
   mutable std::map<uint64_t, std::shared_ptr<const std::string>> part_bytes
       ABSL_GUARDED_BY(bytes_mu);
 };
@@ -189,6 +191,13 @@ std::shared_ptr<const MapSnapshot> SnapshotOf(JobRecord& job);
 // shard holding nothing (its chunks all moved away) gets an empty map at
 // the epoch, which tells it to let go of them.
 v1::ShardMap ShardViewOf(const MapSnapshot& snap, uint64_t shard_id);
+// The spec as one shard's part carries it: every field, but each tensor
+// only with what a shard reads (its group and whether it is frozen), at
+// its index, without its name and shape. A shard steps chunks, which carry
+// their own offsets and lengths; the names and shapes (most of a big
+// model's spec: ~22 KB of LLaMA-70B's 723 tensors) were sent to each of
+// thousands of shards at every new job for nothing.
+v1::JobSpec ShardSpecOf(const v1::JobSpec& spec);
 
 // The job's chunks as the map planners take them.
 JobLayout LayoutOfJob(const JobRecord& job);

@@ -49,13 +49,15 @@ absl::StatusOr<JobConfig> ConfigFromSpec(uint64_t job_id, const v1::JobSpec& spe
   c.grad_scale = o.grad_scale() > 0 ? o.grad_scale() : 1.0f / static_cast<float>(c.world_size);
   c.checkpoint_every_steps = spec.checkpoint_policy().every_steps();
   c.commit_round = spec.max_grad_norm() > 0 || !spec.keep_nonfinite();
-  for (const v1::TensorSpec& t : spec.tensors()) {
+  for (int i = 0; i < spec.tensors_size(); ++i) {
+    const v1::TensorSpec& t = spec.tensors(i);
     JobConfig::Tensor tc;
     tc.hyper = c.hyper;
     tc.frozen = t.frozen();
     if (spec.param_groups_size() == 0 ? t.group() != 0
                                       : t.group() >= static_cast<uint32_t>(spec.param_groups_size())) {
-      return absl::InvalidArgumentError(absl::StrCat("tensor ", t.name(), " names group ",
+      // A shard's part carries no tensor names (ShardSpecOf): the index.
+      return absl::InvalidArgumentError(absl::StrCat("tensor ", i, " names group ",
                                                      t.group(), " of ", spec.param_groups_size()));
     }
     if (spec.param_groups_size() > 0) {
