@@ -227,7 +227,8 @@ class Coordinator {
   // NOT_FOUND for an unknown job. for_shard_id 0: the whole map (workers);
   // otherwise only that shard's part (ShardViewOf in job_table.h: its
   // chunks and the endpoints it exchanges with) with a summary of the
-  // whole, and no current_step. The map is read from the epoch's snapshot:
+  // whole, and no current_step; its spec is ShardSpecOf's (every tensor at
+  // its index, without names and shapes). The map is read from the epoch's snapshot:
   // the lock is held only to take it, never to copy the map.
   absl::StatusOr<v1::GetJobResponse> GetJob(uint64_t job_id, uint64_t for_shard_id = 0);
   absl::StatusOr<v1::ShardMap> GetShardMap(uint64_t job_id);
