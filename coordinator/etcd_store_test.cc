@@ -372,6 +372,20 @@ class SlowRelay {
   std::vector<std::thread> pipes_;
 };
 
+// Puts every 100 ms until one succeeds or `guard` has passed; the last
+// status.
+absl::Status PutUntilOk(EtcdClient& client, const etcdserverpb::PutRequest& put,
+                        absl::Duration guard) {
+  const absl::Time give_up = absl::Now() + guard;
+  absl::Status last;
+  while (absl::Now() < give_up) {
+    last = client.Put(put).status();
+    if (last.ok()) break;
+    absl::SleepFor(absl::Milliseconds(100));
+  }
+  return last;
+}
+
 TEST_F(EtcdStoreTest, AMemberWhoseConnectionIsSlowToSetUpIsStillReached) {
   // gRPC gives a connection attempt as long as GRPC_ARG_MIN_RECONNECT_BACKOFF_MS
   // (else 20 s). The client once set it to 100 ms for quick reconnects, and
@@ -390,14 +404,7 @@ TEST_F(EtcdStoreTest, AMemberWhoseConnectionIsSlowToSetUpIsStillReached) {
   put.set_key("/slow-member");
   put.set_value("v");
   // A hang guard only: with the fix the first connection is up after 3 s.
-  const absl::Time guard = absl::Now() + absl::Seconds(60);
-  absl::Status last;
-  while (absl::Now() < guard) {
-    auto r = (*client)->Put(put);
-    last = r.status();
-    if (r.ok()) break;
-    absl::SleepFor(absl::Milliseconds(100));
-  }
+  const absl::Status last = PutUntilOk(**client, put, absl::Seconds(60));
   EXPECT_TRUE(last.ok()) << "never reached " << member << " through a 3 s handshake: " << last;
 }
 
@@ -428,15 +435,8 @@ TEST_F(EtcdStoreTest, AMemberThatComesUpAfterFailedCallsIsReached) {
   // The member comes up at that address.
   SlowRelay up(member_port, absl::ZeroDuration(), port);
   ASSERT_EQ(up.address(), o.endpoints[0]) << "the test could not listen on its port";
-  // Calls every 100 ms until one gets through; a hang guard only.
-  const absl::Time guard = absl::Now() + absl::Seconds(30);
-  absl::Status last;
-  while (absl::Now() < guard) {
-    auto r = (*client)->Put(put);
-    last = r.status();
-    if (r.ok()) break;
-    absl::SleepFor(absl::Milliseconds(100));
-  }
+  // A hang guard only.
+  const absl::Status last = PutUntilOk(**client, put, absl::Seconds(30));
   EXPECT_TRUE(last.ok()) << "a member that came up at " << o.endpoints[0]
                          << " was never reached: " << last;
 }
