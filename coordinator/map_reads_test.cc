@@ -134,6 +134,18 @@ TEST_F(MapBytesTest, AnUnknownJobIsNotFound) {
   EXPECT_THAT(r.status().message(), HasSubstr(absl::StrCat(job_id_ + 7)));
 }
 
+// Registers three DPU shards and creates job `name` on them.
+void ThreeShardsAndAJob(v1::Coordinator::Stub& stub, const std::string& name,
+                        std::vector<uint64_t>* shards, v1::CreateJobResponse* created) {
+  for (int i = 0; i < 3; ++i) {
+    v1::RegisterShardRequest req = DpuRegistration(i);
+    v1::RegisterShardResponse resp;
+    ASSERT_TRUE(stub.RegisterShard(Ctx().get(), req, &resp).ok());
+    shards->push_back(resp.shard_id());
+  }
+  ASSERT_TRUE(stub.CreateJob(Ctx().get(), OneTensorJob(name, 9, 1), created).ok());
+}
+
 // Over gRPC: the answer built from the cached bytes is the message the
 // core's GetJob gives, for a shard's part and for the whole map, and the
 // second fetch is served from the first one's bytes.
@@ -144,14 +156,8 @@ TEST(MapReadsOverGrpcTest, GetJobAnswersFromTheEpochsBytes) {
   auto channel = grpc::CreateChannel((*server)->address(), grpc::InsecureChannelCredentials());
   auto stub = v1::Coordinator::NewStub(channel);
   std::vector<uint64_t> shards;
-  for (int i = 0; i < 3; ++i) {
-    v1::RegisterShardRequest req = DpuRegistration(i);
-    v1::RegisterShardResponse resp;
-    ASSERT_TRUE(stub->RegisterShard(Ctx().get(), req, &resp).ok());
-    shards.push_back(resp.shard_id());
-  }
   v1::CreateJobResponse created;
-  ASSERT_TRUE(stub->CreateJob(Ctx().get(), OneTensorJob("wire", 9, 1), &created).ok());
+  ASSERT_NO_FATAL_FAILURE(ThreeShardsAndAJob(*stub, "wire", &shards, &created));
   Coordinator* core = (*server)->core();
   for (uint64_t for_shard : {shards[1], uint64_t{0}}) {
     SCOPED_TRACE(absl::StrCat("for_shard_id ", for_shard));
@@ -190,14 +196,8 @@ TEST(MapReadsOverGrpcTest, ReadsPastTheBoundAreRefusedAtOnceAndNoneIsLost) {
   auto channel = grpc::CreateChannel((*server)->address(), grpc::InsecureChannelCredentials());
   auto stub = v1::Coordinator::NewStub(channel);
   std::vector<uint64_t> shards;
-  for (int i = 0; i < 3; ++i) {
-    v1::RegisterShardRequest req = DpuRegistration(i);
-    v1::RegisterShardResponse resp;
-    ASSERT_TRUE(stub->RegisterShard(Ctx().get(), req, &resp).ok());
-    shards.push_back(resp.shard_id());
-  }
   v1::CreateJobResponse created;
-  ASSERT_TRUE(stub->CreateJob(Ctx().get(), OneTensorJob("bounded", 9, 1), &created).ok());
+  ASSERT_NO_FATAL_FAILURE(ThreeShardsAndAJob(*stub, "bounded", &shards, &created));
   Coordinator* core = (*server)->core();
   // The jobs, and the shards' ids and states (lease ages move on).
   auto state = [core] {
