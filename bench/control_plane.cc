@@ -7,8 +7,8 @@
 //   - RegisterShard (deadline 5 s; again 1 s after a failure), with a
 //     data_address of --address_bytes (a UCX worker address is a few
 //     hundred bytes) and a memory budget big enough for the jobs below;
-//   - Heartbeat every lease/3 after the previous one returned (deadline
-//     2 s), reporting per job the map epoch loaded and its chunk counts, at
+//   - Heartbeat every lease/3 after the previous one was sent (at once
+//     after it returned, when it took longer; deadline 2 s), reporting per job the map epoch loaded and its chunk counts, at
 //     once again after a map was loaded; registering again when the
 //     coordinator no longer knows the shard (it was declared DOWN);
 //   - GetJob (deadline 5 s, off the heartbeat: optimus-shard fetches on its
@@ -31,7 +31,9 @@
 // 8.75e9-parameter job (the per-GPU part of LLaMA-70B under TP 2 x PP 4:
 // layers 0-19 and the embedding, halved) with replication 0, until READY,
 // then deleted; CreateJob of LLaMA-70B itself (70e9 parameters) with
-// replication 1, until READY; 1% of the shards stop heartbeating, until the
+// replication 1, until READY; 1% of the shards stop heartbeating (by
+// default all in one failure domain: the shards register in racks of
+// --shards_per_domain; --kill=spread picks them evenly instead), until the
 // coordinator shows them all DOWN and the job's map moved on; one full
 // Status call. Every wait has a deadline: what did not happen in time is
 // named in the line's "error" field and the next phase runs.
@@ -106,6 +108,13 @@ ABSL_FLAG(std::string, jobs, "small,large",
           "READY), large (LLaMA-70B, 70e9 parameters, replication 1, kept for the kill)");
 ABSL_FLAG(double, ready_timeout_s, 120, "how long a job may take to become READY");
 ABSL_FLAG(double, kill_fraction, 0.01, "share of the shards that stop heartbeating");
+ABSL_FLAG(int, shards_per_domain, 256,
+          "simulated shards per failure domain (a rack: 32 servers of 8 DPUs); 0: none, each "
+          "shard its own host");
+ABSL_FLAG(std::string, kill, "domain",
+          "which shards stop: domain (the first ones, filling one failure domain before the "
+          "next: a rack's power or switch), or spread (evenly over all shards: independent "
+          "failures)");
 ABSL_FLAG(int, channels, 64, "gRPC connections the simulated shards share");
 ABSL_FLAG(int, threads, 2, "the simulator's completion-queue threads");
 ABSL_FLAG(int, address_bytes, 300, "size of each simulated shard's data_address");
@@ -239,6 +248,7 @@ class Simulator {
     int address_bytes = 300;
     uint64_t memory_limit_bytes = 0;
     bool per_shard_maps = true;
+    int shards_per_domain = 0;  // 0: no failure_domain (the hostname is one per shard).
   };
 
   Simulator(const Options& o, const std::vector<std::shared_ptr<grpc::Channel>>& channels)
@@ -303,6 +313,11 @@ class Simulator {
     return ids;
   }
 
+  // Heartbeats answered so far (the length of counters().heartbeat_ms).
+  size_t HeartbeatsAnswered() const ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&mu_);
+    return counters_.heartbeat_ms.size();
+  }
   Counters counters() const ABSL_LOCKS_EXCLUDED(mu_) {
     absl::MutexLock lock(&mu_);
     return counters_;
@@ -487,6 +502,9 @@ class Simulator {
     address.replace(0, std::min(address.size(), tag.size()), tag.substr(0, address.size()));
     caps->set_data_address(address);
     caps->set_hostname(absl::StrCat("dpu-", i));
+    if (options_.shards_per_domain > 0) {
+      caps->set_failure_domain(absl::StrCat("rack-", i / static_cast<size_t>(options_.shards_per_domain)));
+    }
     return req;
   }
 
@@ -576,7 +594,10 @@ class Simulator {
               }
             }
             if (s.alive && s.id != 0) {
-              ScheduleLocked(c->shard, s.beat_again ? now : now + interval_);
+              // Due an interval after this one was sent, as optimus-shard's
+              // heartbeats are (server/control.cc).
+              ScheduleLocked(c->shard,
+                             s.beat_again ? now : std::max(now, c->start + interval_));
               s.beat_again = false;
             }
             break;
@@ -882,6 +903,8 @@ struct RunOptions {
   absl::Duration steady;
   absl::Duration ready_timeout;
   double kill_fraction = 0.01;
+  int shards_per_domain = 256;
+  bool kill_spread = false;
   int channels = 64;
   int threads = 2;
   int address_bytes = 300;
@@ -943,6 +966,9 @@ Json RunOne(const RunOptions& o, int n) {
   so.threads = o.threads;
   so.address_bytes = o.address_bytes;
   so.per_shard_maps = o.per_shard_maps;
+  so.shards_per_domain = o.shards_per_domain;
+  line["shards_per_domain"] = o.shards_per_domain;
+  line["kill"] = o.kill_spread ? "spread" : "domain";
   so.memory_limit_bytes =
       std::max<uint64_t>(uint64_t{64} << 30, most * 48 * 2 / static_cast<uint64_t>(n));
   Simulator sim(so, channels);
@@ -965,7 +991,9 @@ Json RunOne(const RunOptions& o, int n) {
   }
 
   // Heartbeats alone.
+  const size_t steady_from = sim.HeartbeatsAnswered();
   absl::SleepFor(o.steady);
+  const size_t jobs_from = sim.HeartbeatsAnswered();
   std::set<uint64_t> killed;
   auto false_down = [&](const v1::StatusResponse& st) {
     int n_down = 0;
@@ -1044,11 +1072,18 @@ Json RunOne(const RunOptions& o, int n) {
   }
   line["jobs"] = jobs;
 
+  const size_t jobs_to = sim.HeartbeatsAnswered();
+
   // Kill 1%.
   {
     const size_t k = std::max<size_t>(1, static_cast<size_t>(o.kill_fraction * n + 0.5));
     std::vector<size_t> idx;
-    for (size_t i = 0; i < k; ++i) idx.push_back(i * static_cast<size_t>(n) / k);
+    // Spread: independent failures, evenly over the shards. Domain: the
+    // first k shards, which fill failure domain 0 (then 1, ...): what a
+    // rack losing power or its switch does; replication 1 places every
+    // backup outside its primary's domain, so no chunk loses both copies
+    // while k is at most a domain.
+    for (size_t i = 0; i < k; ++i) idx.push_back(o.kill_spread ? i * static_cast<size_t>(n) / k : i);
     uint64_t epoch_before = 0;
     if (kept_job != 0) {
       if (auto st = GetStatus(admin.get(), JobsOnly(), absl::Seconds(30)); st.ok()) {
@@ -1173,6 +1208,17 @@ Json RunOne(const RunOptions& o, int n) {
                     ? 0.0
                     : *std::max_element(c.heartbeat_ms.begin(), c.heartbeat_ms.end()),
                 2);
+  // The same over the steady phase alone, and over the jobs' creation and
+  // loading (map fetches compete with heartbeats for the coordinator).
+  const auto slice = [&](size_t from, size_t to) {
+    to = std::min(to, c.heartbeat_ms.size());
+    return std::vector<float>(c.heartbeat_ms.begin() + static_cast<std::ptrdiff_t>(std::min(from, to)),
+                              c.heartbeat_ms.begin() + static_cast<std::ptrdiff_t>(to));
+  };
+  const std::vector<float> steady_ms = slice(steady_from, jobs_from);
+  line["steady_heartbeat_p99_ms"] = JsonRound(Percentile(steady_ms, 0.99), 2);
+  const std::vector<float> jobs_ms = slice(jobs_from, jobs_to);
+  line["jobs_heartbeat_p99_ms"] = JsonRound(Percentile(jobs_ms, 0.99), 2);
   line["heartbeat_errors"] = c.heartbeat_errors;
   line["told_to_register"] = c.told_to_register;
   line["map_fetches"] = c.fetches_ok;
@@ -1220,6 +1266,9 @@ Json RunOne(const RunOptions& o, int n) {
 int main(int argc, char** argv) {
   using namespace optimus::bench;  // NOLINT
   absl::ParseCommandLine(argc, argv);
+  // As optimus-coord: without absl::Mutex's deadlock detector, whose lock
+  // graph would cost the simulated shards' core a tenth of its time.
+  absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
   KillChildrenOnSignals();
   FILE* json = TakeStdoutForJson();
   if (json == nullptr) Die(kWho, "cannot duplicate stdout");
@@ -1258,6 +1307,11 @@ int main(int argc, char** argv) {
   o.steady = absl::Seconds(std::max(0.0, absl::GetFlag(FLAGS_steady_s)));
   o.ready_timeout = absl::Seconds(std::max(1.0, absl::GetFlag(FLAGS_ready_timeout_s)));
   o.kill_fraction = absl::GetFlag(FLAGS_kill_fraction);
+  o.shards_per_domain = absl::GetFlag(FLAGS_shards_per_domain);
+  if (o.shards_per_domain < 0) Die(kWho, "--shards_per_domain must be 0 or more");
+  const std::string kill = absl::GetFlag(FLAGS_kill);
+  if (kill != "domain" && kill != "spread") Die(kWho, "--kill must be domain or spread");
+  o.kill_spread = kill == "spread";
   if (!(o.kill_fraction > 0 && o.kill_fraction < 1)) Die(kWho, "--kill_fraction must be in (0, 1)");
   o.channels = std::max(1, absl::GetFlag(FLAGS_channels));
   o.threads = std::max(1, absl::GetFlag(FLAGS_threads));

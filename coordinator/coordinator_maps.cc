@@ -49,7 +49,9 @@ std::vector<ShardInfo> Coordinator::PlacementCandidatesLocked() const {
     auto p = planned.find(id);
     live.push_back({id, shard.capabilities.kind() == v1::SHARD_KIND_DPU,
                     shard.capabilities.memory_limit_bytes(),
-                    p == planned.end() ? 0 : p->second.size_bytes});
+                    p == planned.end() ? 0 : p->second.size_bytes,
+                    FailureDomainOf(shard.capabilities.failure_domain(),
+                                    shard.capabilities.hostname())});
   }
   return live;
 }

@@ -72,7 +72,13 @@ std::map<uint64_t, ShardLoad> ComputeLoad(absl::Span<const ChunkSpec> chunks,
 uint64_t TakeSlot(const ChunkSpec& chunk, uint64_t bytes_per_elem, uint64_t chunk_overhead_bytes,
                   uint64_t exclude_id, std::vector<ShardInfo>& candidates) {
   const uint64_t bytes = chunk.num_elems * bytes_per_elem + chunk_overhead_bytes;
-  const int pick = PickShard(candidates, bytes, exclude_id);
+  // The other copy's failure domain, when its shard is a candidate (UP):
+  // the new copy goes outside it where another domain has room.
+  uint64_t exclude_domain = 0;
+  for (const ShardInfo& s : candidates) {
+    if (exclude_id != 0 && s.id == exclude_id) exclude_domain = s.domain;
+  }
+  const int pick = PickShard(candidates, bytes, exclude_id, exclude_domain);
   if (pick < 0) return 0;
   candidates[pick].memory_planned_bytes += bytes;
   return candidates[pick].id;

@@ -164,6 +164,19 @@ TEST(PlanFailoverTest, NewBackupsCountOnTheShardThatTakesThem) {
   EXPECT_EQ(candidates[2].memory_planned_bytes, 10u);
 }
 
+TEST(PlanFailoverTest, NewBackupsLeaveThePromotedPrimarysFailureDomain) {
+  // Shard 2 (the backup, promoted) shares a server with 3; 4 is elsewhere.
+  const JobLayout job = Layout({{1, 2, true}, {1, 2, true}}, 1);
+  std::vector<ShardInfo> candidates = Room({2, 3, 4}, 100);
+  candidates[0].domain = candidates[1].domain = 50;
+  candidates[2].domain = 60;
+  const FailoverPlan plan =
+      PlanFailover(job, {{1, H::kDown}, {2, H::kUp}, {3, H::kUp}, {4, H::kUp}}, candidates);
+  ASSERT_EQ(plan.outcome, FailoverPlan::Outcome::kFailedOver);
+  // Both on 4, though balance alone would have put one on 3.
+  EXPECT_EQ(Copies(plan.after), (std::vector<std::pair<uint64_t, uint64_t>>{{2, 4}, {2, 4}}));
+}
+
 struct ReplicationCase {
   std::string what;
   ShardHealthMap health;

@@ -3,8 +3,10 @@
 #include "kernels/optimizer_spec.h"
 
 #include <algorithm>
+#include <functional>
 #include <limits>
 #include <numeric>
+#include <string>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
@@ -52,12 +54,34 @@ std::vector<ChunkSpec> SplitTensors(absl::Span<const uint64_t> tensor_num_elems,
   return chunks;
 }
 
-int PickShard(absl::Span<const ShardInfo> shards, uint64_t need_bytes, uint64_t exclude_id) {
+// PickShard's rule over the shards outside exclude_domain (0: all).
+static int PickShardOutside(absl::Span<const ShardInfo> shards, uint64_t need_bytes,
+                            uint64_t exclude_id, uint64_t exclude_domain);
+
+uint64_t FailureDomainOf(absl::string_view failure_domain, absl::string_view hostname) {
+  const absl::string_view name = failure_domain.empty() ? hostname : failure_domain;
+  if (name.empty()) return 0;
+  const uint64_t h = std::hash<std::string>()(std::string(name));
+  return h == 0 ? 1 : h;
+}
+
+int PickShard(absl::Span<const ShardInfo> shards, uint64_t need_bytes, uint64_t exclude_id,
+              uint64_t exclude_domain) {
+  if (exclude_domain != 0) {
+    // Outside the other copy's domain first; inside it only if that fails.
+    if (int i = PickShardOutside(shards, need_bytes, exclude_id, exclude_domain); i >= 0) return i;
+  }
+  return PickShardOutside(shards, need_bytes, exclude_id, 0);
+}
+
+static int PickShardOutside(absl::Span<const ShardInfo> shards, uint64_t need_bytes,
+                            uint64_t exclude_id, uint64_t exclude_domain) {
   for (bool want_dpu : {true, false}) {
     int best = -1;
     for (size_t i = 0; i < shards.size(); ++i) {
       const ShardInfo& s = shards[i];
       if (s.is_dpu != want_dpu || (exclude_id != 0 && s.id == exclude_id)) continue;
+      if (exclude_domain != 0 && s.domain == exclude_domain) continue;
       if (need_bytes > FreeBytes(s, s.memory_planned_bytes)) continue;
       if (best < 0 || s.memory_planned_bytes < shards[best].memory_planned_bytes ||
           (s.memory_planned_bytes == shards[best].memory_planned_bytes &&
@@ -174,16 +198,23 @@ int PlacementIndex::Erase(int t, int node) {
 // not exclude_id. A subtree whose most free bytes are too few is skipped
 // whole; one that has room but only on exclude_id is walked down to it and
 // back: at most one such path per search.
-int PlacementIndex::Find(int t, uint64_t need_bytes, uint64_t exclude_id) const {
+int PlacementIndex::Find(int t, uint64_t need_bytes, uint64_t exclude_id,
+                         uint64_t exclude_domain) const {
   if (t < 0 || max_free_[t] < need_bytes) return -1;
-  if (int found = Find(left_[t], need_bytes, exclude_id); found >= 0) return found;
+  if (int found = Find(left_[t], need_bytes, exclude_id, exclude_domain); found >= 0) return found;
   const ShardInfo& s = shards_[static_cast<size_t>(t)];
-  if (Free(t) >= need_bytes && !(exclude_id != 0 && s.id == exclude_id)) return t;
-  return Find(right_[t], need_bytes, exclude_id);
+  if (Free(t) >= need_bytes && !(exclude_id != 0 && s.id == exclude_id) &&
+      !(exclude_domain != 0 && s.domain == exclude_domain)) {
+    return t;
+  }
+  return Find(right_[t], need_bytes, exclude_id, exclude_domain);
 }
 
-int PlacementIndex::Pick(uint64_t need_bytes, uint64_t exclude_id) const {
-  return Find(root_, need_bytes, exclude_id);
+int PlacementIndex::Pick(uint64_t need_bytes, uint64_t exclude_id, uint64_t exclude_domain) const {
+  if (exclude_domain != 0) {
+    if (int i = Find(root_, need_bytes, exclude_id, exclude_domain); i >= 0) return i;
+  }
+  return Find(root_, need_bytes, exclude_id, 0);
 }
 
 void PlacementIndex::AddPlanned(int i, uint64_t bytes) {
@@ -286,11 +317,15 @@ absl::StatusOr<std::vector<ChunkSpec>> PlaceBackups(
     }
   }
   const FreeSpace after_primaries = FreeOver(shards);
+  const auto primary_domain = [&](uint64_t id) -> uint64_t {
+    auto it = index_of.find(id);
+    return it == index_of.end() ? 0 : shards[it->second].domain;
+  };
   PlacementIndex index(shards);
   for (size_t idx : LargestFirst(chunks)) {
     ChunkSpec& c = chunks[idx];
     const uint64_t need_bytes = ChunkNeed(c.num_elems, bytes_per_elem, chunk_overhead_bytes);
-    const int best = index.Pick(need_bytes, /*exclude_id=*/c.shard_id);
+    const int best = index.Pick(need_bytes, /*exclude_id=*/c.shard_id, primary_domain(c.shard_id));
     if (best < 0) {
       return absl::ResourceExhaustedError(absl::StrFormat(
           "job state with replication 1 does not fit: needs %d bytes for the primaries "

@@ -12,6 +12,7 @@
 
 #include "kernels/optimizer_spec.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/types/span.h"
 
 namespace optimus {
@@ -23,7 +24,14 @@ struct ShardInfo {
   uint64_t memory_limit_bytes = 0;
   // Bytes already placed on this shard by other jobs.
   uint64_t memory_planned_bytes = 0;
+  // Its failure domain (FailureDomainOf); 0: unknown, shared with no shard.
+  uint64_t domain = 0;
 };
+
+// A shard's failure domain as a number, from what it registered with:
+// equal for shards with the same failure_domain (or, where that is empty,
+// the same hostname); 0 when both are empty.
+uint64_t FailureDomainOf(absl::string_view failure_domain, absl::string_view hostname);
 
 // One contiguous slice [offset_elems, offset_elems + num_elems) of a tensor.
 struct ChunkSpec {
@@ -70,10 +78,13 @@ absl::StatusOr<std::vector<ChunkSpec>> PlaceChunks(
 // where it still fits (memory_planned_bytes + need_bytes <= limit), the one
 // with the fewest planned bytes, ties by the lower id; only if no DPU fits,
 // the host shard chosen the same way. The shard with id exclude_id (the
-// chunk's other copy; 0: none) is never chosen. Returns the index into
-// `shards`, or -1 when none fits. PlaceChunks, PlaceBackups and the
-// coordinator's failover and drain all choose with it.
-int PickShard(absl::Span<const ShardInfo> shards, uint64_t need_bytes, uint64_t exclude_id);
+// chunk's other copy; 0: none) is never chosen, and shards in
+// exclude_domain (that copy's failure domain; 0: none) only when no shard
+// outside it has room. Returns the index into `shards`, or -1 when none
+// fits. PlaceChunks, PlaceBackups and the coordinator's failover and drain
+// all choose with it.
+int PickShard(absl::Span<const ShardInfo> shards, uint64_t need_bytes, uint64_t exclude_id,
+              uint64_t exclude_domain = 0);
 
 // PickShard's rule over shards whose planned bytes grow as copies are
 // placed, in O(log n) per pick rather than PickShard's scan of every
@@ -85,9 +96,11 @@ int PickShard(absl::Span<const ShardInfo> shards, uint64_t need_bytes, uint64_t 
 class PlacementIndex {
  public:
   explicit PlacementIndex(absl::Span<const ShardInfo> shards);
-  // PickShard(shards(), need_bytes, exclude_id): an index into shards(),
-  // or -1 when no shard other than exclude_id has room.
-  int Pick(uint64_t need_bytes, uint64_t exclude_id) const;
+  // PickShard(shards(), need_bytes, exclude_id, exclude_domain): an index
+  // into shards(), or -1 when no shard other than exclude_id has room. The
+  // search outside exclude_domain walks down, at most, to each shard of
+  // that domain with room: O(domain size x log n).
+  int Pick(uint64_t need_bytes, uint64_t exclude_id, uint64_t exclude_domain = 0) const;
   // Adds `bytes` to shard i's planned bytes (saturating at 2^64 - 1).
   void AddPlanned(int i, uint64_t bytes);
   const ShardInfo& shard(int i) const { return shards_[static_cast<size_t>(i)]; }
@@ -102,7 +115,7 @@ class PlacementIndex {
   int Merge(int a, int b);
   int Insert(int t, int node);
   int Erase(int t, int node);
-  int Find(int t, uint64_t need_bytes, uint64_t exclude_id) const;
+  int Find(int t, uint64_t need_bytes, uint64_t exclude_id, uint64_t exclude_domain) const;
 
   std::vector<ShardInfo> shards_;
   std::vector<int> left_, right_;
@@ -112,7 +125,8 @@ class PlacementIndex {
 
 // Replication 1: assigns backup_shard_id to every chunk of an already
 // placed job (shard_id set by PlaceChunks), on a shard other than its
-// primary, with PickShard's rule, largest chunk first; each backup costs
+// primary, outside the primary's failure domain where one has room, with
+// PickShard's rule, largest chunk first; each backup costs
 // num_elems * bytes_per_elem like its primary. `live_shards` carry the
 // bytes planned before this job; the job's primaries count on top of them.
 // Returns the chunks in their input order.

@@ -205,6 +205,47 @@ TEST(PickShardTest, PrefersDpusThenFewestBytesThenLowerIdAndSkipsTheExcludedShar
   EXPECT_EQ(shards[PickShard(shards, 10, 0)].id, 7u);  // Fewer planned bytes wins.
 }
 
+TEST(PickShardTest, PrefersAShardOutsideTheOtherCopysFailureDomain) {
+  // Shards 1 and 2 share a server (domain 10), 3 is in another (domain 20).
+  std::vector<ShardInfo> shards = {{1, true, 1000, 0, 10}, {2, true, 1000, 0, 10},
+                                   {3, true, 1000, 500, 20}};
+  // The copy on shard 1: shard 2 has fewer planned bytes, but 3 is outside
+  // the server that would take both copies down at once.
+  EXPECT_EQ(shards[PickShard(shards, 100, 1, 10)].id, 3u);
+  // Without a domain to avoid, the rule is unchanged.
+  EXPECT_EQ(shards[PickShard(shards, 100, 1, 0)].id, 2u);
+  // When nothing outside the domain has room, inside it rather than nowhere.
+  EXPECT_EQ(shards[PickShard(shards, 600, 1, 10)].id, 2u);
+  EXPECT_EQ(PickShard(shards, 1001, 1, 10), -1);
+  EXPECT_EQ(FailureDomainOf("rack-7", "dpu-1"), FailureDomainOf("rack-7", "dpu-2"));
+  EXPECT_NE(FailureDomainOf("", "dpu-1"), FailureDomainOf("", "dpu-2"));
+  EXPECT_EQ(FailureDomainOf("", "node-3"), FailureDomainOf("node-3", "dpu-9"));
+  EXPECT_EQ(FailureDomainOf("", ""), 0u);
+}
+
+TEST(PlaceBackupsTest, EachBackupLeavesItsPrimarysFailureDomainWhereOneHasRoom) {
+  // 16 DPUs, four to a server: every backup on another server.
+  std::vector<ShardInfo> shards;
+  for (uint64_t i = 1; i <= 16; ++i) shards.push_back({i, true, 1000000, 0, 100 + (i - 1) / 4});
+  std::map<uint64_t, uint64_t> domain;
+  for (const ShardInfo& s : shards) domain[s.id] = s.domain;
+  auto primaries = PlaceChunks(SplitTensors({50000, 7000, 333}, 1000), shards, 4, 0);
+  ASSERT_TRUE(primaries.ok());
+  auto placed = PlaceBackups(*primaries, shards, 4, 0);
+  ASSERT_TRUE(placed.ok()) << placed.status();
+  for (const ChunkSpec& c : *placed) {
+    EXPECT_NE(domain[c.backup_shard_id], domain[c.shard_id])
+        << "chunk (" << c.tensor << ", " << c.chunk << "): primary " << c.shard_id << " backup "
+        << c.backup_shard_id << " on one server";
+  }
+  // Every shard on one host (a local cluster): backups are still placed,
+  // each on another shard than its primary.
+  for (ShardInfo& s : shards) s.domain = 7;
+  placed = PlaceBackups(*primaries, shards, 4, 0);
+  ASSERT_TRUE(placed.ok()) << placed.status();
+  for (const ChunkSpec& c : *placed) EXPECT_NE(c.backup_shard_id, c.shard_id);
+}
+
 TEST(PlaceBackupsTest, EveryBackupIsOnAnotherShardAndLimitsHoldWithBackupsCounted) {
   std::mt19937_64 rng(99);
   int placed_jobs = 0, refused = 0;
@@ -392,6 +433,43 @@ TEST(PlacementIndexTest, PicksWhatTheScanPicksAsPlannedBytesGrow) {
   // Both outcomes were exercised.
   EXPECT_GT(picks, 1000);
   EXPECT_GT(misses, 100);
+}
+
+TEST(PlacementIndexTest, PicksWhatTheScanPicksOutsideAFailureDomain) {
+  std::mt19937_64 rng(20261125);
+  int outside = 0, fell_back = 0;
+  for (int trial = 0; trial < 300; ++trial) {
+    std::vector<ShardInfo> shards = RandomFleet(rng, 1 + static_cast<int>(rng() % 40));
+    for (ShardInfo& s : shards) s.domain = rng() % 5;  // 0: unknown.
+    PlacementIndex index(shards);
+    for (int step = 0; step < 60; ++step) {
+      const uint64_t need = rng() % 30000;
+      const ShardInfo& other = shards[rng() % shards.size()];
+      const uint64_t exclude = rng() % 4 == 0 ? 0 : other.id;
+      const uint64_t domain = rng() % 4 == 0 ? 0 : other.domain;
+      const int want = PickShard(shards, need, exclude, domain);
+      ASSERT_EQ(index.Pick(need, exclude, domain), want)
+          << "trial " << trial << " step " << step << " need " << need << " exclude " << exclude
+          << " domain " << domain;
+      if (want < 0) continue;
+      if (domain == 0 || shards[static_cast<size_t>(want)].domain != domain) {
+        ++outside;
+      } else {
+        // Inside the domain only when no shard outside it had room.
+        ++fell_back;
+        for (const ShardInfo& s : shards) {
+          if (s.domain == domain || s.id == exclude) continue;
+          EXPECT_GT(need, s.memory_planned_bytes >= s.memory_limit_bytes
+                              ? 0
+                              : s.memory_limit_bytes - s.memory_planned_bytes);
+        }
+      }
+      index.AddPlanned(want, need);
+      shards[static_cast<size_t>(want)].memory_planned_bytes += need;
+    }
+  }
+  EXPECT_GT(outside, 1000);
+  EXPECT_GT(fell_back, 10);
 }
 
 TEST(PlacementIndexTest, PlacesJobsExactlyAsTheScanDid) {

@@ -51,6 +51,7 @@ absl::Status Shard::Register() {
   char host[256] = {0};
   gethostname(host, sizeof(host) - 1);
   r.hostname = host;
+  r.failure_domain = options_.failure_domain;
   r.checkpoints = !options_.checkpoint_dir.empty();
   absl::StatusOr<Registered> reg = link_->Register(r);
   if (!reg.ok()) return reg.status();
@@ -69,6 +70,12 @@ absl::Status Shard::Register() {
 }
 
 void Shard::HeartbeatLoop() {
+  // Beats are due every interval from the previous one's *sending*, not its
+  // return: the coordinator renews the lease when a beat arrives, so waiting
+  // a full interval after a slow reply (a busy coordinator answers in up to
+  // a second) would space two renewals by interval + round trip, and three
+  // such in a row exceed the lease of a shard that never stopped beating.
+  absl::Time last_sent = absl::Now();
   for (;;) {
     {
       absl::MutexLock lock(&stop_mu_);
@@ -76,11 +83,12 @@ void Shard::HeartbeatLoop() {
       if (interval <= absl::ZeroDuration()) {
         interval = std::max(absl::Milliseconds(lease_ms_.load()) / 3, absl::Milliseconds(50));
       }
-      stop_mu_.AwaitWithTimeout(absl::Condition(this, &Shard::StopOrBeat), interval);
+      stop_mu_.AwaitWithDeadline(absl::Condition(this, &Shard::StopOrBeat), last_sent + interval);
       if (stopped_) return;
       beat_now_ = false;
     }
-    beat_loop_unix_ns_.store(absl::ToUnixNanos(absl::Now()));
+    last_sent = absl::Now();
+    beat_loop_unix_ns_.store(absl::ToUnixNanos(last_sent));
     if (absl::Status s = HeartbeatOnce(); !s.ok()) {
       OPTIMUS_LOG(Warning, kLog, "heartbeat failed: ", s.ToString());
     }

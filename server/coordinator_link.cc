@@ -144,6 +144,7 @@ class GrpcCoordinatorLink : public CoordinatorLink {
     caps->set_staging_bytes(r.staging_bytes);
     caps->set_data_address(r.data_address);
     caps->set_hostname(r.hostname);
+    caps->set_failure_domain(r.failure_domain);
     caps->set_checkpoints(r.checkpoints);
     v1::RegisterShardResponse resp;
     absl::Status s = FromGrpc(

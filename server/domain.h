@@ -96,6 +96,7 @@ struct ShardRegistration {
   uint64_t staging_bytes = 0;
   std::string data_address;
   std::string hostname;
+  std::string failure_domain;  // Empty: the hostname.
   bool checkpoints = false;  // Has a checkpoint folder.
 };
 

@@ -56,6 +56,10 @@ struct ShardServerOptions {
   // "HOST:PORT" for the HTTP /metrics (Prometheus) and /healthz endpoints;
   // port 0 picks one; empty turns them off. Default off.
   std::string metrics_address;
+  // Shards that fail together (the server a DPU sits in, a rack): the
+  // coordinator puts a chunk's backup in another domain than its primary
+  // when one has room. Empty (default): the hostname.
+  std::string failure_domain;
   // Folder checkpoints are written to and restored from (the same shared
   // filesystem as the coordinator's --checkpoint_dir). Empty: the shard
   // cannot checkpoint or restore, and the coordinator refuses a checkpoint

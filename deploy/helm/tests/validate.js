@@ -232,6 +232,23 @@ for (const w of workloads) {
     if (known) {
       for (const f of Object.keys(flags)) expect(known.has(f), `${id}: flag --${f} in ${fileName} is not defined by ${c.name}`);
     }
+    // Arguments beside the flag file: flags the binary defines, expanding
+    // (as Kubernetes does) only $(VAR)s the container's env sets.
+    for (const a of (c.args || []).filter((x) => x !== flagArg)) {
+      const m = /^--([a-z_0-9]+)=/.exec(a);
+      if (!expect(m, `${id}: argument '${a}' is not --name=value`)) continue;
+      if (known) expect(known.has(m[1]), `${id}: flag --${m[1]} on the command line is not defined by ${c.name}`);
+      for (const v of a.matchAll(/\$\(([A-Za-z_0-9]+)\)/g)) {
+        expect((c.env || []).some((e) => e.name === v[1]), `${id}: ${a} expands $(${v[1]}), which the container's env does not set`);
+      }
+    }
+    if (c.name === "optimus-shard") {
+      // The node is the failure domain a chunk's backup is placed outside of.
+      const node = (c.env || []).find((e) => e.name === "OPTIMUS_NODE_NAME");
+      expect(node && node.valueFrom && node.valueFrom.fieldRef && node.valueFrom.fieldRef.fieldPath === "spec.nodeName" &&
+        (c.args || []).includes("--failure_domain=$(OPTIMUS_NODE_NAME)"),
+        `${id}: optimus-shard is not given its node as --failure_domain`);
+    }
     const ck = values.checkpoints;
     if (ck && ck.enabled) {
       expect(flags.checkpoint_dir === ck.mountPath, `${id}: --checkpoint_dir=${flags.checkpoint_dir}, want the shared volume at ${ck.mountPath}`);

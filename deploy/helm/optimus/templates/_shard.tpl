@@ -78,14 +78,20 @@ spec:
           image: {{ include "optimus.image" (dict "root" $root "image" $v.image "fallback" $s.image) | quote }}
           imagePullPolicy: {{ $s.image.pullPolicy }}
           command: ["/usr/local/bin/optimus-shard"]
-          args: ["--flagfile=/etc/optimus/shard-{{ .kind }}.flags"]
-          {{- with include "optimus.ucxTcpPortRange" $root }}
+          # The node is the shard's failure domain: the coordinator puts a
+          # chunk's backup on another node than its primary where one has room.
+          args: ["--flagfile=/etc/optimus/shard-{{ .kind }}.flags", "--failure_domain=$(OPTIMUS_NODE_NAME)"]
           env:
+            - name: OPTIMUS_NODE_NAME
+              valueFrom:
+                fieldRef:
+                  fieldPath: spec.nodeName
+            {{- with include "optimus.ucxTcpPortRange" $root }}
             # UCX's tcp transport listens in this range (shard.ucxTcpPortRange),
             # which the NetworkPolicy opens.
             - name: UCX_TCP_PORT_RANGE
               value: {{ . | quote }}
-          {{- end }}
+            {{- end }}
           ports:
             - name: metrics
               containerPort: {{ int $s.metricsPort }}
