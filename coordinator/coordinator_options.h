@@ -46,9 +46,11 @@ struct CoordinatorOptions {
   // a watch is refused, so that they cannot starve other calls.
   // Default 256; at least 4.
   int max_rpc_threads = 256;
-  // Most map reads (GetJob, GetShardMap) served at once. When every shard
+  // Most map reads (GetJob, GetShardMap) served at once, on the service's
+  // own low-priority reader threads (at most 32 of them). When every shard
   // of a cluster fetches its part of a new job's map at once (thousands of
-  // calls in a second), the ones past this bound are answered
+  // calls in a second), the ones past this bound wait their turn (see
+  // max_queued_map_reads); past that too they are answered
   // RESOURCE_EXHAUSTED at once ("retry after about N ms", also in trailing
   // metadata "optimus-retry-after-ms"), without touching the tables;
   // optimus-shard and the client library retry them with jittered
@@ -59,6 +61,13 @@ struct CoordinatorOptions {
   // registrations, joins and job changes need. Default 32 (an eighth of
   // max_rpc_threads' default); at least 1.
   int max_concurrent_map_reads = 32;
+  // Map reads that may wait, in arrival order, for one of those; past
+  // max_concurrent_map_reads + max_queued_map_reads a read is refused at
+  // once with RESOURCE_EXHAUSTED. A waiting read costs the coordinator a
+  // few KB and no thread; one that waits is served with one call, where a
+  // refused one comes back several times. Default 16384 (every shard of a
+  // 16k-DPU cluster fetching a new job's map at once); at least 0.
+  int max_queued_map_reads = 16384;
   // A shard DOWN for longer than this leaves the coordinator's tables (and
   // status) on its own; `optimusctl shard forget` removes one at once. A
   // shard that comes back after that registers anew under a new id, as it
@@ -102,9 +111,9 @@ struct CoordinatorOptions {
   // each placement planned off the lock (attempt 0, 1, ...), before it is
   // checked and committed; a test changes the shards there to make it stale.
   std::function<void(int attempt)> after_off_lock_placement;
-  // For tests: called by GetJob and GetShardMap while they hold their
-  // map-read slot (max_concurrent_map_reads), before they read; a test
-  // blocks in it to keep the slots taken.
+  // For tests: called by GetJob and GetShardMap on a map-reader thread
+  // (one of max_concurrent_map_reads), before they read; a test blocks in
+  // it to keep the readers taken.
   std::function<void()> while_reading_map;
 };
 

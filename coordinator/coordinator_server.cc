@@ -39,6 +39,11 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
         "coordinator options: max_concurrent_map_reads must be >= 1, not ",
         options.max_concurrent_map_reads));
   }
+  if (options.max_queued_map_reads < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "coordinator options: max_queued_map_reads must be >= 0, not ",
+        options.max_queued_map_reads));
+  }
   const size_t colon = options.listen_address.rfind(':');
   if (colon == std::string::npos) {
     return absl::InvalidArgumentError(
@@ -62,7 +67,8 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   s->service_ = std::make_unique<CoordinatorService>(s->core_.get(), tls->plaintext,
                                                      options.max_rpc_threads / 2,
                                                      options.max_concurrent_map_reads,
-                                                     options.while_reading_map);
+                                                     options.while_reading_map,
+                                                     options.max_queued_map_reads);
   grpc::ServerBuilder builder;
   builder.AddListeningPort(options.listen_address, security::ServerCredentials(*tls), &s->port_);
   builder.RegisterService(s->service_.get());
@@ -98,6 +104,7 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
               " lease=", absl::FormatDuration(options.lease),
               " max_rpc_threads=", options.max_rpc_threads,
               " max_concurrent_map_reads=", options.max_concurrent_map_reads,
+              " max_queued_map_reads=", options.max_queued_map_reads,
               " down_shard_grace=", absl::FormatDuration(options.down_shard_grace));
   return s;
 }

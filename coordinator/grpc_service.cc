@@ -50,8 +50,9 @@ grpc::Status CoordinatorService::Refuse(const Caller& c, absl::string_view rpc,
 }
 
 void CoordinatorService::RunBelowHeartbeats() {
-  // Once per thread; only gRPC's synchronous threads come here (heartbeats
-  // run on its callback threads, which keep the default priority).
+  // Once per thread; only gRPC's synchronous threads and the map readers
+  // come here (heartbeats run on gRPC's callback threads, which keep the
+  // default priority).
   thread_local bool lowered = false;
   if (lowered) return;
   lowered = true;
@@ -70,15 +71,73 @@ grpc::Status CoordinatorService::Dropped(absl::string_view rpc) {
                       absl::StrCat(rpc, " dropped: the caller gave up before it was served"));
 }
 
-grpc::Status CoordinatorService::MapReadsBusy(grpc::ServerContext* ctx, absl::string_view rpc) {
+grpc::Status CoordinatorService::MapReadsBusy(grpc::ServerContextBase* ctx,
+                                              absl::string_view rpc) {
   map_reads_refused_.fetch_add(1);
   errors_[static_cast<int>(absl::StatusCode::kResourceExhausted)].fetch_add(1);
   ctx->AddTrailingMetadata(kRetryAfterKey, absl::StrCat(kMapReadRetryAfterMs));
   return grpc::Status(
       grpc::StatusCode::RESOURCE_EXHAUSTED,
       absl::StrCat(rpc, " refused: the coordinator is serving its most map reads at once (",
-                   max_map_reads_, ", --max_concurrent_map_reads); nothing was read: retry "
-                   "after about ", kMapReadRetryAfterMs, " ms, with jittered backoff"));
+                   max_map_reads_, ", --max_concurrent_map_reads) and has ",
+                   max_queued_map_reads_, " more waiting (--max_queued_map_reads); nothing was "
+                   "read: retry after about ", kMapReadRetryAfterMs, " ms, with jittered backoff"));
+}
+
+CoordinatorService::Workers::Workers(int n) {
+  for (int i = 0; i < std::max(1, n); ++i) threads_.emplace_back([this] { Loop(); });
+}
+
+CoordinatorService::Workers::~Workers() {
+  {
+    absl::MutexLock lock(&mu_);
+    stop_ = true;
+  }
+  for (std::thread& t : threads_) t.join();
+}
+
+void CoordinatorService::Workers::Run(std::function<void()> task) {
+  absl::MutexLock lock(&mu_);
+  tasks_.push_back(std::move(task));
+}
+
+void CoordinatorService::Workers::Loop() {
+  RunBelowHeartbeats();
+  for (;;) {
+    std::function<void()> task;
+    {
+      absl::MutexLock lock(&mu_);
+      mu_.Await(absl::Condition(this, &Workers::HasWork));
+      if (tasks_.empty()) return;  // Stopping, and nothing left to run.
+      task = std::move(tasks_.front());
+      tasks_.pop_front();
+    }
+    task();
+  }
+}
+
+grpc::ServerUnaryReactor* CoordinatorService::ReadMap(grpc::CallbackServerContext* ctx,
+                                                      absl::string_view rpc,
+                                                      std::function<grpc::Status()> serve) {
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  if (Abandoned(*ctx)) {
+    reactor->Finish(Dropped(rpc));
+    return reactor;
+  }
+  // Before anything that takes the tables' lock: a read refused here costs
+  // the coordinator next to nothing.
+  if (map_reads_.fetch_add(1) >= max_map_reads_ + max_queued_map_reads_) {
+    map_reads_.fetch_sub(1);
+    reactor->Finish(MapReadsBusy(ctx, rpc));
+    return reactor;
+  }
+  map_readers_.Run([this, ctx, reactor, rpc, serve = std::move(serve)] {
+    // A read whose client gave up while it waited is not served.
+    grpc::Status s = Abandoned(*ctx) ? Dropped(rpc) : serve();
+    map_reads_.fetch_sub(1);
+    reactor->Finish(std::move(s));
+  });
+  return reactor;
 }
 
 Caller CoordinatorService::Identify(grpc::ServerContextBase* ctx) const {
@@ -211,15 +270,16 @@ grpc::Status CoordinatorService::DeleteJob(grpc::ServerContext* ctx,
   return Reply(core_->DeleteJob(*req), resp);
 }
 
-grpc::Status CoordinatorService::GetJob(grpc::ServerContext* ctx,
-                                        const v1::GetJobRequest* req,
-                                        v1::GetJobResponse* resp) {
-  RunBelowHeartbeats();
-  if (Abandoned(*ctx)) return Dropped("GetJob");
-  // Before anything that takes the tables' lock: a read refused here costs
-  // the coordinator next to nothing.
-  MapReadSlot slot(this);
-  if (!slot.held()) return MapReadsBusy(ctx, "GetJob");
+grpc::ServerUnaryReactor* CoordinatorService::GetJob(grpc::CallbackServerContext* ctx,
+                                                     const v1::GetJobRequest* req,
+                                                     v1::GetJobResponse* resp) {
+  return ReadMap(ctx, "GetJob", [this, ctx, req, resp] { return GetJobCall(ctx, *req, resp); });
+}
+
+grpc::Status CoordinatorService::GetJobCall(grpc::ServerContextBase* ctx,
+                                            const v1::GetJobRequest& request,
+                                            v1::GetJobResponse* resp) {
+  const v1::GetJobRequest* req = &request;
   if (while_reading_map_ != nullptr) while_reading_map_();
   const Caller c = Identify(ctx);
   if (req->for_shard_id() != 0) {
@@ -250,17 +310,20 @@ grpc::Status CoordinatorService::GetJob(grpc::ServerContext* ctx,
   return grpc::Status::OK;
 }
 
-grpc::Status CoordinatorService::GetShardMap(grpc::ServerContext* ctx,
-                                             const v1::GetShardMapRequest* req,
-                                             v1::ShardMap* resp) {
-  RunBelowHeartbeats();
-  if (Abandoned(*ctx)) return Dropped("GetShardMap");
-  MapReadSlot slot(this);
-  if (!slot.held()) return MapReadsBusy(ctx, "GetShardMap");
+grpc::ServerUnaryReactor* CoordinatorService::GetShardMap(grpc::CallbackServerContext* ctx,
+                                                          const v1::GetShardMapRequest* req,
+                                                          v1::ShardMap* resp) {
+  return ReadMap(ctx, "GetShardMap",
+                 [this, ctx, req, resp] { return GetShardMapCall(ctx, *req, resp); });
+}
+
+grpc::Status CoordinatorService::GetShardMapCall(grpc::ServerContextBase* ctx,
+                                                 const v1::GetShardMapRequest& req,
+                                                 v1::ShardMap* resp) {
   if (while_reading_map_ != nullptr) while_reading_map_();
   const Caller c = Identify(ctx);
-  if (!MayReadJob(c, req->job_id())) return Refuse(c, "GetShardMap", kNeedsJob);
-  return Reply(core_->GetShardMap(req->job_id()), resp);
+  if (!MayReadJob(c, req.job_id())) return Refuse(c, "GetShardMap", kNeedsJob);
+  return Reply(core_->GetShardMap(req.job_id()), resp);
 }
 
 grpc::Status CoordinatorService::WatchShardMap(grpc::ServerContext* ctx,

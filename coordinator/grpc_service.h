@@ -2,8 +2,16 @@
 // to the core's method and its absl::Status to a grpc::Status, counts the
 // errors it answers, and does nothing else. Heartbeat is served on gRPC's
 // callback API (it never blocks for long: see Coordinator::Heartbeat), so
-// it needs none of the server's capped threads; the other methods are
-// synchronous. A call whose client already gave up (cancelled, or past its
+// it needs none of the server's capped threads. GetJob and GetShardMap
+// (the map reads) are callback methods too: a read is admitted on the
+// callback thread when fewer than max_map_reads + max_queued_map_reads are
+// admitted already (else refused at once with RESOURCE_EXHAUSTED), waits
+// in arrival order, and runs on one of the service's own map-reader
+// threads (min(max_map_reads, 32), at low priority), so that a storm of
+// fetches takes none of the server's synchronous threads from Status,
+// CreateJob and the other methods, which are synchronous, and costs one
+// call per fetch instead of a refusal and retries for most of them. A call
+// whose client already gave up (cancelled, or past its
 // deadline) is dropped, answered CANCELLED, before the core does its work
 // (and, for RegisterShard and CreateJob, once more after they got the
 // tables). At most `max_watchers` WatchShardMap streams run at a time.
@@ -13,12 +21,18 @@
 #ifndef OPTIMUS_COORDINATOR_GRPC_SERVICE_H_
 #define OPTIMUS_COORDINATOR_GRPC_SERVICE_H_
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <cstdint>
+#include <deque>
 #include <functional>
+#include <thread>
 #include <utility>
 #include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
 
 #include "absl/status/statusor.h"
 #include "common/security.h"
@@ -28,7 +42,9 @@
 namespace optimus {
 
 class CoordinatorService final
-    : public v1::Coordinator::WithCallbackMethod_Heartbeat<v1::Coordinator::Service> {
+    : public v1::Coordinator::WithCallbackMethod_Heartbeat<
+          v1::Coordinator::WithCallbackMethod_GetJob<
+              v1::Coordinator::WithCallbackMethod_GetShardMap<v1::Coordinator::Service>>> {
  public:
   // `plaintext`: the server runs without TLS, and so without authorization
   // (every caller is an admin). Otherwise each call is checked against the
@@ -38,14 +54,19 @@ class CoordinatorService final
   // GetJob / GetShardMap calls served at once; beyond, one is refused at
   // once with RESOURCE_EXHAUSTED, saying when to retry.
   // `while_reading_map`: CoordinatorOptions::while_reading_map (tests).
+  // `max_queued_map_reads`: map reads that may wait for a reader beyond the
+  // max_map_reads served at once; past both a read is refused.
   CoordinatorService(Coordinator* core, bool plaintext, int max_watchers = 1 << 20,
                      int max_map_reads = 1 << 20,
-                     std::function<void()> while_reading_map = nullptr)
+                     std::function<void()> while_reading_map = nullptr,
+                     int max_queued_map_reads = 0)
       : core_(core),
         plaintext_(plaintext),
         max_watchers_(max_watchers),
         max_map_reads_(max_map_reads),
-        while_reading_map_(std::move(while_reading_map)) {}
+        max_queued_map_reads_(max_queued_map_reads),
+        while_reading_map_(std::move(while_reading_map)),
+        map_readers_(std::min(max_map_reads, kMaxMapReaderThreads)) {}
 
   // Errors answered so far, by absl::StatusCode value (index 0 unused).
   std::vector<uint64_t> errors() const;
@@ -75,10 +96,12 @@ class CoordinatorService final
                         v1::LeaveJobResponse* resp) override;
   grpc::Status DeleteJob(grpc::ServerContext*, const v1::DeleteJobRequest* req,
                          v1::DeleteJobResponse* resp) override;
-  grpc::Status GetJob(grpc::ServerContext*, const v1::GetJobRequest* req,
-                      v1::GetJobResponse* resp) override;
-  grpc::Status GetShardMap(grpc::ServerContext*, const v1::GetShardMapRequest* req,
-                           v1::ShardMap* resp) override;
+  grpc::ServerUnaryReactor* GetJob(grpc::CallbackServerContext* ctx,
+                                   const v1::GetJobRequest* req,
+                                   v1::GetJobResponse* resp) override;
+  grpc::ServerUnaryReactor* GetShardMap(grpc::CallbackServerContext* ctx,
+                                        const v1::GetShardMapRequest* req,
+                                        v1::ShardMap* resp) override;
   // Streams the job's map each time its epoch goes up, until the client
   // cancels, the job fails or is deleted, or the coordinator shuts down.
   grpc::Status WatchShardMap(grpc::ServerContext* ctx, const v1::WatchShardMapRequest* req,
@@ -106,34 +129,46 @@ class CoordinatorService final
   security::Caller Identify(grpc::ServerContextBase* ctx) const;
   grpc::Status HeartbeatCall(grpc::ServerContextBase* ctx, const v1::HeartbeatRequest& req,
                              v1::HeartbeatResponse* resp);
+  // GetJob and GetShardMap once admitted, on a map-reader thread.
+  grpc::Status GetJobCall(grpc::ServerContextBase* ctx, const v1::GetJobRequest& req,
+                          v1::GetJobResponse* resp);
+  grpc::Status GetShardMapCall(grpc::ServerContextBase* ctx, const v1::GetShardMapRequest& req,
+                               v1::ShardMap* resp);
+  // Admits a map read (`rpc`) and has a map-reader thread run `serve` and
+  // finish the call with its status, or refuses it at once (past the
+  // admitted bound) or drops it (its client gave up before or while it
+  // waited). Returns the call's reactor.
+  grpc::ServerUnaryReactor* ReadMap(grpc::CallbackServerContext* ctx, absl::string_view rpc,
+                                    std::function<grpc::Status()> serve);
   // Lowers the calling (synchronous) thread's priority to kSyncCallNice,
   // once: hundreds of threads serializing big maps for a storm of fetches
   // would otherwise take the coordinator's core from the few callback
   // threads that renew leases, and live shards would be declared DOWN.
   static void RunBelowHeartbeats();
   static constexpr int kSyncCallNice = 19;
-  // A slot among the max_map_reads map reads served at once, held for its
-  // scope; held() is false when none was free (nothing is held then).
-  class MapReadSlot {
+  // Counts a map read refused for being past the admitted bound and
+  // answers it RESOURCE_EXHAUSTED with when to retry.
+  grpc::Status MapReadsBusy(grpc::ServerContextBase* ctx, absl::string_view rpc);
+  // Threads that run admitted map reads, in arrival order, at low priority
+  // (kSyncCallNice); started at construction, joined (after the queue ran
+  // dry) at destruction.
+  static constexpr int kMaxMapReaderThreads = 32;
+  class Workers {
    public:
-    explicit MapReadSlot(CoordinatorService* s)
-        : n_(&s->map_reads_), held_(n_->fetch_add(1) < s->max_map_reads_) {
-      if (!held_) n_->fetch_sub(1);
-    }
-    ~MapReadSlot() {
-      if (held_) n_->fetch_sub(1);
-    }
-    MapReadSlot(const MapReadSlot&) = delete;
-    MapReadSlot& operator=(const MapReadSlot&) = delete;
-    bool held() const { return held_; }
+    explicit Workers(int n);
+    ~Workers();
+    Workers(const Workers&) = delete;
+    Workers& operator=(const Workers&) = delete;
+    void Run(std::function<void()> task) ABSL_LOCKS_EXCLUDED(mu_);
 
    private:
-    std::atomic<int>* const n_;
-    const bool held_;
+    bool HasWork() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_ || !tasks_.empty(); }
+    void Loop() ABSL_LOCKS_EXCLUDED(mu_);
+    absl::Mutex mu_;
+    std::deque<std::function<void()>> tasks_ ABSL_GUARDED_BY(mu_);
+    bool stop_ ABSL_GUARDED_BY(mu_) = false;
+    std::vector<std::thread> threads_;
   };
-  // Counts a map read refused for want of a slot and answers it
-  // RESOURCE_EXHAUSTED with when to retry.
-  grpc::Status MapReadsBusy(grpc::ServerContext* ctx, absl::string_view rpc);
   // The client cancelled the call or its deadline passed.
   static bool Abandoned(const grpc::ServerContextBase& ctx);
   // Counts a call dropped for that and answers it CANCELLED.
@@ -149,12 +184,15 @@ class CoordinatorService final
   const bool plaintext_;
   const int max_watchers_;
   const int max_map_reads_;
+  const int max_queued_map_reads_;
   const std::function<void()> while_reading_map_;
   std::array<std::atomic<uint64_t>, kNumCodes> errors_{};
   std::atomic<uint64_t> dropped_{0};
   std::atomic<int> watchers_{0};
-  std::atomic<int> map_reads_{0};
+  std::atomic<int> map_reads_{0};  // Admitted: being served or waiting.
   std::atomic<uint64_t> map_reads_refused_{0};
+  // Last member: its threads stop before the rest goes.
+  Workers map_readers_;
 };
 
 }  // namespace optimus

@@ -41,6 +41,10 @@ ABSL_FLAG(int, max_concurrent_map_reads, 32,
           "with RESOURCE_EXHAUSTED and its caller retries with jittered backoff (optimus-shard "
           "and the client library do). Bounds the threads and CPU a fetch storm (every shard "
           "fetching a new job's map) takes from other calls. At least 1");
+ABSL_FLAG(int, max_queued_map_reads, 16384,
+          "Map reads that wait, in arrival order and without a thread, for one of the "
+          "--max_concurrent_map_reads; past both a read is refused with RESOURCE_EXHAUSTED. A "
+          "waiting read costs a few KB. At least 0");
 ABSL_FLAG(std::string, port_file, "",
           "If set, the bound port is written to this file (atomically) once serving");
 ABSL_FLAG(int, metrics_port, 0, "HTTP port for /metrics, /healthz and /readyz; 0: off");
@@ -302,6 +306,7 @@ int main(int argc, char** argv) {
   options.sweep_interval = absl::Milliseconds(absl::GetFlag(FLAGS_sweep_ms));
   options.max_rpc_threads = absl::GetFlag(FLAGS_max_rpc_threads);
   options.max_concurrent_map_reads = absl::GetFlag(FLAGS_max_concurrent_map_reads);
+  options.max_queued_map_reads = absl::GetFlag(FLAGS_max_queued_map_reads);
   options.checkpoint_dir = absl::GetFlag(FLAGS_checkpoint_dir);
   options.rollback_on_shard_loss = absl::GetFlag(FLAGS_rollback_on_shard_loss);
   options.state_dir = absl::GetFlag(FLAGS_state_dir);

@@ -2,9 +2,9 @@
 // serialized once per epoch and reused by later fetches of the same epoch
 // (the core, directly), and the gRPC service answers GetJob from those
 // bytes, the same message a parse of the core's GetJob gives; a real
-// coordinator serves at most max_concurrent_map_reads map reads at once
-// and refuses the others at once with RESOURCE_EXHAUSTED, changing
-// nothing.
+// coordinator serves at most max_concurrent_map_reads map reads at once,
+// lets max_queued_map_reads more wait, and refuses the others at once with
+// RESOURCE_EXHAUSTED, changing nothing.
 #include <atomic>
 #include <chrono>
 #include <memory>
@@ -182,15 +182,16 @@ TEST(MapReadsOverGrpcTest, GetJobAnswersFromTheEpochsBytes) {
               HasSubstr("optimus_coord_map_parts_serialized_total 2"));
 }
 
-// K map reads stuck inside the coordinator (the tables held, as a long
-// planning pass holds them) and n more: the n are refused at once with
-// RESOURCE_EXHAUSTED, saying to retry, the K are answered once the tables
-// are free, a refused read retried then is answered, and nothing changed.
-TEST(MapReadsOverGrpcTest, ReadsPastTheBoundAreRefusedAtOnceAndNoneIsLost) {
-  constexpr int kBound = 2;
-  constexpr int kMore = 4;
+// A real coordinator serving at most `bound` map reads at once with
+// `queued` more waiting, its tables held (as a long planning pass holds
+// them) while `bound + queued + more` reads arrive: `more` of them must be
+// refused at once with RESOURCE_EXHAUSTED, saying to retry; the others
+// are all answered once the tables are free; a refused read retried then
+// is answered; and nothing changed.
+void ReadsDuringAHeldTable(int bound, int queued, int more) {
   CoordinatorOptions options;
-  options.max_concurrent_map_reads = kBound;
+  options.max_concurrent_map_reads = bound;
+  options.max_queued_map_reads = queued;
   auto server = CoordinatorServer::Start(options);
   ASSERT_TRUE(server.ok()) << server.status();
   auto channel = grpc::CreateChannel((*server)->address(), grpc::InsecureChannelCredentials());
@@ -235,33 +236,35 @@ TEST(MapReadsOverGrpcTest, ReadsPastTheBoundAreRefusedAtOnceAndNoneIsLost) {
     return s.error_code();
   };
 
-  std::vector<grpc::StatusCode> codes(kBound + kMore, grpc::StatusCode::UNKNOWN);
-  std::vector<std::string> errors(kBound + kMore), retry_after(kBound + kMore);
+  const int n = bound + queued + more;
+  std::vector<grpc::StatusCode> codes(n, grpc::StatusCode::UNKNOWN);
+  std::vector<std::string> errors(n), retry_after(n);
   std::atomic<int> refused{0}, answered{0};
   std::vector<std::thread> threads;
   {
     coord_test::TablesHeld held(core);
-    for (int i = 0; i < kBound + kMore; ++i) {
+    for (int i = 0; i < n; ++i) {
       threads.emplace_back([&, i] {
         codes[i] = read(i, &errors[i], &retry_after[i]);
         (codes[i] == grpc::StatusCode::RESOURCE_EXHAUSTED ? refused : answered).fetch_add(1);
       });
     }
-    // The reads past the bound come back while the others wait for the
-    // tables (hang guard only: they need no time).
+    // The reads past the bound and the queue come back while the others
+    // wait for the tables (hang guard only: they need no time).
     const absl::Time guard = absl::Now() + absl::Seconds(30);
-    while (refused.load() < kMore && absl::Now() < guard) absl::SleepFor(absl::Milliseconds(5));
-    ASSERT_EQ(refused.load(), kMore) << "reads past the bound were not refused at once";
+    while (refused.load() < more && absl::Now() < guard) absl::SleepFor(absl::Milliseconds(5));
+    ASSERT_EQ(refused.load(), more) << "reads past the bound were not refused at once";
     EXPECT_EQ(answered.load(), 0);
   }
   for (auto& t : threads) t.join();
-  EXPECT_EQ(refused.load(), kMore);
-  EXPECT_EQ(answered.load(), kBound);
-  for (int i = 0; i < kBound + kMore; ++i) {
+  EXPECT_EQ(refused.load(), more);
+  EXPECT_EQ(answered.load(), bound + queued);
+  for (int i = 0; i < n; ++i) {
     SCOPED_TRACE(absl::StrCat("read ", i, ": ", errors[i]));
     if (codes[i] == grpc::StatusCode::RESOURCE_EXHAUSTED) {
       EXPECT_THAT(errors[i], HasSubstr("retry after about 100 ms"));
       EXPECT_THAT(errors[i], HasSubstr("--max_concurrent_map_reads"));
+      EXPECT_THAT(errors[i], HasSubstr("--max_queued_map_reads"));
       EXPECT_EQ(retry_after[i], "100");
       // Retried now that the coordinator is free: answered.
       std::string error, ignored;
@@ -272,7 +275,27 @@ TEST(MapReadsOverGrpcTest, ReadsPastTheBoundAreRefusedAtOnceAndNoneIsLost) {
   }
   EXPECT_EQ(state(), state_before);
   EXPECT_THAT((*server)->RenderMetrics(),
-              HasSubstr(absl::StrCat("optimus_coord_map_reads_refused_total ", kMore)));
+              HasSubstr(absl::StrCat("optimus_coord_map_reads_refused_total ", more)));
+}
+
+// No queue: the reads past the bound are refused.
+TEST(MapReadsOverGrpcTest, ReadsPastTheBoundAreRefusedAtOnceAndNoneIsLost) {
+  ReadsDuringAHeldTable(/*bound=*/2, /*queued=*/0, /*more=*/4);
+}
+
+// With a queue, reads past the bound wait their turn and are answered
+// (one call each, no retry); only those past the queue too are refused.
+TEST(MapReadsOverGrpcTest, ReadsPastTheBoundWaitInTheQueueAndOnlyThosePastItAreRefused) {
+  ReadsDuringAHeldTable(/*bound=*/2, /*queued=*/5, /*more=*/3);
+}
+
+TEST(MapReadsOverGrpcTest, ANegativeQueueIsRefusedAtStart) {
+  CoordinatorOptions options;
+  options.max_queued_map_reads = -1;
+  auto server = CoordinatorServer::Start(options);
+  ASSERT_FALSE(server.ok());
+  EXPECT_EQ(server.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(server.status().message(), HasSubstr("max_queued_map_reads"));
 }
 
 TEST(MapReadsOverGrpcTest, ABoundBelowOneIsRefusedAtStart) {

@@ -254,6 +254,9 @@ absl::Status Cluster::StartCoordinator(const std::string& address) {
   if (options_.max_concurrent_map_reads > 0) {
     copts.max_concurrent_map_reads = options_.max_concurrent_map_reads;
   }
+  if (options_.max_queued_map_reads >= 0) {
+    copts.max_queued_map_reads = options_.max_queued_map_reads;
+  }
   copts.while_reading_map = options_.while_reading_map;
   if (options_.serve_metrics) copts.metrics_address = "127.0.0.1:0";
   auto coord = CoordinatorServer::Start(copts);

@@ -138,6 +138,8 @@ struct ClusterOptions {
   // and its test hook run by each map read that holds a slot
   // (CoordinatorOptions::while_reading_map).
   int max_concurrent_map_reads = 0;
+  // Map reads that may wait for one of those (-1: the coordinator's default).
+  int max_queued_map_reads = -1;
   std::function<void()> while_reading_map;
   // Each shard's bounds on pulls waiting or being sent (per peer, in all;
   // 0: the shard's default).

@@ -1,6 +1,7 @@
 // A fetch storm against a real coordinator that serves one map read at a
-// time (max_concurrent_map_reads 1), with real shard servers and clients
-// in this process: while a map read holds the only slot, every other
+// time and lets none wait (max_concurrent_map_reads 1, max_queued_map_reads
+// 0), with real shard servers and clients in this process: while a map
+// read holds the only slot, every other
 // shard's and rank's map fetch is refused with RESOURCE_EXHAUSTED. The
 // shards (their loader) and the ranks (Client::Join) try again after
 // jittered waits, so once the slot is free every shard loads the job,
@@ -68,6 +69,7 @@ class FetchStormTest : public ::testing::Test {
     o.num_shards = kShards;
     o.num_workers = kRanks;
     o.max_concurrent_map_reads = 1;
+    o.max_queued_map_reads = 0;  // None waits: the others are refused.
     o.while_reading_map = [this] { gate_.Pass(); };
     ASSERT_OK_AND_ASSIGN(cluster_, Cluster::Start(o));
   }
