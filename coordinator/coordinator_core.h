@@ -41,6 +41,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -432,6 +433,10 @@ class Coordinator {
   // Fails over or fails every live job holding chunks on DOWN shards;
   // returns true when one changed.
   bool FailoverJobsLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The (shard registry, job table) generations at which FailoverJobsLocked
+  // last found no job holding chunks on a DOWN shard: until either moves,
+  // it has nothing to do.
+  std::pair<uint64_t, uint64_t> failover_idle_at_ ABSL_GUARDED_BY(mu_){~uint64_t{0}, ~uint64_t{0}};
   // After job.map.chunks changed: epoch + 1, load, endpoints, seeded flags'
   // size, stale progress dropped; tells the checkpoint manager about the
   // new primaries. The caller saves and signals map_changed_.

@@ -2,6 +2,7 @@
 // carrying out the map planners' failover and replication/drain plans (the
 // decisions themselves are in map_planner.cc). See coordinator_core.h.
 #include <iterator>
+#include <optional>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -96,14 +97,26 @@ void Coordinator::CommitMapChangeLocked(JobRecord& job) {
 }
 
 bool Coordinator::FailoverJobsLocked() {
+  // This runs at every lease sweep (a few times a second), and almost
+  // always finds no job holding chunks on a DOWN shard. Whether one does
+  // changes only with the shards' states (the registry's generation) or a
+  // job's holders (the job table's): when neither moved since a pass that
+  // found none, there is nothing to look at. At 16,384 shards a pass made
+  // the shards' health and placement candidates each time, with the
+  // tables held and heartbeats deferred meanwhile.
+  const std::pair<uint64_t, uint64_t> generations{shards_.generation(), jobs_.generation()};
+  if (failover_idle_at_ == generations) return false;
   const ShardHealthMap health = shards_.Health();
-  std::vector<ShardInfo> candidates = PlacementCandidatesLocked();
+  std::optional<std::vector<ShardInfo>> candidates;  // Made for the first job that needs them.
   bool changed = false;
+  bool any_down_holder = false;
   for (auto& [job_id, job] : jobs_.all()) {
     if (job.state == v1::JOB_STATE_FAILED || !HoldsChunksOn(job, health, ShardHealth::kDown)) {
       continue;
     }
-    const FailoverPlan plan = PlanFailover(LayoutOfJob(job), health, candidates);
+    any_down_holder = true;
+    if (!candidates.has_value()) candidates = PlacementCandidatesLocked();
+    const FailoverPlan plan = PlanFailover(LayoutOfJob(job), health, *candidates);
     const std::string lost = absl::StrCat(plan.lost_shards.size() == 1 ? "shard " : "shards ",
                                           absl::StrJoin(plan.lost_shards, ","));
     switch (plan.outcome) {
@@ -135,6 +148,8 @@ bool Coordinator::FailoverJobsLocked() {
     }
     changed = true;
   }
+  // Nothing looked at changed anything: the same generations need no pass.
+  if (!any_down_holder) failover_idle_at_ = generations;
   return changed;
 }
 
@@ -144,7 +159,7 @@ int Coordinator::TickReplication(absl::Time now) {
   absl::MutexLock lock(&mu_);
   Planning planning(&planning_);
   const ShardHealthMap health = shards_.Health();
-  std::vector<ShardInfo> candidates = PlacementCandidatesLocked();
+  std::optional<std::vector<ShardInfo>> candidates;  // Made for the first job that needs them.
   int changed_jobs = 0;
   for (auto& [job_id, job] : jobs_.all()) {
     if (job.state == v1::JOB_STATE_FAILED) continue;
@@ -155,7 +170,8 @@ int Coordinator::TickReplication(absl::Time now) {
     const bool missing_backups =
         job.spec.replication() == 1 && with_backup < static_cast<uint64_t>(job.map.chunks_size());
     if (!missing_backups && !HoldsChunksOn(job, health, ShardHealth::kDraining)) continue;
-    const ReplicationPlan plan = PlanReplication(LayoutOfJob(job), health, candidates);
+    if (!candidates.has_value()) candidates = PlacementCandidatesLocked();
+    const ReplicationPlan plan = PlanReplication(LayoutOfJob(job), health, *candidates);
     if (!plan.changed()) continue;
     ApplyLayout(plan.after, job);
     CommitMapChangeLocked(job);
@@ -169,11 +185,12 @@ int Coordinator::TickReplication(absl::Time now) {
     SaveLaterLocked();
     map_changed_.SignalAll();
   }
-  const std::map<uint64_t, ShardLoad> planned = PlannedLoadLocked();
+  std::optional<std::map<uint64_t, ShardLoad>> planned;  // Made once a shard drains.
   for (auto& [id, shard] : shards_.mutable_all()) {
     if (shard.state != v1::SHARD_STATE_DRAINING || shard.drained_logged) continue;
-    auto p = planned.find(id);
-    if (p != planned.end() && p->second.num_chunks + p->second.unreleased_chunks > 0) continue;
+    if (!planned.has_value()) planned = PlannedLoadLocked();
+    auto p = planned->find(id);
+    if (p != planned->end() && p->second.num_chunks + p->second.unreleased_chunks > 0) continue;
     shard.drained_logged = true;
     OPTIMUS_LOG(Info, kLog, "shard ", id, " drained: it holds no chunk and can be stopped");
   }

@@ -324,6 +324,20 @@ TEST(FailureDetectionTest, WatchersCannotTakeEveryThreadOfTheCappedServer) {
   EXPECT_EQ(accepted.load() + refused.load(), kWatchers);
   EXPECT_EQ(other.load(), 0);
 
+  // The refused watches' server threads go back to the quota a moment
+  // after their callers got the answer: wait for that (a call served),
+  // with a deadline. Were the watches holding every thread, none would be.
+  {
+    const absl::Time guard = absl::Now() + absl::Seconds(30);
+    grpc::Status s;
+    do {
+      v1::StatusResponse st;
+      s = stub->Status(Ctx().get(), v1::StatusRequest(), &st);
+      if (!s.ok()) absl::SleepFor(absl::Milliseconds(10));
+    } while (!s.ok() && absl::Now() < guard);
+    ASSERT_TRUE(s.ok()) << "no call served while 4 watches held their threads: "
+                        << s.error_message();
+  }
   // With four threads held by watches, every other call is still served.
   for (int round = 0; round < 20; ++round) {
     for (uint64_t id : ids) {
