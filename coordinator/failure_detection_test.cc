@@ -6,6 +6,8 @@
 //     and renew their leases, and the lease sweep marks a silent shard
 //     DOWN; its chunks fail over once the tables are free (core, fake
 //     clock; then a real server with its own lease thread);
+//   - sweeps that found nothing to fail over are skipped while nothing
+//     changed, and a shard lost after them is still failed over;
 //   - a call whose client gave up while it waited for the tables is not
 //     executed;
 //   - with the server's threads capped, watchers that block a thread each
@@ -69,6 +71,74 @@ v1::ShardStatus ShardIn(const v1::StatusResponse& st, uint64_t id) {
   }
   ADD_FAILURE() << "no shard " << id;
   return v1::ShardStatus();
+}
+
+// Sweeps that find no job holding chunks on a DOWN shard are remembered
+// and later ones skipped while nothing changed; a shard that goes silent
+// after many of them is still failed over at the next sweep, and so is one
+// that goes silent right after a new job was created.
+TEST(FailureDetectionTest, ShardsLostAfterIdleSweepsAreStillFailedOver) {
+  absl::Time now = absl::FromUnixSeconds(1700000000);
+  CoordinatorOptions options;
+  options.lease = kLease;
+  options.clock = [&now] { return now; };
+  Coordinator core(options);
+  ASSERT_TRUE(core.Recover().ok());
+  std::vector<uint64_t> ids;
+  for (int i = 0; i < 4; ++i) {
+    auto r = core.RegisterShard(DpuRegistration(i));
+    ASSERT_TRUE(r.ok()) << r.status();
+    ids.push_back(r->shard_id());
+  }
+  std::vector<uint64_t> jobs;
+  // The live shards beat, each reporting every job's current map loaded
+  // and its backups in sync.
+  auto beat_all_but = [&](const std::set<uint64_t>& silent) {
+    for (uint64_t s : ids) {
+      if (silent.count(s) != 0) continue;
+      v1::HeartbeatRequest req;
+      req.set_shard_id(s);
+      for (uint64_t job : jobs) *req.add_jobs() = Loaded(*core.GetShardMap(job), s);
+      ASSERT_TRUE(core.Heartbeat(req).known()) << "shard " << s;
+    }
+  };
+  auto epoch_of = [&](uint64_t job_id) { return core.GetShardMap(job_id)->epoch(); };
+  auto first = core.CreateJob(OneTensorJob("first", 8, /*replication=*/1));
+  ASSERT_TRUE(first.ok()) << first.status();
+  jobs.push_back(first->job_id());
+  // Many sweeps with every shard alive: nothing to fail over.
+  for (int i = 0; i < 10; ++i) {
+    now += kLease / 4;
+    beat_all_but({});
+    EXPECT_EQ(core.SweepExpiredLeases(now), 0);
+  }
+  EXPECT_EQ(epoch_of(first->job_id()), 1u);
+  // One shard holding chunks of the job goes silent.
+  const uint64_t lost = first->map().chunks(0).shard_id();
+  now += kLease / 2;
+  beat_all_but({lost});
+  now += kLease / 2 + absl::Milliseconds(1);
+  beat_all_but({lost});
+  EXPECT_EQ(core.SweepExpiredLeases(now), 1);
+  EXPECT_EQ(epoch_of(first->job_id()), 2u) << "the lost shard's chunks were not failed over";
+
+  // Idle sweeps again, then a new job, then one of its holders is lost.
+  for (int i = 0; i < 4; ++i) {
+    now += kLease / 4;
+    beat_all_but({lost});
+    core.SweepExpiredLeases(now);
+  }
+  auto second = core.CreateJob(OneTensorJob("second", 8, /*replication=*/1));
+  ASSERT_TRUE(second.ok()) << second.status();
+  jobs.push_back(second->job_id());
+  const uint64_t lost2 = second->map().chunks(0).shard_id();
+  beat_all_but({lost});
+  now += kLease / 2;
+  beat_all_but({lost, lost2});
+  now += kLease / 2 + absl::Milliseconds(1);
+  beat_all_but({lost, lost2});
+  EXPECT_EQ(core.SweepExpiredLeases(now), 1);
+  EXPECT_EQ(epoch_of(second->job_id()), 2u) << "the second lost shard's chunks were not failed over";
 }
 
 TEST(FailureDetectionTest, LeasesAreRenewedAndExpireWhilePlanningHoldsTheTables) {
