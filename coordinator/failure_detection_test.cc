@@ -73,23 +73,32 @@ v1::ShardStatus ShardIn(const v1::StatusResponse& st, uint64_t id) {
   return v1::ShardStatus();
 }
 
+// A core whose clock is `*now`, with `n` DPU shards registered (their ids
+// in `ids`, in order).
+void StartOnFakeClock(absl::Time* now, int n, std::unique_ptr<Coordinator>* core,
+                      std::vector<uint64_t>* ids) {
+  CoordinatorOptions options;
+  options.lease = kLease;
+  options.clock = [now] { return *now; };
+  *core = std::make_unique<Coordinator>(options);
+  ASSERT_TRUE((*core)->Recover().ok());
+  for (int i = 0; i < n; ++i) {
+    auto r = (*core)->RegisterShard(DpuRegistration(i));
+    ASSERT_TRUE(r.ok()) << r.status();
+    ids->push_back(r->shard_id());
+  }
+}
+
 // Sweeps that find no job holding chunks on a DOWN shard are remembered
 // and later ones skipped while nothing changed; a shard that goes silent
 // after many of them is still failed over at the next sweep, and so is one
 // that goes silent right after a new job was created.
 TEST(FailureDetectionTest, ShardsLostAfterIdleSweepsAreStillFailedOver) {
   absl::Time now = absl::FromUnixSeconds(1700000000);
-  CoordinatorOptions options;
-  options.lease = kLease;
-  options.clock = [&now] { return now; };
-  Coordinator core(options);
-  ASSERT_TRUE(core.Recover().ok());
+  std::unique_ptr<Coordinator> owned;
   std::vector<uint64_t> ids;
-  for (int i = 0; i < 4; ++i) {
-    auto r = core.RegisterShard(DpuRegistration(i));
-    ASSERT_TRUE(r.ok()) << r.status();
-    ids.push_back(r->shard_id());
-  }
+  ASSERT_NO_FATAL_FAILURE(StartOnFakeClock(&now, 4, &owned, &ids));
+  Coordinator& core = *owned;
   std::vector<uint64_t> jobs;
   // The live shards beat, each reporting every job's current map loaded
   // and its backups in sync.
@@ -143,17 +152,10 @@ TEST(FailureDetectionTest, ShardsLostAfterIdleSweepsAreStillFailedOver) {
 
 TEST(FailureDetectionTest, LeasesAreRenewedAndExpireWhilePlanningHoldsTheTables) {
   absl::Time now = absl::FromUnixSeconds(1700000000);
-  CoordinatorOptions options;
-  options.lease = kLease;
-  options.clock = [&now] { return now; };
-  Coordinator core(options);
-  ASSERT_TRUE(core.Recover().ok());
+  std::unique_ptr<Coordinator> owned;
   std::vector<uint64_t> ids;
-  for (int i = 0; i < 3; ++i) {
-    auto r = core.RegisterShard(DpuRegistration(i));
-    ASSERT_TRUE(r.ok()) << r.status();
-    ids.push_back(r->shard_id());
-  }
+  ASSERT_NO_FATAL_FAILURE(StartOnFakeClock(&now, 3, &owned, &ids));
+  Coordinator& core = *owned;
   auto created = core.CreateJob(OneTensorJob("j", 8, /*replication=*/1));
   ASSERT_TRUE(created.ok()) << created.status();
   const v1::ShardMap map = created->map();
