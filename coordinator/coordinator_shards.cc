@@ -241,6 +241,8 @@ int Coordinator::SweepExpiredLeases(absl::Time now) {
   Planning planning(&planning_);
   // Jobs are checked on every sweep, not only when a shard was just lost:
   // a state saved before a failover could be applied names DOWN shards too.
+  // (FailoverJobsLocked skips the look while nothing changed since one that
+  // found no job on a DOWN shard.)
   return TakeDownShardsLocked(now, /*check_jobs=*/true);
 }
 

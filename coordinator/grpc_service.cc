@@ -273,13 +273,12 @@ grpc::Status CoordinatorService::DeleteJob(grpc::ServerContext* ctx,
 grpc::ServerUnaryReactor* CoordinatorService::GetJob(grpc::CallbackServerContext* ctx,
                                                      const v1::GetJobRequest* req,
                                                      v1::GetJobResponse* resp) {
-  return ReadMap(ctx, "GetJob", [this, ctx, req, resp] { return GetJobCall(ctx, *req, resp); });
+  return ReadMap(ctx, "GetJob", [this, ctx, req, resp] { return GetJobCall(ctx, req, resp); });
 }
 
 grpc::Status CoordinatorService::GetJobCall(grpc::ServerContextBase* ctx,
-                                            const v1::GetJobRequest& request,
+                                            const v1::GetJobRequest* req,
                                             v1::GetJobResponse* resp) {
-  const v1::GetJobRequest* req = &request;
   if (while_reading_map_ != nullptr) while_reading_map_();
   const Caller c = Identify(ctx);
   if (req->for_shard_id() != 0) {
@@ -314,16 +313,16 @@ grpc::ServerUnaryReactor* CoordinatorService::GetShardMap(grpc::CallbackServerCo
                                                           const v1::GetShardMapRequest* req,
                                                           v1::ShardMap* resp) {
   return ReadMap(ctx, "GetShardMap",
-                 [this, ctx, req, resp] { return GetShardMapCall(ctx, *req, resp); });
+                 [this, ctx, req, resp] { return GetShardMapCall(ctx, req, resp); });
 }
 
 grpc::Status CoordinatorService::GetShardMapCall(grpc::ServerContextBase* ctx,
-                                                 const v1::GetShardMapRequest& req,
+                                                 const v1::GetShardMapRequest* req,
                                                  v1::ShardMap* resp) {
   if (while_reading_map_ != nullptr) while_reading_map_();
   const Caller c = Identify(ctx);
-  if (!MayReadJob(c, req.job_id())) return Refuse(c, "GetShardMap", kNeedsJob);
-  return Reply(core_->GetShardMap(req.job_id()), resp);
+  if (!MayReadJob(c, req->job_id())) return Refuse(c, "GetShardMap", kNeedsJob);
+  return Reply(core_->GetShardMap(req->job_id()), resp);
 }
 
 grpc::Status CoordinatorService::WatchShardMap(grpc::ServerContext* ctx,

@@ -32,9 +32,8 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
-#include "absl/synchronization/mutex.h"
-
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "common/security.h"
 #include "coordinator/coordinator_core.h"
 #include "proto/optimus.grpc.pb.h"
@@ -51,11 +50,10 @@ class CoordinatorService final
   // caller's role and job token (common/security.h). `max_watchers`: most
   // WatchShardMap streams at a time (each holds a server thread); beyond,
   // a watch is refused with RESOURCE_EXHAUSTED. `max_map_reads`: most
-  // GetJob / GetShardMap calls served at once; beyond, one is refused at
-  // once with RESOURCE_EXHAUSTED, saying when to retry.
+  // GetJob / GetShardMap calls served at once; `max_queued_map_reads`: how
+  // many more may wait for a reader; past both a read is refused at once
+  // with RESOURCE_EXHAUSTED, saying when to retry.
   // `while_reading_map`: CoordinatorOptions::while_reading_map (tests).
-  // `max_queued_map_reads`: map reads that may wait for a reader beyond the
-  // max_map_reads served at once; past both a read is refused.
   CoordinatorService(Coordinator* core, bool plaintext, int max_watchers = 1 << 20,
                      int max_map_reads = 1 << 20,
                      std::function<void()> while_reading_map = nullptr,
@@ -130,9 +128,9 @@ class CoordinatorService final
   grpc::Status HeartbeatCall(grpc::ServerContextBase* ctx, const v1::HeartbeatRequest& req,
                              v1::HeartbeatResponse* resp);
   // GetJob and GetShardMap once admitted, on a map-reader thread.
-  grpc::Status GetJobCall(grpc::ServerContextBase* ctx, const v1::GetJobRequest& req,
+  grpc::Status GetJobCall(grpc::ServerContextBase* ctx, const v1::GetJobRequest* req,
                           v1::GetJobResponse* resp);
-  grpc::Status GetShardMapCall(grpc::ServerContextBase* ctx, const v1::GetShardMapRequest& req,
+  grpc::Status GetShardMapCall(grpc::ServerContextBase* ctx, const v1::GetShardMapRequest* req,
                                v1::ShardMap* resp);
   // Admits a map read (`rpc`) and has a map-reader thread run `serve` and
   // finish the call with its status, or refuses it at once (past the
