@@ -232,6 +232,9 @@ struct Counters {
   // Chunks a per-shard answer carried that the shard holds neither as
   // primary nor as backup (0 unless the coordinator cuts maps wrong).
   uint64_t foreign_chunks = 0;
+  // New map epochs taken without a fetch (Assignment.part_epoch said the
+  // shard's part was unchanged), as optimus-shard does.
+  uint64_t epochs_unchanged = 0;
   std::vector<float> heartbeat_ms;
   std::vector<float> fetch_ms;
   // From a shard's first try at fetching a (job, epoch) to its answer,
@@ -585,6 +588,14 @@ class Simulator {
                 auto h = s.jobs.find(a.job_id());
                 const uint64_t have = h == s.jobs.end() ? 0 : h->second.epoch;
                 if (have >= a.map_epoch() || s.fetching.count(a.job_id()) != 0 || stopping_) {
+                  continue;
+                }
+                if (h != s.jobs.end() && a.part_epoch() != 0 && have >= a.part_epoch()) {
+                  // As optimus-shard: the new epoch left this shard's
+                  // part as it was; take it, tell at once, fetch nothing.
+                  h->second.epoch = a.map_epoch();
+                  ++counters_.epochs_unchanged;
+                  s.beat_again = true;
                   continue;
                 }
                 s.fetching.insert(a.job_id());
@@ -1073,6 +1084,8 @@ Json RunOne(const RunOptions& o, int n) {
   line["jobs"] = jobs;
 
   const size_t jobs_to = sim.HeartbeatsAnswered();
+  std::optional<Counters> at_kill;  // Taken as the shards are killed.
+  size_t kill_to = jobs_to;         // Heartbeats answered once the map moved.
 
   // Kill 1%.
   {
@@ -1091,6 +1104,7 @@ Json RunOne(const RunOptions& o, int n) {
       }
     }
     const absl::Time kill_at = absl::Now();
+    at_kill = sim.counters();
     for (uint64_t id : sim.Kill(idx)) {
       if (id != 0) killed.insert(id);
     }
@@ -1140,6 +1154,8 @@ Json RunOne(const RunOptions& o, int n) {
             return js->map_epoch() > epoch_before || js->state() == v1::JOB_STATE_FAILED;
           });
       line["failover_job_state"] = state;
+      // Until the holders of the new epoch had a beat to take it.
+      absl::SleepFor(o.lease);
       if (moved.ok()) {
         line["failover_s"] = JsonRound(Seconds(*moved), 3);
       } else {
@@ -1147,6 +1163,8 @@ Json RunOne(const RunOptions& o, int n) {
       }
     }
   }
+
+  kill_to = sim.HeartbeatsAnswered();
 
   // Status in pages of 1000 (what optimusctl does), and the DOWN shards
   // alone (shard list --state=down).
@@ -1219,6 +1237,9 @@ Json RunOne(const RunOptions& o, int n) {
   line["steady_heartbeat_p99_ms"] = JsonRound(Percentile(steady_ms, 0.99), 2);
   const std::vector<float> jobs_ms = slice(jobs_from, jobs_to);
   line["jobs_heartbeat_p99_ms"] = JsonRound(Percentile(jobs_ms, 0.99), 2);
+  // From the kill to a lease after the map moved: the failover's epoch.
+  const std::vector<float> kill_ms = slice(jobs_to, kill_to);
+  line["kill_heartbeat_p99_ms"] = JsonRound(Percentile(kill_ms, 0.99), 2);
   line["heartbeat_errors"] = c.heartbeat_errors;
   line["told_to_register"] = c.told_to_register;
   line["map_fetches"] = c.fetches_ok;
@@ -1236,6 +1257,13 @@ Json RunOne(const RunOptions& o, int n) {
                                         static_cast<double>(c.fetches_ok),
                 2);
   line["map_fetch_foreign_chunks"] = c.foreign_chunks;
+  line["map_epochs_taken_unchanged"] = c.epochs_unchanged;
+  if (at_kill.has_value()) {
+    // What the failover's new epoch cost: only the shards whose part it
+    // changed should fetch.
+    line["map_fetches_since_kill"] = c.fetches_ok - at_kill->fetches_ok;
+    line["map_epochs_unchanged_since_kill"] = c.epochs_unchanged - at_kill->epochs_unchanged;
+  }
   int wstatus = 0;
   const bool exited = waitpid(coord, &wstatus, WNOHANG) == coord;
   if (exited) {

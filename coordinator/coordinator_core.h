@@ -344,6 +344,9 @@ class Coordinator {
     // the same (job, epoch, shard).
     uint64_t map_parts_serialized = 0;
     uint64_t map_parts_reused = 0;
+    // Heartbeat replies that left out a new part to fetch for being past
+    // options.map_notices_per_s (the shard hears of it at a later beat).
+    uint64_t map_notices_deferred = 0;
   };
   // How many times CreateJob plans a placement off the lock before it
   // plans one under it.
@@ -375,6 +378,11 @@ class Coordinator {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Drops what jobs keep per shard for a shard that left the tables.
   void DropShardFromJobsLocked(uint64_t shard_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Takes one of the map notices options.map_notices_per_s allows now;
+  // false when none is left.
+  bool TakeMapNoticeLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  double map_notice_tokens_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::Time map_notices_at_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
   // Heartbeat's work on the tables, after its lease was renewed.
   void HeartbeatLocked(const v1::HeartbeatRequest& req, v1::HeartbeatResponse* resp)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -437,10 +445,12 @@ class Coordinator {
   // last found no job holding chunks on a DOWN shard: until either moves,
   // it has nothing to do.
   std::pair<uint64_t, uint64_t> failover_idle_at_ ABSL_GUARDED_BY(mu_){~uint64_t{0}, ~uint64_t{0}};
-  // After job.map.chunks changed: epoch + 1, load, endpoints, seeded flags'
-  // size, stale progress dropped; tells the checkpoint manager about the
+  // After job.map.chunks changed from `before`: epoch + 1, load, endpoints,
+  // seeded flags' size, stale progress dropped, the shards whose parts
+  // changed (RecordPartChanges); tells the checkpoint manager about the
   // new primaries. The caller saves and signals map_changed_.
-  void CommitMapChangeLocked(JobRecord& job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void CommitMapChangeLocked(JobRecord& job, const JobLayout& before)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // map.shards from job.load (every shard holding a primary or a backup).
   void SetEndpointsLocked(JobRecord& job) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 

@@ -181,6 +181,7 @@ absl::StatusOr<v1::CreateJobResponse> Coordinator::CreateJobInternal(
     job.num_params = checked->num_params;
     job.map.set_job_id(job.id);
     job.map.set_epoch(1);
+    job.parts_since = 1;  // Every part is new at the first epoch.
     for (const ChunkSpec& c : *placed) {
       v1::ChunkPlacement* p = job.map.add_chunks();
       p->set_tensor(c.tensor);

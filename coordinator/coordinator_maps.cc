@@ -69,7 +69,7 @@ void Coordinator::SetEndpointsLocked(JobRecord& job) const {
   }
 }
 
-void Coordinator::CommitMapChangeLocked(JobRecord& job) {
+void Coordinator::CommitMapChangeLocked(JobRecord& job, const JobLayout& before) {
   job.map.set_epoch(job.map.epoch() + 1);
   jobs_.Touch();  // Its load moved: placement planned before must plan again.
   const std::map<uint64_t, ShardLoad> old_load = std::move(job.load);
@@ -93,6 +93,8 @@ void Coordinator::CommitMapChangeLocked(JobRecord& job) {
   for (auto it = job.progress.begin(); it != job.progress.end();) {
     it = job.load.count(it->first) == 0 ? job.progress.erase(it) : std::next(it);
   }
+  RecordPartChanges(before, job);
+  job.fetch_noticed.clear();
   checkpoints_.OnOwnersChanged(job.id, ViewLocked(job).owners);
 }
 
@@ -116,7 +118,8 @@ bool Coordinator::FailoverJobsLocked() {
     }
     any_down_holder = true;
     if (!candidates.has_value()) candidates = PlacementCandidatesLocked();
-    const FailoverPlan plan = PlanFailover(LayoutOfJob(job), health, *candidates);
+    const JobLayout before = LayoutOfJob(job);
+    const FailoverPlan plan = PlanFailover(before, health, *candidates);
     const std::string lost = absl::StrCat(plan.lost_shards.size() == 1 ? "shard " : "shards ",
                                           absl::StrJoin(plan.lost_shards, ","));
     switch (plan.outcome) {
@@ -134,7 +137,7 @@ bool Coordinator::FailoverJobsLocked() {
         break;
       case FailoverPlan::Outcome::kFailedOver:
         ApplyLayout(plan.after, job);
-        CommitMapChangeLocked(job);
+        CommitMapChangeLocked(job, before);
         OPTIMUS_LOG(Warning, kLog, "job ", job.spec.name(), ": ", lost,
                     " lost; promoted backups for ", plan.promoted, " chunks; new epoch ",
                     job.map.epoch(), " (backups lost ", plan.backups_lost, ", new backups ",
@@ -171,10 +174,11 @@ int Coordinator::TickReplication(absl::Time now) {
         job.spec.replication() == 1 && with_backup < static_cast<uint64_t>(job.map.chunks_size());
     if (!missing_backups && !HoldsChunksOn(job, health, ShardHealth::kDraining)) continue;
     if (!candidates.has_value()) candidates = PlacementCandidatesLocked();
-    const ReplicationPlan plan = PlanReplication(LayoutOfJob(job), health, *candidates);
+    const JobLayout before = LayoutOfJob(job);
+    const ReplicationPlan plan = PlanReplication(before, health, *candidates);
     if (!plan.changed()) continue;
     ApplyLayout(plan.after, job);
-    CommitMapChangeLocked(job);
+    CommitMapChangeLocked(job, before);
     ++changed_jobs;
     OPTIMUS_LOG(Info, kLog, "job ", job.spec.name(), ": promoted ", plan.promoted,
                 " backups of chunks on draining shards, moved ", plan.moved_backups,

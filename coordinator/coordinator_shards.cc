@@ -154,9 +154,27 @@ void Coordinator::HeartbeatLocked(const v1::HeartbeatRequest& req, v1::Heartbeat
       }
       if (job->state == v1::JOB_STATE_FAILED) continue;
       if (!holds && !AllHoldersAtEpoch(*job)) continue;
+      // A shard sent to fetch a part (it has not loaded the newest epoch
+      // that changed it) costs the coordinator a map read: paced.
+      const uint64_t part_epoch = PartEpochOf(*job, shard_id);
+      if (options_.map_notices_per_s > 0 && job->fetch_noticed.count(shard_id) == 0) {
+        uint64_t loaded = 0;
+        for (const v1::ShardJobProgress& p : req.jobs()) {
+          if (p.job_id() == job_id) loaded = p.map_epoch();
+        }
+        const bool fetches = loaded < job->map.epoch() && (part_epoch == 0 || loaded < part_epoch);
+        if (fetches) {
+          if (!TakeMapNoticeLocked()) {
+            ++counters_.map_notices_deferred;
+            continue;
+          }
+          job->fetch_noticed.insert(shard_id);
+        }
+      }
       v1::Assignment* a = resp.add_assignments();
       a->set_job_id(job_id);
       a->set_map_epoch(job->map.epoch());
+      a->set_part_epoch(part_epoch);
     }
     for (uint64_t job_id : stale) jobs_.Unindex(shard_id, job_id);
   }
@@ -171,6 +189,22 @@ void Coordinator::HeartbeatLocked(const v1::HeartbeatRequest& req, v1::Heartbeat
     *resp.add_checkpoints() = std::move(o);
   }
   leases_.SetLastReply(shard_id, resp);
+}
+
+bool Coordinator::TakeMapNoticeLocked() {
+  const double rate = options_.map_notices_per_s;
+  const double burst = std::max(1.0, rate / 2);
+  const absl::Time now = Now();
+  if (map_notices_at_ == absl::InfinitePast()) {
+    map_notice_tokens_ = burst;
+  } else if (now > map_notices_at_) {
+    map_notice_tokens_ =
+        std::min(burst, map_notice_tokens_ + rate * absl::ToDoubleSeconds(now - map_notices_at_));
+  }
+  map_notices_at_ = std::max(now, map_notices_at_);
+  if (map_notice_tokens_ < 1) return false;
+  map_notice_tokens_ -= 1;
+  return true;
 }
 
 void Coordinator::MarkSeeded(JobRecord& job, uint64_t shard_id, const v1::ShardJobProgress& p) {

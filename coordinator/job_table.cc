@@ -1,5 +1,6 @@
 #include "coordinator/job_table.h"
 
+#include <iterator>
 #include <set>
 #include <utility>
 
@@ -174,6 +175,39 @@ v1::ShardMap ShardViewOf(const MapSnapshot& snap, uint64_t shard_id) {
   }
   for (int i : endpoints) *view.add_shards() = snap.map.shards(i);
   return view;
+}
+
+uint64_t PartEpochOf(const JobRecord& job, uint64_t shard_id) {
+  auto it = job.part_epochs.find(shard_id);
+  return it != job.part_epochs.end() ? it->second : job.parts_since;
+}
+
+void RecordPartChanges(const JobLayout& before, JobRecord& job) {
+  const uint64_t epoch = job.map.epoch();
+  auto touch = [&](uint64_t shard_id) {
+    if (shard_id != 0) job.part_epochs[shard_id] = epoch;
+  };
+  const int n = job.map.chunks_size();
+  for (int i = 0; i < n; ++i) {
+    const v1::ChunkPlacement& now = job.map.chunks(i);
+    const ChunkSpec* was = static_cast<size_t>(i) < before.chunks.size() ? &before.chunks[i] : nullptr;
+    if (was != nullptr && was->shard_id == now.shard_id() &&
+        was->backup_shard_id == now.backup_shard_id()) {
+      continue;
+    }
+    // Both ends, before and after: a shard's part lists the chunk's
+    // holders (and their endpoints) for every chunk it holds.
+    touch(now.shard_id());
+    touch(now.backup_shard_id());
+    if (was != nullptr) {
+      touch(was->shard_id);
+      touch(was->backup_shard_id);
+    }
+  }
+  for (auto it = job.part_epochs.begin(); it != job.part_epochs.end();) {
+    const bool owes = job.load.count(it->first) != 0 || job.departed.count(it->first) != 0;
+    it = owes ? std::next(it) : job.part_epochs.erase(it);
+  }
 }
 
 JobLayout LayoutOfJob(const JobRecord& job) {

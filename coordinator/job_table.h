@@ -86,6 +86,21 @@ struct JobRecord {
   bool deleting = false;
   // What its workers prove (CreateJobResponse.job_token); durable.
   std::string token;
+  // The epoch at which each shard's part of the map (ShardViewOf) last
+  // changed, for the shards whose part changed after parts_since; every
+  // other holder's part is unchanged since parts_since. Heartbeats hand it
+  // out (Assignment.part_epoch, PartEpochOf) so that a shard whose part a
+  // new epoch left as it was takes the epoch without fetching it.
+  // parts_since is the job's first epoch for a job this coordinator made,
+  // and the epoch it was loaded at for one loaded from the durable state
+  // (a shard that has an older one fetches). Volatile.
+  uint64_t parts_since = 0;
+  std::map<uint64_t, uint64_t> part_epochs;
+  // Shards that a heartbeat reply sent to fetch their part at the current
+  // epoch (past the coordinator's pacing, options.map_notices_per_s): they
+  // are told again without a second token. Cleared at each new epoch.
+  // Volatile.
+  std::set<uint64_t> fetch_noticed;
   // The current map as fetches read it; null or of an older epoch until
   // the first fetch after a map change builds it (SnapshotOf). Volatile.
   std::shared_ptr<const MapSnapshot> snapshot;
@@ -198,6 +213,15 @@ v1::ShardMap ShardViewOf(const MapSnapshot& snap, uint64_t shard_id);
 // model's spec: ~22 KB of LLaMA-70B's 723 tensors) were sent to each of
 // thousands of shards at every new job for nothing.
 v1::JobSpec ShardSpecOf(const v1::JobSpec& spec);
+
+// Assignment.part_epoch for `shard_id` (see JobRecord::part_epochs).
+uint64_t PartEpochOf(const JobRecord& job, uint64_t shard_id);
+// Records, at the map's new epoch, which shards' parts the change from
+// `before` to the job's current map touched: the holders (primary or
+// backup, before or after) of every chunk whose holders changed. Called
+// after the chunks moved and the epoch advanced; entries of shards that
+// no longer hold or owe anything of the job are dropped.
+void RecordPartChanges(const JobLayout& before, JobRecord& job);
 
 // The job's chunks as the map planners take them.
 JobLayout LayoutOfJob(const JobRecord& job);

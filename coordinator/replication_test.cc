@@ -333,6 +333,96 @@ TEST_F(ReplicationTest, AShardsPartOfTheMapFollowsAFailover) {
   EXPECT_EQ(part(a).epoch(), 2u);
 }
 
+// A failover's new epoch changes the parts of the shards that held the
+// lost shard's chunks or take them over, not the others'. Heartbeats say
+// which epoch last changed each shard's part (Assignment.part_epoch): a
+// shard whose part the failover left as it was takes the new epoch
+// without fetching it, the others fetch. A coordinator that restarts
+// knows no history: every part counts as changed at the epoch it loaded.
+TEST_F(ReplicationTest, HeartbeatsTellWhichShardsPartsAFailoverChanged) {
+  options_.state_store = std::make_shared<MemoryStateStore>();
+  Start();
+  std::vector<uint64_t> shards;
+  for (int i = 0; i < 8; ++i) shards.push_back(AddShard());
+  const uint64_t job = CreateOk(OneTensorJob("llm", 8, 1));
+  // What a shard loads: its chunks and its endpoints, without the epoch.
+  auto part = [&](uint64_t shard) {
+    auto got = coord_->GetJob(job, shard);
+    EXPECT_TRUE(got.ok()) << got.status();
+    v1::ShardMap m = got->map();
+    m.clear_epoch();
+    return m.SerializeAsString();
+  };
+  auto part_epoch = [&](uint64_t shard) -> uint64_t {
+    const v1::HeartbeatResponse r = Beat(shard);
+    for (const auto& a : r.assignments()) {
+      if (a.job_id() == job) return a.part_epoch();
+    }
+    ADD_FAILURE() << "no assignment for shard " << shard;
+    return 0;
+  };
+  std::map<uint64_t, std::string> before;
+  for (uint64_t s : shards) {
+    before[s] = part(s);
+    EXPECT_EQ(part_epoch(s), 1u) << "shard " << s;
+  }
+  ASSERT_EQ(JobStatusOf(job).state(), v1::JOB_STATE_READY);
+  const uint64_t lost = shards[0];
+  std::set<uint64_t> alive(shards.begin() + 1, shards.end());
+  ASSERT_EQ(Kill({lost}, alive), 1);
+  ASSERT_EQ(Map(job).epoch(), 2u);
+  int changed = 0, unchanged = 0;
+  for (uint64_t s : alive) {
+    const bool moved = part(s) != before[s];
+    (moved ? changed : unchanged)++;
+    EXPECT_EQ(part_epoch(s), moved ? 2u : 1u) << "shard " << s;
+  }
+  // Both kinds occur, or the test says nothing.
+  ASSERT_GT(changed, 0);
+  ASSERT_GT(unchanged, 0);
+
+  Start();  // Over the same state: the part history is gone.
+  ASSERT_EQ(Map(job).epoch(), 2u);
+  for (uint64_t s : alive) EXPECT_EQ(part_epoch(s), 2u) << "shard " << s;
+}
+
+// Heartbeat replies send at most options.map_notices_per_s shards a second
+// to fetch a new part, half a second's worth at once; the others hear of
+// it at a later beat. A shard once sent is told again without counting
+// twice, and one that has the current epoch needs no turn.
+TEST_F(ReplicationTest, ShardsAreSentToFetchNewPartsAtTheConfiguredRate) {
+  options_.map_notices_per_s = 4;  // 2 at once, then one per 250 ms.
+  Start();
+  std::vector<uint64_t> shards;
+  for (int i = 0; i < 6; ++i) shards.push_back(AddShard());
+  const uint64_t job = CreateOk(OneTensorJob("llm", 12, 0));
+  ASSERT_EQ(Holders(Map(job)).size(), 6u);
+  auto told = [&](uint64_t shard, bool loaded = false) {
+    v1::HeartbeatRequest req;
+    req.set_shard_id(shard);
+    if (loaded) *req.add_jobs() = Progress(shard, job, true);
+    const v1::HeartbeatResponse r = coord_->Heartbeat(req);
+    EXPECT_TRUE(r.known());
+    return r.assignments_size() == 1 && r.assignments(0).job_id() == job;
+  };
+  EXPECT_TRUE(told(shards[0]));
+  EXPECT_TRUE(told(shards[1]));
+  EXPECT_FALSE(told(shards[2]));
+  EXPECT_FALSE(told(shards[3]));
+  EXPECT_EQ(coord_->counters().map_notices_deferred, 2u);
+  EXPECT_TRUE(told(shards[0])) << "a shard already sent lost its turn";
+  now_ += absl::Milliseconds(250);
+  EXPECT_TRUE(told(shards[2]));
+  EXPECT_FALSE(told(shards[3]));
+  now_ += absl::Seconds(10);  // Refills half a second's worth, no more.
+  EXPECT_TRUE(told(shards[3]));
+  EXPECT_TRUE(told(shards[4]));
+  EXPECT_FALSE(told(shards[5]));
+  // Loaded (it reports the current epoch): nothing to fetch, no turn taken.
+  EXPECT_TRUE(told(shards[5], /*loaded=*/true));
+  EXPECT_EQ(coord_->counters().map_notices_deferred, 4u);
+}
+
 TEST_F(ReplicationTest, LostPrimaryWithBackupsNotYetSeededFailsTheJob) {
   const uint64_t a = AddShard(), b = AddShard(), c = AddShard();
   const uint64_t job = CreateOk(OneTensorJob("llm", 6, 1));

@@ -155,11 +155,26 @@ absl::Status Shard::HeartbeatOnce() {
     OPTIMUS_LOG(Info, kLog, "job ", job_id, " was deleted; freeing its chunks");
     ReleaseJob(job_id, absl::NotFoundError(absl::StrCat("job ", job_id, " was deleted")), {});
   }
-  for (const auto& [job_id, epoch] : reply->assignments) {
-    JobRef job = table_.Find(job_id);
-    if (job != nullptr && job->epoch() >= epoch) continue;
-    RequestLoad(job_id, epoch);
+  bool took_unchanged = false;
+  for (const HeartbeatReply::Assignment& a : reply->assignments) {
+    JobRef job = table_.Find(a.job_id);
+    if (job != nullptr) {
+      const uint64_t had = job->epoch();
+      if (had >= a.map_epoch) continue;
+      // A new epoch that left our part as it was (it moved other shards'
+      // chunks): nothing to fetch.
+      if (job->TakeEpochUnchanged(a.map_epoch, a.part_epoch)) {
+        OPTIMUS_LOG(Info, kLog, "job ", a.job_id, ": map epoch ", had, " -> ", a.map_epoch,
+                    " (this shard's part unchanged since epoch ", a.part_epoch, ")");
+        metrics_.map_epochs_unchanged.fetch_add(1, std::memory_order_relaxed);
+        took_unchanged = true;
+        continue;
+      }
+    }
+    RequestLoad(a.job_id, a.map_epoch);
   }
+  // Tell the coordinator now rather than at the next beat.
+  if (took_unchanged) BeatNow();
   std::set<std::pair<uint64_t, uint64_t>> ordered;
   for (const CheckpointOrder& o : reply->checkpoints) {
     ordered.insert({o.job_id, o.checkpoint_id});
@@ -213,6 +228,7 @@ absl::Status Shard::LoadJob(uint64_t job_id, bool* coordinator_busy) {
     if (coordinator_busy != nullptr) *coordinator_busy = IsBusy(desc.status());
     return desc.status();
   }
+  metrics_.map_fetches.fetch_add(1, std::memory_order_relaxed);
   if (JobRef existing = table_.Find(job_id); existing != nullptr) {
     if (absl::Status s = ApplyMap(existing, *desc); !s.ok()) return s;
     BeatNow();

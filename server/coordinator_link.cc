@@ -194,7 +194,7 @@ class GrpcCoordinatorLink : public CoordinatorLink {
     HeartbeatReply out;
     out.known = resp.known();
     for (const v1::Assignment& a : resp.assignments()) {
-      out.assignments.emplace_back(a.job_id(), a.map_epoch());
+      out.assignments.push_back({a.job_id(), a.map_epoch(), a.part_epoch()});
     }
     for (const v1::CheckpointOrder& o : resp.checkpoints()) {
       out.checkpoints.push_back(

@@ -153,7 +153,14 @@ struct HeartbeatReply {
   // False: the coordinator does not know this shard (declared down, or
   // forgotten): drop everything and register again.
   bool known = true;
-  std::vector<std::pair<uint64_t, uint64_t>> assignments;  // (job, map epoch).
+  struct Assignment {
+    uint64_t job_id = 0;
+    uint64_t map_epoch = 0;
+    // The newest epoch <= map_epoch that changed this shard's part of the
+    // map; 0: not known (v1::Assignment.part_epoch).
+    uint64_t part_epoch = 0;
+  };
+  std::vector<Assignment> assignments;
   std::vector<CheckpointOrder> checkpoints;
   std::vector<uint64_t> released_jobs;  // Deleted: free everything of them.
 };

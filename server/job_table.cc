@@ -201,6 +201,13 @@ uint64_t Job::epoch() const {
   return map_epoch;
 }
 
+bool Job::TakeEpochUnchanged(uint64_t epoch, uint64_t part_epoch) {
+  absl::MutexLock lock(&mu);
+  if (part_epoch == 0 || map_epoch < part_epoch || map_epoch >= epoch) return false;
+  map_epoch = epoch;
+  return true;
+}
+
 std::shared_ptr<Chunk> Job::Find(uint32_t tensor, uint32_t chunk) const {
   absl::MutexLock lock(&mu);
   auto it = chunks.find(ChunkKey(tensor, chunk));

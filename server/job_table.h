@@ -162,6 +162,12 @@ class Job {
   const kernels::StateLayout& layout() const { return kernels::LayoutOf(config.hyper.kind); }
 
   uint64_t epoch() const ABSL_LOCKS_EXCLUDED(mu);
+  // Takes map epoch `epoch` without a new map when the loaded one is at
+  // least `part_epoch` (the newest epoch that changed this shard's part:
+  // what is loaded is then that epoch's part too). False, changing
+  // nothing, when part_epoch is 0 (not known) or newer than the loaded
+  // epoch, or the loaded epoch is `epoch` or newer.
+  bool TakeEpochUnchanged(uint64_t epoch, uint64_t part_epoch) ABSL_LOCKS_EXCLUDED(mu);
   std::shared_ptr<Chunk> Find(uint32_t tensor, uint32_t chunk) const ABSL_LOCKS_EXCLUDED(mu);
   std::vector<std::shared_ptr<Chunk>> Chunks() const ABSL_LOCKS_EXCLUDED(mu);
   size_t num_chunks() const ABSL_LOCKS_EXCLUDED(mu);

@@ -44,6 +44,11 @@ std::string RenderShardMetrics(const ShardMetrics& s, const ShardGauges& g) {
             s.backup_steps.load(), id);
   m.Counter("optimus_shard_backup_seeds_total",
             "Chunk states this shard received as a new backup.", s.seeds_received.load(), id);
+  m.Counter("optimus_shard_map_fetches_total",
+            "Parts of a job's map fetched from the coordinator.", s.map_fetches.load(), id);
+  m.Counter("optimus_shard_map_epochs_unchanged_total",
+            "New map epochs taken without a fetch: they left this shard's part as it was.",
+            s.map_epochs_unchanged.load(), id);
   m.Gauge("optimus_shard_memory_used_bytes", "Bytes of job state allocated.",
           g.memory_used_bytes, id);
   m.Gauge("optimus_shard_memory_limit_bytes", "State budget of this shard.",

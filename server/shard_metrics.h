@@ -44,6 +44,10 @@ struct ShardMetrics {
   Histogram step_queue;
   std::atomic<uint64_t> folds{0};               // Fold passes (staging.h).
   std::atomic<uint64_t> batches_received{0};    // wire::Op::kBatch messages.
+  // Map parts fetched from the coordinator (GetJob calls answered), and new
+  // map epochs taken without a fetch (this shard's part was unchanged).
+  std::atomic<uint64_t> map_fetches{0};
+  std::atomic<uint64_t> map_epochs_unchanged{0};
 
   void CountError(const absl::Status& status) {
     const int code = static_cast<int>(status.code());

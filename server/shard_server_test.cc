@@ -43,7 +43,11 @@ class FakeLink : public CoordinatorLink {
     HeartbeatReply reply;
     reply.known = known_;
     if (assign_) {
-      for (const auto& [id, d] : jobs_) reply.assignments.emplace_back(id, d.map.epoch);
+      for (const auto& [id, d] : jobs_) {
+        auto part = part_epochs_.find(id);
+        reply.assignments.push_back(
+            {id, d.map.epoch, part == part_epochs_.end() ? 0 : part->second});
+      }
       if (assign_once_ && !jobs_.empty()) assign_ = false;
     }
     reply.released_jobs = released_;
@@ -52,6 +56,7 @@ class FakeLink : public CoordinatorLink {
   absl::StatusOr<JobDescription> GetJob(uint64_t job_id, uint64_t for_shard_id) override {
     absl::MutexLock lock(&mu_);
     fetched_for_.push_back(for_shard_id);
+    if (fail_fetches_) return absl::UnavailableError("the test refuses every fetch");
     if (busy_fetches_ > 0) {
       --busy_fetches_;
       return absl::ResourceExhaustedError("the coordinator is serving its most map reads");
@@ -64,6 +69,17 @@ class FakeLink : public CoordinatorLink {
   void SetJob(const JobDescription& d) {
     absl::MutexLock lock(&mu_);
     jobs_[d.config.job_id] = d;
+  }
+  // What heartbeats say of the job's part (Assignment.part_epoch; 0, the
+  // default: not known).
+  void SetPartEpoch(uint64_t job_id, uint64_t part_epoch) {
+    absl::MutexLock lock(&mu_);
+    part_epochs_[job_id] = part_epoch;
+  }
+  // While set, every GetJob fails (UNAVAILABLE).
+  void FailFetches(bool fail) {
+    absl::MutexLock lock(&mu_);
+    fail_fetches_ = fail;
   }
   void Delete(uint64_t job_id) {
     absl::MutexLock lock(&mu_);
@@ -91,6 +107,12 @@ class FakeLink : public CoordinatorLink {
     absl::MutexLock lock(&mu_);
     return fetched_for_;
   }
+  // Waits until `n` GetJobs were asked for in all.
+  bool WaitFetches(size_t n) {
+    absl::MutexLock lock(&mu_);
+    auto done = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return fetched_for_.size() >= n; };
+    return mu_.AwaitWithTimeout(absl::Condition(&done), kWait);
+  }
   // Waits for a heartbeat report that satisfies `pred`.
   bool WaitReport(const std::function<bool(const HeartbeatReport&)>& pred) {
     absl::MutexLock lock(&mu_);
@@ -104,6 +126,7 @@ class FakeLink : public CoordinatorLink {
   bool known_ ABSL_GUARDED_BY(mu_) = true;
   std::string address_ ABSL_GUARDED_BY(mu_);
   std::map<uint64_t, JobDescription> jobs_ ABSL_GUARDED_BY(mu_);
+  std::map<uint64_t, uint64_t> part_epochs_ ABSL_GUARDED_BY(mu_);
   std::vector<uint64_t> released_ ABSL_GUARDED_BY(mu_);
   HeartbeatReport last_ ABSL_GUARDED_BY(mu_);
   uint64_t beats_ ABSL_GUARDED_BY(mu_) = 0;
@@ -111,6 +134,7 @@ class FakeLink : public CoordinatorLink {
   int busy_fetches_ ABSL_GUARDED_BY(mu_) = 0;
   bool assign_once_ ABSL_GUARDED_BY(mu_) = false;
   bool assign_ ABSL_GUARDED_BY(mu_) = true;
+  bool fail_fetches_ ABSL_GUARDED_BY(mu_) = false;
 };
 
 // A worker speaking raw wire requests to the shard.
@@ -481,6 +505,47 @@ TEST_F(ShardServerTest, AsksForItsOwnPartOfTheMapAndLetsGoUnderAnEmptyPart) {
   const std::vector<uint64_t> asked = link_->fetched_for();
   ASSERT_FALSE(asked.empty());
   for (uint64_t id : asked) EXPECT_EQ(id, me);
+}
+
+// A new epoch that left this shard's part as it was (the heartbeat's
+// part_epoch is at or before the loaded epoch: another shard's chunks
+// moved) is taken without fetching the map, and requests are served under
+// it and fenced under the old one; an epoch that changed the part, or a
+// part_epoch not known (0), is fetched.
+TEST_F(ShardServerTest, ANewEpochThatLeftThePartAsItWasIsTakenWithoutAFetch) {
+  const uint64_t me = link_->shard_id();
+  Load(OneChunkJob(me));
+  Peer peer(fabric_, shard_->data_address());
+  const std::vector<float> init = Ramp(0.01f);
+  ASSERT_TRUE(peer.Call(Header(wire::Op::kInit, 1, 1), init.data(), kElems * 4).reply.status.ok());
+
+  // Every fetch fails meanwhile: the shard reaches epoch 2 without one.
+  link_->FailFetches(true);
+  link_->SetPartEpoch(kJob, 1);
+  Load(OneChunkJob(me, /*epoch=*/2));
+  link_->FailFetches(false);
+  EXPECT_EQ(shard_->stats().chunks_owned, 1u);
+  Peer::Answer pulled = peer.Call(Header(wire::Op::kPull, 1, 2, /*epoch=*/2));
+  ASSERT_TRUE(pulled.reply.status.ok()) << pulled.reply.status;
+  ASSERT_EQ(pulled.payload.size(), kElems * 4);
+  EXPECT_EQ(std::memcmp(pulled.payload.data(), init.data(), kElems * 4), 0);
+  EXPECT_EQ(peer.Call(Header(wire::Op::kPull, 1, 3, /*epoch=*/1)).reply.status.code(),
+            absl::StatusCode::kFailedPrecondition);
+
+  // A changed part, and a part of unknown age, are fetched: with fetches
+  // failing, the shard stays at epoch 2.
+  for (uint64_t part_epoch : {uint64_t{3}, uint64_t{0}}) {
+    link_->FailFetches(true);
+    link_->SetPartEpoch(kJob, part_epoch);
+    link_->SetJob(OneChunkJob(me, /*epoch=*/3));
+    const size_t fetched = link_->fetched_for().size();
+    ASSERT_TRUE(link_->WaitFetches(fetched + 1)) << "part_epoch " << part_epoch;
+    EXPECT_TRUE(link_->WaitReport([](const HeartbeatReport& r) {
+      return r.jobs.size() == 1 && r.jobs[0].map_epoch == 2;
+    })) << "part_epoch " << part_epoch;
+    link_->FailFetches(false);
+  }
+  Load(OneChunkJob(me, /*epoch=*/3));
 }
 
 // A coordinator busy with a fetch storm refuses the shard's first fetches
