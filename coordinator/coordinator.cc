@@ -146,6 +146,7 @@ absl::Status Coordinator::Recover() {
     // Which epoch changed each part is not kept: a shard that loaded an
     // older epoch than this one fetches its part again.
     r.parts_since = r.map.epoch();
+    r.changes_since = r.map.epoch();
     r.num_params = j.num_params();
     r.bytes_per_elem = j.bytes_per_elem();
     r.joined_ranks.insert(j.joined_ranks().begin(), j.joined_ranks().end());

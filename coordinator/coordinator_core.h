@@ -242,12 +242,17 @@ class Coordinator {
   // snapshot (MapSnapshot::part_bytes), so that a fetch repeated or
   // retried at the same epoch costs a lookup, not a cut and a
   // serialization; counted in Counters::map_parts_serialized / _reused.
+  // With known_epoch (whole-map reads only; GetJobRequest.known_epoch) the
+  // spec is left out (null) and the map is the delta from known_epoch
+  // (DeltaOf; head.map_delta_from set) when one can be made, else the
+  // whole map; deltas are kept with the snapshot too.
   struct SerializedJob {
     v1::GetJobResponse head;
-    std::shared_ptr<const std::string> spec;
+    std::shared_ptr<const std::string> spec;  // Null: none sent.
     std::shared_ptr<const std::string> map;
   };
-  absl::StatusOr<SerializedJob> GetJobSerialized(uint64_t job_id, uint64_t for_shard_id = 0);
+  absl::StatusOr<SerializedJob> GetJobSerialized(uint64_t job_id, uint64_t for_shard_id = 0,
+                                                 uint64_t known_epoch = 0);
 
   // Waits up to `timeout` for the job's map to have an epoch > after_epoch
   // and returns it; std::nullopt when the wait timed out. NOT_FOUND for an

@@ -182,6 +182,7 @@ absl::StatusOr<v1::CreateJobResponse> Coordinator::CreateJobInternal(
     job.map.set_job_id(job.id);
     job.map.set_epoch(1);
     job.parts_since = 1;  // Every part is new at the first epoch.
+    job.changes_since = 1;
     for (const ChunkSpec& c : *placed) {
       v1::ChunkPlacement* p = job.map.add_chunks();
       p->set_tensor(c.tensor);
@@ -400,7 +401,8 @@ absl::StatusOr<v1::GetJobResponse> Coordinator::GetJob(uint64_t job_id, uint64_t
 }
 
 absl::StatusOr<Coordinator::SerializedJob> Coordinator::GetJobSerialized(uint64_t job_id,
-                                                                         uint64_t for_shard_id) {
+                                                                         uint64_t for_shard_id,
+                                                                         uint64_t known_epoch) {
   std::shared_ptr<const MapSnapshot> snap;
   SerializedJob out;
   {
@@ -420,6 +422,43 @@ absl::StatusOr<Coordinator::SerializedJob> Coordinator::GetJobSerialized(uint64_
   }
   out.head.set_resume_step(snap->resume_step);
   if (snap->restore.has_value()) *out.head.mutable_restore() = *snap->restore;
+  if (for_shard_id == 0 && known_epoch != 0) {
+    // A worker that holds the spec and the map of known_epoch.
+    {
+      absl::MutexLock lock(&snap->bytes_mu);
+      auto it = snap->delta_bytes.find(known_epoch);
+      if (it != snap->delta_bytes.end()) {
+        out.head.set_map_delta_from(known_epoch);
+        out.map = it->second;
+        map_parts_reused_.fetch_add(1);
+        return out;
+      }
+    }
+    std::optional<v1::ShardMap> delta = DeltaOf(*snap, known_epoch);
+    if (delta.has_value()) {
+      auto bytes = std::make_shared<const std::string>(delta->SerializeAsString());
+      map_parts_serialized_.fetch_add(1);
+      absl::MutexLock lock(&snap->bytes_mu);
+      out.head.set_map_delta_from(known_epoch);
+      out.map = snap->delta_bytes.try_emplace(known_epoch, std::move(bytes)).first->second;
+      return out;
+    }
+    // Too old to make a delta from: the whole map, still without the spec.
+    {
+      absl::MutexLock lock(&snap->bytes_mu);
+      auto it = snap->part_bytes.find(0);
+      if (it != snap->part_bytes.end()) {
+        out.map = it->second;
+        map_parts_reused_.fetch_add(1);
+        return out;
+      }
+    }
+    auto bytes = std::make_shared<const std::string>(snap->map.SerializeAsString());
+    map_parts_serialized_.fetch_add(1);
+    absl::MutexLock lock(&snap->bytes_mu);
+    out.map = snap->part_bytes.try_emplace(0, std::move(bytes)).first->second;
+    return out;
+  }
   {
     absl::MutexLock lock(&snap->bytes_mu);
     out.spec = for_shard_id == 0 ? snap->spec_bytes : snap->shard_spec_bytes;

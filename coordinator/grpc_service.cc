@@ -296,7 +296,7 @@ grpc::Status CoordinatorService::GetJobCall(grpc::ServerContextBase* ctx,
     return Refuse(c, "GetJob", kNeedsJob);
   }
   absl::StatusOr<Coordinator::SerializedJob> job =
-      core_->GetJobSerialized(req->job_id(), req->for_shard_id());
+      core_->GetJobSerialized(req->job_id(), req->for_shard_id(), req->known_epoch());
   if (!job.ok()) return Reply(absl::StatusOr<v1::GetJobResponse>(job.status()), resp);
   // The spec and the map go out as the bytes the epoch's first fetch made:
   // set as unknown fields 2 and 3 (length-delimited, as a sub-message is
@@ -304,7 +304,9 @@ grpc::Status CoordinatorService::GetJobCall(grpc::ServerContextBase* ctx,
   // caller parses them as JobSpec and ShardMap.
   *resp = std::move(job->head);
   google::protobuf::UnknownFieldSet* raw = resp->GetReflection()->MutableUnknownFields(resp);
-  raw->AddLengthDelimited(v1::GetJobResponse::kSpecFieldNumber, *job->spec);
+  if (job->spec != nullptr) {
+    raw->AddLengthDelimited(v1::GetJobResponse::kSpecFieldNumber, *job->spec);
+  }
   raw->AddLengthDelimited(v1::GetJobResponse::kMapFieldNumber, *job->map);
   return grpc::Status::OK;
 }

@@ -131,6 +131,8 @@ std::shared_ptr<const MapSnapshot> SnapshotOf(JobRecord& job) {
   snap->map = job.map;
   snap->restore = job.restore;
   snap->resume_step = job.resume_step;
+  snap->chunk_changes = job.chunk_changes;
+  snap->changes_since = job.changes_since;
   for (int i = 0; i < snap->map.chunks_size(); ++i) {
     const v1::ChunkPlacement& p = snap->map.chunks(i);
     snap->chunks_of[p.shard_id()].push_back(i);
@@ -188,6 +190,7 @@ void RecordPartChanges(const JobLayout& before, JobRecord& job) {
     if (shard_id != 0) job.part_epochs[shard_id] = epoch;
   };
   const int n = job.map.chunks_size();
+  std::vector<int>& changed = job.chunk_changes[epoch];
   for (int i = 0; i < n; ++i) {
     const v1::ChunkPlacement& now = job.map.chunks(i);
     const ChunkSpec* was = static_cast<size_t>(i) < before.chunks.size() ? &before.chunks[i] : nullptr;
@@ -195,6 +198,7 @@ void RecordPartChanges(const JobLayout& before, JobRecord& job) {
         was->backup_shard_id == now.backup_shard_id()) {
       continue;
     }
+    changed.push_back(i);
     // Both ends, before and after: a shard's part lists the chunk's
     // holders (and their endpoints) for every chunk it holds.
     touch(now.shard_id());
@@ -204,10 +208,41 @@ void RecordPartChanges(const JobLayout& before, JobRecord& job) {
       touch(was->backup_shard_id);
     }
   }
+  while (job.chunk_changes.size() > JobRecord::kKeptChunkChanges) {
+    // Deltas from before the oldest kept epoch can no longer be made.
+    job.changes_since = job.chunk_changes.begin()->first;
+    job.chunk_changes.erase(job.chunk_changes.begin());
+  }
   for (auto it = job.part_epochs.begin(); it != job.part_epochs.end();) {
     const bool owes = job.load.count(it->first) != 0 || job.departed.count(it->first) != 0;
     it = owes ? std::next(it) : job.part_epochs.erase(it);
   }
+}
+
+std::optional<v1::ShardMap> DeltaOf(const MapSnapshot& snap, uint64_t from) {
+  const uint64_t epoch = snap.map.epoch();
+  if (from == 0 || from < snap.changes_since || from > epoch) return std::nullopt;
+  std::set<int> chunks;
+  for (auto it = snap.chunk_changes.upper_bound(from); it != snap.chunk_changes.end(); ++it) {
+    if (it->first > epoch) break;
+    chunks.insert(it->second.begin(), it->second.end());
+  }
+  v1::ShardMap delta;
+  delta.set_job_id(snap.map.job_id());
+  delta.set_epoch(epoch);
+  std::set<int> endpoints;  // Indices into snap.map.shards: map order.
+  auto add_endpoint = [&](uint64_t id) {
+    auto e = snap.endpoint_of.find(id);
+    if (e != snap.endpoint_of.end()) endpoints.insert(e->second);
+  };
+  for (int i : chunks) {
+    const v1::ChunkPlacement& p = snap.map.chunks(i);
+    *delta.add_chunks() = p;
+    add_endpoint(p.shard_id());
+    if (p.backup_shard_id() != 0) add_endpoint(p.backup_shard_id());
+  }
+  for (int i : endpoints) *delta.add_shards() = snap.map.shards(i);
+  return delta;
 }
 
 JobLayout LayoutOfJob(const JobRecord& job) {

@@ -35,6 +35,10 @@ struct MapSnapshot {
   std::map<uint64_t, std::vector<int>> chunks_of;
   // By shard id: index into map.shards of its endpoint.
   std::map<uint64_t, int> endpoint_of;
+  // The job's chunk_changes and changes_since when this epoch was current
+  // (see JobRecord): what a delta from an older epoch is made of.
+  std::map<uint64_t, std::vector<int>> chunk_changes;
+  uint64_t changes_since = 0;
 
   // What fetches of this epoch send, serialized once by the first fetch
   // that needs it (with no coordinator lock held) and shared by the next
@@ -49,6 +53,9 @@ struct MapSnapshot {
   // The spec as a shard's part carries it (ShardSpecOf).
   mutable std::shared_ptr<const std::string> shard_spec_bytes ABSL_GUARDED_BY(bytes_mu);
   mutable std::map<uint64_t, std::shared_ptr<const std::string>> part_bytes
+      ABSL_GUARDED_BY(bytes_mu);
+  // Deltas to this epoch (DeltaOf), by the epoch they start from.
+  mutable std::map<uint64_t, std::shared_ptr<const std::string>> delta_bytes
       ABSL_GUARDED_BY(bytes_mu);
 };
 
@@ -96,6 +103,15 @@ struct JobRecord {
   // (a shard that has an older one fetches). Volatile.
   uint64_t parts_since = 0;
   std::map<uint64_t, uint64_t> part_epochs;
+  // By epoch: indices into map.chunks of the chunks whose primary or backup
+  // changed at that epoch, for the newest kKeptChunkChanges epochs. A
+  // whole-map read from a worker that holds an epoch >= changes_since gets
+  // a delta (GetJobRequest.known_epoch); changes_since is the job's first
+  // epoch (or the epoch it was loaded at), and moves up as old epochs are
+  // dropped. Volatile.
+  static constexpr size_t kKeptChunkChanges = 16;
+  std::map<uint64_t, std::vector<int>> chunk_changes;
+  uint64_t changes_since = 0;
   // Shards that a heartbeat reply sent to fetch their part at the current
   // epoch (past the coordinator's pacing, options.map_notices_per_s): they
   // are told again without a second token. Cleared at each new epoch.
@@ -222,6 +238,13 @@ uint64_t PartEpochOf(const JobRecord& job, uint64_t shard_id);
 // after the chunks moved and the epoch advanced; entries of shards that
 // no longer hold or owe anything of the job are dropped.
 void RecordPartChanges(const JobLayout& before, JobRecord& job);
+
+// The delta from epoch `from` to the snapshot's (GetJobResponse.map_delta_from):
+// the chunks changed at any epoch in (from, snapshot epoch], as they are
+// now, and their holders' endpoints (none when `from` is the snapshot's
+// epoch). std::nullopt when the snapshot does not know every change since
+// `from` (from < changes_since), or `from` is 0 or newer than the snapshot.
+std::optional<v1::ShardMap> DeltaOf(const MapSnapshot& snap, uint64_t from);
 
 // The job's chunks as the map planners take them.
 JobLayout LayoutOfJob(const JobRecord& job);

@@ -386,6 +386,67 @@ TEST_F(ReplicationTest, HeartbeatsTellWhichShardsPartsAFailoverChanged) {
   for (uint64_t s : alive) EXPECT_EQ(part_epoch(s), 2u) << "shard " << s;
 }
 
+// A worker that holds the map of an older epoch (GetJobRequest.known_epoch)
+// gets the chunks moved since, as they are now, with their holders'
+// endpoints, and no spec; applied to its map they give the whole new map.
+// An epoch older than what the coordinator remembers (here: it restarted)
+// gets the whole map, still without the spec.
+TEST_F(ReplicationTest, WorkersGetWhatAFailoverMovedAsADelta) {
+  options_.state_store = std::make_shared<MemoryStateStore>();
+  Start();
+  std::vector<uint64_t> shards;
+  for (int i = 0; i < 8; ++i) shards.push_back(AddShard());
+  const uint64_t job = CreateOk(OneTensorJob("llm", 16, 1));
+  const v1::ShardMap before = Map(job);
+  BeatAll(std::set<uint64_t>(shards.begin(), shards.end()));
+  std::set<uint64_t> alive(shards.begin() + 1, shards.end());
+  ASSERT_EQ(Kill({shards[0]}, alive), 1);
+  const v1::ShardMap after = Map(job);
+  ASSERT_EQ(after.epoch(), 2u);
+
+  auto read = [&](uint64_t known_epoch, v1::ShardMap* map) {
+    absl::StatusOr<Coordinator::SerializedJob> got = coord_->GetJobSerialized(job, 0, known_epoch);
+    EXPECT_TRUE(got.ok()) << got.status();
+    EXPECT_EQ(got->spec, nullptr) << "the worker has the spec";
+    EXPECT_TRUE(map->ParseFromString(*got->map));
+    return got->head.map_delta_from();
+  };
+  v1::ShardMap delta;
+  ASSERT_EQ(read(1, &delta), 1u);
+  EXPECT_EQ(delta.epoch(), 2u);
+  std::set<std::pair<uint32_t, uint32_t>> in_delta;
+  for (const auto& c : delta.chunks()) {
+    in_delta.insert({c.tensor(), c.chunk()});
+    EXPECT_NE(c.shard_id(), shards[0]);
+    EXPECT_NE(c.backup_shard_id(), shards[0]);
+  }
+  int moved = 0;
+  for (int i = 0; i < after.chunks_size(); ++i) {
+    const bool changed =
+        after.chunks(i).SerializeAsString() != before.chunks(i).SerializeAsString();
+    moved += changed;
+    EXPECT_EQ(in_delta.count({after.chunks(i).tensor(), after.chunks(i).chunk()}) != 0, changed)
+        << "chunk " << i;
+  }
+  ASSERT_GT(moved, 0);
+  ASSERT_LT(moved, after.chunks_size()) << "the test needs chunks that stayed";
+  // Every holder of a chunk in the delta comes with its endpoint.
+  for (const auto& c : delta.chunks()) {
+    for (uint64_t id : {c.shard_id(), c.backup_shard_id()}) {
+      if (id != 0) EXPECT_EQ(Endpoints(delta).count(id), 1u) << id;
+    }
+  }
+  // At the current epoch: an empty delta.
+  v1::ShardMap none;
+  EXPECT_EQ(read(2, &none), 2u);
+  EXPECT_EQ(none.chunks_size(), 0);
+
+  Start();  // The change history is gone.
+  v1::ShardMap whole;
+  EXPECT_EQ(read(1, &whole), 0u);
+  EXPECT_EQ(whole.SerializeAsString(), after.SerializeAsString());
+}
+
 // Heartbeat replies send at most options.map_notices_per_s shards a second
 // to fetch a new part, half a second's worth at once; the others hear of
 // it at a later beat. A shard once sent is told again without counting
