@@ -1156,6 +1156,32 @@ Json RunOne(const RunOptions& o, int n) {
       line["failover_job_state"] = state;
       // Until the holders of the new epoch had a beat to take it.
       absl::SleepFor(o.lease);
+      // What each worker of the job reads once the map moved: the whole
+      // map, or (GetJobRequest.known_epoch) the delta from the epoch it
+      // held, without the spec.
+      if (moved.ok()) {
+        for (const uint64_t known : {uint64_t{0}, epoch_before}) {
+          grpc::ClientContext gctx;
+          gctx.set_deadline(DeadlineIn(absl::Seconds(30)));
+          v1::GetJobRequest req;
+          req.set_job_id(kept_job);
+          req.set_known_epoch(known);
+          v1::GetJobResponse got;
+          if (grpc::Status gs = admin->GetJob(&gctx, req, &got); !gs.ok()) {
+            errors.push_back(absl::StrCat("worker GetJob (known_epoch ", known,
+                                          "): ", gs.error_message()));
+            continue;
+          }
+          const double kb = JsonRound(static_cast<double>(got.ByteSizeLong()) / 1024.0, 1);
+          if (known == 0) {
+            line["worker_map_kb"] = kb;
+          } else {
+            line["worker_delta_kb"] = kb;
+            line["worker_delta_chunks"] = got.map().chunks_size();
+            line["worker_delta_from"] = got.map_delta_from();
+          }
+        }
+      }
       if (moved.ok()) {
         line["failover_s"] = JsonRound(Seconds(*moved), 3);
       } else {

@@ -190,7 +190,15 @@ void RecordPartChanges(const JobLayout& before, JobRecord& job) {
     if (shard_id != 0) job.part_epochs[shard_id] = epoch;
   };
   const int n = job.map.chunks_size();
-  std::vector<int>& changed = job.chunk_changes[epoch];
+  MapChange& change = job.chunk_changes[epoch];
+  std::set<uint64_t> held_before;
+  for (const ChunkSpec& c : before.chunks) {
+    held_before.insert(c.shard_id);
+    if (c.backup_shard_id != 0) held_before.insert(c.backup_shard_id);
+  }
+  for (const auto& [shard_id, load] : job.load) {
+    if (held_before.count(shard_id) == 0) change.new_holders.push_back(shard_id);
+  }
   for (int i = 0; i < n; ++i) {
     const v1::ChunkPlacement& now = job.map.chunks(i);
     const ChunkSpec* was = static_cast<size_t>(i) < before.chunks.size() ? &before.chunks[i] : nullptr;
@@ -198,7 +206,7 @@ void RecordPartChanges(const JobLayout& before, JobRecord& job) {
         was->backup_shard_id == now.backup_shard_id()) {
       continue;
     }
-    changed.push_back(i);
+    change.chunks.push_back(i);
     // Both ends, before and after: a shard's part lists the chunk's
     // holders (and their endpoints) for every chunk it holds.
     touch(now.shard_id());
@@ -223,24 +231,20 @@ std::optional<v1::ShardMap> DeltaOf(const MapSnapshot& snap, uint64_t from) {
   const uint64_t epoch = snap.map.epoch();
   if (from == 0 || from < snap.changes_since || from > epoch) return std::nullopt;
   std::set<int> chunks;
+  std::set<int> endpoints;  // Indices into snap.map.shards: map order.
   for (auto it = snap.chunk_changes.upper_bound(from); it != snap.chunk_changes.end(); ++it) {
     if (it->first > epoch) break;
-    chunks.insert(it->second.begin(), it->second.end());
+    chunks.insert(it->second.chunks.begin(), it->second.chunks.end());
+    for (uint64_t id : it->second.new_holders) {
+      // Holders now only: one that left again is named by no chunk.
+      auto e = snap.endpoint_of.find(id);
+      if (e != snap.endpoint_of.end()) endpoints.insert(e->second);
+    }
   }
   v1::ShardMap delta;
   delta.set_job_id(snap.map.job_id());
   delta.set_epoch(epoch);
-  std::set<int> endpoints;  // Indices into snap.map.shards: map order.
-  auto add_endpoint = [&](uint64_t id) {
-    auto e = snap.endpoint_of.find(id);
-    if (e != snap.endpoint_of.end()) endpoints.insert(e->second);
-  };
-  for (int i : chunks) {
-    const v1::ChunkPlacement& p = snap.map.chunks(i);
-    *delta.add_chunks() = p;
-    add_endpoint(p.shard_id());
-    if (p.backup_shard_id() != 0) add_endpoint(p.backup_shard_id());
-  }
+  for (int i : chunks) *delta.add_chunks() = snap.map.chunks(i);
   for (int i : endpoints) *delta.add_shards() = snap.map.shards(i);
   return delta;
 }

@@ -22,6 +22,14 @@
 
 namespace optimus {
 
+// What one map epoch changed (JobRecord::chunk_changes).
+struct MapChange {
+  // Indices into map.chunks of the chunks whose primary or backup changed.
+  std::vector<int> chunks;
+  // Shards that hold chunks at this epoch and held none at the one before.
+  std::vector<uint64_t> new_holders;
+};
+
 // One (job, epoch) as fetches read it, built once per map epoch from the
 // job's record and never changed after: a fetch takes the pointer under
 // the coordinator's lock and copies or cuts the map with no lock held.
@@ -37,7 +45,7 @@ struct MapSnapshot {
   std::map<uint64_t, int> endpoint_of;
   // The job's chunk_changes and changes_since when this epoch was current
   // (see JobRecord): what a delta from an older epoch is made of.
-  std::map<uint64_t, std::vector<int>> chunk_changes;
+  std::map<uint64_t, MapChange> chunk_changes;
   uint64_t changes_since = 0;
 
   // What fetches of this epoch send, serialized once by the first fetch
@@ -103,14 +111,14 @@ struct JobRecord {
   // (a shard that has an older one fetches). Volatile.
   uint64_t parts_since = 0;
   std::map<uint64_t, uint64_t> part_epochs;
-  // By epoch: indices into map.chunks of the chunks whose primary or backup
-  // changed at that epoch, for the newest kKeptChunkChanges epochs. A
+  // By epoch: what it changed (the chunks whose primary or backup changed,
+  // the shards new among the holders), for the newest kKeptChunkChanges epochs. A
   // whole-map read from a worker that holds an epoch >= changes_since gets
   // a delta (GetJobRequest.known_epoch); changes_since is the job's first
   // epoch (or the epoch it was loaded at), and moves up as old epochs are
   // dropped. Volatile.
   static constexpr size_t kKeptChunkChanges = 16;
-  std::map<uint64_t, std::vector<int>> chunk_changes;
+  std::map<uint64_t, MapChange> chunk_changes;
   uint64_t changes_since = 0;
   // Shards that a heartbeat reply sent to fetch their part at the current
   // epoch (past the coordinator's pacing, options.map_notices_per_s): they
@@ -241,8 +249,9 @@ void RecordPartChanges(const JobLayout& before, JobRecord& job);
 
 // The delta from epoch `from` to the snapshot's (GetJobResponse.map_delta_from):
 // the chunks changed at any epoch in (from, snapshot epoch], as they are
-// now, and their holders' endpoints (none when `from` is the snapshot's
-// epoch). std::nullopt when the snapshot does not know every change since
+// now, and the endpoints of the shards that became holders in that time
+// and still are (a worker at `from` has every other holder's); empty when
+// `from` is the snapshot's epoch. std::nullopt when the snapshot does not know every change since
 // `from` (from < changes_since), or `from` is 0 or newer than the snapshot.
 std::optional<v1::ShardMap> DeltaOf(const MapSnapshot& snap, uint64_t from);
 

@@ -15,6 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 #include "common/checkpoint_files.h"
+#include "client/map_delta.h"
 #include "coordinator/coordinator.h"
 #include "coordinator/test_fixtures.h"
 #include "gmock/gmock.h"
@@ -398,6 +399,10 @@ TEST_F(ReplicationTest, WorkersGetWhatAFailoverMovedAsADelta) {
   for (int i = 0; i < 8; ++i) shards.push_back(AddShard());
   const uint64_t job = CreateOk(OneTensorJob("llm", 16, 1));
   const v1::ShardMap before = Map(job);
+  // A shard that joins after the job holds nothing of it yet: the
+  // failover's new backups go to it first (the least loaded).
+  const uint64_t fresh = AddShard();
+  shards.push_back(fresh);
   BeatAll(std::set<uint64_t>(shards.begin(), shards.end()));
   std::set<uint64_t> alive(shards.begin() + 1, shards.end());
   ASSERT_EQ(Kill({shards[0]}, alive), 1);
@@ -430,12 +435,19 @@ TEST_F(ReplicationTest, WorkersGetWhatAFailoverMovedAsADelta) {
   }
   ASSERT_GT(moved, 0);
   ASSERT_LT(moved, after.chunks_size()) << "the test needs chunks that stayed";
-  // Every holder of a chunk in the delta comes with its endpoint.
-  for (const auto& c : delta.chunks()) {
-    for (uint64_t id : {c.shard_id(), c.backup_shard_id()}) {
-      if (id != 0) EXPECT_EQ(Endpoints(delta).count(id), 1u) << id;
-    }
+  // Only shards that were not holders before come with their endpoints
+  // (the worker has the others'), and the delta applied to the worker's
+  // map is the new map.
+  for (const auto& e : delta.shards()) EXPECT_EQ(Holders(before).count(e.shard_id()), 0u);
+  ASSERT_EQ(Holders(after).count(fresh), 1u);
+  EXPECT_EQ(Endpoints(delta), (std::set<uint64_t>{fresh}));
+  absl::StatusOr<v1::ShardMap> applied = ApplyMapDelta(before, delta);
+  ASSERT_TRUE(applied.ok()) << applied.status();
+  ASSERT_EQ(applied->chunks_size(), after.chunks_size());
+  for (int i = 0; i < after.chunks_size(); ++i) {
+    EXPECT_EQ(applied->chunks(i).SerializeAsString(), after.chunks(i).SerializeAsString()) << i;
   }
+  EXPECT_EQ(Endpoints(*applied), Endpoints(after));
   // At the current epoch: an empty delta.
   v1::ShardMap none;
   EXPECT_EQ(read(2, &none), 2u);
