@@ -235,6 +235,8 @@ struct Counters {
   // New map epochs taken without a fetch (Assignment.part_epoch said the
   // shard's part was unchanged), as optimus-shard does.
   uint64_t epochs_unchanged = 0;
+  // Fetches the coordinator gave a later slot (Assignment.fetch_after_ms).
+  uint64_t fetches_delayed = 0;
   std::vector<float> heartbeat_ms;
   std::vector<float> fetch_ms;
   // From a shard's first try at fetching a (job, epoch) to its answer,
@@ -600,6 +602,13 @@ class Simulator {
                 }
                 s.fetching.insert(a.job_id());
                 s.fetch_since[a.job_id()] = now;
+                if (a.fetch_after_ms() > 0) {
+                  // The coordinator's slot for this fetch (its pacing).
+                  ++counters_.fetches_delayed;
+                  refetch_.push(Refetch{now + absl::Milliseconds(a.fetch_after_ms()), c->shard,
+                                        s.id, a.job_id()});
+                  continue;
+                }
                 ++in_flight_;
                 fetch.emplace_back(s.id, a.job_id());
               }
@@ -1284,6 +1293,7 @@ Json RunOne(const RunOptions& o, int n) {
                 2);
   line["map_fetch_foreign_chunks"] = c.foreign_chunks;
   line["map_epochs_taken_unchanged"] = c.epochs_unchanged;
+  line["map_fetches_given_a_later_slot"] = c.fetches_delayed;
   if (at_kill.has_value()) {
     // What the failover's new epoch cost: only the shards whose part it
     // changed should fetch.

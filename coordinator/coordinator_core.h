@@ -349,9 +349,9 @@ class Coordinator {
     // the same (job, epoch, shard).
     uint64_t map_parts_serialized = 0;
     uint64_t map_parts_reused = 0;
-    // Heartbeat replies that left out a new part to fetch for being past
-    // options.map_notices_per_s (the shard hears of it at a later beat).
-    uint64_t map_notices_deferred = 0;
+    // Shards sent to fetch a part after a wait (Assignment.fetch_after_ms):
+    // past options.map_fetches_per_s, their slot was later.
+    uint64_t map_fetches_delayed = 0;
   };
   // How many times CreateJob plans a placement off the lock before it
   // plans one under it.
@@ -383,11 +383,12 @@ class Coordinator {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Drops what jobs keep per shard for a shard that left the tables.
   void DropShardFromJobsLocked(uint64_t shard_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Takes one of the map notices options.map_notices_per_s allows now;
-  // false when none is left.
-  bool TakeMapNoticeLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  double map_notice_tokens_ ABSL_GUARDED_BY(mu_) = 0;
-  absl::Time map_notices_at_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
+  // The time from which one more shard may fetch a map part:
+  // options.map_fetches_per_s of them a second, and half a second's worth
+  // at once after a quiet spell (a token bucket, kept as the time the next
+  // slot frees up).
+  absl::Time NextMapFetchSlotLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Time next_map_fetch_slot_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
   // Heartbeat's work on the tables, after its lease was renewed.
   void HeartbeatLocked(const v1::HeartbeatRequest& req, v1::HeartbeatResponse* resp)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -94,7 +94,7 @@ void Coordinator::CommitMapChangeLocked(JobRecord& job, const JobLayout& before)
     it = job.load.count(it->first) == 0 ? job.progress.erase(it) : std::next(it);
   }
   RecordPartChanges(before, job);
-  job.fetch_noticed.clear();
+  job.fetch_slots.clear();
   checkpoints_.OnOwnersChanged(job.id, ViewLocked(job).owners);
 }
 

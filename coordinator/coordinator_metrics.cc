@@ -82,10 +82,10 @@ std::string RenderCoordinatorMetrics(const CoordinatorMetricsInput& in) {
             "Heartbeats that renewed their lease but found the tables held by planning: "
             "answered with the shard's last reply, their report taken at the next heartbeat.",
             in.heartbeats_deferred);
-  m.Counter("optimus_coord_map_notices_deferred_total",
-            "Heartbeat replies that left a new map part to fetch for a later heartbeat: past "
-            "--map_notices_per_s, so that a new job's fetches spread out.",
-            in.map_notices_deferred);
+  m.Counter("optimus_coord_map_fetches_delayed_total",
+            "Shards sent to fetch a new map part after a wait (a later slot, past "
+            "--map_fetches_per_s), so that a new job's fetches spread out.",
+            in.map_fetches_delayed);
   m.Counter("optimus_coord_map_parts_serialized_total",
             "GetJob maps (a shard's part, or the whole) cut and serialized: once per job, "
             "epoch and shard.",

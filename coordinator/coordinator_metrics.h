@@ -34,9 +34,8 @@ struct CoordinatorMetricsInput {
   // earlier fetch of the same (job, epoch, shard).
   uint64_t map_parts_serialized = 0;
   uint64_t map_parts_reused = 0;
-  // Heartbeat replies that left a part to fetch for a later beat (pacing:
-  // --map_notices_per_s).
-  uint64_t map_notices_deferred = 0;
+  // Shards sent to fetch a part after a wait (pacing: --map_fetches_per_s).
+  uint64_t map_fetches_delayed = 0;
   // GetJob / GetShardMap refused with RESOURCE_EXHAUSTED for being past
   // --max_concurrent_map_reads.
   uint64_t map_reads_refused = 0;

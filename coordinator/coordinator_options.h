@@ -68,16 +68,17 @@ struct CoordinatorOptions {
   // refused one comes back several times. Default 16384 (every shard of a
   // 16k-DPU cluster fetching a new job's map at once); at least 0.
   int max_queued_map_reads = 16384;
-  // How many shards a second heartbeat replies send to fetch a new map
-  // part (a new job's, or a part a new epoch changed); half a second's
-  // worth may go at once. A shard past the rate hears of its part at a
-  // later heartbeat. A new job on a 16k-shard cluster otherwise sends
-  // every shard to fetch within one heartbeat interval, and the fetches'
-  // receive and send work queues the heartbeats behind it; paced, they
-  // spread over 16384 / rate seconds. A failover that changes a few
-  // hundred shards' parts is not slowed. Counted in
-  // optimus_coord_map_notices_deferred_total. Default 4096; 0: no pacing.
-  double map_notices_per_s = 4096;
+  // How many shards a second may fetch a new map part (a new job's, or a
+  // part a new epoch changed); half a second's worth may fetch at once.
+  // Past that, a heartbeat reply still names the new epoch but gives the
+  // shard a later slot (Assignment.fetch_after_ms), one every 1/rate s. A
+  // new job on a 16k-shard cluster otherwise sends every shard to fetch
+  // within one heartbeat interval, and the fetches' receive and send work
+  // queues the heartbeats behind it; paced, they spread over 16384 / rate
+  // seconds. A failover that changes a few hundred shards' parts is not
+  // slowed. Counted in optimus_coord_map_fetches_delayed_total. Default
+  // 4096; 0: no pacing.
+  double map_fetches_per_s = 4096;
   // A shard DOWN for longer than this leaves the coordinator's tables (and
   // status) on its own; `optimusctl shard forget` removes one at once. A
   // shard that comes back after that registers anew under a new id, as it

@@ -45,10 +45,10 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
         "coordinator options: max_queued_map_reads must be >= 0, not ",
         options.max_queued_map_reads));
   }
-  if (!(options.map_notices_per_s >= 0) || std::isinf(options.map_notices_per_s)) {
+  if (!(options.map_fetches_per_s >= 0) || std::isinf(options.map_fetches_per_s)) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "coordinator options: map_notices_per_s must be a finite number >= 0, not ",
-        options.map_notices_per_s));
+        "coordinator options: map_fetches_per_s must be a finite number >= 0, not ",
+        options.map_fetches_per_s));
   }
   const size_t colon = options.listen_address.rfind(':');
   if (colon == std::string::npos) {
@@ -111,7 +111,7 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
               " max_rpc_threads=", options.max_rpc_threads,
               " max_concurrent_map_reads=", options.max_concurrent_map_reads,
               " max_queued_map_reads=", options.max_queued_map_reads,
-              " map_notices_per_s=", options.map_notices_per_s,
+              " map_fetches_per_s=", options.map_fetches_per_s,
               " down_shard_grace=", absl::FormatDuration(options.down_shard_grace));
   return s;
 }
@@ -171,7 +171,7 @@ std::string CoordinatorServer::RenderMetrics() const {
   in.heartbeats_deferred = counters.heartbeats_deferred;
   in.map_parts_serialized = counters.map_parts_serialized;
   in.map_parts_reused = counters.map_parts_reused;
-  in.map_notices_deferred = counters.map_notices_deferred;
+  in.map_fetches_delayed = counters.map_fetches_delayed;
   using Why = Coordinator::JobRefusal;
   in.jobs_refused_quota = counters.jobs_refused[static_cast<int>(Why::kQuota)];
   in.jobs_refused_map_size = counters.jobs_refused[static_cast<int>(Why::kMapSize)];

@@ -154,27 +154,31 @@ void Coordinator::HeartbeatLocked(const v1::HeartbeatRequest& req, v1::Heartbeat
       }
       if (job->state == v1::JOB_STATE_FAILED) continue;
       if (!holds && !AllHoldersAtEpoch(*job)) continue;
-      // A shard sent to fetch a part (it has not loaded the newest epoch
-      // that changed it) costs the coordinator a map read: paced.
       const uint64_t part_epoch = PartEpochOf(*job, shard_id);
-      if (options_.map_notices_per_s > 0 && job->fetch_noticed.count(shard_id) == 0) {
+      v1::Assignment* a = resp.add_assignments();
+      a->set_job_id(job_id);
+      a->set_map_epoch(job->map.epoch());
+      a->set_part_epoch(part_epoch);
+      // A shard sent to fetch a part (it has not loaded the newest epoch
+      // that changed it) costs the coordinator a map read: it gets a slot.
+      if (options_.map_fetches_per_s > 0) {
         uint64_t loaded = 0;
         for (const v1::ShardJobProgress& p : req.jobs()) {
           if (p.job_id() == job_id) loaded = p.map_epoch();
         }
         const bool fetches = loaded < job->map.epoch() && (part_epoch == 0 || loaded < part_epoch);
         if (fetches) {
-          if (!TakeMapNoticeLocked()) {
-            ++counters_.map_notices_deferred;
-            continue;
+          auto [slot, fresh] = job->fetch_slots.try_emplace(shard_id);
+          if (fresh) slot->second = NextMapFetchSlotLocked();
+          const absl::Duration wait = slot->second - Now();
+          if (wait > absl::ZeroDuration()) {
+            a->set_fetch_after_ms(static_cast<uint32_t>(
+                std::min<int64_t>(absl::ToInt64Milliseconds(absl::Ceil(wait, absl::Milliseconds(1))),
+                                  UINT32_MAX)));
+            if (fresh) ++counters_.map_fetches_delayed;
           }
-          job->fetch_noticed.insert(shard_id);
         }
       }
-      v1::Assignment* a = resp.add_assignments();
-      a->set_job_id(job_id);
-      a->set_map_epoch(job->map.epoch());
-      a->set_part_epoch(part_epoch);
     }
     for (uint64_t job_id : stale) jobs_.Unindex(shard_id, job_id);
   }
@@ -191,20 +195,13 @@ void Coordinator::HeartbeatLocked(const v1::HeartbeatRequest& req, v1::Heartbeat
   leases_.SetLastReply(shard_id, resp);
 }
 
-bool Coordinator::TakeMapNoticeLocked() {
-  const double rate = options_.map_notices_per_s;
-  const double burst = std::max(1.0, rate / 2);
+absl::Time Coordinator::NextMapFetchSlotLocked() {
+  const absl::Duration every = absl::Seconds(1.0 / options_.map_fetches_per_s);
   const absl::Time now = Now();
-  if (map_notices_at_ == absl::InfinitePast()) {
-    map_notice_tokens_ = burst;
-  } else if (now > map_notices_at_) {
-    map_notice_tokens_ =
-        std::min(burst, map_notice_tokens_ + rate * absl::ToDoubleSeconds(now - map_notices_at_));
-  }
-  map_notices_at_ = std::max(now, map_notices_at_);
-  if (map_notice_tokens_ < 1) return false;
-  map_notice_tokens_ -= 1;
-  return true;
+  // After a quiet spell, half a second's worth of slots are free at once.
+  const absl::Time slot = std::max(next_map_fetch_slot_, now - absl::Milliseconds(500));
+  next_map_fetch_slot_ = slot + every;
+  return std::max(slot, now);
 }
 
 void Coordinator::MarkSeeded(JobRecord& job, uint64_t shard_id, const v1::ShardJobProgress& p) {

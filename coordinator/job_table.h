@@ -17,6 +17,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "coordinator/map_planner.h"
 #include "proto/optimus.pb.h"
 
@@ -121,10 +122,10 @@ struct JobRecord {
   std::map<uint64_t, MapChange> chunk_changes;
   uint64_t changes_since = 0;
   // Shards that a heartbeat reply sent to fetch their part at the current
-  // epoch (past the coordinator's pacing, options.map_notices_per_s): they
-  // are told again without a second token. Cleared at each new epoch.
+  // epoch, with the time of their slot (options.map_fetches_per_s): a
+  // later reply tells the same slot again. Cleared at each new epoch.
   // Volatile.
-  std::set<uint64_t> fetch_noticed;
+  std::map<uint64_t, absl::Time> fetch_slots;
   // The current map as fetches read it; null or of an older epoch until
   // the first fetch after a map change builds it (SnapshotOf). Volatile.
   std::shared_ptr<const MapSnapshot> snapshot;

@@ -45,11 +45,11 @@ ABSL_FLAG(int, max_queued_map_reads, 16384,
           "Map reads that wait, in arrival order and without a thread, for one of the "
           "--max_concurrent_map_reads; past both a read is refused with RESOURCE_EXHAUSTED. A "
           "waiting read costs a few KB. At least 0");
-ABSL_FLAG(double, map_notices_per_s, 4096,
-          "Shards per second that heartbeat replies send to fetch a new part of a job's map (a "
-          "new job, or a part a failover or drain changed); half a second's worth may go at "
-          "once, the rest hear of it at a later heartbeat. Spreads a new job's fetch storm on a "
-          "large cluster. 0: no pacing");
+ABSL_FLAG(double, map_fetches_per_s, 4096,
+          "Shards per second that may fetch a new part of a job's map (a new job, or a part a "
+          "failover or drain changed); half a second's worth at once, the others are given "
+          "later slots in their heartbeat replies. Spreads a new job's fetch storm on a large "
+          "cluster. 0: no pacing");
 ABSL_FLAG(std::string, port_file, "",
           "If set, the bound port is written to this file (atomically) once serving");
 ABSL_FLAG(int, metrics_port, 0, "HTTP port for /metrics, /healthz and /readyz; 0: off");
@@ -312,7 +312,7 @@ int main(int argc, char** argv) {
   options.max_rpc_threads = absl::GetFlag(FLAGS_max_rpc_threads);
   options.max_concurrent_map_reads = absl::GetFlag(FLAGS_max_concurrent_map_reads);
   options.max_queued_map_reads = absl::GetFlag(FLAGS_max_queued_map_reads);
-  options.map_notices_per_s = absl::GetFlag(FLAGS_map_notices_per_s);
+  options.map_fetches_per_s = absl::GetFlag(FLAGS_map_fetches_per_s);
   options.checkpoint_dir = absl::GetFlag(FLAGS_checkpoint_dir);
   options.rollback_on_shard_loss = absl::GetFlag(FLAGS_rollback_on_shard_loss);
   options.state_dir = absl::GetFlag(FLAGS_state_dir);

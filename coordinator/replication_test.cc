@@ -459,41 +459,55 @@ TEST_F(ReplicationTest, WorkersGetWhatAFailoverMovedAsADelta) {
   EXPECT_EQ(whole.SerializeAsString(), after.SerializeAsString());
 }
 
-// Heartbeat replies send at most options.map_notices_per_s shards a second
-// to fetch a new part, half a second's worth at once; the others hear of
-// it at a later beat. A shard once sent is told again without counting
-// twice, and one that has the current epoch needs no turn.
-TEST_F(ReplicationTest, ShardsAreSentToFetchNewPartsAtTheConfiguredRate) {
-  options_.map_notices_per_s = 4;  // 2 at once, then one per 250 ms.
+// A new job's shards fetch their parts at most options.map_fetches_per_s a
+// second, half a second's worth at once: every heartbeat reply names the
+// new epoch, and past the rate it gives the shard a later slot
+// (Assignment.fetch_after_ms). A shard told again keeps its slot; one that
+// has the current epoch gets none.
+TEST_F(ReplicationTest, ShardsFetchNewPartsInSlotsAtTheConfiguredRate) {
+  options_.map_fetches_per_s = 4;  // One slot every 250 ms.
   Start();
   std::vector<uint64_t> shards;
   for (int i = 0; i < 6; ++i) shards.push_back(AddShard());
   const uint64_t job = CreateOk(OneTensorJob("llm", 12, 0));
   ASSERT_EQ(Holders(Map(job)).size(), 6u);
-  auto told = [&](uint64_t shard, bool loaded = false) {
+  // The fetch_after_ms of the job's assignment (-1: none).
+  auto slot = [&](uint64_t shard, bool loaded = false) -> int64_t {
     v1::HeartbeatRequest req;
     req.set_shard_id(shard);
     if (loaded) *req.add_jobs() = Progress(shard, job, true);
     const v1::HeartbeatResponse r = coord_->Heartbeat(req);
     EXPECT_TRUE(r.known());
-    return r.assignments_size() == 1 && r.assignments(0).job_id() == job;
+    if (r.assignments_size() != 1 || r.assignments(0).job_id() != job) return -1;
+    return r.assignments(0).fetch_after_ms();
   };
-  EXPECT_TRUE(told(shards[0]));
-  EXPECT_TRUE(told(shards[1]));
-  EXPECT_FALSE(told(shards[2]));
-  EXPECT_FALSE(told(shards[3]));
-  EXPECT_EQ(coord_->counters().map_notices_deferred, 2u);
-  EXPECT_TRUE(told(shards[0])) << "a shard already sent lost its turn";
-  now_ += absl::Milliseconds(250);
-  EXPECT_TRUE(told(shards[2]));
-  EXPECT_FALSE(told(shards[3]));
-  now_ += absl::Seconds(10);  // Refills half a second's worth, no more.
-  EXPECT_TRUE(told(shards[3]));
-  EXPECT_TRUE(told(shards[4]));
-  EXPECT_FALSE(told(shards[5]));
-  // Loaded (it reports the current epoch): nothing to fetch, no turn taken.
-  EXPECT_TRUE(told(shards[5], /*loaded=*/true));
-  EXPECT_EQ(coord_->counters().map_notices_deferred, 4u);
+  // Half a second's worth of slots (and the current one) are free.
+  EXPECT_EQ(slot(shards[0]), 0);
+  EXPECT_EQ(slot(shards[1]), 0);
+  EXPECT_EQ(slot(shards[2]), 0);
+  EXPECT_EQ(slot(shards[3]), 250);
+  EXPECT_EQ(slot(shards[4]), 500);
+  EXPECT_EQ(coord_->counters().map_fetches_delayed, 2u);
+  now_ += absl::Milliseconds(100);
+  EXPECT_EQ(slot(shards[4]), 400) << "a shard told again keeps its slot";
+  EXPECT_EQ(slot(shards[0]), 0);
+  // Loaded (it reports the current epoch): nothing to fetch, no slot taken.
+  EXPECT_EQ(slot(shards[5], /*loaded=*/true), 0);
+  EXPECT_EQ(slot(shards[5]), 650) << "the next free slot";
+  EXPECT_EQ(coord_->counters().map_fetches_delayed, 3u);
+  // After a quiet spell, half a second's worth is free at once again.
+  now_ += absl::Seconds(10);
+  const uint64_t second = CreateOk(OneTensorJob("second", 12, 0));
+  int at_once = 0;
+  for (uint64_t s : shards) {
+    v1::HeartbeatRequest req;
+    req.set_shard_id(s);
+    const v1::HeartbeatResponse r = coord_->Heartbeat(req);
+    for (const auto& a : r.assignments()) {
+      if (a.job_id() == second && a.fetch_after_ms() == 0) ++at_once;
+    }
+  }
+  EXPECT_EQ(at_once, 3);
 }
 
 TEST_F(ReplicationTest, LostPrimaryWithBackupsNotYetSeededFailsTheJob) {

@@ -171,7 +171,7 @@ absl::Status Shard::HeartbeatOnce() {
         continue;
       }
     }
-    RequestLoad(a.job_id, a.map_epoch);
+    RequestLoad(a.job_id, a.map_epoch, absl::Now() + a.fetch_after);
   }
   // Tell the coordinator now rather than at the next beat.
   if (took_unchanged) BeatNow();
@@ -266,10 +266,13 @@ absl::Status Shard::LoadJob(uint64_t job_id, bool* coordinator_busy) {
   return absl::OkStatus();
 }
 
-void Shard::RequestLoad(uint64_t job_id, uint64_t epoch) {
+void Shard::RequestLoad(uint64_t job_id, uint64_t epoch, absl::Time not_before) {
   absl::MutexLock lock(&load_mu_);
+  const bool fresh = loads_wanted_.count(job_id) == 0;
   uint64_t& wanted = loads_wanted_[job_id];
   wanted = std::max(wanted, epoch);
+  // The slot of the first request stands (later replies repeat it).
+  if (fresh && not_before > absl::Now()) loads_not_before_[job_id] = not_before;
 }
 
 void Shard::LoaderLoop() {
@@ -281,9 +284,27 @@ void Shard::LoaderLoop() {
       absl::MutexLock lock(&load_mu_);
       load_mu_.Await(absl::Condition(this, &Shard::LoadWantedOrStopping));
       if (load_stop_) return;
-      job_id = loads_wanted_.begin()->first;
-      epoch = loads_wanted_.begin()->second;
-      loads_wanted_.erase(loads_wanted_.begin());
+      // The load whose slot comes first; wait for it (the coordinator
+      // spreads a new job's fetches over its shards).
+      auto next = loads_wanted_.begin();
+      absl::Time at = absl::InfinitePast();
+      for (auto it = loads_wanted_.begin(); it != loads_wanted_.end(); ++it) {
+        auto nb = loads_not_before_.find(it->first);
+        const absl::Time t = nb == loads_not_before_.end() ? absl::InfinitePast() : nb->second;
+        if (it == loads_wanted_.begin() || t < at) {
+          next = it;
+          at = t;
+        }
+      }
+      const absl::Duration wait = at - absl::Now();
+      if (wait > absl::ZeroDuration()) {
+        if (load_mu_.AwaitWithTimeout(absl::Condition(&load_stop_), wait)) return;
+        continue;  // Look again: another load may have come first meanwhile.
+      }
+      job_id = next->first;
+      epoch = next->second;
+      loads_wanted_.erase(next);
+      loads_not_before_.erase(job_id);
     }
     // A request for an epoch loaded meanwhile costs one GetJob and no more
     // (LoadJob and ApplyMap skip what they have).

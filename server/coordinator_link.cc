@@ -194,7 +194,8 @@ class GrpcCoordinatorLink : public CoordinatorLink {
     HeartbeatReply out;
     out.known = resp.known();
     for (const v1::Assignment& a : resp.assignments()) {
-      out.assignments.push_back({a.job_id(), a.map_epoch(), a.part_epoch()});
+      out.assignments.push_back({a.job_id(), a.map_epoch(), a.part_epoch(),
+                                 absl::Milliseconds(a.fetch_after_ms())});
     }
     for (const v1::CheckpointOrder& o : resp.checkpoints()) {
       out.checkpoints.push_back(

@@ -159,6 +159,8 @@ struct HeartbeatReply {
     // The newest epoch <= map_epoch that changed this shard's part of the
     // map; 0: not known (v1::Assignment.part_epoch).
     uint64_t part_epoch = 0;
+    // Fetch no sooner than this after the reply (the coordinator's pacing).
+    absl::Duration fetch_after = absl::ZeroDuration();
   };
   std::vector<Assignment> assignments;
   std::vector<CheckpointOrder> checkpoints;

@@ -146,7 +146,9 @@ class Shard : public ShardServer {
   // next heartbeat go out at once. A fetch the coordinator refused as busy
   // is tried again by the loader after a jittered, growing wait
   // (common/busy_retry.h), not at once and not only at the next heartbeat.
-  void RequestLoad(uint64_t job_id, uint64_t epoch) ABSL_LOCKS_EXCLUDED(load_mu_);
+  // Not before `not_before` (the coordinator's slot for the fetch).
+  void RequestLoad(uint64_t job_id, uint64_t epoch, absl::Time not_before = absl::InfinitePast())
+      ABSL_LOCKS_EXCLUDED(load_mu_);
   void LoaderLoop() ABSL_LOCKS_EXCLUDED(load_mu_);
   bool LoadWantedOrStopping() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(load_mu_) {
     return load_stop_ || !loads_wanted_.empty();
@@ -232,6 +234,8 @@ class Shard : public ShardServer {
 
   absl::Mutex load_mu_;
   std::map<uint64_t, uint64_t> loads_wanted_ ABSL_GUARDED_BY(load_mu_);  // job id -> epoch.
+  // Job id -> the earliest time its wanted load may fetch (absent: now).
+  std::map<uint64_t, absl::Time> loads_not_before_ ABSL_GUARDED_BY(load_mu_);
   bool load_stop_ ABSL_GUARDED_BY(load_mu_) = false;
   std::thread loader_thread_;
 };

@@ -45,8 +45,8 @@ class FakeLink : public CoordinatorLink {
     if (assign_) {
       for (const auto& [id, d] : jobs_) {
         auto part = part_epochs_.find(id);
-        reply.assignments.push_back(
-            {id, d.map.epoch, part == part_epochs_.end() ? 0 : part->second});
+        reply.assignments.push_back({id, d.map.epoch,
+                                     part == part_epochs_.end() ? 0 : part->second, fetch_after_});
       }
       if (assign_once_ && !jobs_.empty()) assign_ = false;
     }
@@ -56,6 +56,7 @@ class FakeLink : public CoordinatorLink {
   absl::StatusOr<JobDescription> GetJob(uint64_t job_id, uint64_t for_shard_id) override {
     absl::MutexLock lock(&mu_);
     fetched_for_.push_back(for_shard_id);
+    fetched_at_.push_back(absl::Now());
     if (fail_fetches_) return absl::UnavailableError("the test refuses every fetch");
     if (busy_fetches_ > 0) {
       --busy_fetches_;
@@ -75,6 +76,15 @@ class FakeLink : public CoordinatorLink {
   void SetPartEpoch(uint64_t job_id, uint64_t part_epoch) {
     absl::MutexLock lock(&mu_);
     part_epochs_[job_id] = part_epoch;
+  }
+  // Every assignment says: fetch after `wait` (Assignment.fetch_after_ms).
+  void SetFetchAfter(absl::Duration wait) {
+    absl::MutexLock lock(&mu_);
+    fetch_after_ = wait;
+  }
+  std::vector<absl::Time> fetched_at() {
+    absl::MutexLock lock(&mu_);
+    return fetched_at_;
   }
   // While set, every GetJob fails (UNAVAILABLE).
   void FailFetches(bool fail) {
@@ -135,6 +145,8 @@ class FakeLink : public CoordinatorLink {
   bool assign_once_ ABSL_GUARDED_BY(mu_) = false;
   bool assign_ ABSL_GUARDED_BY(mu_) = true;
   bool fail_fetches_ ABSL_GUARDED_BY(mu_) = false;
+  absl::Duration fetch_after_ ABSL_GUARDED_BY(mu_) = absl::ZeroDuration();
+  std::vector<absl::Time> fetched_at_ ABSL_GUARDED_BY(mu_);
 };
 
 // A worker speaking raw wire requests to the shard.
@@ -546,6 +558,19 @@ TEST_F(ShardServerTest, ANewEpochThatLeftThePartAsItWasIsTakenWithoutAFetch) {
     link_->FailFetches(false);
   }
   Load(OneChunkJob(me, /*epoch=*/3));
+}
+
+// A heartbeat reply that gives the shard a later slot for its fetch (the
+// coordinator's pacing of a new job over many shards): the shard fetches
+// no sooner than that, and loads the job then.
+TEST_F(ShardServerTest, AFetchWaitsForTheSlotTheCoordinatorGave) {
+  link_->SetFetchAfter(absl::Milliseconds(400));
+  const absl::Time assigned = absl::Now();
+  Load(OneChunkJob(link_->shard_id()));
+  const std::vector<absl::Time> at = link_->fetched_at();
+  ASSERT_FALSE(at.empty());
+  EXPECT_GE(at.front() - assigned, absl::Milliseconds(400));
+  EXPECT_EQ(shard_->stats().chunks_owned, 1u);
 }
 
 // A coordinator busy with a fetch storm refuses the shard's first fetches

@@ -64,7 +64,7 @@ class FakeLink : public server::CoordinatorLink {
     last_ = report;
     ++beats_;
     server::HeartbeatReply reply;
-    for (const auto& [id, d] : jobs_) reply.assignments.emplace_back(id, d.map.epoch);
+    for (const auto& [id, d] : jobs_) reply.assignments.push_back({id, d.map.epoch});
     // Released jobs the shard no longer reports need not be told again.
     std::set<uint64_t> held;
     for (const server::JobReport& j : report.jobs) held.insert(j.job_id);

@@ -216,7 +216,7 @@ prometheus.io/path: /metrics
 --max_rpc_threads={{ int $c.maxRpcThreads }}
 --max_concurrent_map_reads={{ int $c.maxConcurrentMapReads }}
 --max_queued_map_reads={{ int $c.maxQueuedMapReads }}
---map_notices_per_s={{ $c.mapNoticesPerS }}
+--map_fetches_per_s={{ $c.mapFetchesPerS }}
 --down_shard_grace={{ $c.downShardGrace }}
 --max_chunks_per_job={{ int64 $c.maxChunksPerJob }}
 --max_tensors_per_job={{ int64 $c.maxTensorsPerJob }}
