@@ -24,8 +24,13 @@ absl::StatusOr<v1::ShardMap> ApplyMapDelta(const v1::ShardMap& base, const v1::S
     return absl::InvalidArgumentError(absl::StrCat("map delta to epoch ", delta.epoch(),
                                                    " is not newer than epoch ", base.epoch()));
   }
+  if (delta.delta_from() != 0 && delta.delta_from() != base.epoch()) {
+    return absl::InvalidArgumentError(absl::StrCat("map delta from epoch ", delta.delta_from(),
+                                                   " for the map of epoch ", base.epoch()));
+  }
   v1::ShardMap out = base;
   out.set_epoch(delta.epoch());
+  out.clear_delta_from();
   absl::flat_hash_map<uint64_t, int> index;
   index.reserve(static_cast<size_t>(out.chunks_size()));
   for (int i = 0; i < out.chunks_size(); ++i) {

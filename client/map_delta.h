@@ -14,7 +14,8 @@ namespace optimus {
 // says, and the endpoints of every shard the result's chunks name (the
 // delta's for new shards, base's for the others; shards no chunk names
 // any more are dropped). INVALID_ARGUMENT, changing nothing, when the
-// delta is of another job, not newer than `base`, names a chunk that
+// delta is of another job, not newer than `base`, from another epoch than
+// base's (ShardMap.delta_from, when set), names a chunk that
 // `base` does not have or with another element range, or places a chunk
 // on a shard it gives no endpoint for.
 absl::StatusOr<v1::ShardMap> ApplyMapDelta(const v1::ShardMap& base, const v1::ShardMap& delta);

@@ -255,13 +255,15 @@ class Coordinator {
                                                  uint64_t known_epoch = 0);
 
   // Waits up to `timeout` for the job's map to have an epoch > after_epoch
-  // and returns it; std::nullopt when the wait timed out. NOT_FOUND for an
-  // unknown (or deleted) job, FAILED_PRECONDITION once the job has FAILED
-  // (after its current map was delivered), UNAVAILABLE after
-  // BeginShutdown().
+  // and returns it; std::nullopt when the wait timed out. With `delta`
+  // (and after_epoch > 0), the delta from after_epoch (DeltaOf) when one
+  // can be made. NOT_FOUND for an unknown (or deleted) job,
+  // FAILED_PRECONDITION once the job has FAILED (after its current map
+  // was delivered), UNAVAILABLE after BeginShutdown().
   absl::StatusOr<std::optional<v1::ShardMap>> WaitForShardMap(uint64_t job_id,
                                                               uint64_t after_epoch,
-                                                              absl::Duration timeout);
+                                                              absl::Duration timeout,
+                                                              bool delta = false);
 
   // ---- Status (coordinator_status.cc) ----
   // Every shard and job (StatusPage of an empty request).

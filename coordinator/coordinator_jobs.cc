@@ -509,7 +509,8 @@ absl::StatusOr<v1::ShardMap> Coordinator::GetShardMap(uint64_t job_id) {
 
 absl::StatusOr<std::optional<v1::ShardMap>> Coordinator::WaitForShardMap(uint64_t job_id,
                                                                          uint64_t after_epoch,
-                                                                         absl::Duration timeout) {
+                                                                         absl::Duration timeout,
+                                                                         bool delta) {
   const absl::Time deadline = absl::Now() + timeout;
   std::shared_ptr<const MapSnapshot> snap;
   {
@@ -528,6 +529,11 @@ absl::StatusOr<std::optional<v1::ShardMap>> Coordinator::WaitForShardMap(uint64_
       }
       if (absl::Now() >= deadline) return std::optional<v1::ShardMap>();
       map_changed_.WaitWithDeadline(&mu_, deadline);
+    }
+  }
+  if (delta) {
+    if (std::optional<v1::ShardMap> d = DeltaOf(*snap, after_epoch); d.has_value()) {
+      return std::optional<v1::ShardMap>(*std::move(d));
     }
   }
   return std::optional<v1::ShardMap>(snap->map);

@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "client/map_delta.h"
 #include "gmock/gmock.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
@@ -683,6 +684,62 @@ TEST_F(CoordinatorTest, DrainOverGrpcMovesChunksWhileTheShardsBeatAndShowsInMetr
   EXPECT_THAT(metrics, HasSubstr("optimus_coord_job_backups_in_sync{job_name=\"llm\"} 0"));
   EXPECT_THAT(metrics, HasSubstr("optimus_coord_job_chunks{job_name=\"llm\"} 5"));
   EXPECT_THAT(metrics, HasSubstr("optimus_coord_job_replication{job_name=\"llm\"} 0"));
+}
+
+// A watch with deltas sends the whole map first, then only what each new
+// epoch changed (ShardMap.delta_from): here a drain that gives the
+// draining shard's chunks a backup on the other one. Applied to the first
+// map, the delta gives the new map.
+TEST_F(CoordinatorTest, WatchWithDeltasSendsWhatEachEpochChanged) {
+  const uint64_t a = RegisterOk(Caps(v1::SHARD_KIND_DPU, 1 << 20, "a"));
+  const uint64_t b = RegisterOk(Caps(v1::SHARD_KIND_DPU, 1 << 20, "b"));
+  v1::CreateJobResponse created;
+  ASSERT_TRUE(Create(Spec("llm", 1), &created).ok());
+  const uint32_t on_a = ChunksOn(created.map(), a);
+  ASSERT_GT(on_a, 0u);
+  ASSERT_LT(on_a, static_cast<uint32_t>(created.map().chunks_size()));
+
+  grpc::ClientContext ctx;
+  v1::WatchShardMapRequest req;
+  req.set_job_id(created.job_id());
+  req.set_deltas(true);
+  auto reader = stub_->WatchShardMap(&ctx, req);
+  v1::ShardMap first;
+  ASSERT_TRUE(reader->Read(&first));
+  EXPECT_EQ(first.epoch(), 1u);
+  EXPECT_EQ(first.delta_from(), 0u);
+  EXPECT_EQ(first.chunks_size(), created.map().chunks_size());
+
+  v1::DrainShardRequest dreq;
+  dreq.set_shard_id(a);
+  v1::DrainShardResponse dresp;
+  ASSERT_TRUE(stub_->DrainShard(Ctx().get(), dreq, &dresp).ok());
+  v1::ShardMap now;
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  while (absl::Now() < deadline) {
+    Beat(a);
+    Beat(b);
+    v1::GetShardMapRequest mreq;
+    mreq.set_job_id(created.job_id());
+    ASSERT_TRUE(stub_->GetShardMap(Ctx().get(), mreq, &now).ok());
+    if (now.epoch() > 1) break;
+    absl::SleepFor(kSweep);
+  }
+  ASSERT_EQ(now.epoch(), 2u);
+  v1::ShardMap delta;
+  ASSERT_TRUE(reader->Read(&delta));
+  EXPECT_EQ(delta.epoch(), 2u);
+  EXPECT_EQ(delta.delta_from(), 1u);
+  EXPECT_EQ(delta.chunks_size(), static_cast<int>(on_a));  // a's chunks got a backup.
+  for (const auto& c : delta.chunks()) {
+    EXPECT_EQ(c.shard_id(), a);
+    EXPECT_EQ(c.backup_shard_id(), b);
+  }
+  EXPECT_EQ(delta.shards_size(), 0);  // a and b held chunks before.
+  absl::StatusOr<v1::ShardMap> applied = ApplyMapDelta(first, delta);
+  ASSERT_TRUE(applied.ok()) << applied.status();
+  EXPECT_EQ(applied->SerializeAsString(), now.SerializeAsString());
+  ctx.TryCancel();
 }
 
 TEST(CoordinatorServerTest, UnusableAddressIsAnError) {

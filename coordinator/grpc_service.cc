@@ -354,7 +354,7 @@ grpc::Status CoordinatorService::WatchShardMap(grpc::ServerContext* ctx,
   uint64_t after_epoch = req->after_epoch();
   while (!ctx->IsCancelled()) {
     absl::StatusOr<std::optional<v1::ShardMap>> map =
-        core_->WaitForShardMap(req->job_id(), after_epoch, kPollInterval);
+        core_->WaitForShardMap(req->job_id(), after_epoch, kPollInterval, req->deltas());
     if (!map.ok()) return ToGrpc(map.status());
     if (!map->has_value()) continue;
     if (!writer->Write(**map)) return grpc::Status::OK;  // Client went away.

@@ -244,6 +244,7 @@ std::optional<v1::ShardMap> DeltaOf(const MapSnapshot& snap, uint64_t from) {
   v1::ShardMap delta;
   delta.set_job_id(snap.map.job_id());
   delta.set_epoch(epoch);
+  delta.set_delta_from(from);
   for (int i : chunks) *delta.add_chunks() = snap.map.chunks(i);
   for (int i : endpoints) *delta.add_shards() = snap.map.shards(i);
   return delta;
