@@ -145,6 +145,10 @@ absl::Status Shard::HeartbeatOnce() {
     // chunk so no worker or former primary keeps using it, then join afresh.
     OPTIMUS_LOG(Warning, kLog, "coordinator no longer knows shard_id=", shard_id_.load(),
                 "; releasing its chunks and registering again");
+    {
+      absl::MutexLock lock(&dropped_mu_);
+      for (const JobRef& job : table_.All()) dropped_when_down_.insert(job->config.job_id);
+    }
     ReleaseAll(absl::FailedPreconditionError(absl::StrCat(
                    "stale shard map: shard ", shard_id_.load(), " was declared down")),
                RefreshHint());
@@ -257,6 +261,10 @@ absl::Status Shard::LoadJob(uint64_t job_id, bool* coordinator_busy) {
     job->primary_of = std::move(primary_of);
   }
   if (!table_.Insert(job)) return absl::OkStatus();  // Loaded meanwhile.
+  {
+    absl::MutexLock lock(&dropped_mu_);
+    dropped_when_down_.erase(job_id);
+  }
   OPTIMUS_LOG(Info, kLog, "loaded job ", job_id, " (", job->config.name, ") epoch ",
               desc->map.epoch, ": ", num_chunks, " chunks, replication ",
               job->config.replication, ", shard memory used ", table_.memory()->used(), " of ",
@@ -417,6 +425,11 @@ void Shard::ReleaseJob(uint64_t job_id, const absl::Status& why, ReplyHint hint)
   if (job == nullptr) return;
   for (const ChunkRef& chunk : job->Chunks()) RetireChunk(job, chunk, why, hint);
   if (ckpt_writer_ != nullptr) ckpt_writer_->FailJob(job_id, std::string(why.message()));
+}
+
+bool Shard::DroppedWhenDown(uint64_t job_id) {
+  absl::MutexLock lock(&dropped_mu_);
+  return dropped_when_down_.count(job_id) != 0;
 }
 
 void Shard::ReleaseAll(const absl::Status& why, ReplyHint hint) {

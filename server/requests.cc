@@ -280,13 +280,21 @@ void Shard::Dispatch(transport::IncomingMessage& msg, const wire::RequestHeader&
         msg.peer_identity(), "\"")));
   }
   JobRef job = table_.Find(h.job_id);
+  ReplyHint refresh;
+  refresh.refresh_map = true;
   if (job == nullptr) {
+    if (DroppedWhenDown(h.job_id)) {
+      // Declared down and back: the job moved on to other shards; the
+      // sender's map is older than that.
+      return refuse(absl::FailedPreconditionError(absl::StrCat(
+                        "stale shard map: shard ", shard_id_.load(), " was declared down and "
+                        "no longer holds job ", h.job_id)),
+                    refresh);
+    }
     return refuse(absl::NotFoundError(
         absl::StrCat("unknown job ", h.job_id, " on shard ", shard_id_.load())));
   }
   const uint64_t epoch = job->epoch();
-  ReplyHint refresh;
-  refresh.refresh_map = true;
   if (h.map_epoch < epoch) {
     return refuse(absl::FailedPreconditionError(
                       absl::StrCat("stale shard map: request has epoch ", h.map_epoch, ", job ",

@@ -221,6 +221,15 @@ class Shard : public ShardServer {
   absl::Mutex identity_mu_;
   std::optional<std::string> data_plane_key_ ABSL_GUARDED_BY(identity_mu_);
 
+  // Jobs this shard dropped because the coordinator declared it down: a
+  // request for one is sent back to the map (workers still on the map
+  // that had this shard fetch the new one), not answered "unknown job",
+  // which would end the worker's step. An entry goes when the job is
+  // loaded here again.
+  absl::Mutex dropped_mu_;
+  std::set<uint64_t> dropped_when_down_ ABSL_GUARDED_BY(dropped_mu_);
+  bool DroppedWhenDown(uint64_t job_id) ABSL_LOCKS_EXCLUDED(dropped_mu_);
+
   absl::Mutex peers_mu_;
   std::map<uint64_t, transport::EndpointRef> peers_ ABSL_GUARDED_BY(peers_mu_);
   absl::Mutex fwd_mu_;

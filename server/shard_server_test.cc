@@ -91,6 +91,11 @@ class FakeLink : public CoordinatorLink {
     absl::MutexLock lock(&mu_);
     fail_fetches_ = fail;
   }
+  // The coordinator stops assigning the job (it moved to other shards).
+  void Unassign(uint64_t job_id) {
+    absl::MutexLock lock(&mu_);
+    jobs_.erase(job_id);
+  }
   void Delete(uint64_t job_id) {
     absl::MutexLock lock(&mu_);
     jobs_.erase(job_id);
@@ -591,6 +596,27 @@ TEST_F(ShardServerTest, ForgottenShardDropsEverythingAndRegistersAgain) {
   ASSERT_TRUE(link_->WaitReport([&](const HeartbeatReport& r) { return r.shard_id != first_id; }));
   EXPECT_EQ(shard_->stats().memory_used_bytes, baseline);
   EXPECT_NE(shard_->shard_id(), first_id);
+}
+
+// A shard declared down drops its jobs; a worker that still has the map
+// placing a chunk there is told to fetch a newer map (the job moved on),
+// not "unknown job", which would end its step. A job it never had is
+// still unknown.
+TEST_F(ShardServerTest, AJobDroppedWhenDeclaredDownSendsItsRequestsBackToTheMap) {
+  const uint64_t first_id = link_->shard_id();
+  Load(OneChunkJob(first_id));
+  Peer peer(fabric_, shard_->data_address());
+  const std::vector<float> init = Ramp(0.01f);
+  ASSERT_TRUE(peer.Call(Header(wire::Op::kInit, 1, 1), init.data(), kElems * 4).reply.status.ok());
+  link_->Unassign(kJob);
+  link_->Forget();
+  ASSERT_TRUE(link_->WaitReport([&](const HeartbeatReport& r) { return r.shard_id != first_id; }));
+  const Peer::Answer moved = peer.Call(Header(wire::Op::kPull, 1, 2));
+  EXPECT_EQ(moved.reply.status.code(), absl::StatusCode::kFailedPrecondition) << moved.reply.status;
+  EXPECT_NE(moved.reply.header.flags & wire::kReplyRefreshMap, 0u);
+  wire::RequestHeader other = Header(wire::Op::kPull, 1, 3);
+  other.job_id = kJob + 1;
+  EXPECT_EQ(peer.Call(other).reply.status.code(), absl::StatusCode::kNotFound);
 }
 
 }  // namespace
