@@ -15,6 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
+#include "client/map_delta.h"
 #include "common/busy_retry.h"
 #include "common/coordinator_channels.h"
 #include "common/grpc_limits.h"
@@ -462,10 +463,14 @@ class ClientImpl : public Client {
   // A fetch the coordinator refuses as busy (past its bound on map reads)
   // is tried again after jittered, growing waits until `give_up`; the
   // default, now, tries once.
+  // With known_epoch (the map this client holds, with the spec), the
+  // answer leaves the spec out and its map may be a delta from that epoch
+  // (GetJobResponse.map_delta_from; WholeMapOf).
   absl::Status FetchJob(uint64_t job_id, v1::GetJobResponse* job,
-                        absl::Time give_up = absl::InfinitePast()) {
+                        absl::Time give_up = absl::InfinitePast(), uint64_t known_epoch = 0) {
     v1::GetJobRequest greq;
     greq.set_job_id(job_id);
+    greq.set_known_epoch(known_epoch);
     return RetryWhileBusy(
         [&] { return CallCoordinator(&v1::Coordinator::Stub::GetJob, greq, job); }, give_up);
   }
@@ -550,6 +555,7 @@ class ClientImpl : public Client {
     job_name_ = spec.name();
     replication_ = spec.replication();
     epoch_ = job.map().epoch();
+    map_ = job.map();
     rank_ = rank;
     world_size_ = spec.world_size();
     resume_step_ = std::max<uint64_t>(job.resume_step(), 1);
@@ -1377,7 +1383,7 @@ class ClientImpl : public Client {
 
   void RecoveryLoop() {
     for (;;) {
-      uint64_t job_id;
+      uint64_t job_id, known_epoch;
       {
         absl::MutexLock lock(&mu_);
         if (!mu_.AwaitWithTimeout(absl::Condition(this, &ClientImpl::HasStalledOrStopping),
@@ -1393,9 +1399,10 @@ class ClientImpl : public Client {
         }
         if (stopping_) return;
         job_id = job_id_;
+        known_epoch = epoch_;
       }
       v1::GetJobResponse job;
-      absl::Status fetched = FetchJob(job_id, &job);
+      absl::Status fetched = FetchJob(job_id, &job, absl::InfinitePast(), known_epoch);
       if (fetched.ok() && job.state() == v1::JOB_STATE_FAILED) {
         FailAllStalled(absl::UnavailableError(absl::StrCat(
             "job '", job_name_, "' failed: a shard holding its chunks was lost without a "
@@ -1420,7 +1427,9 @@ class ClientImpl : public Client {
           epoch = epoch_;
         }
         if (job.map().epoch() > epoch) {
-          if (absl::Status s = AdoptMap(job.map()); !s.ok()) {
+          absl::StatusOr<v1::ShardMap> whole = WholeMapOf(job);
+          absl::Status s = whole.ok() ? AdoptMap(*whole) : whole.status();
+          if (!s.ok()) {
             OPTIMUS_LOG(Warning, kLog, "cannot use map epoch ", job.map().epoch(), ": ",
                         s.ToString());
           }
@@ -1465,6 +1474,25 @@ class ClientImpl : public Client {
 
   // Switches to a newer map and sends again the retained pushes whose chunk
   // is now on another shard (the old one may have taken them and died).
+  // The whole map a GetJob answer gives: its map, or the delta it carries
+  // applied to the map this client holds (which must be the delta's
+  // starting epoch: otherwise the next round asks again).
+  absl::StatusOr<v1::ShardMap> WholeMapOf(const v1::GetJobResponse& job) {
+    if (job.map_delta_from() == 0) return job.map();
+    absl::MutexLock lock(&mu_);
+    if (job.map_delta_from() != epoch_) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "a map delta from epoch ", job.map_delta_from(), " for a client at epoch ", epoch_));
+    }
+    absl::StatusOr<v1::ShardMap> whole = ApplyMapDelta(map_, job.map());
+    if (whole.ok()) {
+      OPTIMUS_LOG(Info, kLog, "job ", job_id_, " rank ", rank_, ": map epoch ", epoch_, " -> ",
+                  whole->epoch(), " from a delta of ", job.map().chunks_size(), " of ",
+                  whole->chunks_size(), " chunks");
+    }
+    return whole;
+  }
+
   absl::Status AdoptMap(const v1::ShardMap& map) {
     auto routes = BuildRoutes(map, tensors_);
     if (!routes.ok()) return routes.status();
@@ -1490,6 +1518,7 @@ class ClientImpl : public Client {
       OPTIMUS_LOG(Info, kLog, "job ", job_id_, " rank ", rank_, ": map epoch ", epoch_, " -> ",
                   map.epoch());
       epoch_ = map.epoch();
+      map_ = map;
       // Requests still waiting on a chunk's old shard go to its new one
       // (through the recovery thread, as after a peer failure): a deposed
       // primary that is alive but cut off from the coordinator never hears
@@ -1596,6 +1625,8 @@ class ClientImpl : public Client {
   bool joined_ ABSL_GUARDED_BY(mu_) = false;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   uint64_t epoch_ ABSL_GUARDED_BY(mu_) = 0;
+  // The whole map of epoch_: what a delta from the coordinator applies to.
+  v1::ShardMap map_ ABSL_GUARDED_BY(mu_);
   std::vector<std::vector<ChunkRoute>> routes_ ABSL_GUARDED_BY(mu_);
   std::vector<Retained> retained_ ABSL_GUARDED_BY(mu_);
   uint64_t resent_ ABSL_GUARDED_BY(mu_) = 0;

@@ -47,7 +47,8 @@ same_params drill clean
 # Eight shards: the failover's new epoch changes the parts of the shards
 # that held the killed shard's chunks or take them over, not the others'.
 # Those take the epoch without fetching the map (Assignment.part_epoch),
-# and training still ends bitwise where a failure-free run does.
+# the workers get only the moved chunks (a map delta), and training still
+# ends bitwise where a failure-free run does.
 run wide --shards=8 --replication=1 --kill_shard_at_step=150
 if [[ "$(steps_of wide)" != "$(steps_of clean)" ]]; then
   run clean_wide --shards=3 --steps="$(steps_of wide)"
@@ -65,5 +66,13 @@ echo "wide: ${unchanged} shards took the failover's epoch without a fetch, ${fet
 if grep -h "re-joining\|resuming at step" "${TEST_TMPDIR}"/wide/worker-*.log; then
   echo "a worker had to re-join (wide)"; exit 1
 fi
+# The workers got the chunks that moved (a delta from the epoch they held),
+# not the whole map again.
+for w in "${TEST_TMPDIR}"/wide/worker-*.log; do
+  grep -q "map epoch 1 -> 2 from a delta of" "${w}" || {
+    echo "worker $(basename "${w}") did not take the failover's map as a delta:"
+    grep -h "map epoch" "${w}"; exit 1; }
+done
+
 no_processes_left
 echo "ok: primary killed, backups promoted and re-seeded, parameters bitwise equal to the failure-free run; shards whose part did not change took the new epoch without a fetch"
