@@ -1472,8 +1472,6 @@ class ClientImpl : public Client {
     stalled_.clear();
   }
 
-  // Switches to a newer map and sends again the retained pushes whose chunk
-  // is now on another shard (the old one may have taken them and died).
   // The whole map a GetJob answer gives: its map, or the delta it carries
   // applied to the map this client holds (which must be the delta's
   // starting epoch: otherwise the next round asks again).
@@ -1493,6 +1491,8 @@ class ClientImpl : public Client {
     return whole;
   }
 
+  // Switches to a newer map and sends again the retained pushes whose chunk
+  // is now on another shard (the old one may have taken them and died).
   absl::Status AdoptMap(const v1::ShardMap& map) {
     auto routes = BuildRoutes(map, tensors_);
     if (!routes.ok()) return routes.status();

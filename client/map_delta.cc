@@ -4,6 +4,7 @@
 #include <utility>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 
 namespace optimus {
@@ -55,21 +56,21 @@ absl::StatusOr<v1::ShardMap> ApplyMapDelta(const v1::ShardMap& base, const v1::S
   absl::flat_hash_map<uint64_t, const v1::ShardEndpoint*> endpoint;
   for (const v1::ShardEndpoint& e : base.shards()) endpoint[e.shard_id()] = &e;
   for (const v1::ShardEndpoint& e : delta.shards()) endpoint[e.shard_id()] = &e;
-  absl::flat_hash_map<uint64_t, bool> named;
+  absl::flat_hash_set<uint64_t> named;
   for (const v1::ChunkPlacement& c : out.chunks()) {
-    named[c.shard_id()] = true;
-    if (c.backup_shard_id() != 0) named[c.backup_shard_id()] = true;
+    named.insert(c.shard_id());
+    if (c.backup_shard_id() != 0) named.insert(c.backup_shard_id());
   }
   out.clear_shards();
   // Base order first, then shards new in the delta, in its order.
-  absl::flat_hash_map<uint64_t, bool> added;
+  absl::flat_hash_set<uint64_t> added;
   auto add = [&](uint64_t id) {
-    if (named.count(id) == 0 || !added.emplace(id, true).second) return;
+    if (named.count(id) == 0 || !added.insert(id).second) return;
     *out.add_shards() = *endpoint[id];
   };
   for (const v1::ShardEndpoint& e : base.shards()) add(e.shard_id());
   for (const v1::ShardEndpoint& e : delta.shards()) add(e.shard_id());
-  for (const auto& [id, unused] : named) {
+  for (uint64_t id : named) {
     if (added.count(id) == 0) {
       return absl::InvalidArgumentError(absl::StrCat("map delta to epoch ", delta.epoch(),
                                                      " places a chunk on shard ", id,

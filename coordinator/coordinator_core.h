@@ -390,6 +390,9 @@ class Coordinator {
   // at once after a quiet spell (a token bucket, kept as the time the next
   // slot frees up).
   absl::Time NextMapFetchSlotLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The serialized delta from epoch `from` to the snapshot's (DeltaOf),
+  // made once and kept with the snapshot; null when none can be made.
+  std::shared_ptr<const std::string> DeltaBytes(const MapSnapshot& snap, uint64_t from);
   absl::Time next_map_fetch_slot_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
   // Heartbeat's work on the tables, after its lease was renewed.
   void HeartbeatLocked(const v1::HeartbeatRequest& req, v1::HeartbeatResponse* resp)

@@ -422,42 +422,15 @@ absl::StatusOr<Coordinator::SerializedJob> Coordinator::GetJobSerialized(uint64_
   }
   out.head.set_resume_step(snap->resume_step);
   if (snap->restore.has_value()) *out.head.mutable_restore() = *snap->restore;
-  if (for_shard_id == 0 && known_epoch != 0) {
-    // A worker that holds the spec and the map of known_epoch.
-    {
-      absl::MutexLock lock(&snap->bytes_mu);
-      auto it = snap->delta_bytes.find(known_epoch);
-      if (it != snap->delta_bytes.end()) {
-        out.head.set_map_delta_from(known_epoch);
-        out.map = it->second;
-        map_parts_reused_.fetch_add(1);
-        return out;
-      }
-    }
-    std::optional<v1::ShardMap> delta = DeltaOf(*snap, known_epoch);
-    if (delta.has_value()) {
-      auto bytes = std::make_shared<const std::string>(delta->SerializeAsString());
-      map_parts_serialized_.fetch_add(1);
-      absl::MutexLock lock(&snap->bytes_mu);
+  // A worker that holds the spec and the map of known_epoch: no spec, and
+  // the delta from its epoch when the snapshot can make one.
+  const bool has_spec = for_shard_id == 0 && known_epoch != 0;
+  if (has_spec) {
+    if (std::shared_ptr<const std::string> delta = DeltaBytes(*snap, known_epoch)) {
       out.head.set_map_delta_from(known_epoch);
-      out.map = snap->delta_bytes.try_emplace(known_epoch, std::move(bytes)).first->second;
+      out.map = std::move(delta);
       return out;
     }
-    // Too old to make a delta from: the whole map, still without the spec.
-    {
-      absl::MutexLock lock(&snap->bytes_mu);
-      auto it = snap->part_bytes.find(0);
-      if (it != snap->part_bytes.end()) {
-        out.map = it->second;
-        map_parts_reused_.fetch_add(1);
-        return out;
-      }
-    }
-    auto bytes = std::make_shared<const std::string>(snap->map.SerializeAsString());
-    map_parts_serialized_.fetch_add(1);
-    absl::MutexLock lock(&snap->bytes_mu);
-    out.map = snap->part_bytes.try_emplace(0, std::move(bytes)).first->second;
-    return out;
   }
   {
     absl::MutexLock lock(&snap->bytes_mu);
@@ -465,35 +438,54 @@ absl::StatusOr<Coordinator::SerializedJob> Coordinator::GetJobSerialized(uint64_
     auto it = snap->part_bytes.find(for_shard_id);
     if (it != snap->part_bytes.end()) out.map = it->second;
   }
-  if (out.spec != nullptr && out.map != nullptr) {
+  if (out.map != nullptr && (out.spec != nullptr || has_spec)) {
     map_parts_reused_.fetch_add(1);
-    return out;
-  }
-  // Made with no lock held: fetches of other shards' parts go on meanwhile.
-  // Two first fetches of one part may both make it; the first one kept
-  // wins, and the bytes are the same.
-  std::shared_ptr<const std::string> spec = out.spec;
-  if (spec == nullptr) {
-    spec = std::make_shared<const std::string>(
-        for_shard_id == 0 ? snap->spec.SerializeAsString()
-                          : ShardSpecOf(snap->spec).SerializeAsString());
-  }
-  std::shared_ptr<const std::string> part = out.map;
-  if (part == nullptr) {
-    part = std::make_shared<const std::string>(
-        for_shard_id == 0 ? snap->map.SerializeAsString()
-                          : ShardViewOf(*snap, for_shard_id).SerializeAsString());
-    map_parts_serialized_.fetch_add(1);
   } else {
-    map_parts_reused_.fetch_add(1);
+    // Made with no lock held: fetches of other shards' parts go on
+    // meanwhile. Two first fetches of one part may both make it; the first
+    // one kept wins, and the bytes are the same.
+    std::shared_ptr<const std::string> spec = out.spec;
+    if (spec == nullptr && !has_spec) {
+      spec = std::make_shared<const std::string>(
+          for_shard_id == 0 ? snap->spec.SerializeAsString()
+                            : ShardSpecOf(snap->spec).SerializeAsString());
+    }
+    std::shared_ptr<const std::string> part = out.map;
+    if (part == nullptr) {
+      part = std::make_shared<const std::string>(
+          for_shard_id == 0 ? snap->map.SerializeAsString()
+                            : ShardViewOf(*snap, for_shard_id).SerializeAsString());
+      map_parts_serialized_.fetch_add(1);
+    } else {
+      map_parts_reused_.fetch_add(1);
+    }
+    absl::MutexLock lock(&snap->bytes_mu);
+    std::shared_ptr<const std::string>& kept =
+        for_shard_id == 0 ? snap->spec_bytes : snap->shard_spec_bytes;
+    if (kept == nullptr) kept = std::move(spec);
+    out.spec = kept;
+    out.map = snap->part_bytes.try_emplace(for_shard_id, std::move(part)).first->second;
   }
-  absl::MutexLock lock(&snap->bytes_mu);
-  std::shared_ptr<const std::string>& kept =
-      for_shard_id == 0 ? snap->spec_bytes : snap->shard_spec_bytes;
-  if (kept == nullptr) kept = std::move(spec);
-  out.spec = kept;
-  out.map = snap->part_bytes.try_emplace(for_shard_id, std::move(part)).first->second;
+  if (has_spec) out.spec = nullptr;
   return out;
+}
+
+std::shared_ptr<const std::string> Coordinator::DeltaBytes(const MapSnapshot& snap,
+                                                           uint64_t from) {
+  {
+    absl::MutexLock lock(&snap.bytes_mu);
+    auto it = snap.delta_bytes.find(from);
+    if (it != snap.delta_bytes.end()) {
+      map_parts_reused_.fetch_add(1);
+      return it->second;
+    }
+  }
+  std::optional<v1::ShardMap> delta = DeltaOf(snap, from);
+  if (!delta.has_value()) return nullptr;
+  auto bytes = std::make_shared<const std::string>(delta->SerializeAsString());
+  map_parts_serialized_.fetch_add(1);
+  absl::MutexLock lock(&snap.bytes_mu);
+  return snap.delta_bytes.try_emplace(from, std::move(bytes)).first->second;
 }
 
 absl::StatusOr<v1::ShardMap> Coordinator::GetShardMap(uint64_t job_id) {

@@ -92,6 +92,23 @@ class CoordinatorTest : public ::testing::Test {
     return resp;
   }
 
+  // `shards` beat (reporting nothing) every sweep until the job's map has
+  // moved past epoch 1, for at most 10 s; the map as read last.
+  v1::ShardMap BeatUntilTheMapMoves(uint64_t job_id, const std::vector<uint64_t>& shards) {
+    v1::ShardMap map;
+    const absl::Time deadline = absl::Now() + absl::Seconds(10);
+    while (absl::Now() < deadline) {
+      for (uint64_t s : shards) Beat(s);
+      v1::GetShardMapRequest req;
+      req.set_job_id(job_id);
+      grpc::Status s = stub_->GetShardMap(Ctx().get(), req, &map);
+      EXPECT_TRUE(s.ok()) << s.error_message();
+      if (!s.ok() || map.epoch() > 1) break;
+      absl::SleepFor(kSweep);
+    }
+    return map;
+  }
+
   // A valid AdamW job: tensors "w" [shape...] and "b" [4].
   static v1::JobSpec Spec(const std::string& name, uint32_t world_size,
                           std::vector<int64_t> w_shape = {16, 16}, uint64_t max_chunk_bytes = 256) {
@@ -656,17 +673,7 @@ TEST_F(CoordinatorTest, DrainOverGrpcMovesChunksWhileTheShardsBeatAndShowsInMetr
 
   // The sweeper gives a's chunks a temporary backup on b (replication 0:
   // a stays primary until b reports them seeded).
-  v1::ShardMap map;
-  const absl::Time deadline = absl::Now() + absl::Seconds(10);
-  while (absl::Now() < deadline) {
-    Beat(a);
-    Beat(b);
-    v1::GetShardMapRequest req;
-    req.set_job_id(created.job_id());
-    ASSERT_TRUE(stub_->GetShardMap(Ctx().get(), req, &map).ok());
-    if (map.epoch() > 1) break;
-    absl::SleepFor(kSweep);
-  }
+  const v1::ShardMap map = BeatUntilTheMapMoves(created.job_id(), {a, b});
   ASSERT_EQ(map.epoch(), 2u);
   for (const auto& c : map.chunks()) {
     EXPECT_EQ(c.backup_shard_id(), c.shard_id() == a ? b : 0u);
@@ -714,17 +721,7 @@ TEST_F(CoordinatorTest, WatchWithDeltasSendsWhatEachEpochChanged) {
   dreq.set_shard_id(a);
   v1::DrainShardResponse dresp;
   ASSERT_TRUE(stub_->DrainShard(Ctx().get(), dreq, &dresp).ok());
-  v1::ShardMap now;
-  const absl::Time deadline = absl::Now() + absl::Seconds(10);
-  while (absl::Now() < deadline) {
-    Beat(a);
-    Beat(b);
-    v1::GetShardMapRequest mreq;
-    mreq.set_job_id(created.job_id());
-    ASSERT_TRUE(stub_->GetShardMap(Ctx().get(), mreq, &now).ok());
-    if (now.epoch() > 1) break;
-    absl::SleepFor(kSweep);
-  }
+  const v1::ShardMap now = BeatUntilTheMapMoves(created.job_id(), {a, b});
   ASSERT_EQ(now.epoch(), 2u);
   v1::ShardMap delta;
   ASSERT_TRUE(reader->Read(&delta));
