@@ -55,6 +55,10 @@ class CoordinatorServer {
   // Map reads refused so far for being past max_concurrent_map_reads.
   // Takes no lock of the core's.
   uint64_t map_reads_refused() const;
+  // Control calls being served now, and calls dropped because their
+  // client had given up (the service's counters: no table needed).
+  int calls_in_progress() const;
+  uint64_t calls_dropped() const;
   // The /metrics and /healthz port, or 0 when they are off.
   int metrics_port() const;
   // The Prometheus text that /metrics serves.

@@ -78,6 +78,11 @@ std::string RenderCoordinatorMetrics(const CoordinatorMetricsInput& in) {
             "Calls answered CANCELLED without being served: their client had cancelled or "
             "passed its deadline (the coordinator was overloaded or planning).",
             in.calls_dropped);
+  m.Gauge("optimus_coord_calls_in_progress",
+          "Control calls (registrations, job and checkpoint changes, status) being served "
+          "now, those waiting for the tables behind a long placement included; map reads, "
+          "heartbeats and watches are not counted here.",
+          in.calls_in_progress);
   m.Counter("optimus_coord_heartbeats_deferred_total",
             "Heartbeats that renewed their lease but found the tables held by planning: "
             "answered with the shard's last reply, their report taken at the next heartbeat.",

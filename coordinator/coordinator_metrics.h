@@ -30,6 +30,8 @@ struct CoordinatorMetricsInput {
   // the tables.
   uint64_t calls_dropped = 0;
   uint64_t heartbeats_deferred = 0;
+  // Control calls being served now (waiting for the tables included).
+  int calls_in_progress = 0;
   // GetJob maps cut and serialized, and answers sent from the bytes of an
   // earlier fetch of the same (job, epoch, shard).
   uint64_t map_parts_serialized = 0;

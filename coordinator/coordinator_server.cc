@@ -154,6 +154,10 @@ void CoordinatorServer::PlanningLoop(absl::Duration interval) {
 
 uint64_t CoordinatorServer::map_reads_refused() const { return service_->map_reads_refused(); }
 
+int CoordinatorServer::calls_in_progress() const { return service_->calls_in_progress(); }
+
+uint64_t CoordinatorServer::calls_dropped() const { return service_->dropped(); }
+
 int CoordinatorServer::metrics_port() const { return http_ != nullptr ? http_->port() : 0; }
 
 std::string CoordinatorServer::RenderMetrics() const {
@@ -167,6 +171,7 @@ std::string CoordinatorServer::RenderMetrics() const {
   in.jobs_deleted = counters.jobs_deleted;
   in.shards_forgotten = counters.shards_forgotten;
   in.calls_dropped = service_->dropped();
+  in.calls_in_progress = service_->calls_in_progress();
   in.map_reads_refused = service_->map_reads_refused();
   in.heartbeats_deferred = counters.heartbeats_deferred;
   in.map_parts_serialized = counters.map_parts_serialized;

@@ -263,7 +263,7 @@ TEST(FailureDetectionTest, TheServersLeaseThreadMarksASilentShardDownWhilePlanni
   EXPECT_TRUE(beat(alive));
   // The lease thread marks the silent shard DOWN with the tables held (the
   // hang guard is the only deadline).
-  const absl::Time give_up = absl::Now() + absl::Seconds(60);
+  const absl::Time give_up = absl::Now() + absl::Seconds(30);
   while (!core->LeaseExpired(silent) && absl::Now() < give_up) {
     absl::SleepFor(absl::Milliseconds(10));
   }
@@ -275,7 +275,7 @@ TEST(FailureDetectionTest, TheServersLeaseThreadMarksASilentShardDownWhilePlanni
   // The planning thread, woken by the lease thread, takes it into the
   // tables once they are free.
   v1::StatusResponse st;
-  const absl::Time guard = absl::Now() + absl::Seconds(60);
+  const absl::Time guard = absl::Now() + absl::Seconds(30);
   do {
     absl::SleepFor(absl::Milliseconds(10));
     ASSERT_TRUE(stub->Status(Ctx().get(), v1::StatusRequest(), &st).ok());
@@ -303,17 +303,31 @@ TEST(FailureDetectionTest, ACallWhoseClientGaveUpWhileItWaitedIsNotExecuted) {
   Coordinator* core = (*server)->core();
   TablesHeld tables(core);
   // The registration waits for the tables; its client gives up.
+  constexpr absl::Duration kDeadline = absl::Milliseconds(300);
   v1::RegisterShardResponse resp;
-  const grpc::Status s =
-      stub->RegisterShard(Ctx(absl::Milliseconds(300)).get(), DpuRegistration(0), &resp);
+  const grpc::Status s = stub->RegisterShard(Ctx(kDeadline).get(), DpuRegistration(0), &resp);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << s.error_message();
+  // The server knows its client gave up once its copy of the deadline has
+  // passed (or the cancellation reached it). That copy starts when the
+  // call reaches the server, which a loaded machine may delay past the
+  // client's own deadline: wait for the call to be seen there (waiting for
+  // the tables, or dropped at once), then for its deadline, before freeing
+  // the tables. Otherwise the call may rightly be served.
+  const absl::Time guard = absl::Now() + absl::Seconds(30);
+  // (The server's counters: its metrics page needs the tables.)
+  while ((*server)->calls_in_progress() == 0 && (*server)->calls_dropped() == 0 &&
+         absl::Now() < guard) {
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  ASSERT_LT(absl::Now(), guard) << "the registration never reached the server";
+  // gRPC rounds the timeout it sends up by well under this margin.
+  absl::SleepFor(kDeadline + absl::Milliseconds(500));
   tables.Release();
   // The server gets the tables, sees nobody waits, and drops it.
-  const absl::Time give_up = absl::Now() + absl::Seconds(60);
-  while (MetricValue((*server)->RenderMetrics(), "optimus_coord_calls_dropped_total") == 0 &&
-         absl::Now() < give_up) {
+  while ((*server)->calls_dropped() == 0 && absl::Now() < guard) {
     absl::SleepFor(absl::Milliseconds(10));
   }
+  EXPECT_EQ((*server)->calls_dropped(), 1u);
   EXPECT_EQ(MetricValue((*server)->RenderMetrics(), "optimus_coord_calls_dropped_total"), 1u);
   v1::StatusResponse st;
   ASSERT_TRUE(stub->Status(Ctx().get(), v1::StatusRequest(), &st).ok());

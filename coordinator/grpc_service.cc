@@ -181,7 +181,7 @@ grpc::Status CoordinatorService::Reply(absl::StatusOr<T> result, T* resp) {
 grpc::Status CoordinatorService::RegisterShard(grpc::ServerContext* ctx,
                                                const v1::RegisterShardRequest* req,
                                                v1::RegisterShardResponse* resp) {
-  RunBelowHeartbeats();
+  const InProgress in_progress(this);
   if (Abandoned(*ctx)) return Dropped("RegisterShard");
   const Caller c = Identify(ctx);
   if (c.role != Role::kShard && !plaintext_) return Refuse(c, "RegisterShard", kNeedsShard);
@@ -224,7 +224,7 @@ grpc::Status CoordinatorService::HeartbeatCall(grpc::ServerContextBase* ctx,
 grpc::Status CoordinatorService::CreateJob(grpc::ServerContext* ctx,
                                            const v1::CreateJobRequest* req,
                                            v1::CreateJobResponse* resp) {
-  RunBelowHeartbeats();
+  const InProgress in_progress(this);
   if (Abandoned(*ctx)) return Dropped("CreateJob");
   const Caller c = Identify(ctx);
   if (c.role != Role::kAdmin && c.role != Role::kTrainer) {
@@ -239,7 +239,7 @@ grpc::Status CoordinatorService::CreateJob(grpc::ServerContext* ctx,
 grpc::Status CoordinatorService::JoinJob(grpc::ServerContext* ctx,
                                          const v1::JoinJobRequest* req,
                                          v1::JoinJobResponse* resp) {
-  RunBelowHeartbeats();
+  const InProgress in_progress(this);
   if (Abandoned(*ctx)) return Dropped("JoinJob");
   const Caller c = Identify(ctx);
   // A job not created yet is NOT_FOUND to a caller with a token: its ranks
@@ -253,7 +253,7 @@ grpc::Status CoordinatorService::JoinJob(grpc::ServerContext* ctx,
 grpc::Status CoordinatorService::LeaveJob(grpc::ServerContext* ctx,
                                           const v1::LeaveJobRequest* req,
                                           v1::LeaveJobResponse* resp) {
-  RunBelowHeartbeats();
+  const InProgress in_progress(this);
   if (Abandoned(*ctx)) return Dropped("LeaveJob");
   const Caller c = Identify(ctx);
   if (!MayUseJobNamed(c, req->job_name(), false)) return Refuse(c, "LeaveJob", kNeedsJob);
@@ -263,7 +263,7 @@ grpc::Status CoordinatorService::LeaveJob(grpc::ServerContext* ctx,
 grpc::Status CoordinatorService::DeleteJob(grpc::ServerContext* ctx,
                                            const v1::DeleteJobRequest* req,
                                            v1::DeleteJobResponse* resp) {
-  RunBelowHeartbeats();
+  const InProgress in_progress(this);
   if (Abandoned(*ctx)) return Dropped("DeleteJob");
   const Caller c = Identify(ctx);
   if (c.role != Role::kAdmin) return Refuse(c, "DeleteJob", kNeedsAdmin);
@@ -365,7 +365,7 @@ grpc::Status CoordinatorService::WatchShardMap(grpc::ServerContext* ctx,
 
 grpc::Status CoordinatorService::Status(grpc::ServerContext* ctx, const v1::StatusRequest* req,
                                         v1::StatusResponse* resp) {
-  RunBelowHeartbeats();
+  const InProgress in_progress(this);
   if (Abandoned(*ctx)) return Dropped("Status");
   const Caller c = Identify(ctx);
   const bool everything = c.role == Role::kAdmin || c.role == Role::kShard;
@@ -388,7 +388,7 @@ grpc::Status CoordinatorService::Status(grpc::ServerContext* ctx, const v1::Stat
 grpc::Status CoordinatorService::CreateCheckpoint(grpc::ServerContext* ctx,
                                                   const v1::CreateCheckpointRequest* req,
                                                   v1::CreateCheckpointResponse* resp) {
-  RunBelowHeartbeats();
+  const InProgress in_progress(this);
   if (Abandoned(*ctx)) return Dropped("CreateCheckpoint");
   const Caller c = Identify(ctx);
   if (!MayUseJobNamed(c, req->job_name(), false)) return Refuse(c, "CreateCheckpoint", kNeedsJob);
@@ -398,7 +398,7 @@ grpc::Status CoordinatorService::CreateCheckpoint(grpc::ServerContext* ctx,
 grpc::Status CoordinatorService::ListCheckpoints(grpc::ServerContext* ctx,
                                                  const v1::ListCheckpointsRequest* req,
                                                  v1::ListCheckpointsResponse* resp) {
-  RunBelowHeartbeats();
+  const InProgress in_progress(this);
   if (Abandoned(*ctx)) return Dropped("ListCheckpoints");
   const Caller c = Identify(ctx);
   if (!MayUseJobNamed(c, req->job_name(), false)) return Refuse(c, "ListCheckpoints", kNeedsJob);
@@ -409,7 +409,7 @@ grpc::Status CoordinatorService::ListCheckpoints(grpc::ServerContext* ctx,
 grpc::Status CoordinatorService::RestoreCheckpoint(grpc::ServerContext* ctx,
                                                    const v1::RestoreCheckpointRequest* req,
                                                    v1::RestoreCheckpointResponse* resp) {
-  RunBelowHeartbeats();
+  const InProgress in_progress(this);
   if (Abandoned(*ctx)) return Dropped("RestoreCheckpoint");
   const Caller c = Identify(ctx);
   if (c.role != Role::kAdmin) return Refuse(c, "RestoreCheckpoint", kNeedsAdmin);
@@ -419,7 +419,7 @@ grpc::Status CoordinatorService::RestoreCheckpoint(grpc::ServerContext* ctx,
 grpc::Status CoordinatorService::DrainShard(grpc::ServerContext* ctx,
                                             const v1::DrainShardRequest* req,
                                             v1::DrainShardResponse* resp) {
-  RunBelowHeartbeats();
+  const InProgress in_progress(this);
   if (Abandoned(*ctx)) return Dropped("DrainShard");
   const Caller c = Identify(ctx);
   if (c.role != Role::kAdmin) return Refuse(c, "DrainShard", kNeedsAdmin);
@@ -429,7 +429,7 @@ grpc::Status CoordinatorService::DrainShard(grpc::ServerContext* ctx,
 grpc::Status CoordinatorService::ForgetShard(grpc::ServerContext* ctx,
                                              const v1::ForgetShardRequest* req,
                                              v1::ForgetShardResponse* resp) {
-  RunBelowHeartbeats();
+  const InProgress in_progress(this);
   if (Abandoned(*ctx)) return Dropped("ForgetShard");
   const Caller c = Identify(ctx);
   if (c.role != Role::kAdmin) return Refuse(c, "ForgetShard", kNeedsAdmin);

@@ -73,6 +73,9 @@ class CoordinatorService final
   uint64_t dropped() const { return dropped_.load(); }
   // WatchShardMap streams open now.
   int watchers() const { return watchers_.load(); }
+  // Control calls on gRPC's synchronous threads being served now, those
+  // waiting for the tables included (map watches are watchers()).
+  int calls_in_progress() const { return calls_in_progress_.load(); }
   // Map reads refused for being past max_map_reads (also counted in
   // errors() as RESOURCE_EXHAUSTED).
   uint64_t map_reads_refused() const { return map_reads_refused_.load(); }
@@ -167,6 +170,22 @@ class CoordinatorService final
     bool stop_ ABSL_GUARDED_BY(mu_) = false;
     std::vector<std::thread> threads_;
   };
+  // Held by each synchronous control call while it runs: lowers its
+  // thread below heartbeats (RunBelowHeartbeats) and counts it in
+  // calls_in_progress().
+  class InProgress {
+   public:
+    explicit InProgress(CoordinatorService* s) : n_(&s->calls_in_progress_) {
+      RunBelowHeartbeats();
+      n_->fetch_add(1);
+    }
+    ~InProgress() { n_->fetch_sub(1); }
+    InProgress(const InProgress&) = delete;
+    InProgress& operator=(const InProgress&) = delete;
+
+   private:
+    std::atomic<int>* const n_;
+  };
   // The client cancelled the call or its deadline passed.
   static bool Abandoned(const grpc::ServerContextBase& ctx);
   // Counts a call dropped for that and answers it CANCELLED.
@@ -187,6 +206,7 @@ class CoordinatorService final
   std::array<std::atomic<uint64_t>, kNumCodes> errors_{};
   std::atomic<uint64_t> dropped_{0};
   std::atomic<int> watchers_{0};
+  std::atomic<int> calls_in_progress_{0};
   std::atomic<int> map_reads_{0};  // Admitted: being served or waiting.
   std::atomic<uint64_t> map_reads_refused_{0};
   // Last member: its threads stop before the rest goes.
