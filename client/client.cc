@@ -1289,7 +1289,13 @@ class ClientImpl : public Client {
     }
     absl::MutexLock lock(&mu_);
     Slot* slot = slots_.At(SlotIndex(id));
-    if (slot != nullptr && slot->id == id) AnswerLocked(slot, s);
+    if (slot == nullptr || slot->id != id) return;
+    // UNAVAILABLE: the shard died while its payload was on the way (the
+    // transport's word for a failed peer; OnPeerFailure leaves requests
+    // being received to this callback). Pulled again once the map has moved
+    // the chunk, like a request the failure caught before its reply.
+    if (absl::IsUnavailable(s)) return FailedLocked(slot, s, /*peer_failed=*/true, 0);
+    AnswerLocked(slot, s);
   }
 
   // A shard's answer: one lock, in which the request is found and answered

@@ -90,7 +90,7 @@ int HttpGet(int port, const std::string& path) {
     return -1;
   }
   const std::string req = absl::StrCat("GET ", path, " HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n");
-  if (::write(fd, req.data(), req.size()) != static_cast<ssize_t>(req.size())) {
+  if (::send(fd, req.data(), req.size(), MSG_NOSIGNAL) != static_cast<ssize_t>(req.size())) {
     ::close(fd);
     return -1;
   }

@@ -1,0 +1,252 @@
+// A pull whose payload is on its way when the shard that sent it dies is
+// pulled again from the shard that takes the chunk over: the worker's step
+// goes on, with the same values, instead of failing UNAVAILABLE
+// ("rendezvous receive: UCX: Input/output error" in primary_kill_failover's
+// eight-shard drill, when the SIGKILL landed inside a pull's rendezvous).
+//
+// Real coordinator and shards over the loopback transport (tests/harness).
+// Rank 0's data-plane worker is wrapped so that the test decides when a
+// rendezvous payload is received: it holds the payload (Keep), kills the
+// shard that sent it, then lets the receive go on, which fails as it would
+// over UCX (the sender is gone).
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/time.h"
+#include "client/client.h"
+#include "common/dtype.h"
+#include "grpcpp/grpcpp.h"
+#include "gtest/gtest.h"
+#include "proto/optimus.grpc.pb.h"
+#include "tests/harness/cluster.h"
+#include "tests/harness/status_assert.h"
+#include "transport/transport.h"
+
+namespace optimus {
+namespace {
+
+using harness::Cluster;
+
+constexpr absl::Duration kWait = absl::Seconds(30);
+
+// A received rendezvous payload the test has not let land yet.
+struct HeldReceive {
+  std::unique_ptr<transport::PendingPayload> payload;
+  void* dst = nullptr;
+  const transport::MemoryRegion* region = nullptr;
+  transport::DoneCallback done;
+};
+
+// What the wrapped worker holds and what became of it.
+class Hold {
+ public:
+  void Arm() {
+    absl::MutexLock lock(&mu_);
+    armed_ = true;
+  }
+  // True once: for the first rendezvous payload received while armed.
+  bool Claim() {
+    absl::MutexLock lock(&mu_);
+    if (!armed_) return false;
+    armed_ = false;
+    return true;
+  }
+  // The claimed payload, kept until Release.
+  void Put(HeldReceive h) {
+    {
+      absl::MutexLock lock(&mu_);
+      held_ = std::move(h);
+    }
+    taken_.Notify();
+  }
+  bool WaitTaken(absl::Duration timeout) { return taken_.WaitForNotificationWithTimeout(timeout); }
+  // Lets the held payload land (or fail); records how its receive ended.
+  // The payload object stays here until this Hold goes.
+  void Release() {
+    transport::PendingPayload* payload;
+    void* dst;
+    const transport::MemoryRegion* region;
+    transport::DoneCallback done;
+    {
+      absl::MutexLock lock(&mu_);
+      payload = held_.payload.get();
+      dst = held_.dst;
+      region = held_.region;
+      done = std::move(held_.done);
+    }
+    payload->ReceiveInto(dst, region, [this, done](absl::Status s) {
+      {
+        absl::MutexLock lock(&mu_);
+        held_status_ = s;
+      }
+      received_.Notify();
+      done(std::move(s));
+    });
+  }
+  // Once its receive ended: the payload must not outlive its worker.
+  void Forget() {
+    absl::MutexLock lock(&mu_);
+    held_.payload.reset();
+  }
+  absl::Status HeldStatus(absl::Duration timeout) {
+    if (!received_.WaitForNotificationWithTimeout(timeout)) {
+      return absl::DeadlineExceededError("the held payload's receive never ended");
+    }
+    absl::MutexLock lock(&mu_);
+    return held_status_;
+  }
+
+ private:
+  absl::Mutex mu_;
+  bool armed_ ABSL_GUARDED_BY(mu_) = false;
+  HeldReceive held_ ABSL_GUARDED_BY(mu_);
+  absl::Status held_status_ ABSL_GUARDED_BY(mu_);
+  absl::Notification taken_, received_;
+};
+
+class HoldingMessage : public transport::IncomingMessage {
+ public:
+  HoldingMessage(transport::IncomingMessage& inner, Hold* hold) : inner_(inner), hold_(hold) {}
+  uint16_t am_id() const override { return inner_.am_id(); }
+  absl::Span<const uint8_t> header() const override { return inner_.header(); }
+  size_t payload_size() const override { return inner_.payload_size(); }
+  bool is_rendezvous() const override { return inner_.is_rendezvous(); }
+  transport::EndpointRef reply_endpoint() const override { return inner_.reply_endpoint(); }
+  const std::string& peer_identity() const override { return inner_.peer_identity(); }
+  void ReceiveInto(void* dst, transport::DoneCallback done) override {
+    ReceiveInto(dst, nullptr, std::move(done));
+  }
+  void ReceiveInto(void* dst, const transport::MemoryRegion* region,
+                   transport::DoneCallback done) override {
+    if (inner_.is_rendezvous() && inner_.payload_size() > 0 && hold_->Claim()) {
+      HeldReceive h;
+      h.payload = inner_.Keep();
+      h.dst = dst;
+      h.region = region;
+      h.done = std::move(done);
+      return hold_->Put(std::move(h));
+    }
+    inner_.ReceiveInto(dst, region, std::move(done));
+  }
+  std::unique_ptr<transport::PendingPayload> Keep() override { return inner_.Keep(); }
+
+ private:
+  transport::IncomingMessage& inner_;
+  Hold* hold_;
+};
+
+class HoldingWorker : public transport::Worker {
+ public:
+  HoldingWorker(std::unique_ptr<transport::Worker> inner, std::shared_ptr<Hold> hold)
+      : inner_(std::move(inner)), hold_(std::move(hold)) {}
+  const std::string& address() const override { return inner_->address(); }
+  void SetHandler(uint16_t am_id, transport::Handler handler) override {
+    Hold* hold = hold_.get();
+    inner_->SetHandler(am_id, [handler, hold](transport::IncomingMessage& m) {
+      HoldingMessage held(m, hold);
+      handler(held);
+    });
+  }
+  absl::Status Start() override { return inner_->Start(); }
+  using transport::Worker::Connect;
+  absl::StatusOr<transport::EndpointRef> Connect(const std::string& peer,
+                                                 const std::string& identity) override {
+    return inner_->Connect(peer, identity);
+  }
+  void Send(transport::EndpointRef ep, uint16_t am_id, absl::Span<const uint8_t> header,
+            const void* payload, size_t payload_size, transport::DoneCallback done) override {
+    inner_->Send(ep, am_id, header, payload, payload_size, std::move(done));
+  }
+  void Send(transport::EndpointRef ep, uint16_t am_id, absl::Span<const uint8_t> header,
+            const void* payload, size_t payload_size, const transport::MemoryRegion* region,
+            transport::DoneCallback done) override {
+    inner_->Send(ep, am_id, header, payload, payload_size, region, std::move(done));
+  }
+  std::string transports_in_use() const override { return inner_->transports_in_use(); }
+  absl::StatusOr<std::unique_ptr<transport::MemoryRegion>> RegisterMemory(
+      void* data, size_t size_bytes) override {
+    return inner_->RegisterMemory(data, size_bytes);
+  }
+
+ private:
+  std::unique_ptr<transport::Worker> inner_;
+  std::shared_ptr<Hold> hold_;
+};
+
+TEST(LostPullPayloadTest, APullWhoseShardDiedMidTransferIsPulledAgainFromTheBackup) {
+  auto hold = std::make_shared<Hold>();
+  harness::ClusterOptions o;
+  o.transport = harness::TransportKind::kLoopback;
+  o.num_shards = 2;
+  o.num_workers = 1;
+  o.wait = kWait;
+  o.make_worker = [hold](uint32_t, const transport::WorkerOptions& w)
+      -> absl::StatusOr<std::unique_ptr<transport::Worker>> {
+    auto inner = transport::Worker::Create(w);
+    if (!inner.ok()) return inner.status();
+    return std::unique_ptr<transport::Worker>(new HoldingWorker(std::move(*inner), hold));
+  };
+  auto started = Cluster::Start(o);
+  ASSERT_TRUE(started.ok()) << started.status();
+  std::unique_ptr<Cluster> cluster = *std::move(started);
+
+  // One tensor in one chunk, with a backup on the other shard; its bf16
+  // parameters (16 KiB) travel by rendezvous over loopback (8 KiB and up).
+  client::JobDef def;
+  def.name = "lost-payload";
+  def.world_size = 1;
+  def.tensors = {{"w", {128, 64}}};
+  def.optimizer.kind = client::Optimizer::kAdamW;
+  def.grad_dtype = DType::kBf16;
+  def.param_dtype = DType::kBf16;
+  def.replication = 1;
+  ASSERT_OK(cluster->CreateJob(def));
+  ASSERT_OK(cluster->Train(1, 2));
+  ASSERT_OK_AND_ASSIGN(std::vector<uint8_t> expected, cluster->Pull(0, 3));
+  ASSERT_EQ(expected.size(), 128u * 64u * 2u);
+
+  // The shard holding the chunk.
+  ASSERT_OK_AND_ASSIGN(v1::StatusResponse st, cluster->Status());
+  ASSERT_EQ(st.jobs_size(), 1);
+  v1::GetShardMapRequest req;
+  req.set_job_id(st.jobs(0).job_id());
+  v1::ShardMap map;
+  {
+    grpc::ClientContext ctx;
+    ASSERT_TRUE(cluster->stub()->GetShardMap(&ctx, req, &map).ok());
+  }
+  ASSERT_EQ(map.chunks_size(), 1);
+  size_t primary = cluster->num_shards();
+  for (size_t i = 0; i < cluster->num_shards(); ++i) {
+    if (cluster->shard(i)->shard_id() == map.chunks(0).shard_id()) primary = i;
+  }
+  ASSERT_LT(primary, cluster->num_shards());
+
+  // Pull version 3 again; its payload is held until its shard is dead.
+  hold->Arm();
+  std::vector<uint8_t> got(expected.size(), 0);
+  client::Client* w = cluster->worker(0);
+  ASSERT_OK_AND_ASSIGN(client::Ticket t, w->Pull(0, 3, got.data(), 128 * 64));
+  ASSERT_TRUE(hold->WaitTaken(kWait)) << "no rendezvous payload came for the pull";
+  ASSERT_OK(cluster->KillShard(primary));
+  hold->Release();
+  // The payload was lost with its shard...
+  const absl::Status lost = hold->HeldStatus(kWait);
+  hold->Forget();
+  EXPECT_TRUE(absl::IsUnavailable(lost)) << lost;
+  // ...and the pull still completes, from the backup, with the same bytes.
+  ASSERT_OK(w->Wait(t, kWait));
+  EXPECT_EQ(got, expected);
+  // Training goes on past the failover.
+  ASSERT_OK(cluster->Train(3, 4));
+}
+
+}  // namespace
+}  // namespace optimus
