@@ -1,5 +1,7 @@
 // Data-plane workers that tests hand to a Client (ClientOptions::make_worker)
 // to see what it asks of its transport:
+//   ForwardingWorker / ForwardingMessage  pass every call through; the
+//                    base of a test's own wrapper;
 //   CountingWorker   wraps a real worker and records every registration and
 //                    which registration each payload send and receive used;
 //   FakeShardWorker  is every shard at once: answers each request inside
@@ -109,16 +111,66 @@ inline const transport::MemoryRegion* Inner(const transport::MemoryRegion* regio
   return region == nullptr ? nullptr : static_cast<const CountedRegion*>(region)->inner();
 }
 
-class CountingMessage : public transport::IncomingMessage {
+// Pass every call to the wrapped message or worker; a test's wrapper
+// derives from these and overrides only what it watches or changes.
+class ForwardingMessage : public transport::IncomingMessage {
  public:
-  CountingMessage(transport::IncomingMessage& inner, TransportLog* log)
-      : inner_(inner), log_(log) {}
+  explicit ForwardingMessage(transport::IncomingMessage& inner) : inner_(inner) {}
   uint16_t am_id() const override { return inner_.am_id(); }
   absl::Span<const uint8_t> header() const override { return inner_.header(); }
   size_t payload_size() const override { return inner_.payload_size(); }
   bool is_rendezvous() const override { return inner_.is_rendezvous(); }
   transport::EndpointRef reply_endpoint() const override { return inner_.reply_endpoint(); }
   const std::string& peer_identity() const override { return inner_.peer_identity(); }
+  void ReceiveInto(void* dst, transport::DoneCallback done) override {
+    inner_.ReceiveInto(dst, std::move(done));
+  }
+  void ReceiveInto(void* dst, const transport::MemoryRegion* region,
+                   transport::DoneCallback done) override {
+    inner_.ReceiveInto(dst, region, std::move(done));
+  }
+  std::unique_ptr<transport::PendingPayload> Keep() override { return inner_.Keep(); }
+
+ protected:
+  transport::IncomingMessage& inner_;
+};
+
+class ForwardingWorker : public transport::Worker {
+ public:
+  explicit ForwardingWorker(std::unique_ptr<transport::Worker> inner) : inner_(std::move(inner)) {}
+  const std::string& address() const override { return inner_->address(); }
+  void SetHandler(uint16_t am_id, transport::Handler handler) override {
+    inner_->SetHandler(am_id, std::move(handler));
+  }
+  absl::Status Start() override { return inner_->Start(); }
+  using transport::Worker::Connect;
+  absl::StatusOr<transport::EndpointRef> Connect(const std::string& peer,
+                                                 const std::string& identity) override {
+    return inner_->Connect(peer, identity);
+  }
+  void Send(transport::EndpointRef ep, uint16_t am_id, absl::Span<const uint8_t> header,
+            const void* payload, size_t payload_size, transport::DoneCallback done) override {
+    inner_->Send(ep, am_id, header, payload, payload_size, std::move(done));
+  }
+  void Send(transport::EndpointRef ep, uint16_t am_id, absl::Span<const uint8_t> header,
+            const void* payload, size_t payload_size, const transport::MemoryRegion* region,
+            transport::DoneCallback done) override {
+    inner_->Send(ep, am_id, header, payload, payload_size, region, std::move(done));
+  }
+  std::string transports_in_use() const override { return inner_->transports_in_use(); }
+  absl::StatusOr<std::unique_ptr<transport::MemoryRegion>> RegisterMemory(
+      void* data, size_t size_bytes) override {
+    return inner_->RegisterMemory(data, size_bytes);
+  }
+
+ protected:
+  std::unique_ptr<transport::Worker> inner_;
+};
+
+class CountingMessage : public ForwardingMessage {
+ public:
+  CountingMessage(transport::IncomingMessage& inner, TransportLog* log)
+      : ForwardingMessage(inner), log_(log) {}
   void ReceiveInto(void* dst, transport::DoneCallback done) override {
     ReceiveInto(dst, nullptr, std::move(done));
   }
@@ -127,31 +179,22 @@ class CountingMessage : public transport::IncomingMessage {
     if (inner_.payload_size() > 0) log_->Received(TransferOf(dst, inner_.payload_size(), region));
     inner_.ReceiveInto(dst, Inner(region), std::move(done));
   }
-  std::unique_ptr<transport::PendingPayload> Keep() override { return inner_.Keep(); }
 
  private:
-  transport::IncomingMessage& inner_;
   TransportLog* log_;
 };
 
-class CountingWorker : public transport::Worker {
+class CountingWorker : public ForwardingWorker {
  public:
   CountingWorker(std::unique_ptr<transport::Worker> inner, std::shared_ptr<TransportLog> log)
-      : inner_(std::move(inner)), log_(std::move(log)) {}
+      : ForwardingWorker(std::move(inner)), log_(std::move(log)) {}
 
-  const std::string& address() const override { return inner_->address(); }
   void SetHandler(uint16_t am_id, transport::Handler handler) override {
     TransportLog* log = log_.get();
     inner_->SetHandler(am_id, [handler, log](transport::IncomingMessage& m) {
       CountingMessage counted(m, log);
       handler(counted);
     });
-  }
-  absl::Status Start() override { return inner_->Start(); }
-  using transport::Worker::Connect;
-  absl::StatusOr<transport::EndpointRef> Connect(const std::string& peer,
-                                                 const std::string& identity) override {
-    return inner_->Connect(peer, identity);
   }
   void Send(transport::EndpointRef ep, uint16_t am_id, absl::Span<const uint8_t> header,
             const void* payload, size_t payload_size, transport::DoneCallback done) override {
@@ -163,7 +206,6 @@ class CountingWorker : public transport::Worker {
     if (payload_size > 0) log_->Sent(TransferOf(payload, payload_size, region));
     inner_->Send(ep, am_id, header, payload, payload_size, Inner(region), std::move(done));
   }
-  std::string transports_in_use() const override { return inner_->transports_in_use(); }
   absl::StatusOr<std::unique_ptr<transport::MemoryRegion>> RegisterMemory(
       void* data, size_t size_bytes) override {
     auto inner = inner_->RegisterMemory(data, size_bytes);
@@ -174,7 +216,6 @@ class CountingWorker : public transport::Worker {
   }
 
  private:
-  std::unique_ptr<transport::Worker> inner_;
   std::shared_ptr<TransportLog> log_;
 };
 

@@ -27,6 +27,7 @@
 #include "proto/optimus.grpc.pb.h"
 #include "tests/harness/cluster.h"
 #include "tests/harness/status_assert.h"
+#include "tests/integration/client_test_workers.h"
 #include "transport/transport.h"
 
 namespace optimus {
@@ -111,15 +112,10 @@ class Hold {
   absl::Notification taken_, received_;
 };
 
-class HoldingMessage : public transport::IncomingMessage {
+class HoldingMessage : public testing_workers::ForwardingMessage {
  public:
-  HoldingMessage(transport::IncomingMessage& inner, Hold* hold) : inner_(inner), hold_(hold) {}
-  uint16_t am_id() const override { return inner_.am_id(); }
-  absl::Span<const uint8_t> header() const override { return inner_.header(); }
-  size_t payload_size() const override { return inner_.payload_size(); }
-  bool is_rendezvous() const override { return inner_.is_rendezvous(); }
-  transport::EndpointRef reply_endpoint() const override { return inner_.reply_endpoint(); }
-  const std::string& peer_identity() const override { return inner_.peer_identity(); }
+  HoldingMessage(transport::IncomingMessage& inner, Hold* hold)
+      : ForwardingMessage(inner), hold_(hold) {}
   void ReceiveInto(void* dst, transport::DoneCallback done) override {
     ReceiveInto(dst, nullptr, std::move(done));
   }
@@ -135,18 +131,15 @@ class HoldingMessage : public transport::IncomingMessage {
     }
     inner_.ReceiveInto(dst, region, std::move(done));
   }
-  std::unique_ptr<transport::PendingPayload> Keep() override { return inner_.Keep(); }
 
  private:
-  transport::IncomingMessage& inner_;
   Hold* hold_;
 };
 
-class HoldingWorker : public transport::Worker {
+class HoldingWorker : public testing_workers::ForwardingWorker {
  public:
   HoldingWorker(std::unique_ptr<transport::Worker> inner, std::shared_ptr<Hold> hold)
-      : inner_(std::move(inner)), hold_(std::move(hold)) {}
-  const std::string& address() const override { return inner_->address(); }
+      : ForwardingWorker(std::move(inner)), hold_(std::move(hold)) {}
   void SetHandler(uint16_t am_id, transport::Handler handler) override {
     Hold* hold = hold_.get();
     inner_->SetHandler(am_id, [handler, hold](transport::IncomingMessage& m) {
@@ -154,29 +147,8 @@ class HoldingWorker : public transport::Worker {
       handler(held);
     });
   }
-  absl::Status Start() override { return inner_->Start(); }
-  using transport::Worker::Connect;
-  absl::StatusOr<transport::EndpointRef> Connect(const std::string& peer,
-                                                 const std::string& identity) override {
-    return inner_->Connect(peer, identity);
-  }
-  void Send(transport::EndpointRef ep, uint16_t am_id, absl::Span<const uint8_t> header,
-            const void* payload, size_t payload_size, transport::DoneCallback done) override {
-    inner_->Send(ep, am_id, header, payload, payload_size, std::move(done));
-  }
-  void Send(transport::EndpointRef ep, uint16_t am_id, absl::Span<const uint8_t> header,
-            const void* payload, size_t payload_size, const transport::MemoryRegion* region,
-            transport::DoneCallback done) override {
-    inner_->Send(ep, am_id, header, payload, payload_size, region, std::move(done));
-  }
-  std::string transports_in_use() const override { return inner_->transports_in_use(); }
-  absl::StatusOr<std::unique_ptr<transport::MemoryRegion>> RegisterMemory(
-      void* data, size_t size_bytes) override {
-    return inner_->RegisterMemory(data, size_bytes);
-  }
 
  private:
-  std::unique_ptr<transport::Worker> inner_;
   std::shared_ptr<Hold> hold_;
 };
 
