@@ -8,8 +8,10 @@
 #include <cmath>
 #include <cstring>
 #include <map>
+#include <memory>
 #include <thread>
 #include <utility>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
@@ -80,6 +82,12 @@ struct Pending {
   void* ep = nullptr;           // The shard's endpoint, to fail it if the shard dies.
   uint64_t epoch = 0;           // Map epoch it was sent under.
   Lease lease;                  // The registration covering src or dst, if any.
+  // A background resend of a retained push: its own copy of the chunk's
+  // bytes, sent instead of src + offset_bytes. The caller may free the
+  // tensor's buffer once the next version is pulled, and such a resend can
+  // outlive that (stalled again by a second map change, or still being
+  // sent when the pull completes).
+  std::shared_ptr<const std::vector<uint8_t>> own_payload;
 };
 
 // A request waiting for a newer shard map before it is sent again.
@@ -750,6 +758,10 @@ class ClientImpl : public Client {
       if (p.op != wire::Op::kPull) h.num_bytes = 0;
       m->payload = nullptr;
       m->payload_bytes = 0;
+      m->region = nullptr;
+    } else if (p.own_payload != nullptr) {
+      m->payload = p.own_payload->data();
+      m->payload_bytes = p.own_payload->size();
       m->region = nullptr;
     } else {
       m->payload = static_cast<const uint8_t*>(p.src) + p.offset_bytes;
@@ -1551,13 +1563,21 @@ class ClientImpl : public Client {
           p.tensor = t;
           p.route = i;
           p.step = r.step;
-          p.src = r.src;
           p.dtype = grad_dtype_;
           p.flags = wire::kRequestResend;
           p.step_flags = r.step_flags;
           p.lr = r.lr;
           p.grad_mult = r.grad_mult;
-          p.lease = r.lease;
+          if ((r.step_flags & wire::kPushNoGrad) == 0) {
+            // Copied now, while the caller must still keep the buffer
+            // (retained: the next version is not pulled yet, and that pull
+            // completes under this lock): the resend is not bounded by it.
+            const size_t elem_bytes = DTypeSize(grad_dtype_);
+            const uint8_t* from = static_cast<const uint8_t*>(r.src) +
+                                  routes_[t][i].offset_elems * elem_bytes;
+            p.own_payload = std::make_shared<const std::vector<uint8_t>>(
+                from, from + routes_[t][i].num_elems * elem_bytes);
+          }
           if (AddLocked(std::move(p), &resend) == 0) {
             OPTIMUS_LOG(Error, kLog, "no slot left to send a push again");
           }
