@@ -379,6 +379,33 @@ absl::StatusOr<v1::DrainShardResponse> Cluster::DrainShard(size_t i) {
   return resp;
 }
 
+absl::StatusOr<size_t> Cluster::PrimaryOf(int chunk) {
+  absl::StatusOr<v1::StatusResponse> st = Status();
+  if (!st.ok()) return st.status();
+  uint64_t job_id = 0;
+  for (const auto& j : st->jobs()) {
+    if (j.name() == joined_job_) job_id = j.job_id();
+  }
+  if (job_id == 0) {
+    return absl::NotFoundError(absl::StrCat("no job \"", joined_job_, "\" at the coordinator"));
+  }
+  v1::GetShardMapRequest req;
+  req.set_job_id(job_id);
+  v1::ShardMap map;
+  grpc::ClientContext ctx;
+  if (absl::Status s = FromGrpc(stub_->GetShardMap(&ctx, req, &map)); !s.ok()) return s;
+  if (chunk < 0 || chunk >= map.chunks_size()) {
+    return absl::OutOfRangeError(
+        absl::StrCat("no chunk ", chunk, " in a map of ", map.chunks_size()));
+  }
+  for (size_t i = 0; i < shards_.size(); ++i) {
+    if (shards_[i]->shard_id() == map.chunks(chunk).shard_id()) return i;
+  }
+  return absl::NotFoundError(absl::StrCat("chunk ", chunk, " is on shard ",
+                                          map.chunks(chunk).shard_id(),
+                                          ", which this cluster did not start"));
+}
+
 // ---- Workers and jobs ----
 
 absl::Status Cluster::ConnectWorkers() {

@@ -223,6 +223,9 @@ class Cluster {
   // Marks shard i DRAINING: the coordinator moves its chunks elsewhere
   // while training runs.
   absl::StatusOr<v1::DrainShardResponse> DrainShard(size_t i);
+  // The index (for shard(i)) of the shard holding chunk `chunk` (its index
+  // in the map) of the joined job as primary, by the coordinator's map now.
+  absl::StatusOr<size_t> PrimaryOf(int chunk);
 
   // ---- Workers and jobs ----
   // Replaces the workers with W new clients (not joined to any job).

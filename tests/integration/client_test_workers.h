@@ -148,9 +148,11 @@ class ForwardingWorker : public transport::Worker {
                                                  const std::string& identity) override {
     return inner_->Connect(peer, identity);
   }
+  // A send without a region goes through the one with a region (null), so
+  // that a wrapper that watches sends overrides that one only.
   void Send(transport::EndpointRef ep, uint16_t am_id, absl::Span<const uint8_t> header,
             const void* payload, size_t payload_size, transport::DoneCallback done) override {
-    inner_->Send(ep, am_id, header, payload, payload_size, std::move(done));
+    Send(ep, am_id, header, payload, payload_size, nullptr, std::move(done));
   }
   void Send(transport::EndpointRef ep, uint16_t am_id, absl::Span<const uint8_t> header,
             const void* payload, size_t payload_size, const transport::MemoryRegion* region,
@@ -166,6 +168,19 @@ class ForwardingWorker : public transport::Worker {
  protected:
   std::unique_ptr<transport::Worker> inner_;
 };
+
+// harness::ClusterOptions::make_worker for a wrapper
+// W(std::unique_ptr<transport::Worker> inner, args...) around every rank's
+// real worker.
+template <typename W, typename... Args>
+auto WrapEveryRank(Args... args) {
+  return [args...](uint32_t, const transport::WorkerOptions& w)
+             -> absl::StatusOr<std::unique_ptr<transport::Worker>> {
+    auto inner = transport::Worker::Create(w);
+    if (!inner.ok()) return inner.status();
+    return std::unique_ptr<transport::Worker>(new W(*std::move(inner), args...));
+  };
+}
 
 class CountingMessage : public ForwardingMessage {
  public:
@@ -196,10 +211,7 @@ class CountingWorker : public ForwardingWorker {
       handler(counted);
     });
   }
-  void Send(transport::EndpointRef ep, uint16_t am_id, absl::Span<const uint8_t> header,
-            const void* payload, size_t payload_size, transport::DoneCallback done) override {
-    Send(ep, am_id, header, payload, payload_size, nullptr, std::move(done));
-  }
+  using ForwardingWorker::Send;
   void Send(transport::EndpointRef ep, uint16_t am_id, absl::Span<const uint8_t> header,
             const void* payload, size_t payload_size, const transport::MemoryRegion* region,
             transport::DoneCallback done) override {

@@ -20,6 +20,7 @@
 #include "gtest/gtest.h"
 #include "tests/harness/cluster.h"
 #include "tests/harness/status_assert.h"
+#include "tests/integration/client_test_workers.h"
 #include "tests/integration/raw_hello.h"
 #include "transport/transport.h"
 
@@ -272,12 +273,12 @@ TEST(DataPlaneAuthTest, GarbageHelloAddressesNeverReachUcx) {
 // request went to. ForgingWorker wraps the worker's real UCX worker and,
 // before each push or pull goes out, hands the client a "fenced" reply to
 // it that comes from another shard's endpoint.
-class ForgingWorker : public transport::Worker {
+class ForgingWorker : public testing_workers::ForwardingWorker {
  public:
-  explicit ForgingWorker(std::unique_ptr<transport::Worker> inner) : inner_(std::move(inner)) {}
+  explicit ForgingWorker(std::unique_ptr<transport::Worker> inner)
+      : ForwardingWorker(std::move(inner)) {}
   uint64_t forged() const { return forged_.load(); }
 
-  const std::string& address() const override { return inner_->address(); }
   void SetHandler(uint16_t am_id, transport::Handler handler) override {
     if (am_id == wire::kAmReply) {
       absl::MutexLock lock(&mu_);
@@ -285,8 +286,7 @@ class ForgingWorker : public transport::Worker {
     }
     inner_->SetHandler(am_id, std::move(handler));
   }
-  absl::Status Start() override { return inner_->Start(); }
-  using transport::Worker::Connect;
+  using ForwardingWorker::Connect;
   absl::StatusOr<transport::EndpointRef> Connect(const std::string& peer,
                                                  const std::string& identity) override {
     auto ep = inner_->Connect(peer, identity);
@@ -296,10 +296,7 @@ class ForgingWorker : public transport::Worker {
     }
     return ep;
   }
-  void Send(transport::EndpointRef ep, uint16_t am_id, absl::Span<const uint8_t> header,
-            const void* payload, size_t payload_size, transport::DoneCallback done) override {
-    Send(ep, am_id, header, payload, payload_size, nullptr, std::move(done));
-  }
+  using ForwardingWorker::Send;
   void Send(transport::EndpointRef ep, uint16_t am_id, absl::Span<const uint8_t> header,
             const void* payload, size_t payload_size, const transport::MemoryRegion* region,
             transport::DoneCallback done) override {
@@ -326,11 +323,6 @@ class ForgingWorker : public transport::Worker {
       }
     }
     inner_->Send(ep, am_id, header, payload, payload_size, region, std::move(done));
-  }
-  std::string transports_in_use() const override { return inner_->transports_in_use(); }
-  absl::StatusOr<std::unique_ptr<transport::MemoryRegion>> RegisterMemory(
-      void* data, size_t size_bytes) override {
-    return inner_->RegisterMemory(data, size_bytes);
   }
 
  private:
@@ -359,7 +351,6 @@ class ForgingWorker : public transport::Worker {
     const std::string identity_ = "shard:forger";
   };
 
-  std::unique_ptr<transport::Worker> inner_;
   absl::Mutex mu_;
   std::vector<transport::EndpointRef> shards_ ABSL_GUARDED_BY(mu_);
   transport::Handler reply_handler_ ABSL_GUARDED_BY(mu_);

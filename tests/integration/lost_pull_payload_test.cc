@@ -10,7 +10,6 @@
 // shard that sent it, then lets the receive go on, which fails as it would
 // over UCX (the sender is gone).
 #include <cstdint>
-#include <cstring>
 #include <memory>
 #include <string>
 #include <utility>
@@ -22,9 +21,7 @@
 #include "absl/time/time.h"
 #include "client/client.h"
 #include "common/dtype.h"
-#include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
-#include "proto/optimus.grpc.pb.h"
 #include "tests/harness/cluster.h"
 #include "tests/harness/status_assert.h"
 #include "tests/integration/client_test_workers.h"
@@ -159,15 +156,8 @@ TEST(LostPullPayloadTest, APullWhoseShardDiedMidTransferIsPulledAgainFromTheBack
   o.num_shards = 2;
   o.num_workers = 1;
   o.wait = kWait;
-  o.make_worker = [hold](uint32_t, const transport::WorkerOptions& w)
-      -> absl::StatusOr<std::unique_ptr<transport::Worker>> {
-    auto inner = transport::Worker::Create(w);
-    if (!inner.ok()) return inner.status();
-    return std::unique_ptr<transport::Worker>(new HoldingWorker(std::move(*inner), hold));
-  };
-  auto started = Cluster::Start(o);
-  ASSERT_TRUE(started.ok()) << started.status();
-  std::unique_ptr<Cluster> cluster = *std::move(started);
+  o.make_worker = testing_workers::WrapEveryRank<HoldingWorker>(hold);
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Cluster> cluster, Cluster::Start(o));
 
   // One tensor in one chunk, with a backup on the other shard; its bf16
   // parameters (16 KiB) travel by rendezvous over loopback (8 KiB and up).
@@ -185,21 +175,7 @@ TEST(LostPullPayloadTest, APullWhoseShardDiedMidTransferIsPulledAgainFromTheBack
   ASSERT_EQ(expected.size(), 128u * 64u * 2u);
 
   // The shard holding the chunk.
-  ASSERT_OK_AND_ASSIGN(v1::StatusResponse st, cluster->Status());
-  ASSERT_EQ(st.jobs_size(), 1);
-  v1::GetShardMapRequest req;
-  req.set_job_id(st.jobs(0).job_id());
-  v1::ShardMap map;
-  {
-    grpc::ClientContext ctx;
-    ASSERT_TRUE(cluster->stub()->GetShardMap(&ctx, req, &map).ok());
-  }
-  ASSERT_EQ(map.chunks_size(), 1);
-  size_t primary = cluster->num_shards();
-  for (size_t i = 0; i < cluster->num_shards(); ++i) {
-    if (cluster->shard(i)->shard_id() == map.chunks(0).shard_id()) primary = i;
-  }
-  ASSERT_LT(primary, cluster->num_shards());
+  ASSERT_OK_AND_ASSIGN(const size_t primary, cluster->PrimaryOf(0));
 
   // Pull version 3 again; its payload is held until its shard is dead.
   hold->Arm();

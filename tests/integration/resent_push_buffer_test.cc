@@ -13,7 +13,7 @@
 // caller may, and only then lets the re-sent push go, recording the bytes
 // it carried.
 #include <cstdint>
-#include <cstring>
+#include <algorithm>
 #include <memory>
 #include <string>
 #include <utility>
@@ -26,9 +26,8 @@
 #include "client/client.h"
 #include "common/dtype.h"
 #include "common/wire.h"
-#include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
-#include "proto/optimus.grpc.pb.h"
+#include "proto/optimus.pb.h"
 #include "tests/harness/cluster.h"
 #include "tests/harness/status_assert.h"
 #include "tests/integration/client_test_workers.h"
@@ -53,11 +52,9 @@ class HeldResend {
   bool Take(transport::Worker* inner, transport::EndpointRef ep, uint16_t am_id,
             absl::Span<const uint8_t> header, const void* payload, size_t payload_size,
             transport::DoneCallback done) {
-    if (header.size() < sizeof(wire::RequestHeader) || payload_size == 0) return false;
-    wire::RequestHeader h;
-    std::memcpy(&h, header.data(), sizeof(h));
-    if (h.op != static_cast<uint16_t>(wire::Op::kPush) ||
-        (h.flags & wire::kRequestResend) == 0) {
+    auto h = wire::ParseRequestHeader(header);
+    if (!h.ok() || payload_size == 0 || h->op != static_cast<uint16_t>(wire::Op::kPush) ||
+        (h->flags & wire::kRequestResend) == 0) {
       return false;
     }
     {
@@ -102,10 +99,7 @@ class ResendHoldingWorker : public testing_workers::ForwardingWorker {
  public:
   ResendHoldingWorker(std::unique_ptr<transport::Worker> inner, std::shared_ptr<HeldResend> held)
       : ForwardingWorker(std::move(inner)), held_(std::move(held)) {}
-  void Send(transport::EndpointRef ep, uint16_t am_id, absl::Span<const uint8_t> header,
-            const void* payload, size_t payload_size, transport::DoneCallback done) override {
-    Send(ep, am_id, header, payload, payload_size, nullptr, std::move(done));
-  }
+  using ForwardingWorker::Send;
   void Send(transport::EndpointRef ep, uint16_t am_id, absl::Span<const uint8_t> header,
             const void* payload, size_t payload_size, const transport::MemoryRegion* region,
             transport::DoneCallback done) override {
@@ -126,12 +120,7 @@ TEST(ResentPushBufferTest, APushSentAgainAfterADrainCarriesItsBytesNotTheReusedB
   o.num_shards = 3;  // Room for the chunk's copies away from the drained one.
   o.num_workers = 1;
   o.wait = kWait;
-  o.make_worker = [held](uint32_t, const transport::WorkerOptions& w)
-      -> absl::StatusOr<std::unique_ptr<transport::Worker>> {
-    auto inner = transport::Worker::Create(w);
-    if (!inner.ok()) return inner.status();
-    return std::unique_ptr<transport::Worker>(new ResendHoldingWorker(std::move(*inner), held));
-  };
+  o.make_worker = testing_workers::WrapEveryRank<ResendHoldingWorker>(held);
   ASSERT_OK_AND_ASSIGN(std::unique_ptr<Cluster> cluster, Cluster::Start(o));
 
   // One tensor in one chunk, with a backup on the other shard.
@@ -160,21 +149,7 @@ TEST(ResentPushBufferTest, APushSentAgainAfterADrainCarriesItsBytesNotTheReusedB
   // that the next pull, still under the old map, is refused there and the
   // client takes the new map, sending step 2's push again to the backup
   // that took the chunk over.
-  ASSERT_OK_AND_ASSIGN(v1::StatusResponse st, cluster->Status());
-  ASSERT_EQ(st.jobs_size(), 1);
-  v1::GetShardMapRequest req;
-  req.set_job_id(st.jobs(0).job_id());
-  v1::ShardMap map;
-  {
-    grpc::ClientContext ctx;
-    ASSERT_TRUE(cluster->stub()->GetShardMap(&ctx, req, &map).ok());
-  }
-  ASSERT_EQ(map.chunks_size(), 1);
-  size_t primary = cluster->num_shards();
-  for (size_t i = 0; i < cluster->num_shards(); ++i) {
-    if (cluster->shard(i)->shard_id() == map.chunks(0).shard_id()) primary = i;
-  }
-  ASSERT_LT(primary, cluster->num_shards());
+  ASSERT_OK_AND_ASSIGN(const size_t primary, cluster->PrimaryOf(0));
   const uint64_t drained = cluster->shard(primary)->shard_id();
   held->Arm();
   ASSERT_OK_AND_ASSIGN(v1::DrainShardResponse drain, cluster->DrainShard(primary));
