@@ -7,16 +7,9 @@
 // set up is still reached.
 #include "coordinator/etcd_state_store.h"
 
-#include <arpa/inet.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
-#include <unistd.h>
-
-#include <atomic>
 #include <map>
 #include <memory>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "absl/strings/match.h"
@@ -30,6 +23,7 @@
 #include "google/protobuf/util/message_differencer.h"
 #include "gtest/gtest.h"
 #include "proto/optimus.pb.h"
+#include "tests/harness/tcp_relay.h"
 
 namespace optimus {
 namespace {
@@ -296,83 +290,20 @@ TEST_F(EtcdStoreTest, AnEndpointThatIsDownIsSkippedAndNamedWhenAllAre) {
   EXPECT_TRUE(absl::StrContains(failed.status().message(), dead)) << failed.status();
 }
 
-// A TCP relay to `target` that holds every connection `delay` before it
-// passes any byte: a member behind a slow network or on a loaded machine,
-// where the TCP connect and the HTTP/2 SETTINGS exchange take that long.
-// On `listen_port` (0: any free one).
-class SlowRelay {
- public:
-  SlowRelay(int target_port, absl::Duration delay, int listen_port = 0)
-      : target_port_(target_port), delay_(delay) {
-    listen_fd_ = ::socket(AF_INET, SOCK_STREAM, 0);
-    const int one = 1;
-    ::setsockopt(listen_fd_, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-    sockaddr_in addr = Loopback(listen_port);
-    socklen_t len = sizeof(addr);
-    EXPECT_EQ(::bind(listen_fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
-    EXPECT_EQ(::listen(listen_fd_, 16), 0);
-    EXPECT_EQ(::getsockname(listen_fd_, reinterpret_cast<sockaddr*>(&addr), &len), 0);
-    port_ = ntohs(addr.sin_port);
-    acceptor_ = std::thread([this] { Accept(); });
-  }
-  ~SlowRelay() {
-    stop_ = true;
-    ::shutdown(listen_fd_, SHUT_RDWR);
-    acceptor_.join();
-    ::close(listen_fd_);
-    for (int fd : fds_) ::shutdown(fd, SHUT_RDWR);
-    for (std::thread& t : pipes_) t.join();
-    for (int fd : fds_) ::close(fd);
-  }
-  std::string address() const { return absl::StrCat("127.0.0.1:", port_); }
-
- private:
-  static sockaddr_in Loopback(int port) {
-    sockaddr_in addr{};
-    addr.sin_family = AF_INET;
-    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    addr.sin_port = htons(port);
-    return addr;
-  }
-  static void Pipe(int from, int to) {
-    char buf[16384];
-    while (true) {
-      const ssize_t n = ::read(from, buf, sizeof(buf));
-      // MSG_NOSIGNAL: a peer that closed first must not kill the test
-      // with SIGPIPE (it did, 1 run in 10 with four at once).
-      if (n <= 0 || ::send(to, buf, static_cast<size_t>(n), MSG_NOSIGNAL) != n) break;
-    }
-    ::shutdown(to, SHUT_WR);
-  }
-  void Accept() {
-    while (!stop_) {
-      const int client = ::accept(listen_fd_, nullptr, nullptr);
-      if (client < 0) return;
-      absl::SleepFor(delay_);
-      const int server = ::socket(AF_INET, SOCK_STREAM, 0);
-      sockaddr_in addr = Loopback(target_port_);
-      if (::connect(server, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
-        ::close(server);
-        ::close(client);
-        continue;
-      }
-      fds_.push_back(client);
-      fds_.push_back(server);
-      pipes_.emplace_back([client, server] { Pipe(client, server); });
-      pipes_.emplace_back([client, server] { Pipe(server, client); });
-    }
-  }
-
-  const int target_port_;
-  const absl::Duration delay_;
-  int listen_fd_ = -1;
-  int port_ = 0;
-  std::atomic<bool> stop_{false};
-  std::thread acceptor_;
-  // Touched by the acceptor only, read after it is joined.
-  std::vector<int> fds_;
-  std::vector<std::thread> pipes_;
-};
+// A TCP relay to the member on `target_port` that holds every connection
+// `delay` before it passes any byte: a member behind a slow network or on
+// a loaded machine, where the TCP connect and the HTTP/2 SETTINGS exchange
+// take that long. On `listen_port` (0: any free one).
+std::unique_ptr<harness::TcpRelay> SlowRelay(int target_port, absl::Duration delay,
+                                             int listen_port = 0) {
+  harness::TcpRelayOptions o;
+  o.target_port = target_port;
+  o.listen_port = listen_port;
+  o.connect_delay = delay;
+  auto relay = harness::TcpRelay::Start(o);
+  EXPECT_TRUE(relay.ok()) << relay.status();
+  return relay.ok() ? *std::move(relay) : nullptr;
+}
 
 // Puts every 100 ms until one succeeds or `guard` has passed; the last
 // status.
@@ -396,9 +327,10 @@ TEST_F(EtcdStoreTest, AMemberWhoseConnectionIsSlowToSetUpIsStillReached) {
   const std::string& member = cluster_->endpoints()[0];
   int port = 0;
   ASSERT_TRUE(absl::SimpleAtoi(member.substr(member.rfind(':') + 1), &port)) << member;
-  SlowRelay relay(port, absl::Seconds(3));
+  auto relay = SlowRelay(port, absl::Seconds(3));
+  ASSERT_NE(relay, nullptr);
   EtcdClientOptions o;
-  o.endpoints = {relay.address()};
+  o.endpoints = {relay->address()};
   o.call_timeout = absl::Seconds(2);
   auto client = EtcdClient::Create(o);
   ASSERT_TRUE(client.ok());
@@ -435,8 +367,9 @@ TEST_F(EtcdStoreTest, AMemberThatComesUpAfterFailedCallsIsReached) {
     absl::SleepFor(absl::Milliseconds(300));
   }
   // The member comes up at that address.
-  SlowRelay up(member_port, absl::ZeroDuration(), port);
-  ASSERT_EQ(up.address(), o.endpoints[0]) << "the test could not listen on its port";
+  auto up = SlowRelay(member_port, absl::ZeroDuration(), port);
+  ASSERT_NE(up, nullptr) << "the test could not listen on its port";
+  ASSERT_EQ(up->address(), o.endpoints[0]);
   // A hang guard only.
   const absl::Status last = PutUntilOk(**client, put, absl::Seconds(30));
   EXPECT_TRUE(last.ok()) << "a member that came up at " << o.endpoints[0]
