@@ -242,7 +242,8 @@ struct SyncReceive {
 thread_local SyncReceive tls_sync_receive;
 
 // A push kept until the pull of the next version of its tensor completes,
-// to send again if its chunk's shard changes.
+// to send again (a copy of the bytes of each chunk that moved) if its
+// chunk's shard changes.
 struct Retained {
   bool valid = false;
   uint64_t step = 0;
@@ -250,7 +251,6 @@ struct Retained {
   uint32_t step_flags = 0;
   float lr = 0.0f;
   float grad_mult = 0.0f;
-  Lease lease;
 };
 
 // Every chunk's partial sum of squares of one step, by chunk, tensor-major
@@ -299,7 +299,6 @@ class ClientImpl : public Client {
     // of theirs on the way.
     {
       absl::MutexLock lock(&mu_);
-      for (Retained& r : retained_) r.lease.reset();
       stalled_.clear();
       for (uint32_t i = 0; i < slots_.size(); ++i) {
         Slot* s = slots_.At(i);
@@ -951,10 +950,7 @@ class ClientImpl : public Client {
     if (--t->remaining == 0 && t->status.ok() && t->op == wire::Op::kPull) {
       // The next version of this tensor is in hand: its push is applied.
       Retained& r = retained_[t->tensor];
-      if (r.valid && r.step + 1 <= t->step) {
-        r.valid = false;
-        r.lease.reset();
-      }
+      if (r.valid && r.step + 1 <= t->step) r.valid = false;
     }
   }
 
@@ -1035,7 +1031,7 @@ class ClientImpl : public Client {
       }
       if (op == wire::Op::kPush) {
         retained_[tensor] =
-            Retained{true, step, src, proto.step_flags, proto.lr, proto.grad_mult, lease};
+            Retained{true, step, src, proto.step_flags, proto.lr, proto.grad_mult};
       }
     }
     SendAll(out);

@@ -380,20 +380,15 @@ absl::StatusOr<v1::DrainShardResponse> Cluster::DrainShard(size_t i) {
 }
 
 absl::StatusOr<size_t> Cluster::PrimaryOf(int chunk) {
-  absl::StatusOr<v1::StatusResponse> st = Status();
-  if (!st.ok()) return st.status();
-  uint64_t job_id = 0;
-  for (const auto& j : st->jobs()) {
-    if (j.name() == joined_job_) job_id = j.job_id();
-  }
-  if (job_id == 0) {
-    return absl::NotFoundError(absl::StrCat("no job \"", joined_job_, "\" at the coordinator"));
+  if (workers_.empty() || workers_[0]->job_id() == 0) {
+    return absl::FailedPreconditionError("no joined job: CreateJob or JoinJob first");
   }
   v1::GetShardMapRequest req;
-  req.set_job_id(job_id);
+  req.set_job_id(workers_[0]->job_id());
   v1::ShardMap map;
   grpc::ClientContext ctx;
-  if (absl::Status s = FromGrpc(stub_->GetShardMap(&ctx, req, &map)); !s.ok()) return s;
+  absl::Status fetched = FromGrpc(stub_->GetShardMap(&ctx, req, &map));
+  if (!fetched.ok()) return fetched;
   if (chunk < 0 || chunk >= map.chunks_size()) {
     return absl::OutOfRangeError(
         absl::StrCat("no chunk ", chunk, " in a map of ", map.chunks_size()));

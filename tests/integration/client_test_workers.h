@@ -122,8 +122,10 @@ class ForwardingMessage : public transport::IncomingMessage {
   bool is_rendezvous() const override { return inner_.is_rendezvous(); }
   transport::EndpointRef reply_endpoint() const override { return inner_.reply_endpoint(); }
   const std::string& peer_identity() const override { return inner_.peer_identity(); }
+  // A receive without a region goes through the one with a region (null),
+  // as ForwardingWorker's sends do.
   void ReceiveInto(void* dst, transport::DoneCallback done) override {
-    inner_.ReceiveInto(dst, std::move(done));
+    ReceiveInto(dst, nullptr, std::move(done));
   }
   void ReceiveInto(void* dst, const transport::MemoryRegion* region,
                    transport::DoneCallback done) override {
@@ -186,9 +188,7 @@ class CountingMessage : public ForwardingMessage {
  public:
   CountingMessage(transport::IncomingMessage& inner, TransportLog* log)
       : ForwardingMessage(inner), log_(log) {}
-  void ReceiveInto(void* dst, transport::DoneCallback done) override {
-    ReceiveInto(dst, nullptr, std::move(done));
-  }
+  using ForwardingMessage::ReceiveInto;
   void ReceiveInto(void* dst, const transport::MemoryRegion* region,
                    transport::DoneCallback done) override {
     if (inner_.payload_size() > 0) log_->Received(TransferOf(dst, inner_.payload_size(), region));

@@ -113,9 +113,7 @@ class HoldingMessage : public testing_workers::ForwardingMessage {
  public:
   HoldingMessage(transport::IncomingMessage& inner, Hold* hold)
       : ForwardingMessage(inner), hold_(hold) {}
-  void ReceiveInto(void* dst, transport::DoneCallback done) override {
-    ReceiveInto(dst, nullptr, std::move(done));
-  }
+  using ForwardingMessage::ReceiveInto;
   void ReceiveInto(void* dst, const transport::MemoryRegion* region,
                    transport::DoneCallback done) override {
     if (inner_.is_rendezvous() && inner_.payload_size() > 0 && hold_->Claim()) {
