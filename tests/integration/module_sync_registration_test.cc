@@ -72,18 +72,19 @@ TEST(ModuleSyncRegistrationTest, StagingBuffersAreRegisteredOnceAtCreate) {
   constexpr int kSteps = 10;
   torch::Tensor x = torch::randn({32, 64});
   torch::Tensor y = torch::randn({32, 64});
-  size_t after_first_step = 0;
   for (int step = 1; step <= kSteps; ++step) {
     ASSERT_OK(sync->PullParams(step, absl::Seconds(30)));
     model.zero_grad();
     torch::mse_loss(model.forward(x), y).backward();
     ASSERT_OK(sync->PushGrads(step, absl::Seconds(30)));
-    if (step == 1) after_first_step = log->registrations().size();
+    // Nothing is registered per step: the steps may add batch buffers only
+    // while more batches are in flight at once than the two made at Connect
+    // (each PullParams and PushGrads sends one per shard, and a buffer comes
+    // back when its send completes, which may be after the replies), and
+    // the client keeps four. Registering per step would pass this bound by
+    // the second step.
+    ASSERT_LE(log->registrations().size(), 2u + 4u) << "after step " << step;
   }
-  // Nothing registered after the first step (which may add a batch buffer
-  // when more batches are in flight at once than the two made at Connect).
-  EXPECT_EQ(log->registrations().size(), after_first_step);
-  EXPECT_LE(after_first_step, 4u + 2u);
   // Every payload went from or into an arena (or, batched, from a batch
   // buffer), with its registration.
   const auto sends = log->sends();
