@@ -33,6 +33,10 @@ ABSL_FLAG(int, step_threads, 0,
           "threads running optimizer steps and gradient folds (one chunk each); 0: one per core");
 ABSL_FLAG(int, kernel_threads, 0,
           "threads splitting one chunk's optimizer step; 0: one per core");
+ABSL_FLAG(int, step_nice, 0,
+          "how much nicer (0-19) than the rest of the shard the step and kernel threads run; "
+          "above 0 the UCX progress thread (landing pushes, serving pulls) gets the cores first "
+          "where steps compete with it for them");
 ABSL_FLAG(std::string, transports, "",
           "UCX transports (UCX_TLS syntax, e.g. rc,sm,self); empty: UCX_TLS from the environment, "
           "or UCX's choice among all it finds");
@@ -115,9 +119,15 @@ int main(int argc, char** argv) {
   options.memory_limit_bytes = static_cast<uint64_t>(absl::GetFlag(FLAGS_memory_limit_mb)) << 20;
   options.step_threads = absl::GetFlag(FLAGS_step_threads);
   options.kernel_threads = absl::GetFlag(FLAGS_kernel_threads);
+  options.step_nice = absl::GetFlag(FLAGS_step_nice);
   if (options.step_threads < 0 || options.kernel_threads < 0) {
     std::fprintf(stderr,
                  "optimus-shard: --step_threads and --kernel_threads must be >= 0 (0: one per core)\n");
+    return 2;
+  }
+  if (options.step_nice < 0 || options.step_nice > 19) {
+    std::fprintf(stderr, "optimus-shard: --step_nice must be 0-19 (the steps' threads can be "
+                         "given a lower priority than the rest, not a higher one)\n");
     return 2;
   }
   const int64_t staging_mb = absl::GetFlag(FLAGS_staging_mb);

@@ -3,9 +3,14 @@
 // (heartbeats, metrics, chunks retired, step threads, data plane).
 #include "server/shard_server.h"
 
+#include <sys/resource.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <functional>
 #include <thread>
 #include <utility>
 
@@ -25,6 +30,24 @@ int CoresOr(int n) {
   return cores > 0 ? static_cast<int>(cores) : 1;
 }
 
+// Runs first on each step and kernel thread: makes it `nicer` nicer than the
+// thread that started it (Linux: nice applies to one thread, and a new thread
+// starts at its creator's), at most 19.
+std::function<void()> StepThreadStart(int nicer) {
+  if (nicer <= 0) return nullptr;
+  return [nicer] {
+    const id_t tid = static_cast<id_t>(syscall(SYS_gettid));
+    errno = 0;
+    const int now = getpriority(PRIO_PROCESS, tid);
+    if (errno != 0) return;
+    const int want = std::min(19, now + nicer);
+    if (setpriority(PRIO_PROCESS, tid, want) != 0) {
+      OPTIMUS_LOG(Warning, kLog, "cannot set a step thread's nice value to ", want, ": ",
+                  std::strerror(errno));
+    }
+  };
+}
+
 ShardServerOptions Resolved(ShardServerOptions o) {
   o.step_threads = CoresOr(o.step_threads);
   o.kernel_threads = CoresOr(o.kernel_threads);
@@ -40,8 +63,10 @@ Shard::Shard(const ShardServerOptions& options, std::unique_ptr<CoordinatorLink>
                                                             options_.max_parked_pulls,
                                                             options_.max_inflight_bytes})),
       table_(options_.memory_limit_bytes),
-      kernel_pool_(std::make_unique<kernels::ThreadPool>(options_.kernel_threads)),
-      executor_(std::make_unique<StepExecutor>(options_.step_threads)),
+      kernel_pool_(std::make_unique<kernels::ThreadPool>(options_.kernel_threads,
+                                                         StepThreadStart(options_.step_nice))),
+      executor_(std::make_unique<StepExecutor>(options_.step_threads,
+                                               StepThreadStart(options_.step_nice))),
       link_(std::move(link)) {
   if (!options.checkpoint_dir.empty()) {
     ckpt_writer_ = std::make_unique<CheckpointWriter>(options.checkpoint_max_bytes_per_second);

@@ -49,6 +49,15 @@ struct ShardServerOptions {
   // count), so the last chunk of a step is not left to one core. 0: one per
   // core.
   int kernel_threads = 0;
+  // How much nicer (Linux nice, per thread; the result at most 19) the step
+  // and kernel threads run than the rest of the shard: the UCX progress
+  // thread, heartbeats and gRPC keep the process's priority. Above 0 the
+  // cores go to landing pushes and serving pulls first where the steps
+  // compete with them (a host CPU, or a DPU with fewer cores than busy
+  // threads): a worker waits for its push to land, while a chunk's step only
+  // has to be done before that chunk's next pull. 0: the same priority as
+  // the rest. Default 0.
+  int step_nice = 0;
   // How often to heartbeat; 0 means a third of the lease the coordinator grants.
   absl::Duration heartbeat_interval = absl::ZeroDuration();
   // UCX settings for the data plane.

@@ -4,7 +4,13 @@
 // and that every job and chunk that leaves gives its memory back.
 #include "server/shard_server.h"
 
+#include <sys/resource.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cerrno>
 #include <cstring>
+#include <filesystem>
 #include <map>
 #include <memory>
 #include <string>
@@ -12,6 +18,7 @@
 #include <vector>
 
 #include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
 #include "common/dtype.h"
 #include "common/wire.h"
 #include "gtest/gtest.h"
@@ -311,6 +318,59 @@ TEST(ShardServerStartTest, ABadCoordinatorListIsAClearError) {
     EXPECT_NE(s.status().message().find("coordinator address"), absl::string_view::npos)
         << s.status();
   }
+}
+
+// Nice value of each of this process's threads, by thread id (a thread that
+// ends while they are read is left out).
+std::map<int, int> ThreadNices() {
+  std::map<int, int> out;
+  for (const auto& e : std::filesystem::directory_iterator("/proc/self/task")) {
+    const int tid = std::stoi(e.path().filename().string());
+    errno = 0;
+    const int nice = getpriority(PRIO_PROCESS, static_cast<id_t>(tid));
+    if (errno == 0) out[tid] = nice;
+  }
+  return out;
+}
+
+int ThreadsAt(int nice) {
+  int n = 0;
+  for (const auto& [tid, v] : ThreadNices()) n += v == nice ? 1 : 0;
+  return n;
+}
+
+// --step_nice: what `ps -L -o tid,ni` shows an operator. The step threads
+// and the kernel pool's background threads run that much nicer than the
+// process; the progress thread, the heartbeats and the caller do not.
+TEST(ShardServerStartTest, StepAndKernelThreadsRunNicerThanTheRest) {
+  const int base = getpriority(PRIO_PROCESS, static_cast<id_t>(syscall(SYS_gettid)));
+  if (base > 14) GTEST_SKIP() << "this test runs at nice " << base << ": no room below 19";
+  const int nicer = base + 5;
+  ASSERT_EQ(ThreadsAt(nicer), 0);
+  ShardServerOptions o;
+  o.coordinator_address = "fake";
+  o.memory_limit_bytes = 64 << 20;
+  o.heartbeat_interval = absl::Milliseconds(20);
+  o.transport.loopback = transport::LoopbackFabric::Create();
+  o.transport.name = "shard";
+  o.step_threads = 2;
+  o.kernel_threads = 3;  // The step thread that splits a step runs one range.
+  o.step_nice = 5;
+  auto s = ShardServer::StartWithLink(o, std::make_unique<FakeLink>());
+  ASSERT_TRUE(s.ok()) << s.status();
+  // Each thread lowers its own priority as it starts.
+  const absl::Time deadline = absl::Now() + kWait;
+  while (ThreadsAt(nicer) < 4 && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(5));
+  EXPECT_EQ(ThreadsAt(nicer), 4);
+  int rest = 0;
+  for (const auto& [tid, nice] : ThreadNices()) {
+    if (nice == nicer) continue;
+    EXPECT_EQ(nice, base) << "thread " << tid;
+    ++rest;
+  }
+  EXPECT_GE(rest, 2);  // This thread and the shard's progress thread at least.
+  s->reset();
+  EXPECT_EQ(ThreadsAt(nicer), 0);
 }
 
 TEST_F(ShardServerTest, ServesTheStepTorchWouldComputeAndRefusesBadRequests) {

@@ -5,9 +5,14 @@
 namespace optimus {
 namespace server {
 
-StepExecutor::StepExecutor(int num_threads) {
+StepExecutor::StepExecutor(int num_threads, std::function<void()> on_thread_start) {
   if (num_threads < 1) num_threads = 1;
-  for (int i = 0; i < num_threads; ++i) threads_.emplace_back([this] { Loop(); });
+  for (int i = 0; i < num_threads; ++i) {
+    threads_.emplace_back([this, on_thread_start] {
+      if (on_thread_start) on_thread_start();
+      Loop();
+    });
+  }
 }
 
 StepExecutor::~StepExecutor() {

@@ -17,7 +17,8 @@ namespace server {
 
 class StepExecutor {
  public:
-  explicit StepExecutor(int num_threads);
+  // Each thread calls on_thread_start (if set) before it takes tasks.
+  explicit StepExecutor(int num_threads, std::function<void()> on_thread_start = nullptr);
   ~StepExecutor();
   StepExecutor(const StepExecutor&) = delete;
   StepExecutor& operator=(const StepExecutor&) = delete;

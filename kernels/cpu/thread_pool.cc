@@ -13,12 +13,15 @@ struct ThreadPool::Batch {
   size_t pending = 0;  // guarded by the pool's mu_
 };
 
-ThreadPool::ThreadPool(int num_threads)
+ThreadPool::ThreadPool(int num_threads, std::function<void()> on_thread_start)
     : num_threads_(std::max(num_threads, 1)) {
   tasks_.reserve(static_cast<size_t>(num_threads_) * 4);
   threads_.reserve(static_cast<size_t>(num_threads_ - 1));
   for (int t = 1; t < num_threads_; ++t) {
-    threads_.emplace_back([this] { WorkerLoop(); });
+    threads_.emplace_back([this, on_thread_start] {
+      if (on_thread_start) on_thread_start();
+      WorkerLoop();
+    });
   }
 }
 

@@ -7,6 +7,7 @@
 
 #include <condition_variable>
 #include <cstddef>
+#include <functional>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -39,8 +40,10 @@ class ThreadPool {
  public:
   // num_threads (>= 1; smaller values count as 1) is how many threads one
   // ParallelFor uses: num_threads - 1 background threads are started here,
-  // and the calling thread of ParallelFor runs one range itself.
-  explicit ThreadPool(int num_threads);
+  // and the calling thread of ParallelFor runs one range itself. Each
+  // background thread calls on_thread_start (if set) first: the shard uses it
+  // to run them at the step threads' priority.
+  explicit ThreadPool(int num_threads, std::function<void()> on_thread_start = nullptr);
   // Joins the background threads. No ParallelFor may be running.
   ~ThreadPool();
 

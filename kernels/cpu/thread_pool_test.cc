@@ -92,6 +92,37 @@ TEST(ThreadPoolTest, ConcurrentCallersShareThePool) {
   for (const auto& h : hits) ASSERT_EQ(h.load(), 50);
 }
 
+// The start hook runs once on each background thread, before it takes any
+// range, and not on the caller (which runs one range itself).
+TEST(ThreadPoolTest, StartHookRunsOnEachBackgroundThreadBeforeItsRanges) {
+  thread_local int hooks_here = 0;
+  std::atomic<int> hooks{0};
+  ThreadPool pool(4, [&] {
+    ++hooks_here;
+    hooks.fetch_add(1);
+  });
+  const std::thread::id caller = std::this_thread::get_id();
+  std::mutex mu;
+  std::set<std::thread::id> ids;
+  std::atomic<int> wrong{0};
+  std::atomic<int> arrived{0};
+  // Every range waits for the others, so the four run on four threads: the
+  // caller and each background thread.
+  pool.ParallelFor(4, 1, [&](size_t, size_t) {
+    const bool is_caller = std::this_thread::get_id() == caller;
+    if (hooks_here != (is_caller ? 0 : 1)) wrong.fetch_add(1);
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      ids.insert(std::this_thread::get_id());
+    }
+    arrived.fetch_add(1);
+    while (arrived.load() < 4) std::this_thread::yield();
+  });
+  EXPECT_EQ(ids.size(), 4u);
+  EXPECT_EQ(wrong.load(), 0);
+  EXPECT_EQ(hooks.load(), 3);
+}
+
 }  // namespace
 }  // namespace kernels
 }  // namespace optimus
