@@ -131,6 +131,7 @@ prometheus.io/path: /metrics
 --staging_mb={{ int64 (.values.stagingMb | default 0) }}
 --step_threads={{ int .values.stepThreads }}
 --kernel_threads={{ int .values.kernelThreads }}
+--step_nice={{ int (.values.stepNice | default 0) }}
 {{- with .values.transports | default $s.transports }}
 --transports={{ . }}
 {{- end }}
