@@ -91,6 +91,7 @@
 #include "common/dtype.h"
 #include "common/grpc_status.h"
 #include "common/http_server.h"
+#include "common/huge_pages.h"
 #include "common/json.h"
 #include "grpcpp/grpcpp.h"
 #include "proto/optimus.grpc.pb.h"
@@ -102,6 +103,10 @@ ABSL_FLAG(std::string, sizes, "64K,256K,1M,4M", "message (chunk payload) sizes: 
 ABSL_FLAG(std::string, workers, "1,2", "worker counts W");
 ABSL_FLAG(std::string, shards, "1,2", "shard counts S");
 ABSL_FLAG(double, seconds, 1.0, "target length of each timed phase, seconds");
+ABSL_FLAG(bool, user_huge_pages, true,
+          "goodput: the workers' gradient and parameter buffers are mapped like the torch "
+          "adapters' staging arenas (2 MiB aligned, advised for transparent huge pages); false: "
+          "ordinary 4 KiB pages");
 ABSL_FLAG(int64_t, tensor_mib, 32, "goodput: MiB of bf16 payload per worker per push or pull");
 ABSL_FLAG(bool, commit_round, false,
           "goodput: jobs with a commit round (skip_nonfinite): a push is answered when it "
@@ -542,6 +547,36 @@ uint64_t GoodputTensorBytes(uint64_t msg_bytes, int shards) {
   return chunks * msg_bytes;
 }
 
+// A worker's gradients or parameters, where the trainer keeps them: the
+// torch adapters' staging arenas (client/torch/module_sync.cc, the Python
+// optimizer) are mapped on a 2 MiB boundary and advised for huge pages;
+// --user_huge_pages=false gives ordinary 4 KiB-page memory instead.
+class UserBuffer {
+ public:
+  UserBuffer() = default;
+  UserBuffer(const UserBuffer&) = delete;
+  UserBuffer& operator=(const UserBuffer&) = delete;
+  UserBuffer(UserBuffer&& o) noexcept : data_(std::exchange(o.data_, nullptr)), size_(o.size_) {}
+  ~UserBuffer() { UnmapAligned(data_, size_); }
+  void assign(size_t bytes, uint8_t value) {
+    UnmapAligned(data_, size_);
+    data_ = static_cast<uint8_t*>(MapAligned(bytes, absl::GetFlag(FLAGS_user_huge_pages)));
+    if (data_ == nullptr) {
+      std::fprintf(stderr, "dataplane: out of memory mapping %zu bytes\n", bytes);
+      std::exit(1);
+    }
+    size_ = bytes;
+    std::memset(data_, value, bytes);
+  }
+  uint8_t* data() { return data_; }
+  size_t size() const { return size_; }
+  uint8_t& operator[](size_t i) { return data_[i]; }
+
+ private:
+  uint8_t* data_ = nullptr;
+  size_t size_ = 0;
+};
+
 absl::StatusOr<Goodput> RunGoodput(const ProcCluster& c, const std::string& name,
                                    uint64_t msg_bytes, int workers, int shards) {
   Goodput g;
@@ -566,7 +601,7 @@ absl::StatusOr<Goodput> RunGoodput(const ProcCluster& c, const std::string& name
   std::vector<std::unique_ptr<client::Client>>& cl = *started;
   g.chunks = cl[0]->tensors()[0].num_chunks;
   g.in_use = TransportsInUse(cl);
-  std::vector<std::vector<uint8_t>> grads(workers), params(workers);
+  std::vector<UserBuffer> grads(workers), params(workers);
   for (int r = 0; r < workers; ++r) {
     grads[r].assign(g.tensor_bytes, 0);
     // bf16 1e-3 (0x3a83) in every element.
@@ -718,6 +753,7 @@ void PrintGoodput(const std::string& tls, uint64_t msg_bytes, int workers, int s
     line["chunks"] = g.chunks;
     line["transports_in_use"] = g.in_use;
     line["tensor_bytes"] = g.tensor_bytes;
+    line["user_huge_pages"] = absl::GetFlag(FLAGS_user_huge_pages);
     line["iterations"] = f.iterations;
     line["step_ms"] = JsonRound(g.step_ms, 2);
     line["allocs_per_msg"] =

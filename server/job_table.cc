@@ -1,13 +1,12 @@
 #include "server/job_table.h"
 
-#include <sys/mman.h>
-
 #include <cstdlib>
 #include <cstring>
 #include <thread>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "common/huge_pages.h"
 #include "server/staging.h"
 
 namespace optimus {
@@ -53,8 +52,8 @@ absl::StatusOr<std::unique_ptr<Buffer>> Buffer::Allocate(size_t size_bytes,
   b->reserved_bytes_ = size_bytes;
   b->size_bytes_ = size_bytes;
   if (rounded >= kMapThresholdBytes) {
-    void* p = mmap(nullptr, rounded, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    b->data_ = p == MAP_FAILED ? nullptr : static_cast<uint8_t*>(p);
+    const bool huge = b->account_->huge_pages() && rounded >= kHugePageBytes;
+    b->data_ = static_cast<uint8_t*>(MapAligned(rounded, huge));
     b->mapped_bytes_ = b->data_ != nullptr ? rounded : 0;
   } else {
     b->data_ = static_cast<uint8_t*>(std::aligned_alloc(kAlignBytes, rounded));
@@ -75,7 +74,7 @@ absl::StatusOr<std::unique_ptr<Buffer>> Buffer::Allocate(size_t size_bytes,
 Buffer::~Buffer() {
   region_.reset();  // Deregistered before the memory goes.
   if (mapped_bytes_ != 0) {
-    munmap(data_, mapped_bytes_);
+    UnmapAligned(data_, mapped_bytes_);
   } else {
     std::free(data_);
   }

@@ -35,15 +35,20 @@ namespace server {
 // gives them back when freed.
 class MemoryAccount {
  public:
-  explicit MemoryAccount(uint64_t limit_bytes) : limit_(limit_bytes) {}
+  // `huge_pages`: buffers of 2 MiB or more are advised for transparent
+  // huge pages (common/huge_pages.h).
+  explicit MemoryAccount(uint64_t limit_bytes, bool huge_pages = true)
+      : limit_(limit_bytes), huge_pages_(huge_pages) {}
   // RESOURCE_EXHAUSTED with the numbers (and `what`) when it does not fit.
   absl::Status Reserve(uint64_t bytes, absl::string_view what);
   void Release(uint64_t bytes);
   uint64_t used() const { return used_.load(); }
   uint64_t limit() const { return limit_; }
+  bool huge_pages() const { return huge_pages_; }
 
  private:
   const uint64_t limit_;
+  const bool huge_pages_;
   std::atomic<uint64_t> used_{0};
 };
 
@@ -52,7 +57,8 @@ using Registrar =
     std::function<absl::StatusOr<std::unique_ptr<transport::MemoryRegion>>(void*, size_t)>;
 
 // One zeroed, 64-byte aligned, registered, accounted allocation; large
-// ones are mapped from the kernel and given back to it when freed.
+// ones are mapped from the kernel on a 2 MiB boundary (advised for huge
+// pages from 2 MiB on, as the account says) and given back to it when freed.
 class Buffer {
  public:
   static absl::StatusOr<std::unique_ptr<Buffer>> Allocate(
@@ -183,8 +189,8 @@ class Job {
 
 class JobTable {
  public:
-  explicit JobTable(uint64_t memory_limit_bytes)
-      : memory_(std::make_shared<MemoryAccount>(memory_limit_bytes)) {}
+  explicit JobTable(uint64_t memory_limit_bytes, bool huge_pages = true)
+      : memory_(std::make_shared<MemoryAccount>(memory_limit_bytes, huge_pages)) {}
 
   const std::shared_ptr<MemoryAccount>& memory() const { return memory_; }
 

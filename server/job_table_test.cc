@@ -3,6 +3,7 @@
 #include <memory>
 #include <string>
 
+#include "common/huge_pages.h"
 #include "gtest/gtest.h"
 
 namespace optimus {
@@ -40,6 +41,34 @@ TEST(MemoryAccountTest, RefusesWhatDoesNotFitWithTheNumbers) {
   EXPECT_EQ(a.used(), 600u);  // A refusal reserves nothing.
   a.Release(600);
   EXPECT_TRUE(a.Reserve(1000, "all").ok());
+}
+
+// A shard's large buffers are advised for transparent huge pages when its
+// account says so: on 4 KiB pages every shared-memory transfer walks and
+// pins each page (docs/benchmarks.md, "Huge pages").
+TEST(BufferTest, LargeBuffersAreHugePageEligibleWhenTheAccountAsks) {
+  const std::string mode = TransparentHugePageMode();
+  if (mode != "madvise" && mode != "always") {
+    GTEST_SKIP() << "transparent huge pages are '" << mode << "' here";
+  }
+  auto asks = std::make_shared<MemoryAccount>(1 << 30, /*huge_pages=*/true);
+  auto declines = std::make_shared<MemoryAccount>(1 << 30, /*huge_pages=*/false);
+  const size_t large = (size_t{4} << 20) + 64;
+  auto a = Buffer::Allocate(large, asks, {}, "test");
+  auto d = Buffer::Allocate(large, declines, {}, "test");
+  auto small = Buffer::Allocate(size_t{1} << 20, asks, {}, "test");
+  ASSERT_TRUE(a.ok() && d.ok() && small.ok());
+  EXPECT_EQ(reinterpret_cast<uintptr_t>((*a)->data()) % kHugePageBytes, 0u);
+  EXPECT_TRUE(HugePageEligible((*a)->data()));
+  EXPECT_EQ((*a)->data()[large - 1], 0);  // Zeroed, to the last byte.
+  if (mode == "madvise") {
+    EXPECT_FALSE(HugePageEligible((*d)->data()));
+    EXPECT_FALSE(HugePageEligible((*small)->data()));  // Below one huge page: not advised.
+  }
+  EXPECT_EQ(asks->used(), large + (size_t{1} << 20));
+  a->reset();
+  small->reset();
+  EXPECT_EQ(asks->used(), 0u);
 }
 
 // The shard allocates exactly what the coordinator plans per element: the

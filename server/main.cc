@@ -37,6 +37,10 @@ ABSL_FLAG(int, step_nice, 0,
           "how much nicer (0-19) than the rest of the shard the step and kernel threads run; "
           "above 0 the UCX progress thread (landing pushes, serving pulls) gets the cores first "
           "where steps compete with it for them");
+ABSL_FLAG(bool, huge_pages, true,
+          "advise the shard's buffers of 2 MiB or more (state, published copies, gradient "
+          "staging) for transparent huge pages; shared-memory transfers over 4 KiB pages pin "
+          "every page");
 ABSL_FLAG(std::string, transports, "",
           "UCX transports (UCX_TLS syntax, e.g. rc,sm,self); empty: UCX_TLS from the environment, "
           "or UCX's choice among all it finds");
@@ -120,6 +124,7 @@ int main(int argc, char** argv) {
   options.step_threads = absl::GetFlag(FLAGS_step_threads);
   options.kernel_threads = absl::GetFlag(FLAGS_kernel_threads);
   options.step_nice = absl::GetFlag(FLAGS_step_nice);
+  options.huge_pages = absl::GetFlag(FLAGS_huge_pages);
   if (options.step_threads < 0 || options.kernel_threads < 0) {
     std::fprintf(stderr,
                  "optimus-shard: --step_threads and --kernel_threads must be >= 0 (0: one per core)\n");

@@ -15,6 +15,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "common/huge_pages.h"
 #include "common/logging.h"
 #include "kernels/cpu/optimizer.h"
 #include "server/shard.h"
@@ -62,7 +63,7 @@ Shard::Shard(const ShardServerOptions& options, std::unique_ptr<CoordinatorLink>
       limits_(std::make_shared<PeerLimits>(PeerLimitOptions{options_.max_parked_pulls_per_peer,
                                                             options_.max_parked_pulls,
                                                             options_.max_inflight_bytes})),
-      table_(options_.memory_limit_bytes),
+      table_(options_.memory_limit_bytes, options_.huge_pages),
       kernel_pool_(std::make_unique<kernels::ThreadPool>(options_.kernel_threads,
                                                          StepThreadStart(options_.step_nice))),
       executor_(std::make_unique<StepExecutor>(options_.step_threads,
@@ -102,7 +103,9 @@ absl::Status Shard::Start() {
   OPTIMUS_LOG(Info, kLog, "memory budget ", options_.memory_limit_bytes >> 20, " MiB (",
               options_.staging_bytes >> 20, " MiB of it for gradients in flight), ",
               options_.step_threads, " step threads, ", options_.kernel_threads,
-              " kernel threads");
+              " kernel threads; transparent huge pages: ",
+              options_.huge_pages ? "asked for" : "not asked for", " (the kernel's mode: ",
+              TransparentHugePageMode().empty() ? "unknown" : TransparentHugePageMode(), ")");
   // A coordinator that is starting (or a TLS handshake on a busy machine)
   // may not answer the first try: retry what may pass for a while before
   // giving up (then Kubernetes restarts the pod).

@@ -58,6 +58,13 @@ struct ShardServerOptions {
   // has to be done before that chunk's next pull. 0: the same priority as
   // the rest. Default 0.
   int step_nice = 0;
+  // Whether the shard's buffers of 2 MiB or more (state, published copies,
+  // gradient staging) are advised for transparent huge pages
+  // (common/huge_pages.h): shared-memory transfers and kernel passes over
+  // 4 KiB pages walk and pin a page table entry per 4 KiB. Where the
+  // kernel's transparent_hugepage mode is "never" this changes nothing.
+  // Default true.
+  bool huge_pages = true;
   // How often to heartbeat; 0 means a third of the lease the coordinator grants.
   absl::Duration heartbeat_interval = absl::ZeroDuration();
   // UCX settings for the data plane.

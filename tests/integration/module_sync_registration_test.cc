@@ -8,6 +8,7 @@
 
 #include "client/client.h"
 #include "client/torch/module_sync.h"
+#include "common/huge_pages.h"
 #include "gtest/gtest.h"
 #include "tests/harness/cluster.h"
 #include "tests/harness/status_assert.h"
@@ -28,23 +29,33 @@ struct Mlp : torch::nn::Module {
   torch::nn::Linear fc1{nullptr}, fc2{nullptr};
 };
 
-TEST(ModuleSyncRegistrationTest, StagingBuffersAreRegisteredOnceAtCreate) {
+absl::StatusOr<std::unique_ptr<harness::Cluster>> StartCluster() {
   harness::ClusterOptions co;
   co.transport = harness::TransportKind::kLoopback;
   co.num_shards = 2;
   co.num_workers = 1;
-  ASSERT_OK_AND_ASSIGN(auto cluster, harness::Cluster::Start(co));
-  auto log = std::make_shared<TransportLog>();
+  return harness::Cluster::Start(co);
+}
+
+// A client whose transport records what it registers.
+absl::StatusOr<std::unique_ptr<client::Client>> ConnectCounting(
+    const harness::Cluster& cluster, std::shared_ptr<TransportLog> log) {
   client::ClientOptions o;
-  o.coordinator_address = cluster->coordinator_address();
-  o.transport = cluster->TransportOptions("module");
+  o.coordinator_address = cluster.coordinator_address();
+  o.transport = cluster.TransportOptions("module");
   o.make_worker = [log](const transport::WorkerOptions& w)
       -> absl::StatusOr<std::unique_ptr<transport::Worker>> {
     auto inner = transport::Worker::Create(w);
     if (!inner.ok()) return inner.status();
     return std::unique_ptr<transport::Worker>(new CountingWorker(std::move(*inner), log));
   };
-  ASSERT_OK_AND_ASSIGN(auto c, client::Client::Connect(o));
+  return client::Client::Connect(o);
+}
+
+TEST(ModuleSyncRegistrationTest, StagingBuffersAreRegisteredOnceAtCreate) {
+  ASSERT_OK_AND_ASSIGN(auto cluster, StartCluster());
+  auto log = std::make_shared<TransportLog>();
+  ASSERT_OK_AND_ASSIGN(auto c, ConnectCounting(*cluster, log));
   // The client's own: the two buffers small requests are batched in (Cork).
   ASSERT_EQ(log->registrations().size(), 2u);
   torch::manual_seed(1);
@@ -104,7 +115,55 @@ TEST(ModuleSyncRegistrationTest, StagingBuffersAreRegisteredOnceAtCreate) {
   sync.reset();
   // The arenas are forgotten; the client keeps its batch buffers.
   EXPECT_EQ(c->registration_stats().pinned_bytes, registered - regs[0].second - regs[1].second);
+}
 
+// The arenas start on a 2 MiB boundary and, from 2 MiB on, are advised for
+// transparent huge pages: over 4 KiB pages every shared-memory transfer
+// walks and pins each page (docs/benchmarks.md, "Huge pages"). Training
+// through them still matches local AdamW.
+TEST(ModuleSyncRegistrationTest, LargeArenasAreHugePageEligible) {
+  const std::string mode = TransparentHugePageMode();
+  if (mode != "madvise" && mode != "always") {
+    GTEST_SKIP() << "transparent huge pages are '" << mode << "' here";
+  }
+  ASSERT_OK_AND_ASSIGN(auto cluster, StartCluster());
+  auto log = std::make_shared<TransportLog>();
+  ASSERT_OK_AND_ASSIGN(auto c, ConnectCounting(*cluster, log));
+  torch::manual_seed(2);
+  torch::nn::Linear layer(1024, 1536);  // 1.57 M parameters: 3 MiB of bf16.
+  client::JobDef def;
+  def.name = "wide";
+  def.world_size = 1;
+  def.tensors = client::TensorDefsFromModule(*layer);
+  def.optimizer.lr = 1e-2f;
+  ASSERT_OK(c->CreateJob(def));
+  ASSERT_OK(c->Join("wide", 0, 1));
+  const size_t before = log->registrations().size();
+  ASSERT_OK_AND_ASSIGN(auto sync, client::ModuleSync::Create(c.get(), layer.get()));
+  auto regs = log->registrations();
+  ASSERT_EQ(regs.size(), before + 2);
+  for (size_t i = before; i < regs.size(); ++i) {
+    EXPECT_GE(regs[i].second, size_t{3} << 20);
+    EXPECT_EQ(regs[i].first % kHugePageBytes, 0u);
+    EXPECT_TRUE(HugePageEligible(reinterpret_cast<const void*>(regs[i].first)));
+  }
+  // One step through the arenas: the weights move as local AdamW moves them.
+  torch::Tensor w0 = layer->weight.detach().clone();
+  ASSERT_OK(sync->InitFromModule());
+  ASSERT_OK(sync->PullParams(1, absl::Seconds(30)));
+  layer->zero_grad();
+  torch::Tensor x = torch::randn({8, 1024});
+  layer->forward(x).pow(2).mean().backward();
+  torch::Tensor g = layer->weight.grad().detach().clone();
+  ASSERT_OK(sync->PushGrads(1, absl::Seconds(30)));
+  ASSERT_OK(sync->PullParams(2, absl::Seconds(30)));
+  torch::Tensor local = w0.clone().set_requires_grad(true);
+  torch::optim::AdamW adamw({local}, torch::optim::AdamWOptions(1e-2).weight_decay(0));
+  local.mutable_grad() = g;
+  adamw.step();
+  // Published in bf16: equal to local AdamW within bf16's rounding.
+  EXPECT_LT((layer->weight.detach() - local.detach()).abs().max().item<float>(), 5e-4f);
+  EXPECT_GT((layer->weight.detach() - w0).abs().max().item<float>(), 5e-3f);  // It moved.
 }
 
 }  // namespace

@@ -25,6 +25,7 @@ torch groups' weight_decay and betas.
 """
 
 import math
+import mmap
 import os
 import time
 import warnings
@@ -38,6 +39,7 @@ MODES = ("layerwise", "delayed", "none")
 
 _TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _ALIGN_BYTES = 64
+_HUGE_PAGE_BYTES = 2 << 20
 
 
 def _job_lost(e):
@@ -73,6 +75,25 @@ class _Tensor:
         self.model_version = 0      # The version param holds.
 
 
+def _huge_page_bytes(nbytes):
+    """`nbytes` of zeroed memory starting on a 2 MiB boundary, as a uint8
+    tensor; from 2 MiB on advised for transparent huge pages before it is
+    first touched. The client sends from and receives into it: over 4 KiB
+    pages every shared-memory transfer walks and pins each page
+    (docs/benchmarks.md, "Huge pages")."""
+    # Private: an anonymous shared mapping is shmem, which gets huge pages
+    # only under shmem_enabled.
+    region = mmap.mmap(-1, nbytes + _HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE)
+    if nbytes >= _HUGE_PAGE_BYTES and hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            region.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:  # No transparent huge pages in this kernel.
+            pass
+    raw = torch.frombuffer(region, dtype=torch.uint8)  # Keeps the mapping alive.
+    shift = (-raw.data_ptr()) % _HUGE_PAGE_BYTES
+    return raw.narrow(0, shift, nbytes)
+
+
 def _carve(tensors, dtype, attr):
     """One arena of `dtype` for all tensors, each view starting on a 64-byte
     boundary; sets t.<attr> to each tensor's view. Returns the arena."""
@@ -82,10 +103,7 @@ def _carve(tensors, dtype, attr):
     for t in tensors:
         offsets.append(total)
         total += (t.numel + align - 1) // align * align
-    # Over-allocate so that the arena's own start can be aligned.
-    raw = torch.empty(max(total, 1) + align, dtype=dtype)
-    shift = (-raw.data_ptr() // elem) % align
-    arena = raw.narrow(0, shift, max(total, 1))
+    arena = _huge_page_bytes(max(total, 1) * elem).view(dtype)
     for t, off in zip(tensors, offsets):
         setattr(t, attr, arena.narrow(0, off, t.numel).view(t.param.shape))
     return arena
