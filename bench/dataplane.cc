@@ -140,6 +140,8 @@ ABSL_FLAG(int, perftest_repeats, 5, "ucx_perftest runs per case; the median is t
 ABSL_FLAG(int64_t, perftest_mib, 256, "MiB each ucx_perftest run sends");
 ABSL_FLAG(int, shard_memory_mb, 3072, "each shard's --memory_limit_mb");
 ABSL_FLAG(std::string, shard_args, "", "extra optimus-shard flags, space-separated");
+ABSL_FLAG(bool, shard_huge_pages, true,
+          "start the shards with --huge_pages (as the Helm chart does); false: 4 KiB pages");
 ABSL_FLAG(std::string, step_tail_metric, "optimus_shard_publish_tail_seconds",
           "the shard's histogram of 'last push landed -> version pullable' (read if present)");
 ABSL_FLAG(std::string, bin_dir, "", "folder holding coordinator/optimus-coord and "
@@ -324,6 +326,10 @@ absl::Status StartCluster(const std::string& root, const std::string& dir,
   o.transports = tls;
   o.shard_memory_mb = static_cast<uint64_t>(absl::GetFlag(FLAGS_shard_memory_mb));
   o.metrics = true;
+  // As the Helm chart deploys them (dpu.hugePages, host.hugePages); a
+  // --huge_pages in --shard_args comes later and wins.
+  o.shard_args.push_back(
+      absl::StrCat("--huge_pages=", absl::GetFlag(FLAGS_shard_huge_pages) ? "true" : "false"));
   for (absl::string_view a :
        absl::StrSplit(absl::GetFlag(FLAGS_shard_args), ' ', absl::SkipEmpty())) {
     o.shard_args.emplace_back(a);

@@ -37,10 +37,11 @@ ABSL_FLAG(int, step_nice, 0,
           "how much nicer (0-19) than the rest of the shard the step and kernel threads run; "
           "above 0 the UCX progress thread (landing pushes, serving pulls) gets the cores first "
           "where steps compete with it for them");
-ABSL_FLAG(bool, huge_pages, true,
+ABSL_FLAG(bool, huge_pages, false,
           "advise the shard's buffers of 2 MiB or more (state, published copies, gradient "
-          "staging) for transparent huge pages; shared-memory transfers over 4 KiB pages pin "
-          "every page");
+          "staging) for transparent huge pages: shared-memory transfers over 4 KiB pages pin "
+          "every page (about 2x slower). Off by default: in a VM whose free memory goes back "
+          "to its host, first touching huge pages can stall the VM for seconds");
 ABSL_FLAG(std::string, transports, "",
           "UCX transports (UCX_TLS syntax, e.g. rc,sm,self); empty: UCX_TLS from the environment, "
           "or UCX's choice among all it finds");

@@ -63,8 +63,12 @@ struct ShardServerOptions {
   // (common/huge_pages.h): shared-memory transfers and kernel passes over
   // 4 KiB pages walk and pin a page table entry per 4 KiB. Where the
   // kernel's transparent_hugepage mode is "never" this changes nothing.
-  // Default true.
-  bool huge_pages = true;
+  // Off by default: the first touch of huge pages that a VM's balloon or
+  // free-page reporting gave back to its host faults them in from the host
+  // and can stall the VM for seconds (measured: 1 GiB took 3.7-7.4 s
+  // instead of 0.6 s), long enough to miss heartbeats. The Helm chart turns
+  // it on (dpu.hugePages, host.hugePages).
+  bool huge_pages = false;
   // How often to heartbeat; 0 means a third of the lease the coordinator grants.
   absl::Duration heartbeat_interval = absl::ZeroDuration();
   // UCX settings for the data plane.

@@ -145,6 +145,15 @@ grep -q "dpu shards are NOT protected" "$TMP/full/NOTES.txt" ||
   die "full: NOTES.txt does not warn that NetworkPolicies skip hostNetwork shards"
 grep -q "^Alerts: PrometheusRule optimus" "$TMP/full/NOTES.txt" || die "full: NOTES.txt does not mention the alerts"
 [ -s "$TMP/plaintext/hook.cmd" ] && [ -s "$TMP/full/hook.cmd" ] || die "no helm test pod command rendered"
+# The defaults tuned for where each shard kind runs: DPU steps behind the
+# landings (alone on its cores), host steps at the trainers' priority; huge
+# pages for both (docs/benchmarks.md).
+for kind_flags in "shard-dpu:--step_nice=10" "shard-host:--step_nice=0" \
+  "shard-dpu:--huge_pages=true" "shard-host:--huge_pages=true"; do
+  f=$(ls "$TMP/default/flags/${kind_flags%%:*}"*.flags 2>/dev/null | head -1)
+  [ -n "$f" ] || die "default: no ${kind_flags%%:*} flag file rendered"
+  grep -qx -- "${kind_flags#*:}" "$f" || die "default: $(basename "$f") lacks ${kind_flags#*:}"
+done
 
 # ---- the `helm test` pod's command against a real coordinator -------------------------------------
 # Runs the rendered command with the runfiles' optimusctl, the address of a

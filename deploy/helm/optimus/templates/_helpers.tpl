@@ -132,6 +132,7 @@ prometheus.io/path: /metrics
 --step_threads={{ int .values.stepThreads }}
 --kernel_threads={{ int .values.kernelThreads }}
 --step_nice={{ int (.values.stepNice | default 0) }}
+--huge_pages={{ .values.hugePages | default false }}
 {{- with .values.transports | default $s.transports }}
 --transports={{ . }}
 {{- end }}
