@@ -1,13 +1,10 @@
 #include "server/checkpoint_writer.h"
 
-#include <sys/resource.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/checkpoint_files.h"
 #include "common/logging.h"
+#include "server/thread_priority.h"
 
 namespace optimus {
 namespace server {
@@ -96,8 +93,8 @@ void CheckpointWriter::Loop() {
   // Persisting is background work: at the lowest CPU priority it takes the
   // cores only when the optimizer steps leave them idle, so workers do not
   // wait for it (on Linux, nice applies to one thread).
-  if (setpriority(PRIO_PROCESS, static_cast<id_t>(syscall(SYS_gettid)), 19) != 0) {
-    OPTIMUS_LOG(Warning, "ckpt", "cannot lower the checkpoint writer's priority");
+  if (absl::Status s = LowerThisThreadPriority(19); !s.ok()) {
+    OPTIMUS_LOG(Warning, "ckpt", "checkpoint writer: ", s.message());
   }
   for (;;) {
     ChunkSnapshot snap;

@@ -3,13 +3,7 @@
 // (heartbeats, metrics, chunks retired, step threads, data plane).
 #include "server/shard_server.h"
 
-#include <sys/resource.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-
 #include <algorithm>
-#include <cerrno>
-#include <cstring>
 #include <functional>
 #include <thread>
 #include <utility>
@@ -19,6 +13,7 @@
 #include "common/logging.h"
 #include "kernels/cpu/optimizer.h"
 #include "server/shard.h"
+#include "server/thread_priority.h"
 
 namespace optimus {
 namespace server {
@@ -37,14 +32,8 @@ int CoresOr(int n) {
 std::function<void()> StepThreadStart(int nicer) {
   if (nicer <= 0) return nullptr;
   return [nicer] {
-    const id_t tid = static_cast<id_t>(syscall(SYS_gettid));
-    errno = 0;
-    const int now = getpriority(PRIO_PROCESS, tid);
-    if (errno != 0) return;
-    const int want = std::min(19, now + nicer);
-    if (setpriority(PRIO_PROCESS, tid, want) != 0) {
-      OPTIMUS_LOG(Warning, kLog, "cannot set a step thread's nice value to ", want, ": ",
-                  std::strerror(errno));
+    if (absl::Status s = LowerThisThreadPriority(nicer); !s.ok()) {
+      OPTIMUS_LOG(Warning, kLog, "step thread: ", s.message());
     }
   };
 }
