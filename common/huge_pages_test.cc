@@ -38,7 +38,9 @@ TEST(MapAlignedTest, AdvisedMappingIsHugePageEligibleAndTheOtherIsNot) {
   ASSERT_NE(advised, nullptr);
   ASSERT_NE(plain, nullptr);
   EXPECT_TRUE(HugePageEligible(advised));
-  if (mode == "madvise") EXPECT_FALSE(HugePageEligible(plain));
+  if (mode == "madvise") {
+    EXPECT_FALSE(HugePageEligible(plain));
+  }
   UnmapAligned(advised, bytes);
   UnmapAligned(plain, bytes);
 }
