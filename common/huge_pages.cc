@@ -36,7 +36,8 @@ void* MapAligned(size_t bytes, bool huge_pages) {
   if (end > aligned + length) munmap(reinterpret_cast<void*>(aligned + length), end - aligned - length);
   void* p = reinterpret_cast<void*>(aligned);
   // EINVAL where the kernel has no transparent huge pages: ordinary pages.
-  if (huge_pages) (void)madvise(p, length, MADV_HUGEPAGE);
+  // Below one huge page there is nothing to advise.
+  if (huge_pages && length >= kHugePageBytes) (void)madvise(p, length, MADV_HUGEPAGE);
   return p;
 }
 

@@ -19,7 +19,8 @@ namespace optimus {
 inline constexpr size_t kHugePageBytes = size_t{2} << 20;
 
 // Maps `bytes` (> 0) of zero-filled anonymous memory starting on a
-// kHugePageBytes boundary, advised for huge pages when `huge_pages`.
+// kHugePageBytes boundary, advised for huge pages when `huge_pages` and
+// `bytes` is at least one huge page.
 // Only whole 2 MiB pieces inside the mapping become huge pages, so a size
 // that is not a multiple of 2 MiB does not grow the resident set. Returns
 // nullptr when the kernel refuses the mapping. Free with UnmapAligned.

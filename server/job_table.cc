@@ -52,8 +52,7 @@ absl::StatusOr<std::unique_ptr<Buffer>> Buffer::Allocate(size_t size_bytes,
   b->reserved_bytes_ = size_bytes;
   b->size_bytes_ = size_bytes;
   if (rounded >= kMapThresholdBytes) {
-    const bool huge = b->account_->huge_pages() && rounded >= kHugePageBytes;
-    b->data_ = static_cast<uint8_t*>(MapAligned(rounded, huge));
+    b->data_ = static_cast<uint8_t*>(MapAligned(rounded, b->account_->huge_pages()));
     b->mapped_bytes_ = b->data_ != nullptr ? rounded : 0;
   } else {
     b->data_ = static_cast<uint8_t*>(std::aligned_alloc(kAlignBytes, rounded));

@@ -63,7 +63,6 @@ TEST(BufferTest, LargeBuffersAreHugePageEligibleWhenTheAccountAsks) {
   EXPECT_EQ((*a)->data()[large - 1], 0);  // Zeroed, to the last byte.
   if (mode == "madvise") {
     EXPECT_FALSE(HugePageEligible((*d)->data()));
-    EXPECT_FALSE(HugePageEligible((*small)->data()));  // Below one huge page: not advised.
   }
   EXPECT_EQ(asks->used(), large + (size_t{1} << 20));
   a->reset();

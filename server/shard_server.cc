@@ -93,8 +93,8 @@ absl::Status Shard::Start() {
               options_.staging_bytes >> 20, " MiB of it for gradients in flight), ",
               options_.step_threads, " step threads, ", options_.kernel_threads,
               " kernel threads; transparent huge pages: ",
-              options_.huge_pages ? "asked for" : "not asked for", " (the kernel's mode: ",
-              TransparentHugePageMode().empty() ? "unknown" : TransparentHugePageMode(), ")");
+              options_.huge_pages ? "asked for" : "not asked for", " (the kernel's mode: '",
+              TransparentHugePageMode(), "')");
   // A coordinator that is starting (or a TLS handshake on a busy machine)
   // may not answer the first try: retry what may pass for a while before
   // giving up (then Kubernetes restarts the pod).

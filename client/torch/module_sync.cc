@@ -119,7 +119,7 @@ std::vector<torch::Tensor> CarveArena(const std::vector<torch::Tensor>& params,
   }
   const int64_t elems = std::max<int64_t>(total, 1);
   const size_t bytes = static_cast<size_t>(elems * elem_bytes);
-  void* data = MapAligned(bytes, /*huge_pages=*/bytes >= kHugePageBytes);
+  void* data = MapAligned(bytes, /*huge_pages=*/true);
   if (data == nullptr) {
     throw std::runtime_error(absl::StrCat("out of memory mapping ", bytes,
                                           " bytes of staging for the module's tensors"));
