@@ -23,6 +23,12 @@
 //                right before the case, the median of --perftest_repeats
 //                runs; ratio = optimus_gbps / ucx_perftest_gbps, and the
 //                same for the best iteration and the best run (ratio_best).
+//                Two more baselines: ucx_perftest -e with the UCX settings
+//                of optimus's peer-failure detection (ucx_perftest_detect_gbps,
+//                ratio_detect: the transports optimus runs on; over tcp UCX
+//                1.13 then has no zero-copy rendezvous lane), and perftest
+//                with one message of the tensor's size (ratio_ws: buffers as
+//                large as the case's).
 //                Also: the shards' memory_used and RSS, the step tail from
 //                /metrics when the shard exports it, allocations per
 //                message in this (the workers') process.
@@ -38,10 +44,9 @@
 //        [--shards=1,2] [--seconds=1] [--tensor_mib=32]
 //        [--small_tensors=2000 --small_elems=4096 --small_steps=10]
 // Each --tls entry is a UCX_TLS value given to the shards (--transports),
-// to the workers (WorkerOptions::transports) and to ucx_perftest. With
-// UCX 1.13 and peer-failure detection on (the default), an "sm" entry cannot
-// connect until the transport's shared-memory work lands: its cases are
-// printed with an "error" and skipped.
+// to the workers (WorkerOptions::transports) and to ucx_perftest. A
+// transport optimus cannot connect over has its cases printed with an
+// "error" and skipped.
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <netinet/in.h>
@@ -95,6 +100,7 @@
 #include "common/json.h"
 #include "grpcpp/grpcpp.h"
 #include "proto/optimus.grpc.pb.h"
+#include "transport/ucx.h"
 
 ABSL_FLAG(std::string, cases, "goodput,small_tensors,staging",
           "which cases: goodput, small_tensors, staging");
@@ -137,6 +143,9 @@ ABSL_FLAG(int, small_shards, 2, "small_tensors: shards");
 ABSL_FLAG(std::string, small_tls, "tcp", "small_tensors: UCX_TLS");
 ABSL_FLAG(std::string, ucx_perftest, "ucx_perftest", "ucx_perftest binary (PATH is searched)");
 ABSL_FLAG(int, perftest_repeats, 5, "ucx_perftest runs per case; the median is the baseline");
+ABSL_FLAG(bool, perftest_detect, true,
+          "goodput: also run ucx_perftest -e with the UCX settings of optimus's peer-failure "
+          "detection (ucx_perftest_detect_gbps, ratio_detect)");
 ABSL_FLAG(int64_t, perftest_mib, 256, "MiB each ucx_perftest run sends");
 ABSL_FLAG(int, shard_memory_mb, 3072, "each shard's --memory_limit_mb");
 ABSL_FLAG(std::string, shard_args, "", "extra optimus-shard flags, space-separated");
@@ -434,13 +443,18 @@ struct Perftest {
 };
 
 // One client/server run; GB/s (1e9 bytes/s).
+// detect: as optimus's workers run, with UCP_ERR_HANDLING_MODE_PEER (-e)
+// and the UCX settings a worker with peer-failure detection applies.
 absl::StatusOr<double> PerftestOnce(const std::string& dir, const std::string& tls,
-                                    uint64_t msg_bytes, Perftest* out) {
+                                    uint64_t msg_bytes, bool detect, Perftest* out) {
   const int port = FreePort();
   const uint64_t iters = std::clamp<uint64_t>(
       (static_cast<uint64_t>(absl::GetFlag(FLAGS_perftest_mib)) << 20) / msg_bytes, 50, 50000);
   const uint64_t warmup = std::max<uint64_t>(iters / 10, 5);
-  const std::vector<std::string> env{"UCX_TLS=" + tls, "UCX_NET_DEVICES=lo"};
+  std::vector<std::string> env{"UCX_TLS=" + tls, "UCX_NET_DEVICES=lo"};
+  if (detect) {
+    for (std::string& e : transport::UcxDetectionEnvironment(tls)) env.push_back(std::move(e));
+  }
   std::vector<std::string> common{"-t",
                                   "ucp_am_bw",
                                   "-s",
@@ -452,6 +466,7 @@ absl::StatusOr<double> PerftestOnce(const std::string& dir, const std::string& t
                                   "-p",
                                   absl::StrCat(port),
                                   "-f"};
+  if (detect) common.push_back("-e");
   std::vector<std::string> server{absl::GetFlag(FLAGS_ucx_perftest)};
   server.insert(server.end(), common.begin(), common.end());
   std::vector<std::string> client{absl::GetFlag(FLAGS_ucx_perftest), "127.0.0.1"};
@@ -496,10 +511,11 @@ absl::StatusOr<double> PerftestOnce(const std::string& dir, const std::string& t
                                           Tail(dir + "/perftest-client.log")));
 }
 
-Perftest RunPerftest(const std::string& dir, const std::string& tls, uint64_t msg_bytes) {
+Perftest RunPerftest(const std::string& dir, const std::string& tls, uint64_t msg_bytes,
+                     bool detect = false) {
   Perftest p;
   for (int i = 0; i < std::max(1, absl::GetFlag(FLAGS_perftest_repeats)); ++i) {
-    auto r = PerftestOnce(dir, tls, msg_bytes, &p);
+    auto r = PerftestOnce(dir, tls, msg_bytes, detect, &p);
     if (!r.ok()) {
       p.status = r.status();
       return p;
@@ -739,7 +755,8 @@ Json CaseLine(const std::string& kase, const std::string& tls, uint64_t msg_byte
 }
 
 void PrintGoodput(const std::string& tls, uint64_t msg_bytes, int workers, int shards,
-                  const Goodput& g, const Perftest& p, const Perftest& ws, int cluster_id) {
+                  const Goodput& g, const Perftest& p, const Perftest& pd, const Perftest& ws,
+                  int cluster_id) {
   for (const char* kase : {"push", "pull"}) {
     const bool is_push = std::strcmp(kase, "push") == 0;
     const Figures& f = is_push ? g.push : g.pull;
@@ -772,6 +789,16 @@ void PrintGoodput(const std::string& tls, uint64_t msg_bytes, int workers, int s
     line["cluster"] = cluster_id;
     line["ucx_perftest_server_cmd"] = p.server_cmd;
     line["ucx_perftest_client_cmd"] = p.client_cmd;
+    // The third: ucx_perftest on the transports optimus runs on, with
+    // peer-failure detection (ucx_perftest -e and the same UCX settings).
+    if (pd.status.ok() && pd.gbps > 0) {
+      line["ucx_perftest_detect_gbps"] = JsonRound(pd.gbps, 3);
+      line["ratio_detect"] = JsonRound(f.median / pd.gbps, 3);
+      line["ucx_perftest_detect_runs_gbps"] = pd.runs_gbps;
+      line["ucx_perftest_detect_client_cmd"] = pd.client_cmd;
+    } else if (!pd.status.ok()) {
+      line["ucx_perftest_detect_error"] = pd.status.ToString();
+    }
     if (ws.status.ok() && ws.gbps > 0) {
       line["ucx_perftest_ws_gbps"] = ws.gbps;
       line["ratio_ws"] = JsonRound(f.median / ws.gbps, 3);
@@ -1252,6 +1279,9 @@ int Main(const char* argv0) {
         for (uint64_t msg : sizes) {
           const Perftest p = RunPerftest(dir, tls, msg);
           if (!p.status.ok()) PrintError("ucx_perftest", tls, msg, 1, 0, p.status);
+          Perftest pd;
+          if (absl::GetFlag(FLAGS_perftest_detect)) pd = RunPerftest(dir, tls, msg, true);
+          if (!pd.status.ok()) PrintError("ucx_perftest -e", tls, msg, 1, 0, pd.status);
           const uint64_t tensor = GoodputTensorBytes(msg, shards);
           auto cached = ws_baselines.find(tensor);
           if (cached == ws_baselines.end()) {
@@ -1271,7 +1301,7 @@ int Main(const char* argv0) {
               (void)DeleteJob(c, name);
               continue;
             }
-            PrintGoodput(tls, msg, w, shards, *g, p, ws, cluster_id);
+            PrintGoodput(tls, msg, w, shards, *g, p, pd, ws, cluster_id);
           }
         }
         StopCluster(&c);

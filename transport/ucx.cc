@@ -1829,6 +1829,15 @@ void UcxPendingPayload::ReceiveInto(void* dst, const MemoryRegion* region, DoneC
 
 }  // namespace
 
+std::vector<std::string> UcxDetectionEnvironment(absl::string_view tls) {
+  std::vector<std::string> env;
+  for (const DetectionSetting& s : DetectionSettings()) {
+    if (!TlsLoadsAny(tls.empty() ? absl::string_view("all") : tls, s.for_tls)) continue;
+    env.push_back(absl::StrCat(s.env.front(), "=", s.value));
+  }
+  return env;
+}
+
 absl::StatusOr<std::unique_ptr<Worker>> NewUcxWorker(const WorkerOptions& options) {
   auto w = std::make_unique<UcxWorker>(options);
   if (auto s = w->Init(); !s.ok()) return s;

@@ -19,8 +19,11 @@
 #define OPTIMUS_TRANSPORT_UCX_H_
 
 #include <memory>
+#include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "transport/transport.h"
 
 namespace optimus {
@@ -32,6 +35,14 @@ namespace transport {
 // Errors from UCX's configuration and initialization, converted by FromUcs
 // (ucx_status.h) and naming the transports and devices.
 absl::StatusOr<std::unique_ptr<Worker>> NewUcxWorker(const WorkerOptions& options);
+
+// The UCX settings a worker with detect_peer_failure applies for a UCX_TLS
+// value `tls` ("all" when empty), as environment assignments
+// ("UCX_KEEPALIVE_INTERVAL=1s", ...), whether or not the environment
+// already sets them. With these and UCP_ERR_HANDLING_MODE_PEER another UCX
+// program runs on the transports an optimus worker runs on (bench/dataplane
+// gives them to ucx_perftest -e).
+std::vector<std::string> UcxDetectionEnvironment(absl::string_view tls);
 
 }  // namespace transport
 }  // namespace optimus
