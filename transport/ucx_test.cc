@@ -289,6 +289,27 @@ TEST(UcxWorkerTest, EnvironmentWinsOverDetectionSettings) {
   EXPECT_NE(TransportsBetweenTwo(o), "");
 }
 
+// The environment another UCX program needs to run on the transports a
+// detecting worker runs on: UCX's own variable names (a misspelt one is
+// ignored by UCX and shared memory would lose its rendezvous lane), and only
+// the settings of transports UCX_TLS loads.
+TEST(UcxWorkerTest, DetectionEnvironmentNamesUcxVariablesForTheLoadedTransports) {
+  auto has = [](const std::vector<std::string>& env, const std::string& entry) {
+    for (const std::string& e : env) {
+      if (e == entry) return true;
+    }
+    return false;
+  };
+  const std::vector<std::string> sm = UcxDetectionEnvironment("sm");
+  EXPECT_TRUE(has(sm, "UCX_MM_ERROR_HANDLING=y"));
+  EXPECT_TRUE(has(sm, "UCX_CMA_MEMORY_INVALIDATE=y"));
+  EXPECT_TRUE(has(sm, "UCX_KEEPALIVE_INTERVAL=1s"));
+  EXPECT_EQ(UcxDetectionEnvironment(""), UcxDetectionEnvironment("all"));
+  EXPECT_EQ(UcxDetectionEnvironment("all"), sm);
+  const std::vector<std::string> tcp = UcxDetectionEnvironment("tcp");
+  EXPECT_EQ(tcp, std::vector<std::string>{"UCX_KEEPALIVE_INTERVAL=1s"});
+}
+
 TEST(UcxWorkerTest, RegionOfAnotherWorkerIsRefused) {
   WorkerOptions o;
   o.transports = "sm,self";
