@@ -1281,7 +1281,7 @@ int Main(const char* argv0) {
           if (!p.status.ok()) PrintError("ucx_perftest", tls, msg, 1, 0, p.status);
           Perftest pd;
           if (absl::GetFlag(FLAGS_perftest_detect)) pd = RunPerftest(dir, tls, msg, true);
-          if (!pd.status.ok()) PrintError("ucx_perftest -e", tls, msg, 1, 0, pd.status);
+          if (!pd.status.ok()) PrintError("ucx_perftest_detect", tls, msg, 1, 0, pd.status);
           const uint64_t tensor = GoodputTensorBytes(msg, shards);
           auto cached = ws_baselines.find(tensor);
           if (cached == ws_baselines.end()) {
