@@ -811,33 +811,42 @@ class ClientImpl : public Client {
   }
 
   // A registered buffer to build a batch in: reused, so that a batch is
-  // never registered per transfer (two are made at Connect; more only while
-  // more batches are in flight at once).
+  // never registered per transfer (more are made only while more batches
+  // are in flight at once). Called where the caller holds no lock (Uncork),
+  // never on the transport's progress thread: registering waits for that
+  // thread. Buffers given back beyond kKeptBatchBuffers are unregistered
+  // and freed here, not in GiveBatchBuffer.
   std::unique_ptr<uint8_t[]> TakeBatchBuffer() {
+    std::unique_ptr<uint8_t[]> b;
+    std::vector<std::unique_ptr<uint8_t[]>> extra;
     {
       absl::MutexLock lock(&batch_mu_);
       if (!batch_free_.empty()) {
-        std::unique_ptr<uint8_t[]> b = std::move(batch_free_.back());
+        b = std::move(batch_free_.back());
         batch_free_.pop_back();
-        return b;
+      }
+      while (batch_free_.size() > kKeptBatchBuffers) {
+        extra.push_back(std::move(batch_free_.back()));
+        batch_free_.pop_back();
       }
     }
-    std::unique_ptr<uint8_t[]> b(new uint8_t[kBatchBytes]);
+    for (const auto& e : extra) cache_->Forget(e.get(), kBatchBytes);
+    if (b != nullptr) return b;
+    b.reset(new uint8_t[kBatchBytes]);
     if (absl::Status s = cache_->Pin(b.get(), kBatchBytes); !s.ok()) {
       OPTIMUS_LOG(Warning, kLog, "batch buffer not registered: ", s.ToString());
     }
     return b;
   }
 
+  // Runs in a batch's send-done callback, on the transport's progress
+  // thread: it must not call into the registration cache, whose mutex a
+  // registration on another thread (TakeBatchBuffer's Pin, a Push's
+  // Acquire) holds while it waits for this thread. So the buffer is only
+  // listed; TakeBatchBuffer trims the list.
   void GiveBatchBuffer(std::unique_ptr<uint8_t[]> b) {
-    {
-      absl::MutexLock lock(&batch_mu_);
-      if (batch_free_.size() < kKeptBatchBuffers) {
-        batch_free_.push_back(std::move(b));
-        return;
-      }
-    }
-    cache_->Forget(b.get(), kBatchBytes);
+    absl::MutexLock lock(&batch_mu_);
+    batch_free_.push_back(std::move(b));
   }
 
   // Small requests to one shard go in one kBatch message (up to kMaxBatch
@@ -1605,6 +1614,8 @@ class ClientImpl : public Client {
   static constexpr size_t kBatchBytes = size_t{1} << 20;
   static constexpr size_t kKeptBatchBuffers = 4;
   absl::Mutex batch_mu_;
+  // Registered batch buffers not in flight: kKeptBatchBuffers after a
+  // TakeBatchBuffer, more until the next after a burst of batches.
   std::vector<std::unique_ptr<uint8_t[]>> batch_free_ ABSL_GUARDED_BY(batch_mu_);
   // Set by Start; its calls are thread-safe.
   std::unique_ptr<LeaderStub<v1::Coordinator>> stub_;

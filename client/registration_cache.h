@@ -15,7 +15,10 @@
 // Thread-safety: every method is safe from any thread. The register function
 // runs under the cache's mutex (so a buffer is registered once even when two
 // threads ask at once) and must not call back into the cache; callers must
-// not hold a lock that the transport's progress thread may need.
+// not hold a lock that the transport's progress thread may need. Since a
+// registration waits for the progress thread while it holds the mutex, no
+// method may be called on that thread (a transfer's done callback): it
+// would wait for the mutex while the mutex waits for it.
 #ifndef OPTIMUS_CLIENT_REGISTRATION_CACHE_H_
 #define OPTIMUS_CLIENT_REGISTRATION_CACHE_H_
 

@@ -5,6 +5,7 @@
 #include <cstring>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "client/client.h"
@@ -101,6 +102,73 @@ TEST_P(BatchTest, ManySmallTensorsGoInBatchesAndTrainExactlyTheReference) {
   EXPECT_EQ(pushes, uint64_t{kWorkers} * kTensors * kSteps);
   EXPECT_GE(batches, uint64_t{kWorkers} * kSteps * 2);   // Pushes and pulls, both shards.
   EXPECT_LE(batches, uint64_t{kWorkers} * kSteps * 2 * 2);
+}
+
+// A corked push of a large tensor in small chunks: one Uncork sends many
+// batches at once, more than the client keeps buffers for, so it registers
+// new batch buffers while the transport's progress thread hands finished
+// ones back. That used to deadlock on the registration cache's mutex
+// (a registration waits for the progress thread while holding it; the
+// progress thread, giving a buffer back, waited for the mutex): bench/
+// dataplane hung on its first corked 64 KiB push. Every step must finish,
+// and train exactly the reference.
+TEST_P(BatchTest, CorkedBurstsOfBatchesFinishAndTrainExactlyTheReference) {
+  harness::ClusterOptions o;
+  o.transport = GetParam();
+  o.num_shards = 2;
+  o.num_workers = kWorkers;
+  ASSERT_OK_AND_ASSIGN(auto cluster, Cluster::Start(o));
+  ASSERT_OK(cluster->ConnectWorkers());
+  JobDef def = harness::SmallJob("corked-bursts", kWorkers);
+  def.grad_dtype = DType::kFp32;
+  def.param_dtype = DType::kFp32;
+  // 4 Mi fp32 elements in 64 KiB chunks: 256 chunks, each small enough to
+  // be batched; 16 MiB of pushes per worker per step, ~17 batches of 1 MiB.
+  constexpr int64_t kBig = int64_t{4} << 20;
+  def.chunk_payload_bytes = 64 * 1024;
+  def.tensors = {{"big", {kBig}}};
+  ASSERT_OK(cluster->CreateJob(def));
+  constexpr uint64_t kSteps = 6;
+  std::vector<absl::Status> results(kWorkers);
+  std::vector<std::thread> threads;
+  for (uint32_t r = 0; r < kWorkers; ++r) {
+    threads.emplace_back([&, r] {
+      Client* c = cluster->worker(r);
+      std::vector<float> params(kBig);
+      std::vector<uint8_t> grads;
+      for (uint64_t step = 1; step <= kSteps; ++step) {
+        absl::StatusOr<client::Ticket> tk;
+        {
+          client::BatchScope batch(c);
+          tk = c->Pull(0, step, params.data(), kBig);
+        }
+        if (!tk.ok()) return void(results[r] = tk.status());
+        if (absl::Status s = c->Wait(*tk, absl::Seconds(60)); !s.ok()) {
+          return void(results[r] = s);
+        }
+        grads = cluster->GradientBytes(r, 0, params, step);
+        {
+          client::BatchScope batch(c);
+          tk = c->Push(0, step, grads.data(), kBig);
+        }
+        if (!tk.ok()) return void(results[r] = tk.status());
+        if (absl::Status s = c->Wait(*tk, absl::Seconds(60)); !s.ok()) {
+          return void(results[r] = s);
+        }
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (const absl::Status& s : results) ASSERT_OK(s);
+  ASSERT_OK_AND_ASSIGN(std::vector<float> got, cluster->PullFp32(0, kSteps + 1, 0));
+  ASSERT_OK_AND_ASSIGN(std::vector<float> want, harness::ReferenceParams(def, 0, kSteps));
+  ASSERT_EQ(got.size(), want.size());
+  EXPECT_EQ(std::memcmp(got.data(), want.data(), got.size() * 4), 0);
+  // The pushes went in batches (several per worker per step), not one
+  // message per chunk.
+  uint64_t batches = 0;
+  for (const auto& s : cluster->ShardStats()) batches += s.batches_received;
+  EXPECT_GE(batches, uint64_t{kWorkers} * kSteps * 8);
 }
 
 INSTANTIATE_TEST_SUITE_P(Transports, BatchTest,
