@@ -336,8 +336,11 @@ class Client {
   // (wire::Op::kBatch; each is still answered and waited for on its own
   // ticket). For models with many small tensors: one message per shard
   // instead of one per tensor. Nested calls count; the outermost Uncork
-  // sends. BatchScope does both.
-  static constexpr size_t kBatchItemBytes = 64 * 1024;
+  // sends. BatchScope does both. The bound: a batched payload is copied
+  // twice more (into the batch here, out of it on the shard), which costs
+  // more than a message of its own from 16 KiB up (docs/benchmarks.md,
+  // "Corked pushes").
+  static constexpr size_t kBatchItemBytes = 8 * 1024;
   virtual void Cork() = 0;
   virtual void Uncork() = 0;
 

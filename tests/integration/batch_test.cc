@@ -110,8 +110,8 @@ TEST_P(BatchTest, ManySmallTensorsGoInBatchesAndTrainExactlyTheReference) {
 // ones back. That used to deadlock on the registration cache's mutex
 // (a registration waits for the progress thread while holding it; the
 // progress thread, giving a buffer back, waited for the mutex): bench/
-// dataplane hung on its first corked 64 KiB push. Every step must finish,
-// and train exactly the reference.
+// dataplane hung on its first corked push of 64 KiB chunks (batched then).
+// Every step must finish, and train exactly the reference.
 TEST_P(BatchTest, CorkedBurstsOfBatchesFinishAndTrainExactlyTheReference) {
   harness::ClusterOptions o;
   o.transport = GetParam();
@@ -122,10 +122,12 @@ TEST_P(BatchTest, CorkedBurstsOfBatchesFinishAndTrainExactlyTheReference) {
   JobDef def = harness::SmallJob("corked-bursts", kWorkers);
   def.grad_dtype = DType::kFp32;
   def.param_dtype = DType::kFp32;
-  // 4 Mi fp32 elements in 64 KiB chunks: 256 chunks, each small enough to
-  // be batched; 16 MiB of pushes per worker per step, ~17 batches of 1 MiB.
-  constexpr int64_t kBig = int64_t{4} << 20;
-  def.chunk_payload_bytes = 64 * 1024;
+  // 8 Mi fp32 elements in chunks of kBatchItemBytes: 4,096 chunks, each
+  // small enough to be batched; 32 MiB of pushes per worker per step, about
+  // 33 batches of 1 MiB, far more than the 4 buffers the client keeps.
+  constexpr int64_t kBig = int64_t{8} << 20;
+  def.max_chunk_bytes = 0;  // Chunks cut by chunk_payload_bytes.
+  def.chunk_payload_bytes = Client::kBatchItemBytes;
   def.tensors = {{"big", {kBig}}};
   ASSERT_OK(cluster->CreateJob(def));
   constexpr uint64_t kSteps = 6;
