@@ -10,28 +10,30 @@
 //   push, pull   per (transport, message size, workers W, shards S): the
 //                goodput of pushing (or pulling) one bf16 tensor cut into
 //                chunks of msg_bytes of payload (the job's
-//                chunk_payload_bytes): bytes moved by all W workers together
-//                / wall time, in GB/s (1e9 bytes/s). Push phases time only
-//                the pushes of a step (every worker sends every chunk, the
-//                shards answer as each lands), then pull the next version
-//                untimed (the shards must have applied the step before the
-//                next push); pull phases pull the published version over and
-//                over. Each iteration runs from the first worker's start to
-//                the last worker's end; optimus_gbps is the median
-//                iteration. Baseline: ucx_perftest -t ucp_am_bw, one client
-//                and one server process, same UCX_TLS and message size, run
-//                right before the case, the median of --perftest_repeats
-//                runs; ratio = optimus_gbps / ucx_perftest_gbps, and the
-//                same for the best iteration and the best run (ratio_best).
-//                Two more baselines: ucx_perftest -e with the UCX settings
-//                of optimus's peer-failure detection (ucx_perftest_detect_gbps,
-//                ratio_detect: the transports optimus runs on; over tcp UCX
-//                1.13 then has no zero-copy rendezvous lane), and perftest
-//                with one message of the tensor's size (ratio_ws: buffers as
-//                large as the case's).
+//                chunk_payload_bytes): bytes moved by all W workers together /
+//                wall time, in GB/s (1e9 bytes/s). Push phases time only the
+//                pushes of a step (every worker sends every chunk, the shards
+//                answer as each lands), then pull the next version untimed (the
+//                shards must have applied the step before the next push); pull
+//                phases pull the published version over and over. Requests are
+//                issued corked (Client::Cork), as the torch adapters issue
+//                them: a pull's requests, which carry no payload, go in one
+//                message per shard (--goodput_cork=false: one per chunk). Each
+//                iteration runs from the first worker's start to the last
+//                worker's end; optimus_gbps is the median iteration. Baseline:
+//                ucx_perftest -t ucp_am_bw, one client and one server process,
+//                same UCX_TLS and message size, run right before the case, the
+//                median of --perftest_repeats runs; ratio = optimus_gbps /
+//                ucx_perftest_gbps, and the same for the best iteration and the
+//                best run (ratio_best). Two more baselines: ucx_perftest -e
+//                with the UCX settings of optimus's peer-failure detection
+//                (ucx_perftest_detect_gbps, ratio_detect: the transports
+//                optimus runs on; over tcp UCX 1.13 then has no zero-copy
+//                rendezvous lane), and perftest with one message of the
+//                tensor's size (ratio_ws: buffers as large as the case's).
 //                Also: the shards' memory_used and RSS, the step tail from
-//                /metrics when the shard exports it, allocations per
-//                message in this (the workers') process.
+//                /metrics when the shard exports it, allocations per message in
+//                this (the workers') process.
 //   small_tensors  steps per second (pull every tensor, push every tensor)
 //                of a job of --small_tensors tensors of --small_elems
 //                elements, against a job of one tensor of the same bytes
@@ -71,6 +73,7 @@
 #include <map>
 #include <memory>
 #include <new>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -113,6 +116,10 @@ ABSL_FLAG(bool, user_huge_pages, true,
           "goodput: the workers' gradient and parameter buffers are mapped like the torch "
           "adapters' staging arenas (2 MiB aligned, advised for transparent huge pages); false: "
           "ordinary 4 KiB pages");
+ABSL_FLAG(bool, goodput_cork, true,
+          "goodput: issue each push and pull under Client::Cork, as ModuleSync and the Python "
+          "optimizer do (a pull's requests, which carry no payload, go in one message per "
+          "shard); false: one request message per chunk");
 ABSL_FLAG(int64_t, tensor_mib, 32, "goodput: MiB of bf16 payload per worker per push or pull");
 ABSL_FLAG(bool, commit_round, false,
           "goodput: jobs with a commit round (skip_nonfinite): a push is answered when it "
@@ -634,13 +641,26 @@ absl::StatusOr<Goodput> RunGoodput(const ProcCluster& c, const std::string& name
     params[r].assign(g.tensor_bytes, 0);
   }
   Barrier barrier(workers);
+  // Issued as the torch adapters issue them: corked, so that the requests
+  // without a payload (a pull's) go in one message per shard.
+  const bool cork = absl::GetFlag(FLAGS_goodput_cork);
   auto pull = [&](int r, uint64_t version) {
-    auto t = cl[r]->Pull(0, version, params[r].data(), elems);
+    absl::StatusOr<client::Ticket> t;
+    {
+      std::optional<client::BatchScope> batch;
+      if (cork) batch.emplace(cl[r].get());
+      t = cl[r]->Pull(0, version, params[r].data(), elems);
+    }
     if (!t.ok()) return t.status();
     return cl[r]->Wait(*t, absl::Seconds(60));
   };
   auto push = [&](int r, uint64_t step) {
-    auto t = cl[r]->Push(0, step, grads[r].data(), elems);
+    absl::StatusOr<client::Ticket> t;
+    {
+      std::optional<client::BatchScope> batch;
+      if (cork) batch.emplace(cl[r].get());
+      t = cl[r]->Push(0, step, grads[r].data(), elems);
+    }
     if (!t.ok()) return t.status();
     return cl[r]->Wait(*t, absl::Seconds(60));
   };
@@ -777,6 +797,7 @@ void PrintGoodput(const std::string& tls, uint64_t msg_bytes, int workers, int s
     line["transports_in_use"] = g.in_use;
     line["tensor_bytes"] = g.tensor_bytes;
     line["user_huge_pages"] = absl::GetFlag(FLAGS_user_huge_pages);
+    line["corked"] = absl::GetFlag(FLAGS_goodput_cork);
     line["iterations"] = f.iterations;
     line["step_ms"] = JsonRound(g.step_ms, 2);
     line["allocs_per_msg"] =
