@@ -307,6 +307,10 @@ class ClientImpl : public Client {
         }
       }
     }
+    {
+      absl::MutexLock lock(&batch_mu_);
+      for (auto& b : batch_free_) b->lease.reset();
+    }
     if (cache_ != nullptr) cache_->Clear();
     // Joins the progress thread: no reply handler runs after this. Handlers
     // still running while it is destroyed may send (their sends fail), so
@@ -352,9 +356,9 @@ class ClientImpl : public Client {
     // Registered now, not mid-training: two, for a step's pull batches
     // still completing while its push batches go out.
     {
-      std::unique_ptr<uint8_t[]> first = TakeBatchBuffer();
-      GiveBatchBuffer(TakeBatchBuffer());
-      GiveBatchBuffer(std::move(first));
+      std::unique_ptr<BatchSend> first = TakeBatch();
+      GiveBatch(TakeBatch().release());
+      GiveBatch(first.release());
     }
     auto channels =
         CoordinatorChannels::Dial(options_.coordinator_address, options_.tls, "optimus client");
@@ -810,15 +814,23 @@ class ClientImpl : public Client {
     if (tls_cork.msgs.empty()) tls_cork.msgs.swap(msgs);  // Keep the capacity.
   }
 
-  // A registered buffer to build a batch in: reused, so that a batch is
-  // never registered per transfer (more are made only while more batches
-  // are in flight at once). Called where the caller holds no lock (Uncork),
-  // never on the transport's progress thread: registering waits for that
-  // thread. Buffers given back beyond kKeptBatchBuffers are unregistered
-  // and freed here, not in GiveBatchBuffer.
-  std::unique_ptr<uint8_t[]> TakeBatchBuffer() {
-    std::unique_ptr<uint8_t[]> b;
-    std::vector<std::unique_ptr<uint8_t[]>> extra;
+  // A batch on its way: a registered buffer to build it in and the ids of
+  // its requests. Reused, buffer, registration and the ids' capacity, so
+  // that a batch neither registers memory nor allocates per send.
+  struct BatchSend {
+    std::unique_ptr<uint8_t[]> buffer;
+    RegistrationCache::Lease lease;  // The buffer's, held while it lives.
+    std::vector<uint64_t> ids;
+  };
+
+  // A free BatchSend, or a new one (more are made only while more batches
+  // are in flight at once). Called where the caller holds no lock
+  // (Uncork), never on the transport's progress thread: registering waits
+  // for that thread. BatchSends given back beyond kKeptBatchBuffers are
+  // unregistered and freed here, not in GiveBatch.
+  std::unique_ptr<BatchSend> TakeBatch() {
+    std::unique_ptr<BatchSend> b;
+    std::vector<std::unique_ptr<BatchSend>> extra;
     {
       absl::MutexLock lock(&batch_mu_);
       if (!batch_free_.empty()) {
@@ -830,38 +842,45 @@ class ClientImpl : public Client {
         batch_free_.pop_back();
       }
     }
-    for (const auto& e : extra) cache_->Forget(e.get(), kBatchBytes);
+    for (const auto& e : extra) cache_->Forget(e->buffer.get(), kBatchBytes);
     if (b != nullptr) return b;
-    b.reset(new uint8_t[kBatchBytes]);
-    if (absl::Status s = cache_->Pin(b.get(), kBatchBytes); !s.ok()) {
+    b = std::make_unique<BatchSend>();
+    b->buffer.reset(new uint8_t[kBatchBytes]);
+    if (absl::Status s = cache_->Pin(b->buffer.get(), kBatchBytes); !s.ok()) {
       OPTIMUS_LOG(Warning, kLog, "batch buffer not registered: ", s.ToString());
+    } else {
+      b->lease = cache_->Lookup(b->buffer.get(), kBatchBytes);
     }
     return b;
   }
 
   // Runs in a batch's send-done callback, on the transport's progress
   // thread: it must not call into the registration cache, whose mutex a
-  // registration on another thread (TakeBatchBuffer's Pin, a Push's
-  // Acquire) holds while it waits for this thread. So the buffer is only
-  // listed; TakeBatchBuffer trims the list.
-  void GiveBatchBuffer(std::unique_ptr<uint8_t[]> b) {
+  // registration on another thread (TakeBatch's Pin, a Push's Acquire)
+  // holds while it waits for this thread. So the batch is only listed;
+  // TakeBatch trims the list.
+  void GiveBatch(BatchSend* b) {
+    b->ids.clear();
     absl::MutexLock lock(&batch_mu_);
-    batch_free_.push_back(std::move(b));
+    batch_free_.emplace_back(b);
   }
 
   // Small requests to one shard go in one kBatch message (up to kMaxBatch
-  // requests and kBatchBytes); the rest one by one.
+  // requests and kBatchBytes); the rest one by one. The scratch lists are
+  // this thread's, kept between calls.
   void SendBatched(const std::vector<OutMsg>& msgs) {
-    std::vector<bool> sent(msgs.size(), false);
+    thread_local std::vector<char> sent;
+    thread_local std::vector<size_t> group;
+    sent.assign(msgs.size(), 0);
     for (size_t i = 0; i < msgs.size(); ++i) {
       if (sent[i]) continue;
       if (msgs[i].payload_bytes > kBatchItemBytes) {
         SendOne(msgs[i]);
-        sent[i] = true;
+        sent[i] = 1;
         continue;
       }
       // Gather this shard's small requests from here on.
-      std::vector<size_t> group;
+      group.clear();
       size_t bytes = 0;
       for (size_t j = i; j < msgs.size() && group.size() < wire::kMaxBatch; ++j) {
         if (sent[j] || msgs[j].ep.ep != msgs[i].ep.ep || msgs[j].payload_bytes > kBatchItemBytes) {
@@ -872,20 +891,18 @@ class ClientImpl : public Client {
         group.push_back(j);
         bytes += item;
       }
-      for (size_t j : group) sent[j] = true;
+      for (size_t j : group) sent[j] = 1;
       if (group.size() == 1) {
         SendOne(msgs[group[0]]);
         continue;
       }
-      auto batch = std::make_shared<std::unique_ptr<uint8_t[]>>(TakeBatchBuffer());
-      const RegistrationCache::Lease lease = cache_->Lookup(batch->get(), bytes);
-      auto ids = std::make_shared<std::vector<uint64_t>>();
-      ids->reserve(group.size());
-      uint8_t* at = batch->get();
+      BatchSend* batch = TakeBatch().release();
+      batch->ids.reserve(group.size());
+      uint8_t* at = batch->buffer.get();
       for (size_t j : group) {
         std::memcpy(at, &msgs[j].h, sizeof(wire::RequestHeader));
         at += sizeof(wire::RequestHeader);
-        ids->push_back(msgs[j].id);
+        batch->ids.push_back(msgs[j].id);
       }
       for (size_t j : group) {
         if (msgs[j].payload_bytes == 0) continue;
@@ -901,11 +918,12 @@ class ClientImpl : public Client {
       h.lr = h.grad_mult = h.clip_coef = 0.0f;
       batches_sent_.fetch_add(1, std::memory_order_relaxed);
       // The payloads were copied into the batch: each request's own buffer
-      // is free once the batch is sent, as for a send of its own.
-      worker_->Send(msgs[i].ep, wire::kAmRequest, wire::AsBytes(h), batch->get(), bytes,
-                    lease.region(), [this, batch, ids, lease](absl::Status s) {
-                      GiveBatchBuffer(std::move(*batch));
-                      for (uint64_t id : *ids) OnSent(id, s);
+      // is free once the batch is sent, as for a send of its own. (Two
+      // pointers: the callback fits in std::function without allocating.)
+      worker_->Send(msgs[i].ep, wire::kAmRequest, wire::AsBytes(h), batch->buffer.get(), bytes,
+                    batch->lease.region(), [this, batch](absl::Status s) {
+                      for (uint64_t id : batch->ids) OnSent(id, s);
+                      GiveBatch(batch);
                     });
     }
   }
@@ -1614,9 +1632,9 @@ class ClientImpl : public Client {
   static constexpr size_t kBatchBytes = size_t{1} << 20;
   static constexpr size_t kKeptBatchBuffers = 4;
   absl::Mutex batch_mu_;
-  // Registered batch buffers not in flight: kKeptBatchBuffers after a
-  // TakeBatchBuffer, more until the next after a burst of batches.
-  std::vector<std::unique_ptr<uint8_t[]>> batch_free_ ABSL_GUARDED_BY(batch_mu_);
+  // Batches not in flight: kKeptBatchBuffers after a TakeBatch, more
+  // until the next one after a burst of batches.
+  std::vector<std::unique_ptr<BatchSend>> batch_free_ ABSL_GUARDED_BY(batch_mu_);
   // Set by Start; its calls are thread-safe.
   std::unique_ptr<LeaderStub<v1::Coordinator>> stub_;
   std::thread recovery_;
