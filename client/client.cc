@@ -307,10 +307,6 @@ class ClientImpl : public Client {
         }
       }
     }
-    {
-      absl::MutexLock lock(&batch_mu_);
-      for (auto& b : batch_free_) b->lease.reset();
-    }
     if (cache_ != nullptr) cache_->Clear();
     // Joins the progress thread: no reply handler runs after this. Handlers
     // still running while it is destroyed may send (their sends fail), so
@@ -819,7 +815,7 @@ class ClientImpl : public Client {
   // that a batch neither registers memory nor allocates per send.
   struct BatchSend {
     std::unique_ptr<uint8_t[]> buffer;
-    RegistrationCache::Lease lease;  // The buffer's, held while it lives.
+    RegistrationCache::Lease lease;  // The buffer's, while the batch is sent.
     std::vector<uint64_t> ids;
   };
 
@@ -848,8 +844,6 @@ class ClientImpl : public Client {
     b->buffer.reset(new uint8_t[kBatchBytes]);
     if (absl::Status s = cache_->Pin(b->buffer.get(), kBatchBytes); !s.ok()) {
       OPTIMUS_LOG(Warning, kLog, "batch buffer not registered: ", s.ToString());
-    } else {
-      b->lease = cache_->Lookup(b->buffer.get(), kBatchBytes);
     }
     return b;
   }
@@ -861,6 +855,7 @@ class ClientImpl : public Client {
   // TakeBatch trims the list.
   void GiveBatch(BatchSend* b) {
     b->ids.clear();
+    b->lease.reset();
     absl::MutexLock lock(&batch_mu_);
     batch_free_.emplace_back(b);
   }
@@ -897,6 +892,7 @@ class ClientImpl : public Client {
         continue;
       }
       BatchSend* batch = TakeBatch().release();
+      batch->lease = cache_->Lookup(batch->buffer.get(), bytes);
       batch->ids.reserve(group.size());
       uint8_t* at = batch->buffer.get();
       for (size_t j : group) {
