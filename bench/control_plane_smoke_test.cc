@@ -3,32 +3,18 @@
 // says what a healthy small cluster does: every shard registered, none
 // wrongly declared DOWN, the job READY, the killed shard DOWN, and figures
 // in range. No figure is compared with a speed: the machine may be busy.
-#include <cstdio>
-#include <cstdlib>
 #include <string>
 
 #include <gtest/gtest.h>
 
+#include "bench/smoke_test_util.h"
 #include "common/json.h"
 
 namespace optimus {
 namespace {
 
-std::string Binary() {
-  return std::string(std::getenv("TEST_SRCDIR")) + "/optimus/bench/control_plane";
-}
-
 std::string RunBench(const std::string& args) {
-  const std::string cmd = Binary() + " " + args;
-  FILE* p = popen(cmd.c_str(), "r");
-  if (p == nullptr) return "";
-  std::string out;
-  char buf[4096];
-  size_t n;
-  while ((n = fread(buf, 1, sizeof(buf), p)) > 0) out.append(buf, n);
-  const int rc = pclose(p);
-  EXPECT_EQ(rc, 0) << cmd;
-  return out;
+  return bench::RunBenchCommand(bench::RunfilesRoot() + "/bench/control_plane " + args);
 }
 
 TEST(ControlPlaneSmokeTest, TwentyShardsOneLineThatMakesSense) {
@@ -79,13 +65,10 @@ TEST(ControlPlaneSmokeTest, TwentyShardsOneLineThatMakesSense) {
 }
 
 TEST(ControlPlaneSmokeTest, BadFlagIsAClearError) {
-  FILE* p = popen((Binary() + " --shards=20,x 2>&1").c_str(), "r");
-  ASSERT_NE(p, nullptr);
-  std::string out;
-  char buf[1024];
-  size_t n;
-  while ((n = fread(buf, 1, sizeof(buf), p)) > 0) out.append(buf, n);
-  EXPECT_NE(pclose(p), 0);
+  int status = 0;
+  const std::string out = bench::CommandOutput(
+      bench::RunfilesRoot() + "/bench/control_plane --shards=20,x 2>&1", &status);
+  EXPECT_NE(status, 0);
   EXPECT_NE(out.find("--shards: \"x\""), std::string::npos) << out;
 }
 

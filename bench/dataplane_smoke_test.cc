@@ -7,8 +7,6 @@
 // registered once rather than per transfer, and the staging pool keeps a
 // shard's memory at the state's 16 B per parameter whatever W is. No figure
 // is compared with a speed: the machine may be busy.
-#include <cmath>
-#include <cstdio>
 #include <cstdlib>
 #include <map>
 #include <string>
@@ -19,26 +17,17 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_split.h"
+#include "bench/smoke_test_util.h"
 #include "common/json.h"
 
 namespace optimus {
 namespace {
 
-std::string RunfilesRoot() { return std::string(std::getenv("TEST_SRCDIR")) + "/optimus"; }
-
-// The bench's stdout (its JSON lines); its log goes to the test's stderr.
+// The bench's stdout (its JSON lines).
 std::string RunBench(const std::string& args) {
-  const std::string cmd = RunfilesRoot() + "/bench/dataplane --bin_dir=" + RunfilesRoot() +
-                          " --work_dir=" + std::getenv("TEST_TMPDIR") + "/dataplane " + args;
-  FILE* p = popen(cmd.c_str(), "r");
-  if (p == nullptr) return "";
-  std::string out;
-  char buf[4096];
-  size_t n;
-  while ((n = fread(buf, 1, sizeof(buf), p)) > 0) out.append(buf, n);
-  const int rc = pclose(p);
-  EXPECT_EQ(rc, 0) << cmd;
-  return out;
+  const std::string root = bench::RunfilesRoot();
+  return bench::RunBenchCommand(root + "/bench/dataplane --bin_dir=" + root + " --work_dir=" +
+                                std::getenv("TEST_TMPDIR") + "/dataplane " + args);
 }
 
 std::vector<nlohmann::json> Lines(const std::string& out) {

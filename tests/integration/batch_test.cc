@@ -8,6 +8,8 @@
 #include <thread>
 #include <vector>
 
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "client/client.h"
 #include "common/dtype.h"
 #include "gtest/gtest.h"
@@ -26,19 +28,34 @@ constexpr uint32_t kWorkers = 2;
 constexpr uint32_t kTensors = 300;
 constexpr int64_t kElems = 64;
 
-class BatchTest : public ::testing::TestWithParam<TransportKind> {};
+class BatchTest : public ::testing::TestWithParam<TransportKind> {
+ protected:
+  // Two shards and kWorkers connected workers on the test's transport.
+  absl::StatusOr<std::unique_ptr<Cluster>> StartCluster() {
+    harness::ClusterOptions o;
+    o.transport = GetParam();
+    o.num_shards = 2;
+    o.num_workers = kWorkers;
+    auto cluster = Cluster::Start(o);
+    if (!cluster.ok()) return cluster.status();
+    if (absl::Status s = (*cluster)->ConnectWorkers(); !s.ok()) return s;
+    return cluster;
+  }
+
+  // The harness's small job, fp32 gradients and parameters; tensors set by
+  // the test.
+  static JobDef Fp32Job(const std::string& name) {
+    JobDef def = harness::SmallJob(name, kWorkers);
+    def.grad_dtype = DType::kFp32;
+    def.param_dtype = DType::kFp32;
+    def.tensors.clear();
+    return def;
+  }
+};
 
 TEST_P(BatchTest, ManySmallTensorsGoInBatchesAndTrainExactlyTheReference) {
-  harness::ClusterOptions o;
-  o.transport = GetParam();
-  o.num_shards = 2;
-  o.num_workers = kWorkers;
-  ASSERT_OK_AND_ASSIGN(auto cluster, Cluster::Start(o));
-  ASSERT_OK(cluster->ConnectWorkers());
-  JobDef def = harness::SmallJob("many-small", kWorkers);
-  def.grad_dtype = DType::kFp32;
-  def.param_dtype = DType::kFp32;
-  def.tensors.clear();
+  ASSERT_OK_AND_ASSIGN(auto cluster, StartCluster());
+  JobDef def = Fp32Job("many-small");
   for (uint32_t t = 0; t < kTensors; ++t) {
     def.tensors.push_back({"t" + std::to_string(t), {kElems}});
   }
@@ -113,15 +130,8 @@ TEST_P(BatchTest, ManySmallTensorsGoInBatchesAndTrainExactlyTheReference) {
 // dataplane hung on its first corked push of 64 KiB chunks (batched then).
 // Every step must finish, and train exactly the reference.
 TEST_P(BatchTest, CorkedBurstsOfBatchesFinishAndTrainExactlyTheReference) {
-  harness::ClusterOptions o;
-  o.transport = GetParam();
-  o.num_shards = 2;
-  o.num_workers = kWorkers;
-  ASSERT_OK_AND_ASSIGN(auto cluster, Cluster::Start(o));
-  ASSERT_OK(cluster->ConnectWorkers());
-  JobDef def = harness::SmallJob("corked-bursts", kWorkers);
-  def.grad_dtype = DType::kFp32;
-  def.param_dtype = DType::kFp32;
+  ASSERT_OK_AND_ASSIGN(auto cluster, StartCluster());
+  JobDef def = Fp32Job("corked-bursts");
   // 8 Mi fp32 elements in chunks of kBatchItemBytes: 4,096 chunks, each
   // small enough to be batched; 32 MiB of pushes per worker per step, about
   // 33 batches of 1 MiB, far more than the 4 buffers the client keeps.

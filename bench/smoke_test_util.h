@@ -1,0 +1,44 @@
+// What the benchmarks' smoke tests share: running a benchmark from the
+// test's runfiles and reading its JSON lines.
+#ifndef OPTIMUS_BENCH_SMOKE_TEST_UTIL_H_
+#define OPTIMUS_BENCH_SMOKE_TEST_UTIL_H_
+
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+
+#include <gtest/gtest.h>
+
+namespace optimus {
+namespace bench {
+
+// The workspace's root in the test's runfiles.
+inline std::string RunfilesRoot() { return std::string(std::getenv("TEST_SRCDIR")) + "/optimus"; }
+
+// Runs `cmd` through the shell; its stdout, and in *status what pclose
+// says (-1 when it could not start).
+inline std::string CommandOutput(const std::string& cmd, int* status) {
+  *status = -1;
+  FILE* p = popen(cmd.c_str(), "r");
+  if (p == nullptr) return "";
+  std::string out;
+  char buf[4096];
+  size_t n;
+  while ((n = fread(buf, 1, sizeof(buf), p)) > 0) out.append(buf, n);
+  *status = pclose(p);
+  return out;
+}
+
+// A benchmark's stdout (its JSON lines; its log goes to the test's
+// stderr). A nonzero exit fails the test.
+inline std::string RunBenchCommand(const std::string& cmd) {
+  int status = 0;
+  std::string out = CommandOutput(cmd, &status);
+  EXPECT_EQ(status, 0) << cmd;
+  return out;
+}
+
+}  // namespace bench
+}  // namespace optimus
+
+#endif  // OPTIMUS_BENCH_SMOKE_TEST_UTIL_H_
