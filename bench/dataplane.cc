@@ -644,25 +644,23 @@ absl::StatusOr<Goodput> RunGoodput(const ProcCluster& c, const std::string& name
   // Issued as the torch adapters issue them: corked, so that the requests
   // without a payload (a pull's) go in one message per shard.
   const bool cork = absl::GetFlag(FLAGS_goodput_cork);
-  auto pull = [&](int r, uint64_t version) {
+  auto issue_and_wait = [&](int r, const auto& issue) -> absl::Status {
     absl::StatusOr<client::Ticket> t;
     {
       std::optional<client::BatchScope> batch;
       if (cork) batch.emplace(cl[r].get());
-      t = cl[r]->Pull(0, version, params[r].data(), elems);
+      t = issue(*cl[r]);
     }
     if (!t.ok()) return t.status();
     return cl[r]->Wait(*t, absl::Seconds(60));
   };
+  auto pull = [&](int r, uint64_t version) {
+    return issue_and_wait(
+        r, [&](client::Client& c) { return c.Pull(0, version, params[r].data(), elems); });
+  };
   auto push = [&](int r, uint64_t step) {
-    absl::StatusOr<client::Ticket> t;
-    {
-      std::optional<client::BatchScope> batch;
-      if (cork) batch.emplace(cl[r].get());
-      t = cl[r]->Push(0, step, grads[r].data(), elems);
-    }
-    if (!t.ok()) return t.status();
-    return cl[r]->Wait(*t, absl::Seconds(60));
+    return issue_and_wait(
+        r, [&](client::Client& c) { return c.Push(0, step, grads[r].data(), elems); });
   };
   // Warm-up: endpoints, registrations; step 1 applied; calibration.
   absl::Duration pull_one, push_one;
