@@ -1625,7 +1625,7 @@ class ClientImpl : public Client {
   std::atomic<bool> registration_warned_{false};
   std::atomic<uint64_t> batches_sent_{0};  // kBatch messages (Cork).
   std::atomic<uint64_t> replies_refused_{0};
-  static constexpr size_t kBatchBytes = size_t{1} << 20;
+  static constexpr size_t kBatchBytes = wire::kBatchBytes;
   static constexpr size_t kKeptBatchBuffers = 4;
   absl::Mutex batch_mu_;
   // Batches not in flight: kKeptBatchBuffers after a TakeBatch, more

@@ -5,6 +5,7 @@
 #ifndef OPTIMUS_COMMON_WIRE_H_
 #define OPTIMUS_COMMON_WIRE_H_
 
+#include <cstddef>
 #include <cstdint>
 #include <string>
 
@@ -54,6 +55,9 @@ enum class Op : uint16_t {
 };
 // Most requests in one kBatch.
 constexpr uint64_t kMaxBatch = 4096;
+// Most bytes the client puts in one kBatch; shards keep receive buffers of
+// this size for batches (a larger batch is still accepted, up to 16 MiB).
+constexpr size_t kBatchBytes = size_t{1} << 20;
 
 // RequestHeader.step_flags bits.
 enum StepFlags : uint32_t {

@@ -1,5 +1,7 @@
 #include "server/peer_limits.h"
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 
 namespace optimus {
@@ -78,6 +80,53 @@ absl::Status InflightFull(uint64_t bytes, uint64_t limit) {
   return absl::ResourceExhaustedError(absl::StrCat(
       "a request of ", bytes, " bytes does not fit the shard's buffers for requests being "
       "received (--max_inflight_mb, ", limit, " bytes, in use by others); send it again later"));
+}
+
+std::shared_ptr<ReceiveBufferPool> ReceiveBufferPool::Create(size_t keep, size_t capacity) {
+  return std::shared_ptr<ReceiveBufferPool>(new ReceiveBufferPool(keep, capacity));
+}
+
+std::shared_ptr<ReceiveBufferPool::Buffer> ReceiveBufferPool::Take(
+    std::shared_ptr<PeerLimits> limits, size_t n) {
+  const bool pooled = n <= capacity_;
+  const size_t capacity = pooled ? capacity_ : n;
+  std::unique_ptr<uint8_t[]> bytes;
+  {
+    absl::MutexLock lock(&mu_);
+    if (pooled && !idle_.empty()) {
+      bytes = std::move(idle_.back());  // The most recently used: still in cache.
+      idle_.pop_back();
+    } else {
+      ++allocations_;
+    }
+  }
+  // Default-initialized: the batch overwrites what it uses.
+  if (bytes == nullptr) bytes.reset(new uint8_t[std::max<size_t>(capacity, 1)]);
+  auto* b = new Buffer;
+  b->data_ = bytes.release();
+  b->size_ = n;
+  return std::shared_ptr<Buffer>(
+      b, [pool = shared_from_this(), limits = std::move(limits), capacity](Buffer* b) {
+        pool->Give(std::unique_ptr<uint8_t[]>(b->data_), capacity);
+        limits->ReleaseBytes(b->size_);
+        delete b;
+      });
+}
+
+void ReceiveBufferPool::Give(std::unique_ptr<uint8_t[]> bytes, size_t capacity) {
+  if (capacity != capacity_) return;  // A large batch's own buffer.
+  absl::MutexLock lock(&mu_);
+  if (idle_.size() < keep_) idle_.push_back(std::move(bytes));
+}
+
+size_t ReceiveBufferPool::idle() const {
+  absl::MutexLock lock(&mu_);
+  return idle_.size();
+}
+
+uint64_t ReceiveBufferPool::allocations() const {
+  absl::MutexLock lock(&mu_);
+  return allocations_;
 }
 
 }  // namespace server

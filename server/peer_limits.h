@@ -79,6 +79,53 @@ std::shared_ptr<std::vector<T>> InflightBuffer(std::shared_ptr<PeerLimits> limit
   });
 }
 
+// Buffers that batches are received into, kept for the next batch. A
+// fresh buffer per batch cost the progress thread an allocation, a
+// zero fill and, above glibc's mmap threshold, page faults and an munmap
+// for every message (docs/benchmarks.md, "Corked pushes"); a kept one
+// has its pages mapped and most likely in cache. Up to `keep` idle
+// buffers of `capacity` bytes are kept (keep x capacity bytes of the
+// shard's memory at most, outside its accounting); a batch larger than
+// `capacity` gets a buffer of its own that is freed after it.
+//
+// Thread-safety: thread-safe; mu_ is a leaf lock. Buffers may outlive the
+// pool's owner (they hold the pool).
+class ReceiveBufferPool : public std::enable_shared_from_this<ReceiveBufferPool> {
+ public:
+  static std::shared_ptr<ReceiveBufferPool> Create(size_t keep, size_t capacity);
+
+  // A buffer of `n` bytes, not zeroed. Its `n` bytes were reserved in
+  // `limits` (TryReserveBytes) and are given back when its last holder
+  // lets go, as the buffer goes back to the pool.
+  class Buffer {
+   public:
+    uint8_t* data() const { return data_; }
+    size_t size() const { return size_; }
+
+   private:
+    friend class ReceiveBufferPool;
+    uint8_t* data_ = nullptr;
+    size_t size_ = 0;
+  };
+  std::shared_ptr<Buffer> Take(std::shared_ptr<PeerLimits> limits, size_t n)
+      ABSL_LOCKS_EXCLUDED(mu_);
+
+  size_t idle() const ABSL_LOCKS_EXCLUDED(mu_);
+  // Buffers allocated because none was idle (or the batch was larger than
+  // `capacity`): how often the pool did not help.
+  uint64_t allocations() const ABSL_LOCKS_EXCLUDED(mu_);
+
+ private:
+  ReceiveBufferPool(size_t keep, size_t capacity) : keep_(keep), capacity_(capacity) {}
+  void Give(std::unique_ptr<uint8_t[]> bytes, size_t capacity) ABSL_LOCKS_EXCLUDED(mu_);
+
+  const size_t keep_;
+  const size_t capacity_;
+  mutable absl::Mutex mu_;
+  std::vector<std::unique_ptr<uint8_t[]>> idle_ ABSL_GUARDED_BY(mu_);
+  uint64_t allocations_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
 // The answer to a request whose buffer did not fit: RESOURCE_EXHAUSTED.
 absl::Status InflightFull(uint64_t bytes, uint64_t limit);
 

@@ -101,7 +101,7 @@ namespace {
 // with it (no copy).
 class BatchPayload : public transport::PendingPayload {
  public:
-  BatchPayload(std::shared_ptr<std::vector<uint8_t>> batch, const uint8_t* data, size_t size)
+  BatchPayload(std::shared_ptr<ReceiveBufferPool::Buffer> batch, const uint8_t* data, size_t size)
       : batch_(std::move(batch)), data_(data), size_(size) {}
   size_t size() const override { return size_; }
   void ReceiveInto(void* dst, const transport::MemoryRegion*, transport::DoneCallback done) override {
@@ -112,7 +112,7 @@ class BatchPayload : public transport::PendingPayload {
   }
 
  private:
-  std::shared_ptr<std::vector<uint8_t>> batch_;
+  std::shared_ptr<ReceiveBufferPool::Buffer> batch_;
   const uint8_t* data_;
   size_t size_;
   bool received_ = false;
@@ -121,7 +121,7 @@ class BatchPayload : public transport::PendingPayload {
 // One request of a batch, handled as if it had come alone.
 class BatchItem : public transport::IncomingMessage {
  public:
-  BatchItem(std::shared_ptr<std::vector<uint8_t>> batch, const uint8_t* header,
+  BatchItem(std::shared_ptr<ReceiveBufferPool::Buffer> batch, const uint8_t* header,
             const uint8_t* payload, size_t payload_size, transport::EndpointRef from,
             const std::string& identity)
       : batch_(std::move(batch)),
@@ -151,7 +151,7 @@ class BatchItem : public transport::IncomingMessage {
   }
 
  private:
-  std::shared_ptr<std::vector<uint8_t>> batch_;
+  std::shared_ptr<ReceiveBufferPool::Buffer> batch_;
   const uint8_t* header_;
   const uint8_t* payload_;
   size_t size_;
@@ -191,7 +191,7 @@ void Shard::OnBatch(transport::IncomingMessage& msg, const wire::RequestHeader& 
     return Reply(from, h.request_id, InflightFull(size, limits_->options().max_inflight_bytes));
   }
   metrics_.batches_received.fetch_add(1);
-  auto batch = InflightBuffer<uint8_t>(limits_, size);
+  auto batch = batch_buffers_->Take(limits_, size);
   const transport::EndpointRef ep = msg.reply_endpoint();
   const uint64_t batch_id = h.request_id;
   msg.ReceiveInto(batch->data(), [this, batch, count, ep, from, batch_id,
@@ -201,16 +201,19 @@ void Shard::OnBatch(transport::IncomingMessage& msg, const wire::RequestHeader& 
       return Reply(from, batch_id, rs);
     }
     // Check the whole batch before handling any of it: a malformed batch
-    // changes nothing.
+    // changes nothing. The headers are parsed again to handle them (cheap
+    // copies) rather than kept in a list allocated per batch.
     const uint8_t* headers = batch->data();
     const size_t header_bytes = count * sizeof(wire::RequestHeader);
-    std::vector<wire::RequestHeader> items;
-    items.reserve(count);
-    uint64_t payload_bytes = 0;
-    absl::Status bad;
-    for (uint64_t i = 0; i < count && bad.ok(); ++i) {
-      auto item = wire::ParseRequestHeader(absl::Span<const uint8_t>(
+    auto header_at = [headers](uint64_t i) {
+      return wire::ParseRequestHeader(absl::Span<const uint8_t>(
           headers + i * sizeof(wire::RequestHeader), sizeof(wire::RequestHeader)));
+    };
+    uint64_t payload_bytes = 0;
+    uint64_t parsed = 0;  // Items before the first bad one.
+    absl::Status bad;
+    for (uint64_t i = 0; i < count; ++i) {
+      auto item = header_at(i);
       if (!item.ok()) {
         bad = absl::InvalidArgumentError(
             absl::StrCat("request ", i, " of a batch: ", item.status().message()));
@@ -237,7 +240,7 @@ void Shard::OnBatch(transport::IncomingMessage& msg, const wire::RequestHeader& 
         }
         payload_bytes += item->num_bytes;
       }
-      items.push_back(*item);
+      parsed = i + 1;
     }
     if (bad.ok() && header_bytes + payload_bytes != batch->size()) {
       bad = absl::InvalidArgumentError(absl::StrCat(
@@ -249,14 +252,15 @@ void Shard::OnBatch(transport::IncomingMessage& msg, const wire::RequestHeader& 
       // is its first request's).
       metrics_.requests_rejected.fetch_add(1);
       Reply(from, batch_id, bad);
-      for (const wire::RequestHeader& item : items) {
-        if (item.request_id != batch_id) Reply(from, item.request_id, bad);
+      for (uint64_t i = 0; i < parsed; ++i) {
+        const uint64_t id = header_at(i)->request_id;
+        if (id != batch_id) Reply(from, id, bad);
       }
       return;
     }
     const uint8_t* payload = headers + header_bytes;
     for (uint64_t i = 0; i < count; ++i) {
-      const wire::RequestHeader& item = items[i];
+      const wire::RequestHeader item = *header_at(i);
       const auto op = static_cast<wire::Op>(item.op);
       const size_t n = (op == wire::Op::kPush || op == wire::Op::kInit) ? item.num_bytes : 0;
       BatchItem sub(batch, headers + i * sizeof(wire::RequestHeader), payload, n, ep, identity);

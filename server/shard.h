@@ -180,6 +180,9 @@ class Shard : public ShardServer {
   // Parked pulls and in-flight request bytes per peer (peer_limits.h);
   // shared with the buffers it accounts, which may outlive the shard.
   const std::shared_ptr<PeerLimits> limits_;
+  // What batches are received into (peer_limits.h): a few buffers of
+  // wire::kBatchBytes, kept.
+  const std::shared_ptr<ReceiveBufferPool> batch_buffers_;
   JobTable table_;
   // Borrowed by every step; outlives executor_ (declared before it).
   std::unique_ptr<kernels::ThreadPool> kernel_pool_;

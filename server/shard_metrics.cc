@@ -65,6 +65,9 @@ std::string RenderShardMetrics(const ShardMetrics& s, const ShardGauges& g) {
   m.Counter("optimus_shard_batches_total",
             "Messages carrying several requests (small chunks batched per shard).",
             s.batches_received.load(), id);
+  m.Counter("optimus_shard_batch_buffer_allocations_total",
+            "Batch receive buffers allocated because no kept one was free.",
+            g.batch_buffer_allocations, id);
   m.Counter("optimus_shard_folds_total", "Passes folding landed gradients into a running sum.",
             s.folds.load(), id);
   m.Gauge("optimus_shard_chunks_owned", "Chunks held for all jobs.", g.chunks_owned, id);

@@ -67,6 +67,7 @@ struct ShardGauges {
   uint64_t staging_in_use_bytes = 0;
   uint64_t staging_held_bytes = 0;
   uint64_t staging_waits = 0;
+  uint64_t batch_buffer_allocations = 0;  // ReceiveBufferPool::allocations.
   // Data-plane handshakes refused and messages dropped from peers that
   // proved nothing (transport::Worker::refused_messages).
   uint64_t unproved_refused = 0;

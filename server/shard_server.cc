@@ -38,6 +38,10 @@ std::function<void()> StepThreadStart(int nicer) {
   };
 }
 
+// Idle batch receive buffers a shard keeps: one per worker sending a batch
+// at the same time, for the W of most jobs (8 MiB at most).
+constexpr size_t kKeptBatchBuffers = 8;
+
 ShardServerOptions Resolved(ShardServerOptions o) {
   o.step_threads = CoresOr(o.step_threads);
   o.kernel_threads = CoresOr(o.kernel_threads);
@@ -52,6 +56,7 @@ Shard::Shard(const ShardServerOptions& options, std::unique_ptr<CoordinatorLink>
       limits_(std::make_shared<PeerLimits>(PeerLimitOptions{options_.max_parked_pulls_per_peer,
                                                             options_.max_parked_pulls,
                                                             options_.max_inflight_bytes})),
+      batch_buffers_(ReceiveBufferPool::Create(kKeptBatchBuffers, wire::kBatchBytes)),
       table_(options_.memory_limit_bytes, options_.huge_pages),
       kernel_pool_(std::make_unique<kernels::ThreadPool>(options_.kernel_threads,
                                                          StepThreadStart(options_.step_nice))),
@@ -130,6 +135,7 @@ absl::Status Shard::Start() {
               g.staging_waits = staging_pool_->waits();
             }
             g.chunks_owned = st.chunks_owned;
+            g.batch_buffer_allocations = st.batch_buffer_allocations;
             g.unproved_refused = worker_ != nullptr ? worker_->refused_messages() : 0;
             g.parked_pulls = st.parked_pulls;
             g.peers_with_parked_pulls = st.peers_with_parked_pulls;
@@ -204,6 +210,7 @@ ShardServerStats Shard::stats() const {
   s.pulls_served = metrics_.pulls_served.load();
   s.checkpoint_stall_ns = metrics_.checkpoint_stall_ns.load();
   s.batches_received = metrics_.batches_received.load();
+  s.batch_buffer_allocations = batch_buffers_->allocations();
   // Every byte still allocated, including chunks that retired but are
   // still referenced by an operation in flight.
   s.memory_used_bytes = table_.memory()->used();

@@ -119,6 +119,14 @@ TEST_P(BatchTest, ManySmallTensorsGoInBatchesAndTrainExactlyTheReference) {
   EXPECT_EQ(pushes, uint64_t{kWorkers} * kTensors * kSteps);
   EXPECT_GE(batches, uint64_t{kWorkers} * kSteps * 2);   // Pushes and pulls, both shards.
   EXPECT_LE(batches, uint64_t{kWorkers} * kSteps * 2 * 2);
+  // Each worker waits for its batch's answers before it sends the next, and
+  // every pushed gradient lands at once (its step's pull came first), so a
+  // shard never holds more than one batch per worker: it receives them all
+  // into the buffers it kept, instead of allocating one per batch.
+  for (const auto& s : cluster->ShardStats()) {
+    EXPECT_GE(s.batches_received, uint64_t{kWorkers} * kSteps * 2) << "shard " << s.shard_id;
+    EXPECT_LE(s.batch_buffer_allocations, uint64_t{kWorkers}) << "shard " << s.shard_id;
+  }
 }
 
 // A corked push of a large tensor in small chunks: one Uncork sends many
