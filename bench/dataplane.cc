@@ -52,6 +52,7 @@
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <netinet/in.h>
+#include <sched.h>
 #include <signal.h>
 #include <sys/prctl.h>
 #include <sys/resource.h>
@@ -163,6 +164,77 @@ ABSL_FLAG(std::string, step_tail_metric, "optimus_shard_publish_tail_seconds",
 ABSL_FLAG(std::string, bin_dir, "", "folder holding coordinator/optimus-coord and "
                                     "server/optimus-shard (default: this program's runfiles)");
 ABSL_FLAG(std::string, work_dir, "", "folder for logs (default: a new temp dir)");
+ABSL_FLAG(std::string, placement, "split",
+          "split: the workers (this process, and ucx_perftest's client) on the first half "
+          "of the CPUs, the coordinator and shards (and ucx_perftest's server) on the other "
+          "half, as a shard with cores of its own (a DPU's, or a host's given to it) runs; "
+          "shared: wherever the scheduler puts them. Needs 2+ CPUs and taskset, else shared");
+
+// Where the benchmark's processes run (--placement): `workers` and `servers`
+// are taskset -c lists, both empty when nothing is pinned.
+struct Placement {
+  std::string name = "shared";
+  std::string workers, servers;
+};
+Placement g_placement;
+
+// Pins this process (before it starts any thread) to the workers' CPUs and
+// says which CPUs the servers get.
+Placement MakePlacement(const std::string& want) {
+  Placement p;
+  if (want != "split" && want != "shared") {
+    std::fprintf(stderr, "bench/dataplane: --placement must be split or shared, not %s\n",
+                 want.c_str());
+    std::exit(2);
+  }
+  // The CPUs this process may run on (a container's cpuset may hold fewer
+  // than the machine has), split in two halves.
+  cpu_set_t allowed;
+  CPU_ZERO(&allowed);
+  std::vector<int> cpus;
+  if (sched_getaffinity(0, sizeof(allowed), &allowed) == 0) {
+    for (int c = 0; c < CPU_SETSIZE; ++c) {
+      if (CPU_ISSET(c, &allowed)) cpus.push_back(c);
+    }
+  }
+  const bool taskset = access("/usr/bin/taskset", X_OK) == 0 || access("/bin/taskset", X_OK) == 0;
+  if (want != "split" || cpus.size() < 2 || !taskset) {
+    if (want == "split") {
+      std::fprintf(stderr, "bench/dataplane: --placement=split needs 2+ CPUs and taskset; "
+                           "running shared\n");
+    }
+    return p;
+  }
+  const size_t half = cpus.size() / 2;
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  for (size_t i = 0; i < half; ++i) CPU_SET(cpus[i], &set);
+  if (sched_setaffinity(0, sizeof(set), &set) != 0) {
+    std::fprintf(stderr, "bench/dataplane: sched_setaffinity: %s; running shared\n",
+                 std::strerror(errno));
+    return p;
+  }
+  p.name = "split";
+  p.workers = absl::StrJoin(cpus.begin(), cpus.begin() + half, ",");
+  p.servers = absl::StrJoin(cpus.begin() + half, cpus.end(), ",");
+  return p;
+}
+
+// What the lines say of it.
+std::string PlacementText() {
+  return g_placement.name == "split"
+             ? absl::StrCat("split: workers on CPUs ", g_placement.workers, ", servers on ",
+                            g_placement.servers)
+             : std::string("shared");
+}
+
+// A command run on `cpus` (taskset), or as it is when `cpus` is empty.
+std::vector<std::string> PinnedTo(const std::string& cpus, std::vector<std::string> args) {
+  if (cpus.empty()) return args;
+  std::vector<std::string> out{"taskset", "-c", cpus};
+  out.insert(out.end(), args.begin(), args.end());
+  return out;
+}
 
 // ---- Allocation counter: every operator new in this process (the workers:
 // client library, transport, gRPC). The shards run in other processes. ----
@@ -342,6 +414,7 @@ absl::Status StartCluster(const std::string& root, const std::string& dir,
   o.transports = tls;
   o.shard_memory_mb = static_cast<uint64_t>(absl::GetFlag(FLAGS_shard_memory_mb));
   o.metrics = true;
+  o.cpus = g_placement.servers;
   // As the Helm chart deploys them (dpu.hugePages, host.hugePages); a
   // --huge_pages in --shard_args comes later and wins.
   o.shard_args.push_back(
@@ -474,10 +547,14 @@ absl::StatusOr<double> PerftestOnce(const std::string& dir, const std::string& t
                                   absl::StrCat(port),
                                   "-f"};
   if (detect) common.push_back("-e");
+  // Where optimus's shard and workers run: the server receives what a push
+  // sends (ucx_perftest's client sends).
   std::vector<std::string> server{absl::GetFlag(FLAGS_ucx_perftest)};
   server.insert(server.end(), common.begin(), common.end());
+  server = PinnedTo(g_placement.servers, std::move(server));
   std::vector<std::string> client{absl::GetFlag(FLAGS_ucx_perftest), "127.0.0.1"};
   client.insert(client.end(), common.begin(), common.end());
+  client = PinnedTo(g_placement.workers, std::move(client));
   out->server_cmd = ShellLine(env, server);
   out->client_cmd = ShellLine(env, client);
   const pid_t srv = Spawn(env, server, dir + "/perftest-server.log");
@@ -769,6 +846,7 @@ Json CaseLine(const std::string& kase, const std::string& tls, uint64_t msg_byte
   line["msg_bytes"] = msg_bytes;
   line["workers"] = workers;
   line["shards"] = shards;
+  line["placement"] = PlacementText();
   return line;
 }
 
@@ -849,6 +927,7 @@ void PrintCluster(int id, const ProcCluster& c, int shards) {
   Json line;
   line["bench"] = "dataplane";
   line["event"] = "cluster";
+  line["placement"] = PlacementText();
   line["cluster"] = id;
   line["transport"] = c.transports;
   line["shards"] = shards;
@@ -1018,6 +1097,7 @@ void RunSmallTensors(const std::string& root, const std::string& dir) {
     Json line;
     line["bench"] = "dataplane";
     line["case"] = "small_tensors";
+    line["placement"] = PlacementText();
     line["batched"] = absl::GetFlag(FLAGS_small_batch);
     line["transport"] = tls;
     line["workers"] = workers;
@@ -1222,6 +1302,7 @@ void RunStaging(const std::string& root, const std::string& dir) {
     Json line;
     line["bench"] = "dataplane";
     line["case"] = "staging";
+    line["placement"] = PlacementText();
     line["workers"] = w;
     line["pace_ms"] = JsonRound(absl::GetFlag(FLAGS_staging_pace_ms), 1);
     line["params"] = static_cast<int64_t>(params);
@@ -1253,6 +1334,8 @@ void RunStaging(const std::string& root, const std::string& dir) {
 }
 
 int Main(const char* argv0) {
+  // Before any thread starts: they inherit it.
+  g_placement = MakePlacement(absl::GetFlag(FLAGS_placement));
   KillChildrenOnSignals();
   const std::string root = FindBinRoot(argv0, absl::GetFlag(FLAGS_bin_dir));
   if (root.empty()) {

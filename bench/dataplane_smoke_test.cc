@@ -7,6 +7,8 @@
 // registered once rather than per transfer, and the staging pool keeps a
 // shard's memory at the state's 16 B per parameter whatever W is. No figure
 // is compared with a speed: the machine may be busy.
+#include <sched.h>
+
 #include <cstdlib>
 #include <map>
 #include <string>
@@ -67,6 +69,37 @@ class DataplaneSmokeTest : public ::testing::Test {
 };
 
 std::string* DataplaneSmokeTest::out_ = nullptr;
+
+// With two or more CPUs to run on, the workers and the servers (and
+// ucx_perftest's client and server) are on CPUs of their own, and the lines
+// say which (--placement=split, the default).
+TEST_F(DataplaneSmokeTest, WorkersAndServersRunOnCpusOfTheirOwn) {
+  cpu_set_t allowed;
+  CPU_ZERO(&allowed);
+  ASSERT_EQ(sched_getaffinity(0, sizeof(allowed), &allowed), 0);
+  const bool split = CPU_COUNT(&allowed) >= 2;
+  int cases = 0, clusters = 0;
+  for (const nlohmann::json& l : Lines(*out_)) {
+    const std::string placement = Str(l, "placement");
+    EXPECT_EQ(absl::StartsWith(placement, "split: workers on CPUs "), split) << l.dump();
+    if (l.contains("case")) ++cases;
+    if (Str(l, "event") == "cluster") {
+      ++clusters;
+      ASSERT_TRUE(l.contains("commands")) << l.dump();
+      for (const auto& cmd : l["commands"]) {
+        EXPECT_EQ(absl::StartsWith(cmd.get<std::string>(), "taskset -c "), split) << l.dump();
+      }
+    }
+    if (split && l.contains("ucx_perftest_client_cmd")) {
+      EXPECT_NE(Str(l, "ucx_perftest_client_cmd").find("taskset -c "), std::string::npos)
+          << l.dump();
+      EXPECT_NE(Str(l, "ucx_perftest_server_cmd").find("taskset -c "), std::string::npos)
+          << l.dump();
+    }
+  }
+  EXPECT_GT(cases, 0);
+  EXPECT_GT(clusters, 0);
+}
 
 TEST_F(DataplaneSmokeTest, EveryLineIsJsonAndNoCaseFailed) {
   const std::vector<nlohmann::json> lines = Lines(*out_);

@@ -202,9 +202,15 @@ int FreePort() {
 absl::Status StartProcCluster(const ProcClusterOptions& o, ProcCluster* c) {
   const std::string port_file = absl::StrCat(o.work_dir, "/coord.port");
   unlink(port_file.c_str());
-  std::vector<std::string> coord_args{o.bin_root + "/coordinator/optimus-coord",
-                                      "--listen=127.0.0.1:0", "--port_file=" + port_file,
-                                      "--lease_ms=2000"};
+  const std::vector<std::string> pin =
+      o.cpus.empty() ? std::vector<std::string>{}
+                     : std::vector<std::string>{"taskset", "-c", o.cpus};
+  std::vector<std::string> coord_args = pin;
+  for (const std::string& a : {o.bin_root + "/coordinator/optimus-coord",
+                               std::string("--listen=127.0.0.1:0"), "--port_file=" + port_file,
+                               std::string("--lease_ms=2000")}) {
+    coord_args.push_back(a);
+  }
   c->transports = o.transports;
   c->commands.push_back(ShellLine({}, coord_args));
   c->coord = Spawn({}, coord_args, absl::StrCat(o.work_dir, "/coord.log"));
@@ -220,10 +226,13 @@ absl::Status StartProcCluster(const ProcClusterOptions& o, ProcCluster* c) {
   }
   c->coord_addr = "127.0.0.1:" + port;
   for (int i = 0; i < o.num_shards; ++i) {
-    std::vector<std::string> args{o.bin_root + "/server/optimus-shard",
-                                  "--coordinator=" + c->coord_addr, "--kind=host",
-                                  "--net_devices=lo",
-                                  absl::StrCat("--memory_limit_mb=", o.shard_memory_mb)};
+    std::vector<std::string> args = pin;
+    for (const std::string& a : {o.bin_root + "/server/optimus-shard",
+                                 "--coordinator=" + c->coord_addr, std::string("--kind=host"),
+                                 std::string("--net_devices=lo"),
+                                 absl::StrCat("--memory_limit_mb=", o.shard_memory_mb)}) {
+      args.push_back(a);
+    }
     if (!o.transports.empty()) args.push_back("--transports=" + o.transports);
     const int mport = o.metrics ? FreePort() : 0;
     if (o.metrics) args.push_back(absl::StrCat("--metrics_port=", mport));

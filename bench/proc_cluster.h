@@ -106,6 +106,9 @@ struct ProcClusterOptions {
   std::vector<std::string> shard_args;
   // Each shard serves /metrics on a free port (ProcCluster::metrics_ports).
   bool metrics = false;
+  // CPUs the coordinator and the shards run on (`taskset -c` list, e.g.
+  // "1" or "4-7"); empty: wherever the scheduler puts them.
+  std::string cpus;
 };
 
 struct ProcCluster {
