@@ -939,16 +939,13 @@ Json RunOne(const RunOptions& o, int n) {
   std::vector<std::string> errors;
   const std::string port_file = absl::StrCat(o.work_dir, "/coord-", n, ".port");
   unlink(port_file.c_str());
-  std::vector<std::string> args;
-  if (o.pin) args = {"taskset", "-c", "0"};
-  for (const std::string& a :
-       {o.coord_path, std::string("--listen=127.0.0.1:0"), "--port_file=" + port_file,
-        absl::StrCat("--lease_ms=", absl::ToInt64Milliseconds(o.lease)),
-        std::string("--insecure_plaintext"), std::string("--down_shard_grace=inf")}) {
-    args.push_back(a);
-  }
+  std::vector<std::string> args = {
+      o.coord_path, "--listen=127.0.0.1:0", "--port_file=" + port_file,
+      absl::StrCat("--lease_ms=", absl::ToInt64Milliseconds(o.lease)), "--insecure_plaintext",
+      "--down_shard_grace=inf"};
   if (o.state_dir) args.push_back(absl::StrCat("--state_dir=", o.work_dir, "/state-", n));
   for (const std::string& f : o.coord_flags) args.push_back(f);
+  args = PinnedTo(o.pin ? "0" : "", std::move(args));
   line["state_dir"] = o.state_dir;
   const std::string log = absl::StrCat(o.work_dir, "/coord-", n, ".log");
   line["coordinator"] = ShellLine({}, args);

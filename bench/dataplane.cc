@@ -228,14 +228,6 @@ std::string PlacementText() {
              : std::string("shared");
 }
 
-// A command run on `cpus` (taskset), or as it is when `cpus` is empty.
-std::vector<std::string> PinnedTo(const std::string& cpus, std::vector<std::string> args) {
-  if (cpus.empty()) return args;
-  std::vector<std::string> out{"taskset", "-c", cpus};
-  out.insert(out.end(), args.begin(), args.end());
-  return out;
-}
-
 // ---- Allocation counter: every operator new in this process (the workers:
 // client library, transport, gRPC). The shards run in other processes. ----
 // GCC flags free() of what (our) operator new returned once both inline.

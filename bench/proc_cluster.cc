@@ -199,18 +199,19 @@ int FreePort() {
   return port;
 }
 
+std::vector<std::string> PinnedTo(const std::string& cpus, std::vector<std::string> args) {
+  if (cpus.empty()) return args;
+  std::vector<std::string> out{"taskset", "-c", cpus};
+  out.insert(out.end(), args.begin(), args.end());
+  return out;
+}
+
 absl::Status StartProcCluster(const ProcClusterOptions& o, ProcCluster* c) {
   const std::string port_file = absl::StrCat(o.work_dir, "/coord.port");
   unlink(port_file.c_str());
-  const std::vector<std::string> pin =
-      o.cpus.empty() ? std::vector<std::string>{}
-                     : std::vector<std::string>{"taskset", "-c", o.cpus};
-  std::vector<std::string> coord_args = pin;
-  for (const std::string& a : {o.bin_root + "/coordinator/optimus-coord",
-                               std::string("--listen=127.0.0.1:0"), "--port_file=" + port_file,
-                               std::string("--lease_ms=2000")}) {
-    coord_args.push_back(a);
-  }
+  const std::vector<std::string> coord_args =
+      PinnedTo(o.cpus, {o.bin_root + "/coordinator/optimus-coord", "--listen=127.0.0.1:0",
+                        "--port_file=" + port_file, "--lease_ms=2000"});
   c->transports = o.transports;
   c->commands.push_back(ShellLine({}, coord_args));
   c->coord = Spawn({}, coord_args, absl::StrCat(o.work_dir, "/coord.log"));
@@ -226,17 +227,15 @@ absl::Status StartProcCluster(const ProcClusterOptions& o, ProcCluster* c) {
   }
   c->coord_addr = "127.0.0.1:" + port;
   for (int i = 0; i < o.num_shards; ++i) {
-    std::vector<std::string> args = pin;
-    for (const std::string& a : {o.bin_root + "/server/optimus-shard",
-                                 "--coordinator=" + c->coord_addr, std::string("--kind=host"),
-                                 std::string("--net_devices=lo"),
-                                 absl::StrCat("--memory_limit_mb=", o.shard_memory_mb)}) {
-      args.push_back(a);
-    }
+    std::vector<std::string> args = {o.bin_root + "/server/optimus-shard",
+                                     "--coordinator=" + c->coord_addr, "--kind=host",
+                                     "--net_devices=lo",
+                                     absl::StrCat("--memory_limit_mb=", o.shard_memory_mb)};
     if (!o.transports.empty()) args.push_back("--transports=" + o.transports);
     const int mport = o.metrics ? FreePort() : 0;
     if (o.metrics) args.push_back(absl::StrCat("--metrics_port=", mport));
     args.insert(args.end(), o.shard_args.begin(), o.shard_args.end());
+    args = PinnedTo(o.cpus, std::move(args));
     c->commands.push_back(ShellLine({}, args));
     const pid_t pid = Spawn({}, args, absl::StrCat(o.work_dir, "/shard-", i, ".log"));
     if (pid < 0) return absl::InternalError("cannot start optimus-shard");

@@ -49,6 +49,9 @@ std::string ReadFile(const std::string& path);
 std::string Tail(const std::string& path);
 // A command line as a shell would take it (for printing what was run).
 std::string ShellLine(const std::vector<std::string>& env, const std::vector<std::string>& args);
+
+// `args` run on `cpus` (a `taskset -c` list), or as they are when `cpus` is empty.
+std::vector<std::string> PinnedTo(const std::string& cpus, std::vector<std::string> args);
 // A TCP port free on 127.0.0.1 right now (0 if none).
 int FreePort();
 
