@@ -63,6 +63,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
 #include <atomic>
 #include <cerrno>
 #include <cmath>
@@ -828,6 +829,22 @@ absl::StatusOr<Goodput> RunGoodput(const ProcCluster& c, const std::string& name
   return g;
 }
 
+// The kernel's default TCP congestion control (empty where unreadable).
+std::string TcpCongestionControl() {
+  std::string cc = ReadFile("/proc/sys/net/ipv4/tcp_congestion_control");
+  while (!cc.empty() && std::isspace(static_cast<unsigned char>(cc.back()))) cc.pop_back();
+  return cc;
+}
+
+// Where every line's figures were measured: the placement, and the kernel's
+// TCP congestion control, which loopback tcp's speed depends on (with bbr's
+// pacing ucx_perftest reads about half of what it reads with cubic on the
+// same VM).
+void AddWhereItRan(Json& line) {
+  line["placement"] = PlacementText();
+  line["tcp_congestion_control"] = TcpCongestionControl();
+}
+
 // The fields that name a case, first in each of its lines.
 Json CaseLine(const std::string& kase, const std::string& tls, uint64_t msg_bytes, int workers,
               int shards) {
@@ -838,7 +855,7 @@ Json CaseLine(const std::string& kase, const std::string& tls, uint64_t msg_byte
   line["msg_bytes"] = msg_bytes;
   line["workers"] = workers;
   line["shards"] = shards;
-  line["placement"] = PlacementText();
+  AddWhereItRan(line);
   return line;
 }
 
@@ -919,7 +936,7 @@ void PrintCluster(int id, const ProcCluster& c, int shards) {
   Json line;
   line["bench"] = "dataplane";
   line["event"] = "cluster";
-  line["placement"] = PlacementText();
+  AddWhereItRan(line);
   line["cluster"] = id;
   line["transport"] = c.transports;
   line["shards"] = shards;
@@ -1089,7 +1106,7 @@ void RunSmallTensors(const std::string& root, const std::string& dir) {
     Json line;
     line["bench"] = "dataplane";
     line["case"] = "small_tensors";
-    line["placement"] = PlacementText();
+    AddWhereItRan(line);
     line["batched"] = absl::GetFlag(FLAGS_small_batch);
     line["transport"] = tls;
     line["workers"] = workers;
@@ -1294,7 +1311,7 @@ void RunStaging(const std::string& root, const std::string& dir) {
     Json line;
     line["bench"] = "dataplane";
     line["case"] = "staging";
-    line["placement"] = PlacementText();
+    AddWhereItRan(line);
     line["workers"] = w;
     line["pace_ms"] = JsonRound(absl::GetFlag(FLAGS_staging_pace_ms), 1);
     line["params"] = static_cast<int64_t>(params);

@@ -10,6 +10,7 @@
 #include <sched.h>
 
 #include <cstdlib>
+#include <fstream>
 #include <map>
 #include <string>
 #include <tuple>
@@ -99,6 +100,21 @@ TEST_F(DataplaneSmokeTest, WorkersAndServersRunOnCpusOfTheirOwn) {
   }
   EXPECT_GT(cases, 0);
   EXPECT_GT(clusters, 0);
+}
+
+// Every case line names the kernel's TCP congestion control, which decides
+// what loopback tcp (and so ucx_perftest's baseline) reads on a machine.
+TEST_F(DataplaneSmokeTest, CaseLinesNameTheTcpCongestionControl) {
+  std::ifstream in("/proc/sys/net/ipv4/tcp_congestion_control");
+  std::string want;
+  std::getline(in, want);
+  int cases = 0;
+  for (const nlohmann::json& l : Lines(*out_)) {
+    if (!l.contains("case")) continue;
+    ++cases;
+    EXPECT_EQ(Str(l, "tcp_congestion_control"), want) << l.dump();
+  }
+  EXPECT_GT(cases, 0);
 }
 
 TEST_F(DataplaneSmokeTest, EveryLineIsJsonAndNoCaseFailed) {
