@@ -241,6 +241,30 @@ struct SyncReceive {
 };
 thread_local SyncReceive tls_sync_receive;
 
+// One reply of a wire::kAmReplyBatch, handled as if it had come alone. Such
+// replies carry no payload (acks and refusals).
+class BatchedReply : public transport::IncomingMessage {
+ public:
+  BatchedReply(absl::Span<const uint8_t> header, transport::EndpointRef from,
+               const std::string& identity)
+      : header_(header), from_(from), identity_(identity) {}
+  uint16_t am_id() const override { return wire::kAmReply; }
+  absl::Span<const uint8_t> header() const override { return header_; }
+  size_t payload_size() const override { return 0; }
+  bool is_rendezvous() const override { return false; }
+  transport::EndpointRef reply_endpoint() const override { return from_; }
+  void ReceiveInto(void*, transport::DoneCallback done) override {
+    done(absl::FailedPreconditionError("a batched reply carries no payload"));
+  }
+  std::unique_ptr<transport::PendingPayload> Keep() override { return nullptr; }
+  const std::string& peer_identity() const override { return identity_; }
+
+ private:
+  absl::Span<const uint8_t> header_;
+  transport::EndpointRef from_;
+  const std::string& identity_;  // The batch's sender's, alive while it is handled.
+};
+
 // A push kept until the pull of the next version of its tensor completes,
 // to send again (a copy of the bytes of each chunk that moved) if its
 // chunk's shard changes.
@@ -342,6 +366,8 @@ class ClientImpl : public Client {
     if (!worker.ok()) return worker.status();
     worker_ = std::move(*worker);
     worker_->SetHandler(wire::kAmReply, [this](transport::IncomingMessage& m) { OnReply(m); });
+    worker_->SetHandler(wire::kAmReplyBatch,
+                        [this](transport::IncomingMessage& m) { OnReplyBatch(m); });
     if (auto s = worker_->Start(); !s.ok()) return s;
     RegistrationCache::Options copts;
     copts.capacity_bytes = options_.registration_cache_bytes;
@@ -909,7 +935,8 @@ class ClientImpl : public Client {
       h.op = static_cast<uint16_t>(wire::Op::kBatch);
       h.step = group.size();
       h.num_bytes = bytes;
-      h.flags = 0;
+      // The shard may answer the batch's pushes in one message.
+      h.flags = wire::kRequestBatchReplies;
       h.step_flags = 0;
       h.lr = h.grad_mult = h.clip_coef = 0.0f;
       batches_sent_.fetch_add(1, std::memory_order_relaxed);
@@ -1400,6 +1427,42 @@ class ClientImpl : public Client {
       msg.ReceiveInto(dst, region, [this, id](absl::Status s) { OnReceived(id, std::move(s)); });
     }
     SendAll(commits);
+  }
+
+  // Several replies without payload in one message (the acks to a batch's
+  // pushes): each handled as OnReply handles one. A malformed batch is
+  // dropped whole, as a malformed reply is.
+  void OnReplyBatch(transport::IncomingMessage& msg) {
+    auto h = wire::ParseReplyBatchHeader(msg.header());
+    if (h.ok() && msg.payload_size() != h->num_bytes) {
+      h = absl::InvalidArgumentError(absl::StrCat("reply batch carries ", msg.payload_size(),
+                                                  " bytes, its header says ", h->num_bytes));
+    }
+    if (!h.ok()) {
+      OPTIMUS_LOG(Warning, kLog, "dropping malformed reply batch: ", h.status().ToString());
+      return;
+    }
+    const uint32_t count = h->count;
+    const transport::EndpointRef from = msg.reply_endpoint();
+    auto replies = std::make_shared<std::vector<uint8_t>>(h->num_bytes);
+    auto handle = [this, replies, count, from, identity = msg.peer_identity()](absl::Status s) {
+      if (!s.ok()) {
+        OPTIMUS_LOG(Warning, kLog, "reply batch lost on the way: ", s.ToString());
+        return;
+      }
+      auto items = wire::SplitReplyBatch(*replies, count);
+      if (!items.ok()) {
+        OPTIMUS_LOG(Warning, kLog, "dropping malformed reply batch: ", items.status().ToString());
+        return;
+      }
+      for (absl::Span<const uint8_t> item : *items) {
+        BatchedReply one(item, from, identity);
+        OnReply(one);
+      }
+    };
+    // Small batches come eagerly (handled before ReceiveInto returns);
+    // larger ones by rendezvous, handled when they land.
+    msg.ReceiveInto(replies->data(), std::move(handle));
   }
 
   // ---- Failover ------------------------------------------------------------

@@ -82,5 +82,64 @@ absl::StatusOr<Reply> ParseReply(absl::Span<const uint8_t> bytes) {
   return r;
 }
 
+absl::StatusOr<ReplyBatchHeader> ParseReplyBatchHeader(absl::Span<const uint8_t> bytes) {
+  if (bytes.size() != sizeof(ReplyBatchHeader)) {
+    return absl::InvalidArgumentError(absl::StrCat("malformed reply batch header: ", bytes.size(),
+                                                   " bytes, expected ", sizeof(ReplyBatchHeader)));
+  }
+  ReplyBatchHeader h;
+  std::memcpy(&h, bytes.data(), sizeof(h));
+  if (h.magic != kMagic || h.version != kVersion) {
+    return absl::InvalidArgumentError("malformed reply batch header: bad magic or version");
+  }
+  if (h.count == 0 || h.count > kMaxBatch) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("reply batch of ", h.count, " replies (1..", kMaxBatch, " allowed)"));
+  }
+  if (h.num_bytes < h.count * sizeof(ReplyHeader) ||
+      h.num_bytes > h.count * (sizeof(ReplyHeader) + kMaxMessageBytes)) {
+    return absl::InvalidArgumentError(absl::StrCat("reply batch of ", h.count, " replies carries ",
+                                                   h.num_bytes, " bytes"));
+  }
+  return h;
+}
+
+absl::StatusOr<std::vector<absl::Span<const uint8_t>>> SplitReplyBatch(
+    absl::Span<const uint8_t> payload, uint32_t count) {
+  std::vector<absl::Span<const uint8_t>> out;
+  out.reserve(count);
+  size_t at = 0;
+  while (at < payload.size()) {
+    if (out.size() == count) {
+      return absl::InvalidArgumentError(absl::StrCat("reply batch of ", count, " replies has ",
+                                                     payload.size() - at, " bytes left over"));
+    }
+    if (payload.size() - at < sizeof(ReplyHeader)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("reply ", out.size(), " of a batch is cut short"));
+    }
+    ReplyHeader h;
+    std::memcpy(&h, payload.data() + at, sizeof(h));
+    const uint64_t len = sizeof(ReplyHeader) + static_cast<uint64_t>(h.message_len);
+    if (h.message_len > kMaxMessageBytes || len > payload.size() - at) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("reply ", out.size(), " of a batch claims a ", h.message_len,
+                       "-byte message; ", payload.size() - at, " bytes are left"));
+    }
+    absl::Span<const uint8_t> one = payload.subspan(at, len);
+    if (auto r = ParseReply(one); !r.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("reply ", out.size(), " of a batch: ", r.status().message()));
+    }
+    out.push_back(one);
+    at += len;
+  }
+  if (out.size() != count) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("reply batch says ", count, " replies and holds ", out.size()));
+  }
+  return out;
+}
+
 }  // namespace wire
 }  // namespace optimus

@@ -8,6 +8,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -20,6 +21,9 @@ namespace wire {
 // Active-message ids.
 constexpr uint16_t kAmRequest = 1;  // worker -> shard: push, pull, init.
 constexpr uint16_t kAmReply = 2;    // shard -> worker: status (+ pulled bytes).
+// shard -> worker: several replies without payload at once (ReplyBatchHeader),
+// to a kBatch whose sender set kRequestBatchReplies.
+constexpr uint16_t kAmReplyBatch = 3;
 
 constexpr uint32_t kMagic = 0x4d54504fu;  // "OPTM" read little-endian.
 // 2: per-step learning rate, gradient multiplier and flags in the request;
@@ -80,6 +84,10 @@ enum RequestFlags : uint8_t {
   kRequestResend = 1u << 0,
   kReplicateState = 1u << 1,  // kReplicate: seeds the backup with the state.
   kReplicateSum = 1u << 2,    // kReplicate: applies one step with the sum.
+  // kBatch: the sender takes kAmReplyBatch, so the replies without payload
+  // to the batch's requests (push acks, refusals) may come back in one
+  // message instead of one each.
+  kRequestBatchReplies = 1u << 3,
 };
 
 // 96 bytes. `step` is the gradient's step for kPush and kCommit and the
@@ -184,6 +192,29 @@ struct Reply {
 
 // Checks size, magic, version and message length.
 absl::StatusOr<Reply> ParseReply(absl::Span<const uint8_t> bytes);
+
+// The AM header of a kAmReplyBatch. Its payload is `count` replies back to
+// back, each as a kAmReply's header would be (a ReplyHeader, then its
+// message), `num_bytes` in all.
+struct ReplyBatchHeader {
+  uint32_t magic = kMagic;
+  uint16_t version = kVersion;
+  uint16_t reserved = 0;
+  uint32_t count = 0;
+  uint32_t reserved2 = 0;
+  uint64_t num_bytes = 0;
+};
+static_assert(sizeof(ReplyBatchHeader) == 24, "wire layout");
+
+// Checks size, magic, version, 1 <= count <= kMaxBatch and that num_bytes
+// could hold `count` replies. INVALID_ARGUMENT on any mismatch.
+absl::StatusOr<ReplyBatchHeader> ParseReplyBatchHeader(absl::Span<const uint8_t> bytes);
+
+// A reply batch's payload cut into its replies, each one that ParseReply
+// accepts; INVALID_ARGUMENT unless there are exactly `count` and they fill
+// the payload.
+absl::StatusOr<std::vector<absl::Span<const uint8_t>>> SplitReplyBatch(
+    absl::Span<const uint8_t> payload, uint32_t count);
 
 inline absl::Span<const uint8_t> AsBytes(const RequestHeader& h) {
   return absl::Span<const uint8_t>(reinterpret_cast<const uint8_t*>(&h), sizeof(h));

@@ -134,3 +134,87 @@ TEST(WireTest, ReplyCarriesThePartial) {
 }  // namespace
 }  // namespace wire
 }  // namespace optimus
+
+namespace optimus {
+namespace wire {
+namespace {
+
+std::vector<uint8_t> Bytes(const std::string& s) { return std::vector<uint8_t>(s.begin(), s.end()); }
+
+TEST(WireTest, AReplyBatchSplitsIntoTheRepliesItCarries) {
+  std::vector<uint8_t> payload;
+  const ReplyHeader ack = OkReplyHeader(7, 0, kReplyPartial, 2.5);
+  const auto ack_bytes = AsBytes(ack);
+  payload.insert(payload.end(), ack_bytes.begin(), ack_bytes.end());
+  const std::vector<uint8_t> refusal =
+      Bytes(EncodeReply(8, absl::NotFoundError("no tensor 99 here"), 0, 0));
+  payload.insert(payload.end(), refusal.begin(), refusal.end());
+  const std::vector<uint8_t> dup = Bytes(EncodeReply(9, absl::OkStatus(), 0, kReplyDuplicate));
+  payload.insert(payload.end(), dup.begin(), dup.end());
+
+  ReplyBatchHeader h;
+  h.count = 3;
+  h.num_bytes = payload.size();
+  auto parsed = ParseReplyBatchHeader(
+      absl::Span<const uint8_t>(reinterpret_cast<const uint8_t*>(&h), sizeof(h)));
+  ASSERT_TRUE(parsed.ok()) << parsed.status();
+  auto items = SplitReplyBatch(payload, parsed->count);
+  ASSERT_TRUE(items.ok()) << items.status();
+  ASSERT_EQ(items->size(), 3u);
+  auto r0 = ParseReply((*items)[0]);
+  ASSERT_TRUE(r0.ok());
+  EXPECT_EQ(r0->header.request_id, 7u);
+  EXPECT_EQ(r0->header.grad_sum_squares, 2.5);
+  auto r1 = ParseReply((*items)[1]);
+  ASSERT_TRUE(r1.ok());
+  EXPECT_EQ(r1->header.request_id, 8u);
+  EXPECT_EQ(r1->status, absl::NotFoundError("no tensor 99 here"));
+  auto r2 = ParseReply((*items)[2]);
+  ASSERT_TRUE(r2.ok());
+  EXPECT_EQ(r2->header.flags, kReplyDuplicate);
+}
+
+TEST(WireTest, AMalformedReplyBatchIsRefusedWhole) {
+  const std::vector<uint8_t> one = Bytes(EncodeReply(1, absl::OkStatus(), 0, 0));
+  std::vector<uint8_t> two = one;
+  two.insert(two.end(), one.begin(), one.end());
+  // Counts that do not match what the payload holds.
+  EXPECT_FALSE(SplitReplyBatch(two, 1).ok());
+  EXPECT_FALSE(SplitReplyBatch(two, 3).ok());
+  // Cut short, inside the second reply.
+  EXPECT_FALSE(SplitReplyBatch(absl::Span<const uint8_t>(two).first(two.size() - 1), 2).ok());
+  // A message longer than what is left.
+  std::vector<uint8_t> bad = two;
+  ReplyHeader h;
+  std::memcpy(&h, bad.data(), sizeof(h));
+  h.message_len = 4000;
+  std::memcpy(bad.data(), &h, sizeof(h));
+  EXPECT_FALSE(SplitReplyBatch(bad, 2).ok());
+  // A reply with a bad magic.
+  bad = two;
+  bad[sizeof(ReplyHeader)] ^= 0xff;
+  auto split = SplitReplyBatch(bad, 2);
+  ASSERT_FALSE(split.ok());
+  EXPECT_EQ(split.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(split.status().message().find("reply 1 of a batch"), std::string::npos)
+      << split.status();
+
+  auto header = [](uint32_t count, uint64_t bytes) {
+    ReplyBatchHeader h;
+    h.count = count;
+    h.num_bytes = bytes;
+    return ParseReplyBatchHeader(
+        absl::Span<const uint8_t>(reinterpret_cast<const uint8_t*>(&h), sizeof(h)));
+  };
+  EXPECT_TRUE(header(2, 2 * sizeof(ReplyHeader)).ok());
+  EXPECT_FALSE(header(0, 0).ok());
+  EXPECT_FALSE(header(kMaxBatch + 1, (kMaxBatch + 1) * sizeof(ReplyHeader)).ok());
+  EXPECT_FALSE(header(2, sizeof(ReplyHeader)).ok());      // Too few bytes for two.
+  EXPECT_FALSE(header(1, 10 * sizeof(ReplyHeader) + 4096).ok());  // Too many for one.
+  std::vector<uint8_t> short_header(sizeof(ReplyBatchHeader) - 1);
+  EXPECT_FALSE(ParseReplyBatchHeader(short_header).ok());
+}
+
+}  // namespace
+}  // namespace wire
+}  // namespace optimus

@@ -25,6 +25,27 @@ uint32_t WireFlags(const ReplyHint& hint) {
 }
 
 uintptr_t PeerOf(transport::EndpointRef ep) { return reinterpret_cast<uintptr_t>(ep.ep); }
+
+// The replies without payload that this thread holds back for one peer while
+// it handles that peer's batch (when the batch's sender takes reply batches,
+// wire::kRequestBatchReplies); they leave together when the batch's requests
+// are handled (Shard::OnBatch).
+struct ReplyCork {
+  uintptr_t peer = 0;
+  uint32_t count = 0;
+  std::string bytes;  // The replies back to back (wire::kAmReplyBatch's payload).
+};
+thread_local ReplyCork* tls_reply_cork = nullptr;
+
+// Adds `reply` for `peer` to this thread's cork; false when it holds none
+// for that peer (the reply is sent on its own).
+bool Corked(uintptr_t peer, absl::Span<const uint8_t> reply) {
+  ReplyCork* c = tls_reply_cork;
+  if (c == nullptr || c->peer != peer) return false;
+  c->bytes.append(reinterpret_cast<const char*>(reply.data()), reply.size());
+  ++c->count;
+  return true;
+}
 transport::EndpointRef EndpointOf(uintptr_t peer) {
   return transport::EndpointRef{reinterpret_cast<void*>(peer)};
 }
@@ -54,6 +75,7 @@ void Shard::SendAck(const Ack& ack) {
   if (ack.duplicate) flags |= wire::kReplyDuplicate;
   if (ack.has_partial) flags |= wire::kReplyPartial;
   const wire::ReplyHeader header = wire::OkReplyHeader(ack.to.request_id, 0, flags, ack.partial);
+  if (Corked(ack.to.peer, wire::AsBytes(header))) return;
   worker_->Send(EndpointOf(ack.to.peer), wire::kAmReply, wire::AsBytes(header), nullptr, 0,
                 [](absl::Status) {});
 }
@@ -63,10 +85,30 @@ void Shard::Reply(uintptr_t peer, uint64_t request_id, const absl::Status& statu
   if (closing_.load()) return;  // Completions cancelled by the worker's teardown.
   metrics_.CountError(status);
   std::string header = wire::EncodeReply(request_id, status, 0, WireFlags(hint));
-  worker_->Send(EndpointOf(peer), wire::kAmReply,
-                absl::Span<const uint8_t>(reinterpret_cast<const uint8_t*>(header.data()),
-                                          header.size()),
-                nullptr, 0, [](absl::Status) {});
+  const absl::Span<const uint8_t> bytes(reinterpret_cast<const uint8_t*>(header.data()),
+                                        header.size());
+  if (Corked(peer, bytes)) return;
+  worker_->Send(EndpointOf(peer), wire::kAmReply, bytes, nullptr, 0, [](absl::Status) {});
+}
+
+void Shard::SendCorked(uintptr_t peer, uint32_t count, std::string replies) {
+  if (count == 0 || closing_.load()) return;
+  if (count == 1) {  // As it would have gone alone.
+    worker_->Send(EndpointOf(peer), wire::kAmReply,
+                  absl::Span<const uint8_t>(reinterpret_cast<const uint8_t*>(replies.data()),
+                                            replies.size()),
+                  nullptr, 0, [](absl::Status) {});
+    return;
+  }
+  wire::ReplyBatchHeader h;
+  h.count = count;
+  h.num_bytes = replies.size();
+  auto payload = std::make_shared<std::string>(std::move(replies));
+  metrics_.reply_batches.fetch_add(1);
+  metrics_.replies_batched.fetch_add(count);
+  worker_->Send(EndpointOf(peer), wire::kAmReplyBatch,
+                absl::Span<const uint8_t>(reinterpret_cast<const uint8_t*>(&h), sizeof(h)),
+                payload->data(), payload->size(), [payload](absl::Status) {});
 }
 
 void Shard::OnRequest(transport::IncomingMessage& msg) {
@@ -194,7 +236,8 @@ void Shard::OnBatch(transport::IncomingMessage& msg, const wire::RequestHeader& 
   auto batch = batch_buffers_->Take(limits_, size);
   const transport::EndpointRef ep = msg.reply_endpoint();
   const uint64_t batch_id = h.request_id;
-  msg.ReceiveInto(batch->data(), [this, batch, count, ep, from, batch_id,
+  const bool batch_replies = (h.flags & wire::kRequestBatchReplies) != 0;
+  msg.ReceiveInto(batch->data(), [this, batch, count, ep, from, batch_id, batch_replies,
                                   identity = msg.peer_identity()](absl::Status rs) {
     if (!rs.ok()) {
       metrics_.requests_rejected.fetch_add(1);
@@ -258,6 +301,16 @@ void Shard::OnBatch(transport::IncomingMessage& msg, const wire::RequestHeader& 
       }
       return;
     }
+    // The acks (and refusals) the batch's requests get while they are
+    // handled here leave as one message; pull replies and answers that come
+    // later (from the step threads) go on their own.
+    ReplyCork cork;
+    ReplyCork* const outer = tls_reply_cork;
+    if (batch_replies) {
+      cork.peer = from;
+      cork.bytes.reserve(count * sizeof(wire::ReplyHeader));
+      tls_reply_cork = &cork;
+    }
     const uint8_t* payload = headers + header_bytes;
     for (uint64_t i = 0; i < count; ++i) {
       const wire::RequestHeader item = *header_at(i);
@@ -267,6 +320,8 @@ void Shard::OnBatch(transport::IncomingMessage& msg, const wire::RequestHeader& 
       Dispatch(sub, item);
       payload += n;
     }
+    tls_reply_cork = outer;
+    SendCorked(from, cork.count, std::move(cork.bytes));
   });
 }
 

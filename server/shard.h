@@ -90,6 +90,9 @@ class Shard : public ShardServer {
   // Answers a request (no payload), counting refusals by code.
   void Reply(uintptr_t peer, uint64_t request_id, const absl::Status& status,
              const ReplyHint& hint = {});
+  // Sends `count` replies held back for a batch (back to back in
+  // `replies`): one as a kAmReply, several as one kAmReplyBatch.
+  void SendCorked(uintptr_t peer, uint32_t count, std::string replies);
   // Sends version `p.version` (already counted by the machine) to a worker.
   void SendVersion(const JobRef& job, const ChunkRef& chunk, const PullReply& p);
 

@@ -44,6 +44,9 @@ struct ShardMetrics {
   Histogram step_queue;
   std::atomic<uint64_t> folds{0};               // Fold passes (staging.h).
   std::atomic<uint64_t> batches_received{0};    // wire::Op::kBatch messages.
+  // wire::kAmReplyBatch messages sent, and the replies they carried.
+  std::atomic<uint64_t> reply_batches{0};
+  std::atomic<uint64_t> replies_batched{0};
   // Map parts fetched from the coordinator (GetJob calls answered), and new
   // map epochs taken without a fetch (this shard's part was unchanged).
   std::atomic<uint64_t> map_fetches{0};

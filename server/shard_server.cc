@@ -210,6 +210,8 @@ ShardServerStats Shard::stats() const {
   s.pulls_served = metrics_.pulls_served.load();
   s.checkpoint_stall_ns = metrics_.checkpoint_stall_ns.load();
   s.batches_received = metrics_.batches_received.load();
+  s.reply_batches = metrics_.reply_batches.load();
+  s.replies_batched = metrics_.replies_batched.load();
   s.batch_buffer_allocations = batch_buffers_->allocations();
   // Every byte still allocated, including chunks that retired but are
   // still referenced by an operation in flight.

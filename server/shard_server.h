@@ -120,6 +120,9 @@ struct ShardServerStats {
   uint64_t staging_in_use_bytes = 0;
   uint64_t staging_waits = 0;  // Pushes and steps that waited for room.
   uint64_t batches_received = 0;  // Messages of several requests (wire::Op::kBatch).
+  // Messages of several replies (wire::kAmReplyBatch), and the replies in them.
+  uint64_t reply_batches = 0;
+  uint64_t replies_batched = 0;
   // Batch receive buffers allocated because no kept one was free (or the
   // batch was larger than wire::kBatchBytes).
   uint64_t batch_buffer_allocations = 0;

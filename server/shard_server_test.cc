@@ -183,8 +183,31 @@ class Peer {
         answers_[reply.header.request_id] = Answer{reply, *buf};
       });
     });
+    // Several answers in one message (to a batch sent with
+    // kRequestBatchReplies): recorded as if each had come alone.
+    worker_->SetHandler(wire::kAmReplyBatch, [this](transport::IncomingMessage& m) {
+      auto h = wire::ParseReplyBatchHeader(m.header());
+      ASSERT_TRUE(h.ok()) << h.status();
+      auto buf = std::make_shared<std::vector<uint8_t>>(m.payload_size());
+      const uint32_t count = h->count;
+      m.ReceiveInto(buf->data(), [this, buf, count](absl::Status s) {
+        ASSERT_TRUE(s.ok()) << s;
+        auto items = wire::SplitReplyBatch(*buf, count);
+        ASSERT_TRUE(items.ok()) << items.status();
+        absl::MutexLock lock(&mu_);
+        ++reply_batches_;
+        for (absl::Span<const uint8_t> item : *items) {
+          const wire::Reply reply = *wire::ParseReply(item);
+          answers_[reply.header.request_id] = Answer{reply, {}};
+        }
+      });
+    });
     EXPECT_TRUE(worker_->Start().ok());
     ep_ = *worker_->Connect(shard);
+  }
+  uint64_t reply_batches() {
+    absl::MutexLock lock(&mu_);
+    return reply_batches_;
   }
 
   void Post(wire::RequestHeader h, const void* payload = nullptr, size_t bytes = 0) {
@@ -214,6 +237,7 @@ class Peer {
   transport::EndpointRef ep_;
   absl::Mutex mu_;
   std::map<uint64_t, Answer> answers_ ABSL_GUARDED_BY(mu_);
+  uint64_t reply_batches_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 JobDescription OneChunkJob(uint64_t primary, uint64_t epoch = 1) {
@@ -261,6 +285,24 @@ class ShardServerTest : public ::testing::Test {
       }
       return false;
     }));
+  }
+
+  // A kBatch's payload: the items' headers, then their payloads (fp32),
+  // each push's and init's num_bytes set to its payload's size.
+  using BatchItems = std::vector<std::pair<wire::RequestHeader, const std::vector<float>*>>;
+  static std::vector<uint8_t> BatchBytes(BatchItems& items) {
+    std::vector<uint8_t> bytes;
+    for (auto& [h, payload] : items) {
+      if (payload != nullptr) h.num_bytes = payload->size() * 4;
+      const auto hb = wire::AsBytes(h);
+      bytes.insert(bytes.end(), hb.begin(), hb.end());
+    }
+    for (auto& [h, payload] : items) {
+      if (payload == nullptr) continue;
+      const auto* p = reinterpret_cast<const uint8_t*>(payload->data());
+      bytes.insert(bytes.end(), p, p + payload->size() * 4);
+    }
+    return bytes;
   }
 
   wire::RequestHeader Header(wire::Op op, uint64_t step, uint64_t id, uint64_t epoch = 1) {
@@ -439,19 +481,8 @@ TEST_F(ShardServerTest, ABatchIsHandledAsItsRequestsAndABadBatchChangesNothing) 
   Peer peer(fabric_, shard_->data_address());
   const std::vector<float> init = Ramp(0.01f);
   const std::vector<float> g0 = Ramp(0.002f), g1 = Ramp(-0.003f);
-  auto batch = [&](std::vector<std::pair<wire::RequestHeader, const std::vector<float>*>> items,
-                   uint64_t id) {
-    std::vector<uint8_t> bytes;
-    for (auto& [h, payload] : items) {
-      if (payload != nullptr) h.num_bytes = payload->size() * 4;
-      const auto hb = wire::AsBytes(h);
-      bytes.insert(bytes.end(), hb.begin(), hb.end());
-    }
-    for (auto& [h, payload] : items) {
-      if (payload == nullptr) continue;
-      const auto* p = reinterpret_cast<const uint8_t*>(payload->data());
-      bytes.insert(bytes.end(), p, p + payload->size() * 4);
-    }
+  auto batch = [&](BatchItems items, uint64_t id) {
+    std::vector<uint8_t> bytes = BatchBytes(items);
     wire::RequestHeader b = Header(wire::Op::kBatch, items.size(), id);
     b.num_bytes = bytes.size();
     auto owned = std::make_shared<std::vector<uint8_t>>(std::move(bytes));
@@ -500,6 +531,47 @@ TEST_F(ShardServerTest, ABatchIsHandledAsItsRequestsAndABadBatchChangesNothing) 
   // batches took nothing.
   EXPECT_TRUE(peer.Await(12).reply.status.ok());
   EXPECT_EQ(shard_->stats().steps_applied, 1u);
+  // Its sender did not ask for reply batches (kRequestBatchReplies): it
+  // got none.
+  EXPECT_EQ(peer.reply_batches(), 0u);
+  EXPECT_EQ(shard_->stats().reply_batches, 0u);
+}
+
+// A batch whose sender takes reply batches: the answers without payload
+// that its requests get while it is handled (an init's, two pushes', a
+// refusal with its message) come back as one message; a pull's version,
+// which has a payload, on its own.
+TEST_F(ShardServerTest, ABatchsAcksComeBackInOneMessageWhenItsSenderTakesThem) {
+  Load(OneChunkJob(link_->shard_id()));
+  Peer peer(fabric_, shard_->data_address());
+  const std::vector<float> init = Ramp(0.01f);
+  const std::vector<float> g0 = Ramp(0.002f), g1 = Ramp(-0.003f);
+  wire::RequestHeader push1 = Header(wire::Op::kPush, 1, 4);
+  push1.rank = 1;
+  wire::RequestHeader unknown = Header(wire::Op::kPull, 1, 5);
+  unknown.tensor = 99;
+  BatchItems items = {{Header(wire::Op::kInit, 1, 1), &init},
+                      {Header(wire::Op::kPull, 1, 2), nullptr},
+                      {Header(wire::Op::kPush, 1, 3), &g0},
+                      {push1, &g1},
+                      {unknown, nullptr}};
+  const std::vector<uint8_t> bytes = BatchBytes(items);
+  wire::RequestHeader b = Header(wire::Op::kBatch, items.size(), 1);
+  b.num_bytes = bytes.size();
+  b.flags = wire::kRequestBatchReplies;
+  peer.Post(b, bytes.data(), bytes.size());
+  for (uint64_t id : {1, 3, 4}) {
+    EXPECT_TRUE(peer.Await(id).reply.status.ok()) << "request " << id;
+  }
+  Peer::Answer refused = peer.Await(5);
+  EXPECT_FALSE(refused.reply.status.ok());
+  EXPECT_NE(refused.reply.status.message().find("99"), std::string::npos) << refused.reply.status;
+  Peer::Answer v1 = peer.Await(2);
+  ASSERT_TRUE(v1.reply.status.ok()) << v1.reply.status;
+  EXPECT_EQ(v1.payload.size(), kElems * 4);
+  EXPECT_EQ(peer.reply_batches(), 1u);
+  EXPECT_EQ(shard_->stats().reply_batches, 1u);
+  EXPECT_EQ(shard_->stats().replies_batched, 4u);
 }
 
 // Found by //tests/fuzz:shard_requests under ASan: items' payload counts

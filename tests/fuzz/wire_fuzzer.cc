@@ -1,8 +1,8 @@
 // Fuzz target: the data plane's wire header parsers (common/wire.h), which
 // see every byte a peer sends before anything else does. Checks that
-// ParseRequestHeader and ParseReply never crash or read out of bounds, that
-// whatever they accept holds the invariants they promise, and that a reply
-// survives EncodeReply -> ParseReply unchanged.
+// ParseRequestHeader, ParseReply and SplitReplyBatch never crash or read out
+// of bounds, that whatever they accept holds the invariants they promise,
+// and that a reply survives EncodeReply -> ParseReply unchanged.
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -75,12 +75,38 @@ void CheckReply(absl::Span<const uint8_t> bytes) {
           "the header survives a round trip");
 }
 
+// A reply batch (the worker's side of kAmReplyBatch): the first four bytes
+// as the count, the rest as the payload. What is accepted is `count`
+// replies, each one ParseReply accepts, that fill the payload exactly.
+void CheckReplyBatch(absl::Span<const uint8_t> bytes) {
+  if (bytes.size() < 4) return;
+  uint32_t count;
+  std::memcpy(&count, bytes.data(), 4);
+  const absl::Span<const uint8_t> payload = bytes.subspan(4);
+  auto items = optimus::wire::SplitReplyBatch(payload, count % 64);
+  if (!items.ok()) {
+    Require(items.status().code() == absl::StatusCode::kInvalidArgument,
+            "a bad reply batch is INVALID_ARGUMENT");
+    return;
+  }
+  Require(items->size() == count % 64, "an accepted batch holds its count");
+  size_t total = 0;
+  for (absl::Span<const uint8_t> item : *items) {
+    Require(item.data() == payload.data() + total, "the replies are back to back");
+    Require(ParseReply(item).ok(), "every reply of an accepted batch parses");
+    total += item.size();
+  }
+  Require(total == payload.size(), "the replies fill the payload");
+  optimus::wire::ParseReplyBatchHeader(bytes).IgnoreError();
+}
+
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const absl::Span<const uint8_t> bytes(data, size);
   CheckRequest(bytes);
   CheckReply(bytes);
+  CheckReplyBatch(bytes);
   // The same bytes as a batch's headers (requests back to back): every
   // 96-byte slice goes through the parser as the shard's batch path does.
   for (size_t at = 0; at + sizeof(optimus::wire::RequestHeader) <= size;

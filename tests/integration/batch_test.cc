@@ -51,82 +51,107 @@ class BatchTest : public ::testing::TestWithParam<TransportKind> {
     def.tensors.clear();
     return def;
   }
+
+  // kTensors small tensors trained for kSteps with corked pulls and pushes;
+  // checks the result against the reference and the batches' counts.
+  // Without a commit round (skip_nonfinite false), each push is answered as
+  // it lands, while its batch is handled: those answers go back in reply
+  // batches too.
+  void TrainManySmallTensors(bool commit_round) {
+    ASSERT_OK_AND_ASSIGN(auto cluster, StartCluster());
+    JobDef def = Fp32Job("many-small");
+    def.skip_nonfinite = commit_round;
+    for (uint32_t t = 0; t < kTensors; ++t) {
+      def.tensors.push_back({"t" + std::to_string(t), {kElems}});
+    }
+    ASSERT_OK(cluster->CreateJob(def));
+    constexpr uint64_t kSteps = 4;
+    std::vector<absl::Status> results(kWorkers);
+    std::vector<std::thread> threads;
+    for (uint32_t r = 0; r < kWorkers; ++r) {
+      threads.emplace_back([&, r] {
+        Client* c = cluster->worker(r);
+        std::vector<std::vector<float>> params(kTensors, std::vector<float>(kElems));
+        std::vector<std::vector<uint8_t>> grads(kTensors);
+        auto wait_all = [&](const std::vector<client::Ticket>& tickets) {
+          absl::Status first;
+          for (client::Ticket t : tickets) {
+            absl::Status s = c->Wait(t, absl::Seconds(30));
+            if (first.ok()) first = s;
+          }
+          return first;
+        };
+        for (uint64_t step = 1; step <= kSteps; ++step) {
+          std::vector<client::Ticket> tickets;
+          {
+            client::BatchScope batch(c);
+            for (uint32_t t = 0; t < kTensors; ++t) {
+              auto tk = c->Pull(t, step, params[t].data(), kElems);
+              if (!tk.ok()) return void(results[r] = tk.status());
+              tickets.push_back(*tk);
+            }
+          }
+          if (absl::Status s = wait_all(tickets); !s.ok()) return void(results[r] = s);
+          tickets.clear();
+          {
+            client::BatchScope batch(c);
+            for (uint32_t t = 0; t < kTensors; ++t) {
+              grads[t] = cluster->GradientBytes(r, t, params[t], step);
+              auto tk = c->Push(t, step, grads[t].data(), kElems);
+              if (!tk.ok()) return void(results[r] = tk.status());
+              tickets.push_back(*tk);
+            }
+          }
+          if (absl::Status s = wait_all(tickets); !s.ok()) return void(results[r] = s);
+        }
+      });
+    }
+    for (auto& t : threads) t.join();
+    for (const absl::Status& s : results) ASSERT_OK(s);
+    for (uint32_t t : {0u, 1u, kTensors / 2, kTensors - 1}) {
+      ASSERT_OK_AND_ASSIGN(std::vector<float> got, cluster->PullFp32(t, kSteps + 1, 0));
+      ASSERT_OK_AND_ASSIGN(std::vector<float> want, harness::ReferenceParams(def, t, kSteps));
+      ASSERT_EQ(got.size(), want.size());
+      EXPECT_EQ(std::memcmp(got.data(), want.data(), got.size() * 4), 0) << "tensor " << t;
+    }
+    // 300 chunks per worker per step over 2 shards, each direction: a
+    // handful of batches instead of 2 x 300 x 2 x 4 messages.
+    uint64_t batches = 0, pushes = 0;
+    for (const auto& s : cluster->ShardStats()) {
+      batches += s.batches_received;
+      pushes += s.pushes_received;
+    }
+    EXPECT_EQ(pushes, uint64_t{kWorkers} * kTensors * kSteps);
+    EXPECT_GE(batches, uint64_t{kWorkers} * kSteps * 2);   // Pushes and pulls, both shards.
+    EXPECT_LE(batches, uint64_t{kWorkers} * kSteps * 2 * 2);
+    // Each worker waits for its batch's answers before it sends the next, and
+    // every pushed gradient lands at once (its step's pull came first), so a
+    // shard never holds more than one batch per worker: it receives them all
+    // into the buffers it kept, instead of allocating one per batch.
+    for (const auto& s : cluster->ShardStats()) {
+      EXPECT_GE(s.batches_received, uint64_t{kWorkers} * kSteps * 2) << "shard " << s.shard_id;
+      EXPECT_LE(s.batch_buffer_allocations, uint64_t{kWorkers}) << "shard " << s.shard_id;
+    }
+    if (commit_round) return;  // Pushes are answered after the reduce, one by one.
+    // The pushes' acks went back the same way: every one inside a reply
+    // batch, one per batch of pushes, instead of one message per push.
+    uint64_t reply_batches = 0, replies_batched = 0;
+    for (const auto& s : cluster->ShardStats()) {
+      reply_batches += s.reply_batches;
+      replies_batched += s.replies_batched;
+    }
+    EXPECT_EQ(replies_batched, pushes);
+    EXPECT_GE(reply_batches, uint64_t{kWorkers} * kSteps * 2);  // Each worker, step and shard.
+    EXPECT_LE(reply_batches, batches);
+  }
 };
 
 TEST_P(BatchTest, ManySmallTensorsGoInBatchesAndTrainExactlyTheReference) {
-  ASSERT_OK_AND_ASSIGN(auto cluster, StartCluster());
-  JobDef def = Fp32Job("many-small");
-  for (uint32_t t = 0; t < kTensors; ++t) {
-    def.tensors.push_back({"t" + std::to_string(t), {kElems}});
-  }
-  ASSERT_OK(cluster->CreateJob(def));
-  constexpr uint64_t kSteps = 4;
-  std::vector<absl::Status> results(kWorkers);
-  std::vector<std::thread> threads;
-  for (uint32_t r = 0; r < kWorkers; ++r) {
-    threads.emplace_back([&, r] {
-      Client* c = cluster->worker(r);
-      std::vector<std::vector<float>> params(kTensors, std::vector<float>(kElems));
-      std::vector<std::vector<uint8_t>> grads(kTensors);
-      auto wait_all = [&](const std::vector<client::Ticket>& tickets) {
-        absl::Status first;
-        for (client::Ticket t : tickets) {
-          absl::Status s = c->Wait(t, absl::Seconds(30));
-          if (first.ok()) first = s;
-        }
-        return first;
-      };
-      for (uint64_t step = 1; step <= kSteps; ++step) {
-        std::vector<client::Ticket> tickets;
-        {
-          client::BatchScope batch(c);
-          for (uint32_t t = 0; t < kTensors; ++t) {
-            auto tk = c->Pull(t, step, params[t].data(), kElems);
-            if (!tk.ok()) return void(results[r] = tk.status());
-            tickets.push_back(*tk);
-          }
-        }
-        if (absl::Status s = wait_all(tickets); !s.ok()) return void(results[r] = s);
-        tickets.clear();
-        {
-          client::BatchScope batch(c);
-          for (uint32_t t = 0; t < kTensors; ++t) {
-            grads[t] = cluster->GradientBytes(r, t, params[t], step);
-            auto tk = c->Push(t, step, grads[t].data(), kElems);
-            if (!tk.ok()) return void(results[r] = tk.status());
-            tickets.push_back(*tk);
-          }
-        }
-        if (absl::Status s = wait_all(tickets); !s.ok()) return void(results[r] = s);
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
-  for (const absl::Status& s : results) ASSERT_OK(s);
-  for (uint32_t t : {0u, 1u, kTensors / 2, kTensors - 1}) {
-    ASSERT_OK_AND_ASSIGN(std::vector<float> got, cluster->PullFp32(t, kSteps + 1, 0));
-    ASSERT_OK_AND_ASSIGN(std::vector<float> want, harness::ReferenceParams(def, t, kSteps));
-    ASSERT_EQ(got.size(), want.size());
-    EXPECT_EQ(std::memcmp(got.data(), want.data(), got.size() * 4), 0) << "tensor " << t;
-  }
-  // 300 chunks per worker per step over 2 shards, each direction: a
-  // handful of batches instead of 2 x 300 x 2 x 4 messages.
-  uint64_t batches = 0, pushes = 0;
-  for (const auto& s : cluster->ShardStats()) {
-    batches += s.batches_received;
-    pushes += s.pushes_received;
-  }
-  EXPECT_EQ(pushes, uint64_t{kWorkers} * kTensors * kSteps);
-  EXPECT_GE(batches, uint64_t{kWorkers} * kSteps * 2);   // Pushes and pulls, both shards.
-  EXPECT_LE(batches, uint64_t{kWorkers} * kSteps * 2 * 2);
-  // Each worker waits for its batch's answers before it sends the next, and
-  // every pushed gradient lands at once (its step's pull came first), so a
-  // shard never holds more than one batch per worker: it receives them all
-  // into the buffers it kept, instead of allocating one per batch.
-  for (const auto& s : cluster->ShardStats()) {
-    EXPECT_GE(s.batches_received, uint64_t{kWorkers} * kSteps * 2) << "shard " << s.shard_id;
-    EXPECT_LE(s.batch_buffer_allocations, uint64_t{kWorkers}) << "shard " << s.shard_id;
-  }
+  TrainManySmallTensors(/*commit_round=*/true);
+}
+
+TEST_P(BatchTest, WithoutACommitRoundABatchOfPushesIsAnsweredInOneMessage) {
+  TrainManySmallTensors(/*commit_round=*/false);
 }
 
 // A corked push of a large tensor in small chunks: one Uncork sends many
