@@ -63,7 +63,6 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <cctype>
 #include <atomic>
 #include <cerrno>
 #include <cmath>
@@ -92,6 +91,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
@@ -829,11 +829,12 @@ absl::StatusOr<Goodput> RunGoodput(const ProcCluster& c, const std::string& name
   return g;
 }
 
-// The kernel's default TCP congestion control (empty where unreadable).
-std::string TcpCongestionControl() {
-  std::string cc = ReadFile("/proc/sys/net/ipv4/tcp_congestion_control");
-  while (!cc.empty() && std::isspace(static_cast<unsigned char>(cc.back()))) cc.pop_back();
-  return cc;
+// The kernel's default TCP congestion control (empty where unreadable),
+// read once per run.
+const std::string& TcpCongestionControl() {
+  static const std::string* cc = new std::string(
+      absl::StripTrailingAsciiWhitespace(ReadFile("/proc/sys/net/ipv4/tcp_congestion_control")));
+  return *cc;
 }
 
 // Where every line's figures were measured: the placement, and the kernel's
