@@ -15,6 +15,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
 #include "common/busy_retry.h"
+#include "common/cpu_count.h"
 #include "common/security.h"
 #include "common/logging.h"
 #include "kernels/cpu/optimizer.h"
@@ -42,7 +43,7 @@ absl::Status Shard::Register() {
 #else
   r.arch = "unknown";
 #endif
-  r.cores = std::max(1u, std::thread::hardware_concurrency());
+  r.cores = static_cast<uint32_t>(UsableCores());
   // What the coordinator may plan jobs' state into: the budget less the
   // staging pool (gradients in flight).
   r.memory_limit_bytes = options_.memory_limit_bytes - options_.staging_bytes;

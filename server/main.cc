@@ -30,9 +30,10 @@ ABSL_FLAG(bool, fold_gradients, true,
           "fold pushed gradients into a running sum as they land; false: hold W slots per chunk "
           "step (a benchmark baseline)");
 ABSL_FLAG(int, step_threads, 0,
-          "threads running optimizer steps and gradient folds (one chunk each); 0: one per core");
+          "threads running optimizer steps and gradient folds (one chunk each); 0: one per core "
+          "this process may use (its CPU affinity, capped by its cgroup's CPU quota)");
 ABSL_FLAG(int, kernel_threads, 0,
-          "threads splitting one chunk's optimizer step; 0: one per core");
+          "threads splitting one chunk's optimizer step; 0: one per core this process may use");
 ABSL_FLAG(int, step_nice, 0,
           "how much nicer (0-19) than the rest of the shard the step and kernel threads run; "
           "above 0 the UCX progress thread (landing pushes, serving pulls) gets the cores first "

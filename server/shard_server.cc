@@ -9,6 +9,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "common/cpu_count.h"
 #include "common/huge_pages.h"
 #include "common/logging.h"
 #include "kernels/cpu/optimizer.h"
@@ -20,11 +21,9 @@ namespace server {
 namespace {
 constexpr char kLog[] = "shard";
 
-int CoresOr(int n) {
-  if (n > 0) return n;
-  const unsigned cores = std::thread::hardware_concurrency();
-  return cores > 0 ? static_cast<int>(cores) : 1;
-}
+// n, or 0 for one per core this process may use (its affinity under its
+// cgroup's CPU quota: a pod's CPU limit, taskset), not the machine's.
+int CoresOr(int n) { return n > 0 ? n : UsableCores(); }
 
 // Runs first on each step and kernel thread: makes it `nicer` nicer than the
 // thread that started it (Linux: nice applies to one thread, and a new thread

@@ -42,12 +42,13 @@ struct ShardServerOptions {
   // than the coordinator plans). Default true.
   bool fold_gradients = true;
   // Threads that run optimizer steps and fold landed gradients, one chunk
-  // each (the progress thread is extra). 0: one per core.
+  // each (the progress thread is extra). 0: one per core the process may
+  // use (UsableCores: its affinity under its cgroup's CPU quota).
   int step_threads = 0;
   // Threads that split one chunk's fused step into ranges (a pool the server
   // owns, shared by all step threads; results are bitwise the same for any
   // count), so the last chunk of a step is not left to one core. 0: one per
-  // core.
+  // core the process may use.
   int kernel_threads = 0;
   // How much nicer (Linux nice, per thread; the result at most 19) the step
   // and kernel threads run than the rest of the shard: the UCX progress

@@ -4,6 +4,7 @@
 // and that every job and chunk that leaves gives its memory back.
 #include "server/shard_server.h"
 
+#include <sched.h>
 #include <sys/resource.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -14,6 +15,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -40,6 +42,7 @@ class FakeLink : public CoordinatorLink {
   absl::StatusOr<Registered> Register(const ShardRegistration& r) override {
     absl::MutexLock lock(&mu_);
     address_ = r.data_address;
+    cores_ = r.cores;
     known_ = true;
     return Registered{++shard_id_, 600};
   }
@@ -124,6 +127,11 @@ class FakeLink : public CoordinatorLink {
     absl::MutexLock lock(&mu_);
     return shard_id_;
   }
+  // The cores the shard registered with.
+  uint32_t cores() {
+    absl::MutexLock lock(&mu_);
+    return cores_;
+  }
   // The for_shard_id of every GetJob so far.
   std::vector<uint64_t> fetched_for() {
     absl::MutexLock lock(&mu_);
@@ -147,6 +155,7 @@ class FakeLink : public CoordinatorLink {
   uint64_t shard_id_ ABSL_GUARDED_BY(mu_) = 0;
   bool known_ ABSL_GUARDED_BY(mu_) = true;
   std::string address_ ABSL_GUARDED_BY(mu_);
+  uint32_t cores_ ABSL_GUARDED_BY(mu_) = 0;
   std::map<uint64_t, JobDescription> jobs_ ABSL_GUARDED_BY(mu_);
   std::map<uint64_t, uint64_t> part_epochs_ ABSL_GUARDED_BY(mu_);
   std::vector<uint64_t> released_ ABSL_GUARDED_BY(mu_);
@@ -413,6 +422,59 @@ TEST(ShardServerStartTest, StepAndKernelThreadsRunNicerThanTheRest) {
   EXPECT_GE(rest, 2);  // This thread and the shard's progress thread at least.
   s->reset();
   EXPECT_EQ(ThreadsAt(nicer), 0);
+}
+
+// A shard pinned to one CPU (taskset, a cpuset, a pod's CPU limit) sizes
+// its step and kernel pools and registers its cores by the CPUs it may use,
+// not by the machine's: one step thread and no kernel background thread
+// here, where the machine's count would give two and one on 2 cores.
+TEST(ShardServerStartTest, PoolsAndRegisteredCoresFollowTheCpusItMayUse) {
+  if (std::thread::hardware_concurrency() < 2) GTEST_SKIP() << "needs 2 or more cores";
+  const int base = getpriority(PRIO_PROCESS, static_cast<id_t>(syscall(SYS_gettid)));
+  if (base > 14) GTEST_SKIP() << "this test runs at nice " << base << ": no room below 19";
+  const int nicer = base + 5;
+  ASSERT_EQ(ThreadsAt(nicer), 0);
+  auto link = std::make_unique<FakeLink>();
+  FakeLink* fake = link.get();
+  absl::StatusOr<std::unique_ptr<ShardServer>> s = absl::UnknownError("not started");
+  // Threads inherit their creator's affinity: start the shard from a thread
+  // pinned to one of the CPUs this test may use.
+  std::thread starter([&] {
+    cpu_set_t mine;
+    CPU_ZERO(&mine);
+    ASSERT_EQ(sched_getaffinity(0, sizeof(mine), &mine), 0);
+    cpu_set_t one;
+    CPU_ZERO(&one);
+    for (int c = 0; c < CPU_SETSIZE; ++c) {
+      if (CPU_ISSET(c, &mine)) {
+        CPU_SET(c, &one);
+        break;
+      }
+    }
+    ASSERT_EQ(sched_setaffinity(0, sizeof(one), &one), 0);
+    ShardServerOptions o;
+    o.coordinator_address = "fake";
+    o.memory_limit_bytes = 64 << 20;
+    o.heartbeat_interval = absl::Milliseconds(20);
+    o.transport.loopback = transport::LoopbackFabric::Create();
+    o.transport.name = "shard";
+    o.step_threads = 0;  // One per core it may use.
+    o.kernel_threads = 0;
+    o.step_nice = 5;
+    s = ShardServer::StartWithLink(o, std::move(link));
+  });
+  starter.join();
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_EQ(fake->cores(), 1u);
+  // Each pool thread lowers its own priority as it starts: wait for the
+  // first, then give a second one (the bug: a pool per machine core) a
+  // second to show up.
+  absl::Time deadline = absl::Now() + kWait;
+  while (ThreadsAt(nicer) < 1 && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(5));
+  deadline = absl::Now() + absl::Seconds(1);
+  while (ThreadsAt(nicer) < 2 && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(5));
+  EXPECT_EQ(ThreadsAt(nicer), 1);
+  s->reset();
 }
 
 TEST_F(ShardServerTest, ServesTheStepTorchWouldComputeAndRefusesBadRequests) {
