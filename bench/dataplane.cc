@@ -124,8 +124,9 @@ ABSL_FLAG(bool, goodput_cork, true,
           "shard); false: one request message per chunk");
 ABSL_FLAG(int64_t, tensor_mib, 32, "goodput: MiB of bf16 payload per worker per push or pull");
 ABSL_FLAG(bool, commit_round, false,
-          "goodput: jobs with a commit round (skip_nonfinite): a push is answered when it "
-          "lands and the step runs after every chunk's commit, so the timed pushes do not "
+          "goodput and small_tensors: jobs with a commit round (skip_nonfinite, the JobDef "
+          "default): a push is answered after its chunk's reduce (a norm pass on a step "
+          "thread) and the step runs after every chunk's commit, so the timed pushes do not "
           "share the shard's cores with steps");
 ABSL_FLAG(std::string, optimizer, "sgd", "the jobs' optimizer: sgd (lightest step) or adamw");
 ABSL_FLAG(int, small_tensors, 2000, "small_tensors: tensors in the job");
@@ -1043,7 +1044,9 @@ void RunSmallTensors(const std::string& root, const std::string& dir) {
     }
     def.optimizer.kind = OptimizerFlag();
     def.optimizer.lr = 1e-3f;
-    def.skip_nonfinite = false;
+    // With --commit_round, pushes are acked after the round's reduce, by
+    // the shards' step threads.
+    def.skip_nonfinite = absl::GetFlag(FLAGS_commit_round);
     return def;
   };
   struct Job {
@@ -1109,6 +1112,7 @@ void RunSmallTensors(const std::string& root, const std::string& dir) {
     line["case"] = "small_tensors";
     AddWhereItRan(line);
     line["batched"] = absl::GetFlag(FLAGS_small_batch);
+    line["commit_round"] = absl::GetFlag(FLAGS_commit_round);
     line["transport"] = tls;
     line["workers"] = workers;
     line["shards"] = shards;

@@ -86,7 +86,9 @@ enum RequestFlags : uint8_t {
   kReplicateSum = 1u << 2,    // kReplicate: applies one step with the sum.
   // kBatch: the sender takes kAmReplyBatch, so the replies without payload
   // to the batch's requests (push acks, refusals) may come back in one
-  // message instead of one each.
+  // message instead of one each. kPush (alone or in a batch): its ack may
+  // come inside a kAmReplyBatch with other acks (a commit round's acks,
+  // which the shard's step threads send).
   kRequestBatchReplies = 1u << 3,
 };
 

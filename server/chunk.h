@@ -74,6 +74,9 @@ enum class ForwardAnswer : uint8_t {
 struct Requester {
   uintptr_t peer = 0;
   uint64_t request_id = 0;
+  // The sender takes reply batches (wire::kRequestBatchReplies): an answer
+  // without payload may reach it inside one.
+  bool batch_replies = false;
 };
 
 // Reply flags the server puts on the wire (common/wire.h ReplyFlags), as

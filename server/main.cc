@@ -37,7 +37,8 @@ ABSL_FLAG(int, kernel_threads, 0,
 ABSL_FLAG(int, step_nice, 0,
           "how much nicer (0-19) than the rest of the shard the step and kernel threads run; "
           "above 0 the UCX progress thread (landing pushes, serving pulls) gets the cores first "
-          "where steps compete with it for them");
+          "where steps compete with it for them; below 0 (-19 to -1) the other way round: the "
+          "progress thread runs that much nicer, so landed chunks are stepped first");
 ABSL_FLAG(bool, huge_pages, false,
           "advise the shard's buffers of 2 MiB or more (state, published copies, gradient "
           "staging) for transparent huge pages: shared-memory transfers over 4 KiB pages pin "
@@ -132,9 +133,9 @@ int main(int argc, char** argv) {
                  "optimus-shard: --step_threads and --kernel_threads must be >= 0 (0: one per core)\n");
     return 2;
   }
-  if (options.step_nice < 0 || options.step_nice > 19) {
-    std::fprintf(stderr, "optimus-shard: --step_nice must be 0-19 (the steps' threads can be "
-                         "given a lower priority than the rest, not a higher one)\n");
+  if (options.step_nice < -19 || options.step_nice > 19) {
+    std::fprintf(stderr, "optimus-shard: --step_nice must be -19 to 19 (above 0 the step threads "
+                         "run that much nicer; below 0 the UCX progress thread does)\n");
     return 2;
   }
   const int64_t staging_mb = absl::GetFlag(FLAGS_staging_mb);

@@ -2,8 +2,10 @@
 // progress thread: parse and validate the header, find the job and chunk
 // under the request's map epoch, hand the request to the chunk's state
 // machine, and reply. Replication requests go to replication.cc.
+#include <chrono>
 #include <cstring>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "common/logging.h"
@@ -46,6 +48,26 @@ bool Corked(uintptr_t peer, absl::Span<const uint8_t> reply) {
   ++c->count;
   return true;
 }
+
+// The answers without payload a step thread holds back (Shard::StepHooks):
+// acks of pushes whose senders take reply batches, per peer, until the
+// thread's queue runs dry or the oldest has waited kStepHoldAge. A commit
+// round's acks come from the reduce, one chunk at a time; with many small
+// chunks the thread runs through several reduces in a row.
+struct StepHold {
+  struct ForPeer {
+    uintptr_t peer = 0;
+    uint32_t count = 0;
+    std::string bytes;  // wire::kAmReplyBatch's payload.
+  };
+  std::vector<ForPeer> peers;  // Few: the workers of the jobs it steps.
+  uint32_t held = 0;
+  std::chrono::steady_clock::time_point since;  // When the oldest held one came.
+};
+thread_local StepHold* tls_step_hold = nullptr;
+// Most replies held for one peer (well below wire::kMaxBatch).
+constexpr uint32_t kStepHoldMaxReplies = 1024;
+
 transport::EndpointRef EndpointOf(uintptr_t peer) {
   return transport::EndpointRef{reinterpret_cast<void*>(peer)};
 }
@@ -76,6 +98,7 @@ void Shard::SendAck(const Ack& ack) {
   if (ack.has_partial) flags |= wire::kReplyPartial;
   const wire::ReplyHeader header = wire::OkReplyHeader(ack.to.request_id, 0, flags, ack.partial);
   if (Corked(ack.to.peer, wire::AsBytes(header))) return;
+  if (ack.to.batch_replies && HoldOnStepThread(ack.to.peer, wire::AsBytes(header))) return;
   worker_->Send(EndpointOf(ack.to.peer), wire::kAmReply, wire::AsBytes(header), nullptr, 0,
                 [](absl::Status) {});
 }
@@ -109,6 +132,45 @@ void Shard::SendCorked(uintptr_t peer, uint32_t count, std::string replies) {
   worker_->Send(EndpointOf(peer), wire::kAmReplyBatch,
                 absl::Span<const uint8_t>(reinterpret_cast<const uint8_t*>(&h), sizeof(h)),
                 payload->data(), payload->size(), [payload](absl::Status) {});
+}
+
+void Shard::InstallStepHold() {
+  static thread_local StepHold hold;
+  tls_step_hold = &hold;
+}
+
+bool Shard::HoldOnStepThread(uintptr_t peer, absl::Span<const uint8_t> reply) {
+  StepHold* h = tls_step_hold;
+  if (h == nullptr) return false;
+  StepHold::ForPeer* p = nullptr;
+  for (StepHold::ForPeer& q : h->peers) {
+    if (q.peer == peer) p = &q;
+  }
+  if (p == nullptr) {
+    h->peers.emplace_back();
+    p = &h->peers.back();
+    p->peer = peer;
+  }
+  if (p->count >= kStepHoldMaxReplies) {
+    h->held -= p->count;
+    SendCorked(p->peer, p->count, std::move(p->bytes));
+    p->bytes.clear();
+    p->count = 0;
+  }
+  if (h->held == 0) h->since = std::chrono::steady_clock::now();
+  p->bytes.append(reinterpret_cast<const char*>(reply.data()), reply.size());
+  ++p->count;
+  ++h->held;
+  return true;
+}
+
+void Shard::FlushStepReplies(bool only_if_old) {
+  StepHold* h = tls_step_hold;
+  if (h == nullptr || h->held == 0) return;
+  if (only_if_old && std::chrono::steady_clock::now() - h->since < step_hold_age_) return;
+  for (StepHold::ForPeer& p : h->peers) SendCorked(p.peer, p.count, std::move(p.bytes));
+  h->peers.clear();  // Peers come and go; the thread keeps none.
+  h->held = 0;
 }
 
 void Shard::OnRequest(transport::IncomingMessage& msg) {
@@ -419,7 +481,9 @@ void Shard::OnPush(transport::IncomingMessage& msg, const wire::RequestHeader& h
   if (s.ok()) {
     absl::MutexLock lock(&chunk->mu);
     d = chunk->machine.PushRequested(h.step, h.rank, (h.flags & wire::kRequestResend) != 0,
-                                     params, has_grad, Requester{from, h.request_id});
+                                     params, has_grad,
+                                     Requester{from, h.request_id,
+                                               (h.flags & wire::kRequestBatchReplies) != 0});
   } else {
     d.error = s;
   }

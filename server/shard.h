@@ -23,6 +23,7 @@
 #define OPTIMUS_SERVER_SHARD_H_
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -69,6 +70,7 @@ class Shard : public ShardServer {
   std::string data_address() const override { return worker_ != nullptr ? worker_->address() : ""; }
   ShardServerStats stats() const override;
   int metrics_port() const override;
+  std::function<void()> HoldStepThreadsForTest() override;
 
  private:
   // ---- requests.cc ----
@@ -93,6 +95,18 @@ class Shard : public ShardServer {
   // Sends `count` replies held back for a batch (back to back in
   // `replies`): one as a kAmReply, several as one kAmReplyBatch.
   void SendCorked(uintptr_t peer, uint32_t count, std::string replies);
+  // A step thread's held answers (StepExecutorHooks, made by StepHooks):
+  // acks of pushes whose senders take reply batches wait on the thread that
+  // made them until its queue runs dry or the oldest has waited
+  // options_.step_reply_hold, then leave as one kAmReplyBatch per peer.
+  StepExecutorHooks StepHooks();
+  // Makes this thread one that holds answers (on a step thread's start).
+  void InstallStepHold();
+  // Holds `reply` for `peer` when called on a step thread; false elsewhere.
+  bool HoldOnStepThread(uintptr_t peer, absl::Span<const uint8_t> reply);
+  // Sends what this step thread holds (only if the oldest is
+  // step_hold_age_ old, with only_if_old).
+  void FlushStepReplies(bool only_if_old);
   // Sends version `p.version` (already counted by the machine) to a worker.
   void SendVersion(const JobRef& job, const ChunkRef& chunk, const PullReply& p);
 
@@ -179,6 +193,8 @@ class Shard : public ShardServer {
   absl::Status RestoreChunk(const Job& job, Chunk* chunk, const RestoreSource& restore);
 
   const ShardServerOptions options_;
+  const std::chrono::nanoseconds step_hold_age_ =
+      absl::ToChronoNanoseconds(options_.step_reply_hold);
   ShardMetrics metrics_;
   // Parked pulls and in-flight request bytes per peer (peer_limits.h);
   // shared with the buffers it accounts, which may outlive the shard.

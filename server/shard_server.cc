@@ -25,9 +25,10 @@ constexpr char kLog[] = "shard";
 // cgroup's CPU quota: a pod's CPU limit, taskset), not the machine's.
 int CoresOr(int n) { return n > 0 ? n : UsableCores(); }
 
-// Runs first on each step and kernel thread: makes it `nicer` nicer than the
-// thread that started it (Linux: nice applies to one thread, and a new thread
-// starts at its creator's), at most 19.
+// Runs first on each step and kernel thread (or, for --step_nice below 0, on
+// the UCX progress thread): makes it `nicer` nicer than the thread that
+// started it (Linux: nice applies to one thread, and a new thread starts at
+// its creator's), at most 19.
 std::function<void()> StepThreadStart(int nicer) {
   if (nicer <= 0) return nullptr;
   return [nicer] {
@@ -41,6 +42,47 @@ std::function<void()> StepThreadStart(int nicer) {
 // at the same time, for the W of most jobs (8 MiB at most).
 constexpr size_t kKeptBatchBuffers = 8;
 
+}  // namespace
+
+std::function<void()> Shard::HoldStepThreadsForTest() {
+  struct Gate {
+    absl::Mutex mu;
+    int in = 0;
+    bool open = false;
+  };
+  auto gate = std::make_shared<Gate>();
+  for (int i = 0; i < options_.step_threads; ++i) {
+    Schedule([gate] {
+      absl::MutexLock lock(&gate->mu);
+      ++gate->in;
+      gate->mu.Await(absl::Condition(&gate->open));
+    });
+  }
+  {
+    absl::MutexLock lock(&gate->mu);
+    const int n = options_.step_threads;
+    auto all_in = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(gate->mu) { return gate->in == n; };
+    gate->mu.Await(absl::Condition(&all_in));
+  }
+  return [gate] {
+    absl::MutexLock lock(&gate->mu);
+    gate->open = true;
+  };
+}
+
+StepExecutorHooks Shard::StepHooks() {
+  StepExecutorHooks hooks;
+  std::function<void()> lower = StepThreadStart(options_.step_nice);
+  hooks.on_thread_start = [this, lower] {
+    if (lower) lower();
+    InstallStepHold();
+  };
+  hooks.after_task = [this] { FlushStepReplies(/*only_if_old=*/true); };
+  hooks.before_wait = [this] { FlushStepReplies(/*only_if_old=*/false); };
+  return hooks;
+}
+
+namespace {
 ShardServerOptions Resolved(ShardServerOptions o) {
   o.step_threads = CoresOr(o.step_threads);
   o.kernel_threads = CoresOr(o.kernel_threads);
@@ -59,8 +101,7 @@ Shard::Shard(const ShardServerOptions& options, std::unique_ptr<CoordinatorLink>
       table_(options_.memory_limit_bytes, options_.huge_pages),
       kernel_pool_(std::make_unique<kernels::ThreadPool>(options_.kernel_threads,
                                                          StepThreadStart(options_.step_nice))),
-      executor_(std::make_unique<StepExecutor>(options_.step_threads,
-                                               StepThreadStart(options_.step_nice))),
+      executor_(std::make_unique<StepExecutor>(options_.step_threads, StepHooks())),
       link_(std::move(link)) {
   if (!options.checkpoint_dir.empty()) {
     ckpt_writer_ = std::make_unique<CheckpointWriter>(options.checkpoint_max_bytes_per_second);
@@ -82,6 +123,8 @@ absl::Status Shard::Start() {
     return VerifyPeer(identity, challenge, proof);
   };
   wopts.prove = [this](absl::string_view challenge) { return ProveSelf(challenge); };
+  // Steps first (--step_nice below 0): the progress thread steps aside.
+  if (options_.step_nice < 0) wopts.on_progress_start = StepThreadStart(-options_.step_nice);
   auto worker = transport::Worker::Create(wopts);
   if (!worker.ok()) return worker.status();
   worker_ = std::move(*worker);

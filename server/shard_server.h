@@ -10,6 +10,7 @@
 #define OPTIMUS_SERVER_SHARD_SERVER_H_
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -57,7 +58,12 @@ struct ShardServerOptions {
   // compete with them (a host CPU, or a DPU with fewer cores than busy
   // threads): a worker waits for its push to land, while a chunk's step only
   // has to be done before that chunk's next pull. 0: the same priority as
-  // the rest. Default 0.
+  // the rest. Below 0 the other way round: the UCX progress thread runs
+  // -step_nice nicer than the rest (a thread cannot raise its own priority
+  // without CAP_SYS_NICE), so a chunk whose pushes have all landed is
+  // stepped before more landings take the core; on a shard with fewer cores
+  // than busy threads that trades push goodput for the time from a chunk's
+  // last push to its version (docs/benchmarks.md, "Steps first"). Default 0.
   int step_nice = 0;
   // Whether the shard's buffers of 2 MiB or more (state, published copies,
   // gradient staging) are advised for transparent huge pages
@@ -112,6 +118,11 @@ struct ShardServerOptions {
   // RESOURCE_EXHAUSTED (a seed from a primary: asked again later). Default
   // 256 MiB.
   uint64_t max_inflight_bytes = uint64_t{256} << 20;
+  // How long a step thread may hold the acks it makes (a commit round's,
+  // to workers that take reply batches) to send several in one message:
+  // they leave when its queue runs dry or when the oldest is this old.
+  // Default 200 us (a 4 MiB chunk's step takes a millisecond or more).
+  absl::Duration step_reply_hold = absl::Microseconds(200);
 };
 
 struct ShardServerStats {
@@ -176,6 +187,9 @@ class ShardServer {
   virtual int metrics_port() const = 0;
   // Stops heartbeating and the data plane. Idempotent; the destructor calls it.
   virtual void Shutdown() = 0;
+  // Tests: occupies every step thread (nothing queued runs) until the
+  // returned function is called; returns once they all are.
+  virtual std::function<void()> HoldStepThreadsForTest() = 0;
 };
 
 }  // namespace server

@@ -424,6 +424,39 @@ TEST(ShardServerStartTest, StepAndKernelThreadsRunNicerThanTheRest) {
   EXPECT_EQ(ThreadsAt(nicer), 0);
 }
 
+// --step_nice below 0, steps first: only the data plane's progress thread
+// runs nicer; the step threads and the kernel pool keep the process's
+// priority.
+TEST(ShardServerStartTest, NegativeStepNiceRunsOnlyTheProgressThreadNicer) {
+  const int base = getpriority(PRIO_PROCESS, static_cast<id_t>(syscall(SYS_gettid)));
+  if (base > 14) GTEST_SKIP() << "this test runs at nice " << base << ": no room below 19";
+  const int nicer = base + 5;
+  ASSERT_EQ(ThreadsAt(nicer), 0);
+  ShardServerOptions o;
+  o.coordinator_address = "fake";
+  o.memory_limit_bytes = 64 << 20;
+  o.heartbeat_interval = absl::Milliseconds(20);
+  o.transport.loopback = transport::LoopbackFabric::Create();
+  o.transport.name = "shard";
+  o.step_threads = 2;
+  o.kernel_threads = 3;
+  o.step_nice = -5;
+  auto s = ShardServer::StartWithLink(o, std::make_unique<FakeLink>());
+  ASSERT_TRUE(s.ok()) << s.status();
+  const absl::Time deadline = absl::Now() + kWait;
+  while (ThreadsAt(nicer) < 1 && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(5));
+  EXPECT_EQ(ThreadsAt(nicer), 1);
+  int rest = 0;
+  for (const auto& [tid, nice] : ThreadNices()) {
+    if (nice == nicer) continue;
+    EXPECT_EQ(nice, base) << "thread " << tid;
+    ++rest;
+  }
+  EXPECT_GE(rest, 5);  // This thread, 2 step threads, 2 kernel threads at least.
+  s->reset();
+  EXPECT_EQ(ThreadsAt(nicer), 0);
+}
+
 // A shard pinned to one CPU (taskset, a cpuset, a pod's CPU limit) sizes
 // its step and kernel pools and registers its cores by the CPUs it may use,
 // not by the machine's: one step thread and no kernel background thread
@@ -631,6 +664,84 @@ TEST_F(ShardServerTest, ABatchsAcksComeBackInOneMessageWhenItsSenderTakesThem) {
   Peer::Answer v1 = peer.Await(2);
   ASSERT_TRUE(v1.reply.status.ok()) << v1.reply.status;
   EXPECT_EQ(v1.payload.size(), kElems * 4);
+  EXPECT_EQ(peer.reply_batches(), 1u);
+  EXPECT_EQ(shard_->stats().reply_batches, 1u);
+  EXPECT_EQ(shard_->stats().replies_batched, 4u);
+}
+
+// A commit round's acks leave the step threads (after each chunk's reduce).
+// A step thread holds those whose pushes said they take reply batches and
+// sends them together when its queue runs dry; the others go alone.
+TEST_F(ShardServerTest, AStepThreadsAcksComeBackTogetherToSendersThatTakeThem) {
+  // One step thread, held while the pushes land, and a hold longer than the
+  // test: what is queued behind the hold runs in one go.
+  shard_.reset();
+  auto link = std::make_unique<FakeLink>();
+  link_ = link.get();
+  ShardServerOptions o;
+  o.coordinator_address = "fake";
+  o.memory_limit_bytes = 64 << 20;
+  o.heartbeat_interval = absl::Milliseconds(20);
+  o.transport.loopback = fabric_;
+  o.transport.name = "shard";
+  o.step_threads = 1;
+  o.step_reply_hold = absl::Seconds(600);
+  auto started = ShardServer::StartWithLink(o, std::move(link));
+  ASSERT_TRUE(started.ok()) << started.status();
+  shard_ = std::move(*started);
+
+  constexpr uint32_t kChunks = 8;
+  JobDescription d = OneChunkJob(link_->shard_id());
+  d.config.world_size = 1;
+  d.config.grad_scale = 1.0f;
+  d.config.commit_round = true;
+  d.map.chunks.clear();
+  for (uint32_t c = 0; c < kChunks; ++c) {
+    ChunkPlacement p;
+    p.chunk = c;
+    p.offset_elems = c * kElems;
+    p.num_elems = kElems;
+    p.primary = link_->shard_id();
+    d.map.chunks.push_back(p);
+  }
+  Load(d);
+  Peer peer(fabric_, shard_->data_address());
+  const std::vector<float> init = Ramp(0.01f), g = Ramp(0.002f);
+  for (uint32_t c = 0; c < kChunks; ++c) {
+    wire::RequestHeader h = Header(wire::Op::kInit, 1, 100 + c);
+    h.chunk = c;
+    ASSERT_TRUE(peer.Call(h, init.data(), kElems * 4).reply.status.ok()) << "chunk " << c;
+  }
+  std::function<void()> release = shard_->HoldStepThreadsForTest();
+  // Chunks 0-3 pushed by a sender that takes reply batches, 4-7 by one that
+  // does not (an older client).
+  BatchItems items;
+  for (uint32_t c = 0; c < kChunks; ++c) {
+    wire::RequestHeader h = Header(wire::Op::kPush, 1, 200 + c);
+    h.chunk = c;
+    h.rank = 0;
+    if (c < 4) h.flags = wire::kRequestBatchReplies;
+    items.push_back({h, &g});
+  }
+  const std::vector<uint8_t> bytes = BatchBytes(items);
+  wire::RequestHeader b = Header(wire::Op::kBatch, items.size(), 200);
+  b.num_bytes = bytes.size();
+  b.flags = wire::kRequestBatchReplies;
+  peer.Post(b, bytes.data(), bytes.size());
+  const absl::Time deadline = absl::Now() + kWait;
+  while (shard_->stats().pushes_received < kChunks && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(2));
+  }
+  ASSERT_EQ(shard_->stats().pushes_received, kChunks);
+  // Nothing is answered before the reduce.
+  EXPECT_EQ(peer.reply_batches(), 0u);
+  release();
+  for (uint32_t c = 0; c < kChunks; ++c) {
+    Peer::Answer a = peer.Await(200 + c);
+    EXPECT_TRUE(a.reply.status.ok()) << "chunk " << c << ": " << a.reply.status;
+    // Each carries its chunk's partial (the round's norm).
+    EXPECT_NE(a.reply.header.flags & wire::kReplyPartial, 0u) << "chunk " << c;
+  }
   EXPECT_EQ(peer.reply_batches(), 1u);
   EXPECT_EQ(shard_->stats().reply_batches, 1u);
   EXPECT_EQ(shard_->stats().replies_batched, 4u);

@@ -15,10 +15,21 @@
 namespace optimus {
 namespace server {
 
+struct StepExecutorHooks {
+  // Each thread calls it before it takes tasks.
+  std::function<void()> on_thread_start;
+  // A thread calls it after each task (without the executor's lock).
+  std::function<void()> after_task;
+  // A thread calls it when it finds the queue empty after running tasks,
+  // before it sleeps (and once more before it exits, if it ran any since).
+  std::function<void()> before_wait;
+};
+
 class StepExecutor {
  public:
   // Each thread calls on_thread_start (if set) before it takes tasks.
   explicit StepExecutor(int num_threads, std::function<void()> on_thread_start = nullptr);
+  StepExecutor(int num_threads, StepExecutorHooks hooks);
   ~StepExecutor();
   StepExecutor(const StepExecutor&) = delete;
   StepExecutor& operator=(const StepExecutor&) = delete;
@@ -31,6 +42,7 @@ class StepExecutor {
     return stopping_ || !queue_.empty();
   }
 
+  const StepExecutorHooks hooks_;
   absl::Mutex mu_;
   std::deque<std::function<void()>> queue_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;

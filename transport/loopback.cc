@@ -452,7 +452,10 @@ class LoopbackWorker : public Worker {
 
   absl::Status Start() override {
     if (started_.exchange(true)) return absl::FailedPreconditionError("worker already started");
-    progress_ = std::thread([this] { ProgressLoop(); });
+    progress_ = std::thread([this] {
+      if (options_.on_progress_start) options_.on_progress_start();
+      ProgressLoop();
+    });
     return absl::OkStatus();
   }
 

@@ -108,6 +108,10 @@ struct WorkerOptions {
   // peer's reply instead of waiting for a timeout. Must not block or call
   // into the Worker. Default: none.
   PeerFailureCallback on_peer_failure;
+  // Runs first on the worker's progress thread, before it handles anything
+  // (the shard lowers that thread's priority with it, --step_nice below 0).
+  // Default: none.
+  std::function<void()> on_progress_start;
   // Peer identity. Set: a peer that connects to this worker must prove who
   // it is before anything it sends is delivered: its hello is answered with
   // a fresh 32-byte challenge, it answers with an identity and a proof, and

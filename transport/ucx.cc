@@ -537,7 +537,10 @@ class UcxWorker : public Worker {
       if (auto s = SetUcxHandler(entry.get()); !s.ok()) return s;
     }
     started_ = true;
-    progress_ = std::thread([this] { ProgressLoop(); });
+    progress_ = std::thread([this] {
+      if (options_.on_progress_start) options_.on_progress_start();
+      ProgressLoop();
+    });
     return absl::OkStatus();
   }
 

@@ -5,6 +5,9 @@
 // loopback in transport_test.cc.
 #include "transport/ucx.h"
 
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include <atomic>
 #include <cstdlib>
 #include <functional>
@@ -74,6 +77,37 @@ TEST(UcxWorkerTest, CreateWithoutLoopbackFabricMakesAUcxWorker) {
   EXPECT_NE((*w)->address().rfind("loopback:", 0), 0u) << (*w)->address();
   auto direct = NewUcxWorker(o);
   ASSERT_TRUE(direct.ok()) << direct.status();
+}
+
+// on_progress_start runs once, first, on the thread that then delivers
+// messages (the shard lowers that thread's priority with it).
+TEST(UcxWorkerTest, OnProgressStartRunsOnTheProgressThread) {
+  std::atomic<long> hook_tid{0}, handler_tid{0};
+  std::atomic<int> hook_runs{0};
+  WorkerOptions so = SharedMemory("server");
+  so.on_progress_start = [&] {
+    hook_tid = syscall(SYS_gettid);
+    ++hook_runs;
+  };
+  auto server = Worker::Create(so);
+  ASSERT_TRUE(server.ok()) << server.status();
+  absl::Notification got;
+  (*server)->SetHandler(kData, [&](IncomingMessage& m) {
+    handler_tid = syscall(SYS_gettid);
+    got.Notify();
+  });
+  ASSERT_TRUE((*server)->Start().ok());
+  auto client = Worker::Create(SharedMemory("client"));
+  ASSERT_TRUE(client.ok()) << client.status();
+  ASSERT_TRUE((*client)->Start().ok());
+  auto ep = (*client)->Connect((*server)->address());
+  ASSERT_TRUE(ep.ok()) << ep.status();
+  ASSERT_TRUE(SendAndWait(client->get(), *ep, kData, "hi", nullptr, 0).ok());
+  ASSERT_TRUE(got.WaitForNotificationWithTimeout(absl::Seconds(10)));
+  EXPECT_EQ(hook_runs.load(), 1);
+  EXPECT_NE(hook_tid.load(), 0);
+  EXPECT_EQ(hook_tid.load(), handler_tid.load());
+  EXPECT_NE(hook_tid.load(), syscall(SYS_gettid));
 }
 
 // Without peer-failure detection a dead peer is never reported.
