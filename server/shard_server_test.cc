@@ -170,6 +170,18 @@ class FakeLink : public CoordinatorLink {
   std::vector<absl::Time> fetched_at_ ABSL_GUARDED_BY(mu_);
 };
 
+// A shard for these tests: a fake coordinator, a small budget, quick
+// heartbeats, the data plane on `fabric`.
+ShardServerOptions LoopbackShardOptions(std::shared_ptr<transport::LoopbackFabric> fabric) {
+  ShardServerOptions o;
+  o.coordinator_address = "fake";
+  o.memory_limit_bytes = 64 << 20;
+  o.heartbeat_interval = absl::Milliseconds(20);
+  o.transport.loopback = std::move(fabric);
+  o.transport.name = "shard";
+  return o;
+}
+
 // A worker speaking raw wire requests to the shard.
 class Peer {
  public:
@@ -274,12 +286,7 @@ class ShardServerTest : public ::testing::Test {
     fabric_ = transport::LoopbackFabric::Create();
     auto link = std::make_unique<FakeLink>();
     link_ = link.get();
-    ShardServerOptions o;
-    o.coordinator_address = "fake";
-    o.memory_limit_bytes = 64 << 20;
-    o.heartbeat_interval = absl::Milliseconds(20);
-    o.transport.loopback = fabric_;
-    o.transport.name = "shard";
+    ShardServerOptions o = LoopbackShardOptions(fabric_);
     auto s = ShardServer::StartWithLink(o, std::move(link));
     ASSERT_TRUE(s.ok()) << s.status();
     shard_ = std::move(*s);
@@ -398,12 +405,7 @@ TEST(ShardServerStartTest, StepAndKernelThreadsRunNicerThanTheRest) {
   if (base > 14) GTEST_SKIP() << "this test runs at nice " << base << ": no room below 19";
   const int nicer = base + 5;
   ASSERT_EQ(ThreadsAt(nicer), 0);
-  ShardServerOptions o;
-  o.coordinator_address = "fake";
-  o.memory_limit_bytes = 64 << 20;
-  o.heartbeat_interval = absl::Milliseconds(20);
-  o.transport.loopback = transport::LoopbackFabric::Create();
-  o.transport.name = "shard";
+  ShardServerOptions o = LoopbackShardOptions(transport::LoopbackFabric::Create());
   o.step_threads = 2;
   o.kernel_threads = 3;  // The step thread that splits a step runs one range.
   o.step_nice = 5;
@@ -432,12 +434,7 @@ TEST(ShardServerStartTest, NegativeStepNiceRunsOnlyTheProgressThreadNicer) {
   if (base > 14) GTEST_SKIP() << "this test runs at nice " << base << ": no room below 19";
   const int nicer = base + 5;
   ASSERT_EQ(ThreadsAt(nicer), 0);
-  ShardServerOptions o;
-  o.coordinator_address = "fake";
-  o.memory_limit_bytes = 64 << 20;
-  o.heartbeat_interval = absl::Milliseconds(20);
-  o.transport.loopback = transport::LoopbackFabric::Create();
-  o.transport.name = "shard";
+  ShardServerOptions o = LoopbackShardOptions(transport::LoopbackFabric::Create());
   o.step_threads = 2;
   o.kernel_threads = 3;
   o.step_nice = -5;
@@ -485,12 +482,7 @@ TEST(ShardServerStartTest, PoolsAndRegisteredCoresFollowTheCpusItMayUse) {
       }
     }
     ASSERT_EQ(sched_setaffinity(0, sizeof(one), &one), 0);
-    ShardServerOptions o;
-    o.coordinator_address = "fake";
-    o.memory_limit_bytes = 64 << 20;
-    o.heartbeat_interval = absl::Milliseconds(20);
-    o.transport.loopback = transport::LoopbackFabric::Create();
-    o.transport.name = "shard";
+    ShardServerOptions o = LoopbackShardOptions(transport::LoopbackFabric::Create());
     o.step_threads = 0;  // One per core it may use.
     o.kernel_threads = 0;
     o.step_nice = 5;
@@ -678,12 +670,7 @@ TEST_F(ShardServerTest, AStepThreadsAcksComeBackTogetherToSendersThatTakeThem) {
   shard_.reset();
   auto link = std::make_unique<FakeLink>();
   link_ = link.get();
-  ShardServerOptions o;
-  o.coordinator_address = "fake";
-  o.memory_limit_bytes = 64 << 20;
-  o.heartbeat_interval = absl::Milliseconds(20);
-  o.transport.loopback = fabric_;
-  o.transport.name = "shard";
+  ShardServerOptions o = LoopbackShardOptions(fabric_);
   o.step_threads = 1;
   o.step_reply_hold = absl::Seconds(600);
   auto started = ShardServer::StartWithLink(o, std::move(link));
