@@ -51,7 +51,7 @@ bool Corked(uintptr_t peer, absl::Span<const uint8_t> reply) {
 
 // The answers without payload a step thread holds back (Shard::StepHooks):
 // acks of pushes whose senders take reply batches, per peer, until the
-// thread's queue runs dry or the oldest has waited kStepHoldAge. A commit
+// thread's queue runs dry or the oldest has waited step_reply_hold. A commit
 // round's acks come from the reduce, one chunk at a time; with many small
 // chunks the thread runs through several reduces in a row.
 struct StepHold {
