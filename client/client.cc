@@ -1154,9 +1154,11 @@ class ClientImpl : public Client {
     // Fixed by Join (read without the lock, as tensors_).
     if (tensor < frozen_.size() && frozen_[tensor]) grad = nullptr;
     if (grad == nullptr) proto.step_flags |= wire::kPushNoGrad;
-    // Its ack may come inside a reply batch (a commit round's acks leave the
-    // shard's step threads several at a time).
-    proto.flags |= wire::kRequestBatchReplies;
+    // Not marked kRequestBatchReplies yet: the shard would then send a
+    // commit round's acks in reply batches (its step threads hold them),
+    // and OnReplyBatch receives a batch into heap memory, not a registered
+    // buffer (//tests/integration:module_sync_registration_test checks that
+    // every payload lands in one).
     return Issue(wire::Op::kPush, tensor, step, grad, nullptr, num_elems, grad_dtype_, proto);
   }
 
@@ -1649,7 +1651,7 @@ class ClientImpl : public Client {
           p.route = i;
           p.step = r.step;
           p.dtype = grad_dtype_;
-          p.flags = wire::kRequestResend | wire::kRequestBatchReplies;
+          p.flags = wire::kRequestResend;
           p.step_flags = r.step_flags;
           p.lr = r.lr;
           p.grad_mult = r.grad_mult;
