@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <cmath>
 #include <cstring>
+#include <deque>
 #include <map>
 #include <memory>
 #include <thread>
@@ -330,6 +331,12 @@ class ClientImpl : public Client {
           s->p.lease.reset();
         }
       }
+    }
+    {
+      absl::MutexLock lock(&batch_mu_);
+      tearing_down_ = true;
+      for (auto& b : batch_free_) b->own.reset();
+      deferred_replies_.clear();  // Dropped: their senders' sends complete.
     }
     if (cache_ != nullptr) cache_->Clear();
     // Joins the progress thread: no reply handler runs after this. Handlers
@@ -842,7 +849,19 @@ class ClientImpl : public Client {
   struct BatchSend {
     std::unique_ptr<uint8_t[]> buffer;
     RegistrationCache::Lease lease;  // The buffer's, while the batch is sent.
+    // The whole buffer's, taken when it was made (off the progress thread)
+    // and kept: reply batches are received into a free batch buffer on the
+    // progress thread, which must not call into the cache (GiveBatch).
+    RegistrationCache::Lease own;
     std::vector<uint64_t> ids;
+  };
+
+  // A reply batch waiting for a free batch buffer to be received into.
+  struct DeferredReplies {
+    std::shared_ptr<transport::PendingPayload> payload;  // Kept alive until received.
+    uint32_t count = 0;
+    transport::EndpointRef from;
+    std::string identity;
   };
 
   // A free BatchSend, or a new one (more are made only while more batches
@@ -864,12 +883,17 @@ class ClientImpl : public Client {
         batch_free_.pop_back();
       }
     }
-    for (const auto& e : extra) cache_->Forget(e->buffer.get(), kBatchBytes);
+    for (const auto& e : extra) {
+      e->own.reset();
+      cache_->Forget(e->buffer.get(), kBatchBytes);
+    }
     if (b != nullptr) return b;
     b = std::make_unique<BatchSend>();
     b->buffer.reset(new uint8_t[kBatchBytes]);
     if (absl::Status s = cache_->Pin(b->buffer.get(), kBatchBytes); !s.ok()) {
       OPTIMUS_LOG(Warning, kLog, "batch buffer not registered: ", s.ToString());
+    } else {
+      b->own = cache_->Lookup(b->buffer.get(), kBatchBytes);
     }
     return b;
   }
@@ -879,11 +903,34 @@ class ClientImpl : public Client {
   // registration on another thread (TakeBatch's Pin, a Push's Acquire)
   // holds while it waits for this thread. So the batch is only listed;
   // TakeBatch trims the list.
+  // A reply batch that waited for a buffer is received into this one
+  // instead.
   void GiveBatch(BatchSend* b) {
     b->ids.clear();
     b->lease.reset();
+    DeferredReplies next;
+    {
+      absl::MutexLock lock(&batch_mu_);
+      // The worker is being destroyed: no registration may outlive it.
+      if (tearing_down_) b->own.reset();
+      if (deferred_replies_.empty() || tearing_down_) {
+        batch_free_.emplace_back(b);
+        return;
+      }
+      next = std::move(deferred_replies_.front());
+      deferred_replies_.pop_front();
+    }
+    ReceiveReplies(b, std::move(next.payload), nullptr, next.count, next.from, next.identity);
+  }
+
+  // A free batch buffer (with its registration) to receive a reply batch
+  // into, without making one: null when none is free.
+  BatchSend* TakeFreeBatch() {
     absl::MutexLock lock(&batch_mu_);
-    batch_free_.emplace_back(b);
+    if (batch_free_.empty() || tearing_down_) return nullptr;
+    BatchSend* b = batch_free_.back().release();
+    batch_free_.pop_back();
+    return b;
   }
 
   // Small requests to one shard go in one kBatch message (up to kMaxBatch
@@ -1154,11 +1201,10 @@ class ClientImpl : public Client {
     // Fixed by Join (read without the lock, as tensors_).
     if (tensor < frozen_.size() && frozen_[tensor]) grad = nullptr;
     if (grad == nullptr) proto.step_flags |= wire::kPushNoGrad;
-    // Not marked kRequestBatchReplies yet: the shard would then send a
-    // commit round's acks in reply batches (its step threads hold them),
-    // and OnReplyBatch receives a batch into heap memory, not a registered
-    // buffer (//tests/integration:module_sync_registration_test checks that
-    // every payload lands in one).
+    // Its ack may come inside a reply batch (a commit round's acks leave the
+    // shard's step threads several at a time), received into a registered
+    // batch buffer (OnReplyBatch).
+    proto.flags |= wire::kRequestBatchReplies;
     return Issue(wire::Op::kPush, tensor, step, grad, nullptr, num_elems, grad_dtype_, proto);
   }
 
@@ -1449,25 +1495,74 @@ class ClientImpl : public Client {
     }
     const uint32_t count = h->count;
     const transport::EndpointRef from = msg.reply_endpoint();
+    if (h->num_bytes <= kBatchBytes) {
+      // Into a registered batch buffer (a rendezvous then registers
+      // nothing); if none is free, the batch waits at its sender until a
+      // buffer comes back (GiveBatch).
+      if (BatchSend* b = TakeFreeBatch()) {
+        return ReceiveReplies(b, nullptr, &msg, count, from, msg.peer_identity());
+      }
+      if (std::unique_ptr<transport::PendingPayload> kept = msg.Keep()) {
+        DeferredReplies d{std::move(kept), count, from, msg.peer_identity()};
+        BatchSend* b = nullptr;
+        {
+          absl::MutexLock lock(&batch_mu_);
+          if (!tearing_down_) {
+            if (batch_free_.empty()) {
+              deferred_replies_.push_back(std::move(d));
+              return;
+            }
+            // One came back meanwhile.
+            b = batch_free_.back().release();
+            batch_free_.pop_back();
+          }
+        }
+        if (b == nullptr) return;  // Shutting down: dropped with the worker.
+        return ReceiveReplies(b, std::move(d.payload), nullptr, count, from, d.identity);
+      }
+    }
+    // Larger than a batch buffer (refusals with long messages): on the heap.
     auto replies = std::make_shared<std::vector<uint8_t>>(h->num_bytes);
-    auto handle = [this, replies, count, from, identity = msg.peer_identity()](absl::Status s) {
-      if (!s.ok()) {
-        OPTIMUS_LOG(Warning, kLog, "reply batch lost on the way: ", s.ToString());
-        return;
-      }
-      auto items = wire::SplitReplyBatch(*replies, count);
-      if (!items.ok()) {
-        OPTIMUS_LOG(Warning, kLog, "dropping malformed reply batch: ", items.status().ToString());
-        return;
-      }
-      for (absl::Span<const uint8_t> item : *items) {
-        BatchedReply one(item, from, identity);
-        OnReply(one);
-      }
+    msg.ReceiveInto(replies->data(), [this, replies, count, from,
+                                      identity = msg.peer_identity()](absl::Status s) {
+      HandleReplies(s, *replies, count, from, identity);
+    });
+  }
+
+  // Receives a reply batch (from `msg`, or kept as `kept`) into b, handles
+  // it, and gives b back. Small batches come eagerly (handled before the
+  // receive returns); larger ones by rendezvous, handled when they land.
+  void ReceiveReplies(BatchSend* b, std::shared_ptr<transport::PendingPayload> kept,
+                      transport::IncomingMessage* msg, uint32_t count,
+                      transport::EndpointRef from, const std::string& identity) {
+    const size_t bytes = kept != nullptr ? kept->size() : msg->payload_size();
+    auto done = [this, b, bytes, count, from, identity, kept](absl::Status s) {
+      HandleReplies(s, absl::Span<const uint8_t>(b->buffer.get(), bytes), count, from, identity);
+      GiveBatch(b);
     };
-    // Small batches come eagerly (handled before ReceiveInto returns);
-    // larger ones by rendezvous, handled when they land.
-    msg.ReceiveInto(replies->data(), std::move(handle));
+    if (kept != nullptr) {
+      transport::PendingPayload* p = kept.get();
+      p->ReceiveInto(b->buffer.get(), b->own.region(), std::move(done));
+    } else {
+      msg->ReceiveInto(b->buffer.get(), b->own.region(), std::move(done));
+    }
+  }
+
+  void HandleReplies(const absl::Status& s, absl::Span<const uint8_t> replies, uint32_t count,
+                     transport::EndpointRef from, const std::string& identity) {
+    if (!s.ok()) {
+      OPTIMUS_LOG(Warning, kLog, "reply batch lost on the way: ", s.ToString());
+      return;
+    }
+    auto items = wire::SplitReplyBatch(replies, count);
+    if (!items.ok()) {
+      OPTIMUS_LOG(Warning, kLog, "dropping malformed reply batch: ", items.status().ToString());
+      return;
+    }
+    for (absl::Span<const uint8_t> item : *items) {
+      BatchedReply one(item, from, identity);
+      OnReply(one);
+    }
   }
 
   // ---- Failover ------------------------------------------------------------
@@ -1651,7 +1746,7 @@ class ClientImpl : public Client {
           p.route = i;
           p.step = r.step;
           p.dtype = grad_dtype_;
-          p.flags = wire::kRequestResend;
+          p.flags = wire::kRequestResend | wire::kRequestBatchReplies;
           p.step_flags = r.step_flags;
           p.lr = r.lr;
           p.grad_mult = r.grad_mult;
@@ -1699,6 +1794,11 @@ class ClientImpl : public Client {
   // Batches not in flight: kKeptBatchBuffers after a TakeBatch, more
   // until the next one after a burst of batches.
   std::vector<std::unique_ptr<BatchSend>> batch_free_ ABSL_GUARDED_BY(batch_mu_);
+  // Reply batches waiting for a free batch buffer (OnReplyBatch).
+  std::deque<DeferredReplies> deferred_replies_ ABSL_GUARDED_BY(batch_mu_);
+  // Set before the worker is destroyed: batch buffers let go of their
+  // registrations, and reply batches are no longer received into them.
+  bool tearing_down_ ABSL_GUARDED_BY(batch_mu_) = false;
   // Set by Start; its calls are thread-safe.
   std::unique_ptr<LeaderStub<v1::Coordinator>> stub_;
   std::thread recovery_;

@@ -134,12 +134,12 @@ class BatchTest : public ::testing::TestWithParam<TransportKind> {
     }
     if (commit_round) {
       // Pushes are answered after their chunks' reduces, by the step
-      // threads, one message each: the client does not mark its pushes
-      // kRequestBatchReplies yet (client.cc, Push), so the shard holds none
-      // (//server:shard_server_test checks the hold with marked pushes).
+      // threads: several in one message when a thread ran several reduces
+      // in a row, which is up to the scheduler (//server:shard_server_test
+      // holds a step thread to check it). Never more than one per push.
       uint64_t replies_batched = 0;
       for (const auto& s : cluster->ShardStats()) replies_batched += s.replies_batched;
-      EXPECT_EQ(replies_batched, 0u);
+      EXPECT_LE(replies_batched, pushes);
       return;
     }
     // The pushes' acks went back the same way: every one inside a reply
