@@ -88,8 +88,7 @@ enum RequestFlags : uint8_t {
   // to the batch's requests (push acks, refusals) may come back in one
   // message instead of one each. kPush (alone or in a batch): its ack may
   // come inside a kAmReplyBatch with other acks (a commit round's acks,
-  // which the shard's step threads hold); this client does not mark pushes
-  // yet (client.cc, Push).
+  // which the shard's step threads hold). The client marks every push.
   kRequestBatchReplies = 1u << 3,
 };
 
