@@ -848,10 +848,10 @@ class ClientImpl : public Client {
   // that a batch neither registers memory nor allocates per send.
   struct BatchSend {
     std::unique_ptr<uint8_t[]> buffer;
-    RegistrationCache::Lease lease;  // The buffer's, while the batch is sent.
-    // The whole buffer's, taken when it was made (off the progress thread)
-    // and kept: reply batches are received into a free batch buffer on the
-    // progress thread, which must not call into the cache (GiveBatch).
+    // The whole buffer's registration, taken when it was made (off the
+    // progress thread) and kept: batches are sent from it, and reply batches
+    // received into it on the progress thread, which must not call into the
+    // cache (GiveBatch).
     RegistrationCache::Lease own;
     std::vector<uint64_t> ids;
   };
@@ -907,7 +907,6 @@ class ClientImpl : public Client {
   // instead.
   void GiveBatch(BatchSend* b) {
     b->ids.clear();
-    b->lease.reset();
     DeferredReplies next;
     {
       absl::MutexLock lock(&batch_mu_);
@@ -965,7 +964,6 @@ class ClientImpl : public Client {
         continue;
       }
       BatchSend* batch = TakeBatch().release();
-      batch->lease = cache_->Lookup(batch->buffer.get(), bytes);
       batch->ids.reserve(group.size());
       uint8_t* at = batch->buffer.get();
       for (size_t j : group) {
@@ -991,7 +989,7 @@ class ClientImpl : public Client {
       // is free once the batch is sent, as for a send of its own. (Two
       // pointers: the callback fits in std::function without allocating.)
       worker_->Send(msgs[i].ep, wire::kAmRequest, wire::AsBytes(h), batch->buffer.get(), bytes,
-                    batch->lease.region(), [this, batch](absl::Status s) {
+                    batch->own.region(), [this, batch](absl::Status s) {
                       for (uint64_t id : batch->ids) OnSent(id, s);
                       GiveBatch(batch);
                     });
