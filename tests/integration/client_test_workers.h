@@ -137,6 +137,16 @@ class ForwardingMessage : public transport::IncomingMessage {
   transport::IncomingMessage& inner_;
 };
 
+// A handler that hands `handler` each message wrapped as M(message, arg):
+// how a test's worker watches what arrives.
+template <typename M, typename Arg>
+transport::Handler WrapMessages(transport::Handler handler, Arg arg) {
+  return [handler = std::move(handler), arg](transport::IncomingMessage& m) {
+    M wrapped(m, arg);
+    handler(wrapped);
+  };
+}
+
 class ForwardingWorker : public transport::Worker {
  public:
   explicit ForwardingWorker(std::unique_ptr<transport::Worker> inner) : inner_(std::move(inner)) {}
@@ -205,11 +215,7 @@ class CountingWorker : public ForwardingWorker {
       : ForwardingWorker(std::move(inner)), log_(std::move(log)) {}
 
   void SetHandler(uint16_t am_id, transport::Handler handler) override {
-    TransportLog* log = log_.get();
-    inner_->SetHandler(am_id, [handler, log](transport::IncomingMessage& m) {
-      CountingMessage counted(m, log);
-      handler(counted);
-    });
+    inner_->SetHandler(am_id, WrapMessages<CountingMessage>(std::move(handler), log_.get()));
   }
   using ForwardingWorker::Send;
   void Send(transport::EndpointRef ep, uint16_t am_id, absl::Span<const uint8_t> header,
