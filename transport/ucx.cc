@@ -93,7 +93,13 @@ constexpr size_t kInlineHeaderBytes = 128;
 // "MM_ERROR_HANDLING" reaches sysv and posix, "MEMORY_INVALIDATE" cma).
 // Keepalive: UCX's default round is 20 s; one second finds a dead
 // shared-memory peer in about a second (checked with SIGKILL), at the cost
-// of a pid check per endpoint per second.
+// of a pid check per endpoint per second. tcp's receive segment: with error
+// handling UCX 1.13 moves a tcp payload as active-message fragments of one
+// receive segment each (no zero-copy rendezvous lane), every one read into a
+// segment and copied into place; UCX's 64 KiB segment makes that a recv, a
+// wakeup and a handler per 64 KiB. 512 KiB moved a 4 MiB push 1.3x and a
+// pull 1.5x faster on loopback (docs/benchmarks.md, "tcp's receive
+// segment"); it is memory per tcp endpoint that is receiving.
 struct DetectionSetting {
   const char* key;
   const char* value;
@@ -109,6 +115,7 @@ const std::vector<DetectionSetting>& DetectionSettings() {
        {"sm", "shm", "mm", "sysv", "posix"}},
       {"MEMORY_INVALIDATE", "y", {"UCX_CMA_MEMORY_INVALIDATE"}, {"sm", "shm", "cma"}},
       {"KEEPALIVE_INTERVAL", "1s", {"UCX_KEEPALIVE_INTERVAL"}, {}},
+      {"RX_SEG_SIZE", "512K", {"UCX_TCP_RX_SEG_SIZE"}, {"tcp"}},
   };
   return *settings;
 }
@@ -457,7 +464,7 @@ class UcxWorker : public Worker {
         }
         const ucs_status_t mst = ucp_config_modify(config, s.key, s.value);
         if (mst == UCS_OK) {
-          detection.push_back(absl::StrCat(s.key, "=", s.value));
+          detection.push_back(absl::StrCat(s.env.front(), "=", s.value));
         } else {
           OPTIMUS_LOG(Warning, kLog, options_.name, ": could not set UCX ", s.key, "=", s.value,
                       " (", ucs_status_string(mst), "); dead peers may be found later");

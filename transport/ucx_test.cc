@@ -6,7 +6,11 @@
 #include "transport/ucx.h"
 
 #include <sys/syscall.h>
+#include <ucs/debug/log_def.h>
 #include <unistd.h>
+
+#include <cstdarg>
+#include <cstdio>
 
 #include <atomic>
 #include <cstdlib>
@@ -338,10 +342,54 @@ TEST(UcxWorkerTest, DetectionEnvironmentNamesUcxVariablesForTheLoadedTransports)
   EXPECT_TRUE(has(sm, "UCX_MM_ERROR_HANDLING=y"));
   EXPECT_TRUE(has(sm, "UCX_CMA_MEMORY_INVALIDATE=y"));
   EXPECT_TRUE(has(sm, "UCX_KEEPALIVE_INTERVAL=1s"));
+  EXPECT_FALSE(has(sm, "UCX_TCP_RX_SEG_SIZE=512K"));
   EXPECT_EQ(UcxDetectionEnvironment(""), UcxDetectionEnvironment("all"));
-  EXPECT_EQ(UcxDetectionEnvironment("all"), sm);
+  const std::vector<std::string> all = UcxDetectionEnvironment("all");
+  for (const std::string& e : sm) EXPECT_TRUE(has(all, e)) << e;
+  EXPECT_TRUE(has(all, "UCX_TCP_RX_SEG_SIZE=512K"));
   const std::vector<std::string> tcp = UcxDetectionEnvironment("tcp");
-  EXPECT_EQ(tcp, std::vector<std::string>{"UCX_KEEPALIVE_INTERVAL=1s"});
+  EXPECT_EQ(tcp,
+            (std::vector<std::string>{"UCX_KEEPALIVE_INTERVAL=1s", "UCX_TCP_RX_SEG_SIZE=512K"}));
+}
+
+// UCX's warnings, caught while a test runs. UCX accepts any key in
+// ucp_config_modify and only warns, when the worker opens its transports,
+// about one that no transport takes: a misspelt setting would otherwise be
+// dropped without a trace.
+std::vector<std::string>* ucx_warnings = nullptr;
+ucs_log_func_rc_t CatchUcxWarning(const char*, unsigned, const char*, ucs_log_level_t level,
+                                  const ucs_log_component_config_t*, const char* format,
+                                  va_list ap) {
+  if (level <= UCS_LOG_LEVEL_WARN && ucx_warnings != nullptr) {
+    char buf[512];
+    va_list copy;
+    va_copy(copy, ap);
+    vsnprintf(buf, sizeof(buf), format, copy);
+    va_end(copy);
+    ucx_warnings->push_back(buf);
+  }
+  return UCS_LOG_FUNC_RC_CONTINUE;
+}
+
+// Every setting a detecting worker applies reaches a transport UCX opened
+// (tcp's receive segment, shared memory's error handling, ...): UCX takes
+// none of them as an invalid configuration, over tcp, shared memory and
+// everything UCX offers here.
+TEST(UcxWorkerTest, DetectionSettingsReachTheirTransports) {
+  std::vector<std::string> warnings;
+  ucx_warnings = &warnings;
+  ucs_log_push_handler(CatchUcxWarning);
+  for (const char* tls : {"tcp", "sm,self", "all"}) {
+    WorkerOptions o;
+    o.transports = tls;
+    o.net_devices = "lo";
+    EXPECT_NE(TransportsBetweenTwo(o), "") << tls;
+  }
+  ucs_log_pop_handler();
+  ucx_warnings = nullptr;
+  for (const std::string& w : warnings) {
+    EXPECT_EQ(w.find("invalid configuration"), std::string::npos) << w;
+  }
 }
 
 TEST(UcxWorkerTest, RegionOfAnotherWorkerIsRefused) {
