@@ -242,29 +242,26 @@ struct SyncReceive {
 };
 thread_local SyncReceive tls_sync_receive;
 
-// One reply of a wire::kAmReplyBatch, handled as if it had come alone: an
-// ack or a refusal, or a small pulled version (wire::kRequestBatchVersions),
-// whose bytes are copied out of the batch as an eager payload would be.
+// One reply of a wire::kAmReplyBatch, handled as if it had come alone. Such
+// replies carry no payload (acks and refusals).
 class BatchedReply : public transport::IncomingMessage {
  public:
-  BatchedReply(const wire::BatchedReplyItem& item, transport::EndpointRef from,
+  BatchedReply(absl::Span<const uint8_t> header, transport::EndpointRef from,
                const std::string& identity)
-      : header_(item.reply), payload_(item.payload), from_(from), identity_(identity) {}
+      : header_(header), from_(from), identity_(identity) {}
   uint16_t am_id() const override { return wire::kAmReply; }
   absl::Span<const uint8_t> header() const override { return header_; }
-  size_t payload_size() const override { return payload_.size(); }
+  size_t payload_size() const override { return 0; }
   bool is_rendezvous() const override { return false; }
   transport::EndpointRef reply_endpoint() const override { return from_; }
-  void ReceiveInto(void* dst, transport::DoneCallback done) override {
-    if (!payload_.empty()) std::memcpy(dst, payload_.data(), payload_.size());
-    done(absl::OkStatus());
+  void ReceiveInto(void*, transport::DoneCallback done) override {
+    done(absl::FailedPreconditionError("a batched reply carries no payload"));
   }
   std::unique_ptr<transport::PendingPayload> Keep() override { return nullptr; }
   const std::string& peer_identity() const override { return identity_; }
 
  private:
   absl::Span<const uint8_t> header_;
-  absl::Span<const uint8_t> payload_;  // In the batch's buffer, alive while it is handled.
   transport::EndpointRef from_;
   const std::string& identity_;  // The batch's sender's, alive while it is handled.
 };
@@ -983,9 +980,8 @@ class ClientImpl : public Client {
       h.op = static_cast<uint16_t>(wire::Op::kBatch);
       h.step = group.size();
       h.num_bytes = bytes;
-      // The shard may answer the batch's pushes in one message, with the
-      // small versions its pulls ask for.
-      h.flags = wire::kRequestBatchReplies | wire::kRequestBatchVersions;
+      // The shard may answer the batch's pushes in one message.
+      h.flags = wire::kRequestBatchReplies;
       h.step_flags = 0;
       h.lr = h.grad_mult = h.clip_coef = 0.0f;
       batches_sent_.fetch_add(1, std::memory_order_relaxed);
@@ -1482,8 +1478,8 @@ class ClientImpl : public Client {
     SendAll(commits);
   }
 
-  // Several replies in one message (the acks to a batch's pushes, the small
-  // versions its pulls asked for): each handled as OnReply handles one. A malformed batch is
+  // Several replies without payload in one message (the acks to a batch's
+  // pushes): each handled as OnReply handles one. A malformed batch is
   // dropped whole, as a malformed reply is.
   void OnReplyBatch(transport::IncomingMessage& msg) {
     auto h = wire::ParseReplyBatchHeader(msg.header());
@@ -1561,7 +1557,7 @@ class ClientImpl : public Client {
       OPTIMUS_LOG(Warning, kLog, "dropping malformed reply batch: ", items.status().ToString());
       return;
     }
-    for (const wire::BatchedReplyItem& item : *items) {
+    for (absl::Span<const uint8_t> item : *items) {
       BatchedReply one(item, from, identity);
       OnReply(one);
     }

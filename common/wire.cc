@@ -1,6 +1,5 @@
 #include "common/wire.h"
 
-#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <utility>
@@ -98,17 +97,16 @@ absl::StatusOr<ReplyBatchHeader> ParseReplyBatchHeader(absl::Span<const uint8_t>
         absl::StrCat("reply batch of ", h.count, " replies (1..", kMaxBatch, " allowed)"));
   }
   if (h.num_bytes < h.count * sizeof(ReplyHeader) ||
-      h.num_bytes > h.count * (sizeof(ReplyHeader) + std::max<uint64_t>(kMaxMessageBytes,
-                                                                         kMaxBatchedVersionBytes))) {
+      h.num_bytes > h.count * (sizeof(ReplyHeader) + kMaxMessageBytes)) {
     return absl::InvalidArgumentError(absl::StrCat("reply batch of ", h.count, " replies carries ",
                                                    h.num_bytes, " bytes"));
   }
   return h;
 }
 
-absl::StatusOr<std::vector<BatchedReplyItem>> SplitReplyBatch(absl::Span<const uint8_t> payload,
-                                                              uint32_t count) {
-  std::vector<BatchedReplyItem> out;
+absl::StatusOr<std::vector<absl::Span<const uint8_t>>> SplitReplyBatch(
+    absl::Span<const uint8_t> payload, uint32_t count) {
+  std::vector<absl::Span<const uint8_t>> out;
   out.reserve(count);
   size_t at = 0;
   while (at < payload.size()) {
@@ -128,19 +126,13 @@ absl::StatusOr<std::vector<BatchedReplyItem>> SplitReplyBatch(absl::Span<const u
           absl::StrCat("reply ", out.size(), " of a batch claims a ", h.message_len,
                        "-byte message; ", payload.size() - at, " bytes are left"));
     }
-    if (h.payload_bytes > kMaxBatchedVersionBytes || h.payload_bytes > payload.size() - at - len) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "reply ", out.size(), " of a batch claims a ", h.payload_bytes, "-byte version; ",
-          payload.size() - at - len, " bytes are left (at most ", kMaxBatchedVersionBytes,
-          " go in a batch)"));
-    }
     absl::Span<const uint8_t> one = payload.subspan(at, len);
     if (auto r = ParseReply(one); !r.ok()) {
       return absl::InvalidArgumentError(
           absl::StrCat("reply ", out.size(), " of a batch: ", r.status().message()));
     }
-    out.push_back(BatchedReplyItem{one, payload.subspan(at + len, h.payload_bytes)});
-    at += len + h.payload_bytes;
+    out.push_back(one);
+    at += len;
   }
   if (out.size() != count) {
     return absl::InvalidArgumentError(

@@ -21,9 +21,8 @@ namespace wire {
 // Active-message ids.
 constexpr uint16_t kAmRequest = 1;  // worker -> shard: push, pull, init.
 constexpr uint16_t kAmReply = 2;    // shard -> worker: status (+ pulled bytes).
-// shard -> worker: several replies at once (ReplyBatchHeader), to a kBatch
-// whose sender set kRequestBatchReplies: acks and refusals, and small pulled
-// versions when it also set kRequestBatchVersions.
+// shard -> worker: several replies without payload at once (ReplyBatchHeader),
+// to a kBatch whose sender set kRequestBatchReplies.
 constexpr uint16_t kAmReplyBatch = 3;
 
 constexpr uint32_t kMagic = 0x4d54504fu;  // "OPTM" read little-endian.
@@ -91,16 +90,7 @@ enum RequestFlags : uint8_t {
   // come inside a kAmReplyBatch with other acks (a commit round's acks,
   // which the shard's step threads hold). The client marks every push.
   kRequestBatchReplies = 1u << 3,
-  // kBatch (with kRequestBatchReplies): the sender also takes the versions
-  // its pulls ask for inside the kAmReplyBatch, each of at most
-  // kMaxBatchedVersionBytes (ReplyHeader::payload_bytes): many small chunks
-  // then come back in one message instead of one each.
-  kRequestBatchVersions = 1u << 4,
 };
-// Largest pulled version a shard puts inside a reply batch; larger ones
-// (and every version to a sender without kRequestBatchVersions) go in a
-// kAmReply of their own, sent from the published copy without a copy.
-constexpr uint64_t kMaxBatchedVersionBytes = 16 * 1024;
 
 // 96 bytes. `step` is the gradient's step for kPush and kCommit and the
 // wanted version for kPull (version v = the result of steps 1..v-1; initial
@@ -172,10 +162,7 @@ struct ReplyHeader {
   uint32_t flags = 0;
   uint32_t message_len = 0;
   double grad_sum_squares = 0.0;  // With kReplyPartial.
-  // Inside a kAmReplyBatch: the bytes of the pulled version that follow
-  // this reply's message in the batch. 0 in a kAmReply, whose version (if
-  // any) is the message's payload.
-  uint64_t payload_bytes = 0;
+  uint64_t reserved = 0;
 };
 static_assert(sizeof(ReplyHeader) == 48, "wire layout");
 
@@ -210,8 +197,7 @@ absl::StatusOr<Reply> ParseReply(absl::Span<const uint8_t> bytes);
 
 // The AM header of a kAmReplyBatch. Its payload is `count` replies back to
 // back, each as a kAmReply's header would be (a ReplyHeader, then its
-// message), followed by its pulled version's payload_bytes (0 but for
-// versions batched for kRequestBatchVersions), `num_bytes` in all.
+// message), `num_bytes` in all.
 struct ReplyBatchHeader {
   uint32_t magic = kMagic;
   uint16_t version = kVersion;
@@ -226,18 +212,11 @@ static_assert(sizeof(ReplyBatchHeader) == 24, "wire layout");
 // could hold `count` replies. INVALID_ARGUMENT on any mismatch.
 absl::StatusOr<ReplyBatchHeader> ParseReplyBatchHeader(absl::Span<const uint8_t> bytes);
 
-// One reply of a reply batch: what a kAmReply's header would be, and the
-// version it carries (empty for all but batched pull versions).
-struct BatchedReplyItem {
-  absl::Span<const uint8_t> reply;
-  absl::Span<const uint8_t> payload;
-};
-
 // A reply batch's payload cut into its replies, each one that ParseReply
-// accepts, with a payload of at most kMaxBatchedVersionBytes; INVALID_ARGUMENT
-// unless there are exactly `count` and they fill the payload.
-absl::StatusOr<std::vector<BatchedReplyItem>> SplitReplyBatch(absl::Span<const uint8_t> payload,
-                                                              uint32_t count);
+// accepts; INVALID_ARGUMENT unless there are exactly `count` and they fill
+// the payload.
+absl::StatusOr<std::vector<absl::Span<const uint8_t>>> SplitReplyBatch(
+    absl::Span<const uint8_t> payload, uint32_t count);
 
 inline absl::Span<const uint8_t> AsBytes(const RequestHeader& h) {
   return absl::Span<const uint8_t>(reinterpret_cast<const uint8_t*>(&h), sizeof(h));

@@ -161,60 +161,17 @@ TEST(WireTest, AReplyBatchSplitsIntoTheRepliesItCarries) {
   auto items = SplitReplyBatch(payload, parsed->count);
   ASSERT_TRUE(items.ok()) << items.status();
   ASSERT_EQ(items->size(), 3u);
-  auto r0 = ParseReply((*items)[0].reply);
+  auto r0 = ParseReply((*items)[0]);
   ASSERT_TRUE(r0.ok());
   EXPECT_EQ(r0->header.request_id, 7u);
   EXPECT_EQ(r0->header.grad_sum_squares, 2.5);
-  auto r1 = ParseReply((*items)[1].reply);
+  auto r1 = ParseReply((*items)[1]);
   ASSERT_TRUE(r1.ok());
   EXPECT_EQ(r1->header.request_id, 8u);
   EXPECT_EQ(r1->status, absl::NotFoundError("no tensor 99 here"));
-  auto r2 = ParseReply((*items)[2].reply);
+  auto r2 = ParseReply((*items)[2]);
   ASSERT_TRUE(r2.ok());
   EXPECT_EQ(r2->header.flags, kReplyDuplicate);
-  for (const BatchedReplyItem& item : *items) EXPECT_TRUE(item.payload.empty());
-}
-
-// Pulled versions inside a batch (kRequestBatchVersions): each reply is
-// followed by its payload_bytes, which come out as the item's payload.
-TEST(WireTest, BatchedVersionsFollowTheirReplies) {
-  std::vector<uint8_t> payload;
-  auto add = [&payload](uint64_t id, const std::string& version) {
-    ReplyHeader r = OkReplyHeader(id, 3, 0);
-    r.payload_bytes = version.size();
-    const auto bytes = AsBytes(r);
-    payload.insert(payload.end(), bytes.begin(), bytes.end());
-    payload.insert(payload.end(), version.begin(), version.end());
-  };
-  add(11, std::string(8192, 'a'));
-  const std::vector<uint8_t> ack = Bytes(EncodeReply(12, absl::OkStatus(), 0, 0));
-  payload.insert(payload.end(), ack.begin(), ack.end());
-  add(13, "bcd");
-  auto items = SplitReplyBatch(payload, 3);
-  ASSERT_TRUE(items.ok()) << items.status();
-  ASSERT_EQ(items->size(), 3u);
-  EXPECT_EQ(ParseReply((*items)[0].reply)->header.request_id, 11u);
-  EXPECT_EQ(std::string((*items)[0].payload.begin(), (*items)[0].payload.end()),
-            std::string(8192, 'a'));
-  EXPECT_EQ(ParseReply((*items)[1].reply)->header.request_id, 12u);
-  EXPECT_TRUE((*items)[1].payload.empty());
-  EXPECT_EQ(ParseReply((*items)[2].reply)->header.request_id, 13u);
-  EXPECT_EQ(std::string((*items)[2].payload.begin(), (*items)[2].payload.end()), "bcd");
-
-  // A version longer than what is left, or than a batch may carry: the
-  // whole batch is refused.
-  std::vector<uint8_t> bad = payload;
-  bad.pop_back();
-  EXPECT_FALSE(SplitReplyBatch(bad, 3).ok());
-  std::vector<uint8_t> big;
-  ReplyHeader r = OkReplyHeader(14, 3, 0);
-  r.payload_bytes = kMaxBatchedVersionBytes + 1;
-  const auto bytes = AsBytes(r);
-  big.insert(big.end(), bytes.begin(), bytes.end());
-  big.resize(big.size() + r.payload_bytes);
-  auto split = SplitReplyBatch(big, 1);
-  ASSERT_FALSE(split.ok());
-  EXPECT_NE(split.status().message().find("version"), std::string::npos) << split.status();
 }
 
 TEST(WireTest, AMalformedReplyBatchIsRefusedWhole) {
@@ -253,10 +210,7 @@ TEST(WireTest, AMalformedReplyBatchIsRefusedWhole) {
   EXPECT_FALSE(header(0, 0).ok());
   EXPECT_FALSE(header(kMaxBatch + 1, (kMaxBatch + 1) * sizeof(ReplyHeader)).ok());
   EXPECT_FALSE(header(2, sizeof(ReplyHeader)).ok());      // Too few bytes for two.
-  // One reply holds at most its header and a batched version (a refusal's
-  // message is shorter).
-  EXPECT_TRUE(header(1, sizeof(ReplyHeader) + kMaxBatchedVersionBytes).ok());
-  EXPECT_FALSE(header(1, sizeof(ReplyHeader) + kMaxBatchedVersionBytes + 1).ok());
+  EXPECT_FALSE(header(1, 10 * sizeof(ReplyHeader) + 4096).ok());  // Too many for one.
   std::vector<uint8_t> short_header(sizeof(ReplyBatchHeader) - 1);
   EXPECT_FALSE(ParseReplyBatchHeader(short_header).ok());
 }

@@ -28,16 +28,12 @@ uint32_t WireFlags(const ReplyHint& hint) {
 
 uintptr_t PeerOf(transport::EndpointRef ep) { return reinterpret_cast<uintptr_t>(ep.ep); }
 
-// The replies that this thread holds back for one peer while it handles that
-// peer's batch (when the batch's sender takes reply batches,
-// wire::kRequestBatchReplies): those without payload, and small pulled
-// versions when the sender takes them too (wire::kRequestBatchVersions).
-// They leave together when the batch's requests are handled
-// (Shard::OnBatch), or earlier when they would outgrow the sender's batch
-// buffer.
+// The replies without payload that this thread holds back for one peer while
+// it handles that peer's batch (when the batch's sender takes reply batches,
+// wire::kRequestBatchReplies); they leave together when the batch's requests
+// are handled (Shard::OnBatch).
 struct ReplyCork {
   uintptr_t peer = 0;
-  bool versions = false;
   uint32_t count = 0;
   std::string bytes;  // The replies back to back (wire::kAmReplyBatch's payload).
 };
@@ -120,9 +116,7 @@ void Shard::Reply(uintptr_t peer, uint64_t request_id, const absl::Status& statu
 
 void Shard::SendCorked(uintptr_t peer, uint32_t count, std::string replies) {
   if (count == 0 || closing_.load()) return;
-  wire::ReplyHeader first;
-  std::memcpy(&first, replies.data(), sizeof(first));
-  if (count == 1 && first.payload_bytes == 0) {  // As it would have gone alone.
+  if (count == 1) {  // As it would have gone alone.
     worker_->Send(EndpointOf(peer), wire::kAmReply,
                   absl::Span<const uint8_t>(reinterpret_cast<const uint8_t*>(replies.data()),
                                             replies.size()),
@@ -305,9 +299,7 @@ void Shard::OnBatch(transport::IncomingMessage& msg, const wire::RequestHeader& 
   const transport::EndpointRef ep = msg.reply_endpoint();
   const uint64_t batch_id = h.request_id;
   const bool batch_replies = (h.flags & wire::kRequestBatchReplies) != 0;
-  const bool batch_versions = batch_replies && (h.flags & wire::kRequestBatchVersions) != 0;
   msg.ReceiveInto(batch->data(), [this, batch, count, ep, from, batch_id, batch_replies,
-                                  batch_versions,
                                   identity = msg.peer_identity()](absl::Status rs) {
     if (!rs.ok()) {
       metrics_.requests_rejected.fetch_add(1);
@@ -372,14 +364,12 @@ void Shard::OnBatch(transport::IncomingMessage& msg, const wire::RequestHeader& 
       return;
     }
     // The acks (and refusals) the batch's requests get while they are
-    // handled here leave as one message, with the small versions its pulls
-    // are served at once (kRequestBatchVersions); larger versions and
-    // answers that come later (from the step threads) go on their own.
+    // handled here leave as one message; pull replies and answers that come
+    // later (from the step threads) go on their own.
     ReplyCork cork;
     ReplyCork* const outer = tls_reply_cork;
     if (batch_replies) {
       cork.peer = from;
-      cork.versions = batch_versions;
       cork.bytes.reserve(count * sizeof(wire::ReplyHeader));
       tls_reply_cork = &cork;
     }
@@ -669,36 +659,9 @@ void Shard::OnInit(transport::IncomingMessage& msg, const wire::RequestHeader& h
 void Shard::SendVersion(const JobRef& job, const ChunkRef& chunk, const PullReply& p) {
   const uintptr_t peer = p.to.peer;
   if (closing_.load()) return limits_->Unpark(peer);
-  wire::ReplyHeader header = wire::OkReplyHeader(p.to.request_id, p.version, 0);
+  const wire::ReplyHeader header = wire::OkReplyHeader(p.to.request_id, p.version, 0);
   const size_t bytes = chunk->published_bytes();
   const uint64_t version = p.version;
-  ReplyCork* const cork = tls_reply_cork;
-  if (cork != nullptr && cork->peer == peer && cork->versions &&
-      bytes <= wire::kMaxBatchedVersionBytes) {
-    // A small version for the batch being answered: copied into the reply
-    // batch, so the published copy is free again at once.
-    header.payload_bytes = bytes;
-    if (cork->bytes.size() + sizeof(header) + bytes > wire::kBatchBytes) {
-      // Would not fit the sender's batch buffer: what is held goes now.
-      SendCorked(peer, cork->count, std::move(cork->bytes));
-      cork->bytes.clear();
-      cork->count = 0;
-    }
-    const auto h = wire::AsBytes(header);
-    cork->bytes.append(reinterpret_cast<const char*>(h.data()), h.size());
-    cork->bytes.append(reinterpret_cast<const char*>(chunk->published(version)), bytes);
-    ++cork->count;
-    limits_->Unpark(peer);
-    metrics_.pulls_served.fetch_add(1);
-    metrics_.pulled_bytes.fetch_add(bytes);
-    metrics_.versions_batched.fetch_add(1);
-    Actions a;
-    {
-      absl::MutexLock lock(&chunk->mu);
-      a = chunk->machine.SendDone(version);
-    }
-    return Carry(job, chunk, std::move(a));
-  }
   worker_->Send(EndpointOf(p.to.peer), wire::kAmReply, wire::AsBytes(header),
                 chunk->published(version), bytes, chunk->published_region(version),
                 [this, job, chunk, version, bytes, peer](absl::Status s) {

@@ -66,13 +66,10 @@ std::string RenderShardMetrics(const ShardMetrics& s, const ShardGauges& g) {
             "Messages carrying several requests (small chunks batched per shard).",
             s.batches_received.load(), id);
   m.Counter("optimus_shard_reply_batches_total",
-            "Messages carrying several replies (acks to a batch's pushes, small pulled versions).",
+            "Messages carrying several replies without payload (acks to a batch's pushes).",
             s.reply_batches.load(), id);
   m.Counter("optimus_shard_replies_batched_total", "Replies sent inside reply batches.",
             s.replies_batched.load(), id);
-  m.Counter("optimus_shard_versions_batched_total",
-            "Pulled versions sent inside reply batches (copied there instead of sent alone).",
-            s.versions_batched.load(), id);
   m.Counter("optimus_shard_batch_buffer_allocations_total",
             "Batch receive buffers allocated because no kept one was free.",
             g.batch_buffer_allocations, id);

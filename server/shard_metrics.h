@@ -47,8 +47,6 @@ struct ShardMetrics {
   // wire::kAmReplyBatch messages sent, and the replies they carried.
   std::atomic<uint64_t> reply_batches{0};
   std::atomic<uint64_t> replies_batched{0};
-  // Of those, pulled versions (copied into the batch, wire::kRequestBatchVersions).
-  std::atomic<uint64_t> versions_batched{0};
   // Map parts fetched from the coordinator (GetJob calls answered), and new
   // map epochs taken without a fetch (this shard's part was unchanged).
   std::atomic<uint64_t> map_fetches{0};

@@ -254,7 +254,6 @@ ShardServerStats Shard::stats() const {
   s.batches_received = metrics_.batches_received.load();
   s.reply_batches = metrics_.reply_batches.load();
   s.replies_batched = metrics_.replies_batched.load();
-  s.versions_batched = metrics_.versions_batched.load();
   s.batch_buffer_allocations = batch_buffers_->allocations();
   // Every byte still allocated, including chunks that retired but are
   // still referenced by an operation in flight.

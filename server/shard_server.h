@@ -135,7 +135,6 @@ struct ShardServerStats {
   // Messages of several replies (wire::kAmReplyBatch), and the replies in them.
   uint64_t reply_batches = 0;
   uint64_t replies_batched = 0;
-  uint64_t versions_batched = 0;  // Pulled versions among them.
   // Batch receive buffers allocated because no kept one was free (or the
   // batch was larger than wire::kBatchBytes).
   uint64_t batch_buffer_allocations = 0;

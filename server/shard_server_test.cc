@@ -9,7 +9,6 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
-#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
@@ -218,11 +217,9 @@ class Peer {
         ASSERT_TRUE(items.ok()) << items.status();
         absl::MutexLock lock(&mu_);
         ++reply_batches_;
-        max_reply_batch_bytes_ = std::max<uint64_t>(max_reply_batch_bytes_, buf->size());
-        for (const wire::BatchedReplyItem& item : *items) {
-          const wire::Reply reply = *wire::ParseReply(item.reply);
-          answers_[reply.header.request_id] =
-              Answer{reply, std::vector<uint8_t>(item.payload.begin(), item.payload.end())};
+        for (absl::Span<const uint8_t> item : *items) {
+          const wire::Reply reply = *wire::ParseReply(item);
+          answers_[reply.header.request_id] = Answer{reply, {}};
         }
       });
     });
@@ -232,10 +229,6 @@ class Peer {
   uint64_t reply_batches() {
     absl::MutexLock lock(&mu_);
     return reply_batches_;
-  }
-  uint64_t max_reply_batch_bytes() {
-    absl::MutexLock lock(&mu_);
-    return max_reply_batch_bytes_;
   }
 
   void Post(wire::RequestHeader h, const void* payload = nullptr, size_t bytes = 0) {
@@ -266,7 +259,6 @@ class Peer {
   absl::Mutex mu_;
   std::map<uint64_t, Answer> answers_ ABSL_GUARDED_BY(mu_);
   uint64_t reply_batches_ ABSL_GUARDED_BY(mu_) = 0;
-  uint64_t max_reply_batch_bytes_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 JobDescription OneChunkJob(uint64_t primary, uint64_t epoch = 1) {
@@ -667,73 +659,6 @@ TEST_F(ShardServerTest, ABatchsAcksComeBackInOneMessageWhenItsSenderTakesThem) {
   EXPECT_EQ(peer.reply_batches(), 1u);
   EXPECT_EQ(shard_->stats().reply_batches, 1u);
   EXPECT_EQ(shard_->stats().replies_batched, 4u);
-}
-
-// A sender that also takes versions in reply batches
-// (kRequestBatchVersions) gets the batch's pull answered inside the same
-// message as its acks, with the version's bytes, which equal those of the
-// version sent alone.
-TEST_F(ShardServerTest, ABatchsSmallVersionsComeBackWithItsAcksWhenItsSenderTakesThem) {
-  Load(OneChunkJob(link_->shard_id()));
-  Peer peer(fabric_, shard_->data_address());
-  const std::vector<float> init = Ramp(0.01f);
-  const std::vector<float> g0 = Ramp(0.002f), g1 = Ramp(-0.003f);
-  wire::RequestHeader push1 = Header(wire::Op::kPush, 1, 4);
-  push1.rank = 1;
-  BatchItems items = {{Header(wire::Op::kInit, 1, 1), &init},
-                      {Header(wire::Op::kPull, 1, 2), nullptr},
-                      {Header(wire::Op::kPush, 1, 3), &g0},
-                      {push1, &g1}};
-  const std::vector<uint8_t> bytes = BatchBytes(items);
-  wire::RequestHeader b = Header(wire::Op::kBatch, items.size(), 1);
-  b.num_bytes = bytes.size();
-  b.flags = wire::kRequestBatchReplies | wire::kRequestBatchVersions;
-  peer.Post(b, bytes.data(), bytes.size());
-  for (uint64_t id : {1, 3, 4}) {
-    EXPECT_TRUE(peer.Await(id).reply.status.ok()) << "request " << id;
-  }
-  Peer::Answer v1 = peer.Await(2);
-  ASSERT_TRUE(v1.reply.status.ok()) << v1.reply.status;
-  EXPECT_EQ(v1.reply.header.param_version, 1u);
-  ASSERT_EQ(v1.payload.size(), kElems * 4);
-  EXPECT_EQ(std::memcmp(v1.payload.data(), init.data(), kElems * 4), 0);
-  EXPECT_EQ(peer.reply_batches(), 1u);
-  EXPECT_EQ(shard_->stats().replies_batched, 4u);
-  EXPECT_EQ(shard_->stats().versions_batched, 1u);
-  EXPECT_EQ(shard_->stats().pulls_served, 1u);
-  // The same version pulled alone carries the same bytes.
-  Peer::Answer alone = peer.Call(Header(wire::Op::kPull, 1, 5));
-  ASSERT_TRUE(alone.reply.status.ok()) << alone.reply.status;
-  EXPECT_EQ(alone.payload, v1.payload);
-  EXPECT_EQ(peer.reply_batches(), 1u);
-}
-
-// Versions that would not fit the sender's batch buffer (wire::kBatchBytes)
-// in one reply batch leave in several, none larger than that buffer, each
-// version whole; every pull is answered with its bytes.
-TEST_F(ShardServerTest, BatchedVersionsNeverOutgrowTheSendersBatchBuffer) {
-  Load(OneChunkJob(link_->shard_id()));
-  Peer peer(fabric_, shard_->data_address());
-  const std::vector<float> init = Ramp(0.01f);
-  ASSERT_TRUE(peer.Call(Header(wire::Op::kInit, 1, 1), init.data(), kElems * 4).reply.status.ok());
-  constexpr uint32_t kPulls = 300;  // 300 x 16 KiB: about 4.7 batch buffers.
-  BatchItems items;
-  for (uint32_t i = 0; i < kPulls; ++i) items.push_back({Header(wire::Op::kPull, 1, 100 + i), nullptr});
-  const std::vector<uint8_t> bytes = BatchBytes(items);
-  wire::RequestHeader b = Header(wire::Op::kBatch, items.size(), 100);
-  b.num_bytes = bytes.size();
-  b.flags = wire::kRequestBatchReplies | wire::kRequestBatchVersions;
-  peer.Post(b, bytes.data(), bytes.size());
-  for (uint32_t i = 0; i < kPulls; ++i) {
-    Peer::Answer a = peer.Await(100 + i);
-    ASSERT_TRUE(a.reply.status.ok()) << "pull " << i << ": " << a.reply.status;
-    ASSERT_EQ(a.payload.size(), kElems * 4) << "pull " << i;
-    EXPECT_EQ(std::memcmp(a.payload.data(), init.data(), kElems * 4), 0) << "pull " << i;
-  }
-  const uint64_t per_batch = wire::kBatchBytes / (sizeof(wire::ReplyHeader) + kElems * 4);
-  EXPECT_EQ(peer.reply_batches(), (kPulls + per_batch - 1) / per_batch);
-  EXPECT_LE(peer.max_reply_batch_bytes(), wire::kBatchBytes);
-  EXPECT_EQ(shard_->stats().versions_batched, kPulls);
 }
 
 // A commit round's acks leave the step threads (after each chunk's reduce).

@@ -77,8 +77,7 @@ void CheckReply(absl::Span<const uint8_t> bytes) {
 
 // A reply batch (the worker's side of kAmReplyBatch): the first four bytes
 // as the count, the rest as the payload. What is accepted is `count`
-// replies, each one ParseReply accepts and each followed by its small
-// version, that fill the payload exactly.
+// replies, each one ParseReply accepts, that fill the payload exactly.
 void CheckReplyBatch(absl::Span<const uint8_t> bytes) {
   if (bytes.size() < 4) return;
   uint32_t count;
@@ -92,15 +91,10 @@ void CheckReplyBatch(absl::Span<const uint8_t> bytes) {
   }
   Require(items->size() == count % 64, "an accepted batch holds its count");
   size_t total = 0;
-  for (const optimus::wire::BatchedReplyItem& item : *items) {
-    Require(item.reply.data() == payload.data() + total, "the replies are back to back");
-    Require(ParseReply(item.reply).ok(), "every reply of an accepted batch parses");
-    total += item.reply.size();
-    Require(item.payload.size() <= optimus::wire::kMaxBatchedVersionBytes,
-            "a batched version is small");
-    Require(item.payload.empty() || item.payload.data() == payload.data() + total,
-            "a reply's version follows it");
-    total += item.payload.size();
+  for (absl::Span<const uint8_t> item : *items) {
+    Require(item.data() == payload.data() + total, "the replies are back to back");
+    Require(ParseReply(item).ok(), "every reply of an accepted batch parses");
+    total += item.size();
   }
   Require(total == payload.size(), "the replies fill the payload");
   optimus::wire::ParseReplyBatchHeader(bytes).IgnoreError();
