@@ -16,6 +16,7 @@
 #include <cstdlib>
 #include <functional>
 #include <iostream>
+#include <map>
 #include <memory>
 #include <new>
 #include <string>
@@ -371,24 +372,44 @@ ucs_log_func_rc_t CatchUcxWarning(const char*, unsigned, const char*, ucs_log_le
   return UCS_LOG_FUNC_RC_CONTINUE;
 }
 
-// Every setting a detecting worker applies reaches a transport UCX opened
-// (tcp's receive segment, shared memory's error handling, ...): UCX takes
-// none of them as an invalid configuration, over tcp, shared memory and
-// everything UCX offers here.
+// Every setting a detecting worker applies reaches its transport when UCX
+// uses that transport (tcp's receive segment over tcp, shared memory's error
+// handling over sysv/posix, cma's memory invalidation over cma): UCX takes
+// none of them as an invalid configuration. A setting whose transport this
+// machine lacks has no taker and is warned about harmlessly (cma under
+// qemu-user, which does not emulate process_vm_readv); a key this test does
+// not know must always be taken.
 TEST(UcxWorkerTest, DetectionSettingsReachTheirTransports) {
-  std::vector<std::string> warnings;
-  ucx_warnings = &warnings;
-  ucs_log_push_handler(CatchUcxWarning);
+  const std::map<std::string, std::vector<std::string>> transports_of = {
+      {"RX_SEG_SIZE", {"tcp"}},
+      {"MM_ERROR_HANDLING", {"sysv", "posix"}},
+      {"MEMORY_INVALIDATE", {"cma"}},
+  };
   for (const char* tls : {"tcp", "sm,self", "all"}) {
+    std::vector<std::string> warnings;
+    ucx_warnings = &warnings;
+    ucs_log_push_handler(CatchUcxWarning);
     WorkerOptions o;
     o.transports = tls;
     o.net_devices = "lo";
-    EXPECT_NE(TransportsBetweenTwo(o), "") << tls;
-  }
-  ucs_log_pop_handler();
-  ucx_warnings = nullptr;
-  for (const std::string& w : warnings) {
-    EXPECT_EQ(w.find("invalid configuration"), std::string::npos) << w;
+    const std::string used = TransportsBetweenTwo(o);
+    ucs_log_pop_handler();
+    ucx_warnings = nullptr;
+    EXPECT_NE(used, "") << tls;
+    if (std::string(tls) == "tcp") EXPECT_EQ(used, "tcp");
+    for (const std::string& w : warnings) {
+      const size_t at = w.find("invalid configuration: ");
+      if (at == std::string::npos) continue;
+      const std::string key = w.substr(at + 23, w.find('=', at) - at - 23);
+      auto it = transports_of.find(key);
+      bool in_use = it == transports_of.end();
+      if (!in_use) {
+        for (const std::string& t : it->second) {
+          if (used.find(t) != std::string::npos) in_use = true;
+        }
+      }
+      EXPECT_FALSE(in_use) << tls << ": " << w << " (transports in use: " << used << ")";
+    }
   }
 }
 
