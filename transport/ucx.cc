@@ -466,8 +466,8 @@ class UcxWorker : public Worker {
         if (mst == UCS_OK) {
           detection.push_back(absl::StrCat(s.env.front(), "=", s.value));
         } else {
-          OPTIMUS_LOG(Warning, kLog, options_.name, ": could not set UCX ", s.key, "=", s.value,
-                      " (", ucs_status_string(mst), "); dead peers may be found later");
+          OPTIMUS_LOG(Warning, kLog, options_.name, ": could not set ", s.env.front(), "=",
+                      s.value, " (", ucs_status_string(mst), "); UCX's default stays");
         }
       }
     }

@@ -9,10 +9,9 @@
 #include <ucs/debug/log_def.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cstdarg>
 #include <cstdio>
-
-#include <atomic>
 #include <cstdlib>
 #include <functional>
 #include <iostream>
@@ -23,6 +22,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
@@ -398,9 +398,11 @@ TEST(UcxWorkerTest, DetectionSettingsReachTheirTransports) {
     EXPECT_NE(used, "") << tls;
     if (std::string(tls) == "tcp") EXPECT_EQ(used, "tcp");
     for (const std::string& w : warnings) {
-      const size_t at = w.find("invalid configuration: ");
+      static constexpr absl::string_view kInvalid = "invalid configuration: ";
+      const size_t at = absl::string_view(w).find(kInvalid);
       if (at == std::string::npos) continue;
-      const std::string key = w.substr(at + 23, w.find('=', at) - at - 23);
+      const size_t from = at + kInvalid.size();
+      const std::string key = w.substr(from, w.find('=', from) - from);
       auto it = transports_of.find(key);
       bool in_use = it == transports_of.end();
       if (!in_use) {
