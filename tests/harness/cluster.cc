@@ -68,6 +68,13 @@ float Gradient(float param, uint64_t step, uint32_t rank, uint32_t tensor, size_
                                  0.1f * step + rank);
 }
 
+size_t BitMismatches(const std::vector<float>& got, const std::vector<float>& want) {
+  if (got.size() != want.size()) return SIZE_MAX;
+  size_t n = 0;
+  for (size_t i = 0; i < got.size(); ++i) n += std::memcmp(&got[i], &want[i], sizeof(float)) != 0;
+  return n;
+}
+
 absl::StatusOr<std::vector<float>> ReferenceParams(const client::JobDef& def, uint32_t tensor,
                                                    uint64_t steps) {
   if (tensor >= def.tensors.size()) {

@@ -62,6 +62,11 @@ float Gradient(float param, uint64_t step, uint32_t rank, uint32_t tensor, size_
 absl::StatusOr<std::vector<float>> ReferenceParams(const client::JobDef& def, uint32_t tensor,
                                                    uint64_t steps);
 
+// Elements of `got` that differ from `want` in any bit (so NaNs, and -0
+// against +0, count too), or SIZE_MAX when the sizes differ: how a test
+// says a cluster's parameters are ReferenceParams' bit for bit.
+size_t BitMismatches(const std::vector<float>& got, const std::vector<float>& want);
+
 // A small AdamW job (tensors "weight" 200x257 and "bias" 37, bf16 gradients
 // and parameters, lr 1e-2, weight decay 0.1) cut into max_chunk_bytes
 // chunks (64 KiB: 16384 elements, so both tensors spread over the shards).

@@ -4,7 +4,8 @@
 // use of it is an error rather than a crash.
 #include "tests/harness/cluster.h"
 
-#include <cstring>
+#include <cmath>
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
@@ -16,11 +17,17 @@ namespace optimus {
 namespace harness {
 namespace {
 
-size_t Mismatches(const std::vector<float>& got, const std::vector<float>& want) {
-  if (got.size() != want.size()) return SIZE_MAX;
-  size_t n = 0;
-  for (size_t i = 0; i < got.size(); ++i) n += std::memcmp(&got[i], &want[i], 4) != 0;
-  return n;
+// The comparison the integration tests use against ReferenceParams: any
+// bit counts, so a sign flip of zero or a different NaN is a mismatch
+// where operator== would say equal (or, for NaNs, never equal).
+TEST(HarnessTest, BitMismatchesCountsEveryDifferingBit) {
+  const float nan = std::nanf("");
+  EXPECT_EQ(BitMismatches({1.0f, nan, 0.0f}, {1.0f, nan, 0.0f}), 0u);
+  EXPECT_EQ(BitMismatches({0.0f, 1.0f}, {-0.0f, 1.0f}), 1u);
+  EXPECT_EQ(BitMismatches({nan, 2.0f}, {-nan, 2.0f}), 1u);
+  EXPECT_EQ(BitMismatches({1.0f, 2.0f, 3.0f}, {1.0f, std::nextafter(2.0f, 3.0f), 4.0f}), 2u);
+  EXPECT_EQ(BitMismatches({1.0f}, {1.0f, 2.0f}), SIZE_MAX);
+  EXPECT_EQ(BitMismatches({}, {}), 0u);
 }
 
 TEST(HarnessTest, LoopbackClusterRunsEveryPartOnItsFabricAndLeavesNothing) {
@@ -41,7 +48,7 @@ TEST(HarnessTest, LoopbackClusterRunsEveryPartOnItsFabricAndLeavesNothing) {
     ASSERT_OK_AND_ASSIGN(std::vector<float> got, c->PullFp32(0, 3, /*rank=*/2));
     ASSERT_OK_AND_ASSIGN(std::vector<float> want,
                          ReferenceParams(SmallJob("all-loopback", 3), 0, 2));
-    EXPECT_EQ(Mismatches(got, want), 0u);
+    EXPECT_EQ(BitMismatches(got, want), 0u);
   }
   // Every worker and shard was destroyed with the cluster.
   EXPECT_EQ(fabric->num_workers(), 0u);
@@ -72,7 +79,7 @@ TEST(HarnessTest, JobsFollowOneAnotherOnTheSameShards) {
   ASSERT_OK(c->Train(1, 4));
   ASSERT_OK_AND_ASSIGN(std::vector<float> got, c->PullFp32(1, 5));
   ASSERT_OK_AND_ASSIGN(std::vector<float> want, ReferenceParams(second, 1, 4));
-  EXPECT_EQ(Mismatches(got, want), 0u);
+  EXPECT_EQ(BitMismatches(got, want), 0u);
   // Both jobs' state is held (nothing deletes the first here).
   uint64_t before = 0, now = 0;
   for (uint64_t b : after_first) before += b;

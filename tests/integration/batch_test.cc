@@ -2,7 +2,6 @@
 // pulls corked (Client::Cork): the small chunks go to each shard in a few
 // batched messages instead of one message each, over loopback and UCX, and
 // the result is still the single-process reference bit for bit.
-#include <cstring>
 #include <memory>
 #include <string>
 #include <thread>
@@ -111,8 +110,7 @@ class BatchTest : public ::testing::TestWithParam<TransportKind> {
     for (uint32_t t : {0u, 1u, kTensors / 2, kTensors - 1}) {
       ASSERT_OK_AND_ASSIGN(std::vector<float> got, cluster->PullFp32(t, kSteps + 1, 0));
       ASSERT_OK_AND_ASSIGN(std::vector<float> want, harness::ReferenceParams(def, t, kSteps));
-      ASSERT_EQ(got.size(), want.size());
-      EXPECT_EQ(std::memcmp(got.data(), want.data(), got.size() * 4), 0) << "tensor " << t;
+      EXPECT_EQ(harness::BitMismatches(got, want), 0u) << "tensor " << t;
     }
     // 300 chunks per worker per step over 2 shards, each direction: a
     // handful of batches instead of 2 x 300 x 2 x 4 messages.
@@ -216,8 +214,7 @@ TEST_P(BatchTest, CorkedBurstsOfBatchesFinishAndTrainExactlyTheReference) {
   for (const absl::Status& s : results) ASSERT_OK(s);
   ASSERT_OK_AND_ASSIGN(std::vector<float> got, cluster->PullFp32(0, kSteps + 1, 0));
   ASSERT_OK_AND_ASSIGN(std::vector<float> want, harness::ReferenceParams(def, 0, kSteps));
-  ASSERT_EQ(got.size(), want.size());
-  EXPECT_EQ(std::memcmp(got.data(), want.data(), got.size() * 4), 0);
+  EXPECT_EQ(harness::BitMismatches(got, want), 0u);
   // The pushes went in batches (several per worker per step), not one
   // message per chunk.
   uint64_t batches = 0;

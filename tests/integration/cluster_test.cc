@@ -4,7 +4,6 @@
 // Checks the training result against a single-process reference and that
 // every kind of bad request is refused with a clear error and changes nothing.
 #include <cmath>
-#include <cstring>
 #include <memory>
 #include <string>
 #include <thread>
@@ -78,17 +77,6 @@ class ClusterTest : public ::testing::TestWithParam<TransportKind> {
     return want.ok() ? *want : std::vector<float>();
   }
 
-  // Elements that differ in any bit (NaNs included), or SIZE_MAX when the
-  // sizes differ.
-  static size_t Mismatches(const std::vector<float>& got, const std::vector<float>& want) {
-    if (got.size() != want.size()) return SIZE_MAX;
-    size_t n = 0;
-    for (size_t i = 0; i < got.size(); ++i) {
-      n += std::memcmp(&got[i], &want[i], sizeof(float)) != 0;
-    }
-    return n;
-  }
-
   std::unique_ptr<Cluster> cluster_;
 };
 
@@ -107,7 +95,7 @@ TEST_P(ClusterTest, TwentyAdamWStepsMatchSingleProcessReference) {
     std::vector<float> want = Reference(def, t, 20);
     ASSERT_EQ(got.size(), want.size());
     // Same summation order, same elementwise math: bitwise equal.
-    EXPECT_EQ(Mismatches(got, want), 0u) << "tensor " << t;
+    EXPECT_EQ(harness::BitMismatches(got, want), 0u) << "tensor " << t;
     // And training moved the parameters.
     EXPECT_NE(got[5], harness::InitialValue(t, 5));
   }
@@ -134,7 +122,7 @@ TEST_P(ClusterWithKernelPoolTest, LionSplitOverThreadsMatchesReferenceBitwise) {
     std::vector<float> got = PullFp32(0, t, 13);
     std::vector<float> want = Reference(def, t, 12);
     ASSERT_EQ(got.size(), want.size());
-    EXPECT_EQ(Mismatches(got, want), 0u) << "tensor " << t;
+    EXPECT_EQ(harness::BitMismatches(got, want), 0u) << "tensor " << t;
     EXPECT_NE(got[5], harness::InitialValue(t, 5));
   }
 }
@@ -146,7 +134,7 @@ TEST_P(ClusterTest, Bf16GradientsAndParametersMatchReference) {
   for (uint32_t t = 0; t < 2; ++t) {
     std::vector<float> got = PullFp32(0, t, 21);
     std::vector<float> want = Reference(def, t, 20);
-    EXPECT_EQ(Mismatches(got, want), 0u) << "tensor " << t;
+    EXPECT_EQ(harness::BitMismatches(got, want), 0u) << "tensor " << t;
   }
 }
 

@@ -10,7 +10,6 @@
 
 #include <algorithm>
 #include <cstdio>
-#include <cstring>
 #include <string>
 #include <thread>
 #include <vector>
@@ -42,13 +41,6 @@ client::JobDef BigJob(const std::string& name, uint32_t world_size, uint32_t rep
   def.max_chunk_bytes = 1 << 20;
   def.replication = replication;
   return def;
-}
-
-size_t Mismatches(const std::vector<float>& got, const std::vector<float>& want) {
-  if (got.size() != want.size()) return SIZE_MAX;
-  size_t n = 0;
-  for (size_t i = 0; i < got.size(); ++i) n += std::memcmp(&got[i], &want[i], 4) != 0;
-  return n;
 }
 
 class JobLifecycleTest : public ::testing::TestWithParam<TransportKind> {
@@ -124,7 +116,7 @@ class JobLifecycleTest : public ::testing::TestWithParam<TransportKind> {
       ASSERT_OK_AND_ASSIGN(std::vector<float> want, ReferenceParams(def, t, steps));
       for (uint32_t r = 0; r < got.size(); ++r) {
         ASSERT_OK(got[r].status());
-        EXPECT_EQ(Mismatches(*got[r], want), 0u) << def.name << " tensor " << t << " rank " << r;
+        EXPECT_EQ(BitMismatches(*got[r], want), 0u) << def.name << " tensor " << t << " rank " << r;
       }
     }
   }
