@@ -1,12 +1,10 @@
 #include "cli/checkpoint.h"
 
-#include <chrono>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "cli/status.h"
 #include "common/grpc_limits.h"
-#include "common/grpc_status.h"
 #include "grpcpp/grpcpp.h"
 #include "proto/optimus.grpc.pb.h"
 
@@ -17,19 +15,6 @@ std::unique_ptr<v1::Coordinator::Stub> Stub(const std::string& address) {
   return v1::Coordinator::NewStub(CoordinatorChannel(address));
 }
 
-void SetDeadline(grpc::ClientContext* ctx, absl::Duration timeout) {
-  ctx->set_deadline(std::chrono::system_clock::now() +
-                    std::chrono::milliseconds(absl::ToInt64Milliseconds(timeout)));
-}
-
-absl::Status Convert(const grpc::Status& s, const std::string& address) {
-  if (s.error_code() == grpc::StatusCode::UNAVAILABLE ||
-      s.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED) {
-    return absl::UnavailableError(
-        absl::StrCat("cannot reach coordinator at ", address, ": ", s.error_message()));
-  }
-  return FromGrpc(s);
-}
 
 
 }  // namespace
@@ -41,8 +26,8 @@ absl::StatusOr<v1::CheckpointInfo> CreateCheckpointRpc(const std::string& addres
   req.set_job_name(job_name);
   v1::CreateCheckpointResponse resp;
   grpc::ClientContext ctx;
-  SetDeadline(&ctx, timeout);
-  if (auto s = Convert(Stub(address)->CreateCheckpoint(&ctx, req, &resp), address); !s.ok()) {
+  SetCliDeadline(&ctx, timeout);
+  if (auto s = CoordinatorCallStatus(Stub(address)->CreateCheckpoint(&ctx, req, &resp), address); !s.ok()) {
     return s;
   }
   return resp.checkpoint();
@@ -55,8 +40,8 @@ absl::StatusOr<std::vector<v1::CheckpointInfo>> ListCheckpointsRpc(const std::st
   req.set_job_name(job_name);
   v1::ListCheckpointsResponse resp;
   grpc::ClientContext ctx;
-  SetDeadline(&ctx, timeout);
-  if (auto s = Convert(Stub(address)->ListCheckpoints(&ctx, req, &resp), address); !s.ok()) {
+  SetCliDeadline(&ctx, timeout);
+  if (auto s = CoordinatorCallStatus(Stub(address)->ListCheckpoints(&ctx, req, &resp), address); !s.ok()) {
     return s;
   }
   return std::vector<v1::CheckpointInfo>(resp.checkpoints().begin(), resp.checkpoints().end());
@@ -66,8 +51,8 @@ absl::StatusOr<v1::RestoreCheckpointResponse> RestoreCheckpointRpc(
     const std::string& address, absl::Duration timeout, const v1::RestoreCheckpointRequest& req) {
   v1::RestoreCheckpointResponse resp;
   grpc::ClientContext ctx;
-  SetDeadline(&ctx, timeout);
-  if (auto s = Convert(Stub(address)->RestoreCheckpoint(&ctx, req, &resp), address); !s.ok()) {
+  SetCliDeadline(&ctx, timeout);
+  if (auto s = CoordinatorCallStatus(Stub(address)->RestoreCheckpoint(&ctx, req, &resp), address); !s.ok()) {
     return s;
   }
   return resp;

@@ -1,11 +1,8 @@
 #include "cli/drain.h"
 
-#include <chrono>
-
 #include "absl/strings/str_cat.h"
 #include "cli/status.h"
 #include "common/grpc_limits.h"
-#include "common/grpc_status.h"
 #include "grpcpp/grpcpp.h"
 #include "proto/optimus.grpc.pb.h"
 
@@ -15,18 +12,14 @@ absl::StatusOr<v1::DrainShardResponse> DrainShardRpc(const std::string& address,
                                                      absl::Duration timeout, uint64_t shard_id) {
   auto stub = v1::Coordinator::NewStub(CoordinatorChannel(address));
   grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() +
-                   std::chrono::milliseconds(absl::ToInt64Milliseconds(timeout)));
+  SetCliDeadline(&ctx, timeout);
   v1::DrainShardRequest req;
   req.set_shard_id(shard_id);
   v1::DrainShardResponse resp;
-  const grpc::Status s = stub->DrainShard(&ctx, req, &resp);
-  if (s.error_code() == grpc::StatusCode::UNAVAILABLE ||
-      s.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED) {
-    return absl::UnavailableError(
-        absl::StrCat("cannot reach coordinator at ", address, ": ", s.error_message()));
+  if (absl::Status s = CoordinatorCallStatus(stub->DrainShard(&ctx, req, &resp), address);
+      !s.ok()) {
+    return s;
   }
-  if (!s.ok()) return FromGrpc(s);
   return resp;
 }
 

@@ -1,11 +1,9 @@
 #include "cli/lifecycle.h"
 
-#include <chrono>
 
 #include "absl/strings/str_cat.h"
 #include "cli/status.h"
 #include "common/grpc_limits.h"
-#include "common/grpc_status.h"
 #include "grpcpp/grpcpp.h"
 #include "proto/optimus.grpc.pb.h"
 
@@ -16,19 +14,6 @@ std::unique_ptr<v1::Coordinator::Stub> Stub(const std::string& address) {
   return v1::Coordinator::NewStub(CoordinatorChannel(address));
 }
 
-void SetDeadline(grpc::ClientContext* ctx, absl::Duration timeout) {
-  ctx->set_deadline(std::chrono::system_clock::now() +
-                    std::chrono::milliseconds(absl::ToInt64Milliseconds(timeout)));
-}
-
-absl::Status Convert(const grpc::Status& s, const std::string& address) {
-  if (s.error_code() == grpc::StatusCode::UNAVAILABLE ||
-      s.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED) {
-    return absl::UnavailableError(
-        absl::StrCat("cannot reach coordinator at ", address, ": ", s.error_message()));
-  }
-  return FromGrpc(s);
-}
 
 const char* JobStateWord(v1::JobState s) {
   switch (s) {
@@ -46,13 +31,13 @@ absl::StatusOr<v1::CreateJobResponse> CreateJobRpc(const std::string& address,
                                                    const v1::JobSpec& spec,
                                                    const std::string& job_token) {
   grpc::ClientContext ctx;
-  SetDeadline(&ctx, timeout);
+  SetCliDeadline(&ctx, timeout);
   v1::CreateJobRequest req;
   *req.mutable_spec() = spec;
   req.set_job_token(job_token);
   v1::CreateJobResponse resp;
   const grpc::Status s = Stub(address)->CreateJob(&ctx, req, &resp);
-  if (!s.ok()) return Convert(s, address);
+  if (!s.ok()) return CoordinatorCallStatus(s, address);
   return resp;
 }
 
@@ -60,13 +45,13 @@ absl::StatusOr<v1::DeleteJobResponse> DeleteJobRpc(const std::string& address,
                                                    absl::Duration timeout,
                                                    const std::string& job_name, bool force) {
   grpc::ClientContext ctx;
-  SetDeadline(&ctx, timeout);
+  SetCliDeadline(&ctx, timeout);
   v1::DeleteJobRequest req;
   req.set_job_name(job_name);
   req.set_force(force);
   v1::DeleteJobResponse resp;
   const grpc::Status s = Stub(address)->DeleteJob(&ctx, req, &resp);
-  if (!s.ok()) return Convert(s, address);
+  if (!s.ok()) return CoordinatorCallStatus(s, address);
   return resp;
 }
 
@@ -87,12 +72,12 @@ absl::StatusOr<v1::ForgetShardResponse> ForgetShardRpc(const std::string& addres
                                                        absl::Duration timeout,
                                                        uint64_t shard_id) {
   grpc::ClientContext ctx;
-  SetDeadline(&ctx, timeout);
+  SetCliDeadline(&ctx, timeout);
   v1::ForgetShardRequest req;
   req.set_shard_id(shard_id);
   v1::ForgetShardResponse resp;
   const grpc::Status s = Stub(address)->ForgetShard(&ctx, req, &resp);
-  if (!s.ok()) return Convert(s, address);
+  if (!s.ok()) return CoordinatorCallStatus(s, address);
   return resp;
 }
 

@@ -464,6 +464,14 @@ TEST(OptimusctlErrorsTest, UnreachableCoordinatorExitsOneWithAClearMessage) {
   EXPECT_THAT(r.err, HasSubstr("cannot reach coordinator at " + address + ":"));
   EXPECT_TRUE(r.out.empty()) << r.out;
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
+  // Every command that calls the coordinator says so the same way.
+  for (const char* command : {"checkpoint list some-job", "checkpoint create some-job",
+                              "job delete some-job", "shard forget 7", "drain 7"}) {
+    const RunResult c = RunOptimusctl(
+        absl::StrCat("--coordinator=", address, " --timeout_ms=1000 ", command));
+    EXPECT_EQ(c.exit_code, 1) << command << ": " << c.err;
+    EXPECT_THAT(c.err, HasSubstr("cannot reach coordinator at " + address + ":")) << command;
+  }
 }
 
 // A leader and a standby (state in etcd): the standby does not listen, and

@@ -261,6 +261,20 @@ void SetCliConnectWait(absl::Duration wait) {
   cli_connect_wait = wait;
 }
 
+void SetCliDeadline(grpc::ClientContext* ctx, absl::Duration timeout) {
+  ctx->set_deadline(std::chrono::system_clock::now() +
+                    std::chrono::milliseconds(absl::ToInt64Milliseconds(timeout)));
+}
+
+absl::Status CoordinatorCallStatus(const grpc::Status& s, const std::string& address) {
+  if (s.error_code() == grpc::StatusCode::UNAVAILABLE ||
+      s.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED) {
+    return absl::UnavailableError(
+        absl::StrCat("cannot reach coordinator at ", address, ": ", s.error_message()));
+  }
+  return FromGrpc(s);
+}
+
 void ReleaseCliChannels() {
   absl::flat_hash_map<std::string, std::shared_ptr<CoordinatorChannels>> channels;
   {
@@ -319,17 +333,11 @@ absl::StatusOr<v1::StatusResponse> FetchStatus(const std::string& address,
   v1::StatusResponse all;
   for (int page = 0;; ++page) {
     grpc::ClientContext ctx;
-    ctx.set_deadline(std::chrono::system_clock::now() +
-                     std::chrono::milliseconds(absl::ToInt64Milliseconds(timeout)));
+    SetCliDeadline(&ctx, timeout);
     v1::StatusResponse resp;
-    const grpc::Status s = stub->Status(&ctx, req, &resp);
-    if (s.error_code() == grpc::StatusCode::UNAVAILABLE ||
-        s.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED) {
-      return absl::UnavailableError(
-          absl::StrCat("cannot reach coordinator at ", address, ": ", s.error_message()));
-    }
-    if (!s.ok()) {
-      absl::Status err = FromGrpc(s);
+    if (absl::Status err = CoordinatorCallStatus(stub->Status(&ctx, req, &resp), address);
+        !err.ok()) {
+      if (absl::IsUnavailable(err)) return err;
       return absl::Status(err.code(),
                           absl::StrCat("coordinator at ", address, ": ", err.message()));
     }

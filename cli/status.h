@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "cli/output.h"
 #include "common/security.h"
@@ -39,6 +40,13 @@ void SetCliConnectWait(absl::Duration wait);
 // their TLS connections' OpenSSL state was never freed (LeakSanitizer in
 // --config=fuzz, coordinator_takeover_test).
 void ReleaseCliChannels();
+// What every optimusctl call to the coordinator does around its RPC: the
+// deadline `timeout` from now on `ctx`, and the RPC's status for the
+// operator. A coordinator that cannot be reached or did not answer in time
+// (UNAVAILABLE, DEADLINE_EXCEEDED) is UNAVAILABLE "cannot reach coordinator
+// at ADDRESS: ..."; any other error is the coordinator's own (FromGrpc).
+void SetCliDeadline(grpc::ClientContext* ctx, absl::Duration timeout);
+absl::Status CoordinatorCallStatus(const grpc::Status& s, const std::string& address);
 
 inline constexpr uint32_t kDefaultStatusPageSize = 1000;
 
