@@ -1,0 +1,47 @@
+// Runs //bench:ucx_pair briefly over tcp on loopback and checks what its
+// lines say: one line per way of connecting, both moved every message, and
+// the lanes UCX gave the sender: an endpoint opened to a worker address has
+// no zero-copy rendezvous lane (rma_bw) over tcp under peer-failure
+// detection, one made through UCX's client-server flow has it
+// (docs/benchmarks.md, "A bare UCX pair"). No figure is compared with a
+// speed: the machine may be busy.
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "absl/strings/str_split.h"
+#include "bench/smoke_test_util.h"
+#include "common/json.h"
+
+namespace optimus {
+namespace {
+
+TEST(UcxPairSmokeTest, TcpAddressEndpointsLackTheRendezvousLaneClientServerOnesHaveIt) {
+  const std::string out = bench::RunBenchCommand(
+      bench::RunfilesRoot() +
+      "/bench/ucx_pair --tls=tcp --size=1048576 --count=50 --burst=4 --buffers=4 --rounds=1");
+  std::vector<nlohmann::json> lines;
+  for (absl::string_view l : absl::StrSplit(out, '\n', absl::SkipEmpty())) {
+    lines.push_back(nlohmann::json::parse(l, nullptr, /*allow_exceptions=*/false));
+    ASSERT_TRUE(lines.back().is_object()) << l;
+  }
+  ASSERT_EQ(lines.size(), 2u) << out;
+  const nlohmann::json& addr = lines[0];
+  const nlohmann::json& cm = lines[1];
+  EXPECT_EQ(addr.value("connect", ""), "addr");
+  EXPECT_EQ(cm.value("connect", ""), "cm");
+  for (const nlohmann::json* l : {&addr, &cm}) {
+    EXPECT_FALSE(l->contains("error")) << l->dump();
+    EXPECT_EQ(l->value("bench", ""), "ucx_pair");
+    EXPECT_EQ(l->value("msg_bytes", 0), 1048576);
+    EXPECT_GT(l->value("gbps", 0.0), 0.0) << l->dump();
+    EXPECT_NE(l->value("lanes", "").find("tcp/lo"), std::string::npos) << l->dump();
+  }
+  EXPECT_EQ(addr.value("lanes", "").find("rma_bw"), std::string::npos) << addr.dump();
+  EXPECT_NE(cm.value("lanes", "").find("rma_bw"), std::string::npos) << cm.dump();
+  EXPECT_GT(cm.value("ratio_to_addr", 0.0), 0.0) << cm.dump();
+}
+
+}  // namespace
+}  // namespace optimus
