@@ -53,6 +53,9 @@ ABSL_FLAG(int, count, 1000, "timed messages per measurement (a tenth more go fir
 ABSL_FLAG(int, burst, 8, "messages posted at once; the next burst waits for all of them");
 ABSL_FLAG(int, buffers, 8, "rotating buffers on each side (8 x 4 MiB: a 32 MiB tensor)");
 ABSL_FLAG(int, rounds, 3, "alternating rounds of addr and cm");
+ABSL_FLAG(double, gap_ms, 0,
+          "idle time between bursts, not counted (the send direction idle, as while optimus "
+          "pulls the next version between two pushes)");
 ABSL_FLAG(double, timeout_s, 120, "give up on a measurement after this long");
 
 namespace {
@@ -323,6 +326,8 @@ Result Measure(bool cm) {
   std::vector<char> buffers(size * nbuf, 1);
   std::vector<void*> in_flight;
   long sent = 0, done = 0;
+  const std::chrono::duration<double, std::milli> gap(absl::GetFlag(FLAGS_gap_ms));
+  std::chrono::duration<double> idle(0);
   auto start = std::chrono::steady_clock::now();
   const auto deadline = start + std::chrono::duration<double>(absl::GetFlag(FLAGS_timeout_s));
   while (done < count + warm && !u.failed) {
@@ -332,6 +337,11 @@ Result Measure(bool cm) {
       break;
     }
     if (in_flight.empty()) {
+      if (gap.count() > 0 && sent > 0) {
+        const auto idle_from = std::chrono::steady_clock::now();
+        while (std::chrono::steady_clock::now() - idle_from < gap) ucp_worker_progress(u.worker);
+        idle += std::chrono::steady_clock::now() - idle_from;
+      }
       for (int i = 0; i < burst && sent < count + warm; ++i, ++sent) {
         ucp_request_param_t sp;
         std::memset(&sp, 0, sizeof(sp));
@@ -358,11 +368,14 @@ Result Measure(bool cm) {
       ucp_request_free(in_flight[i]);
       in_flight[i] = in_flight.back();
       in_flight.pop_back();
-      if (++done == warm) start = std::chrono::steady_clock::now();
+      if (++done == warm) {
+        start = std::chrono::steady_clock::now();
+        idle = std::chrono::duration<double>(0);
+      }
     }
   }
   const double seconds =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start - idle).count();
   out.lanes = LanesOf(ep);
   if (u.failed) {
     out.error = u.failure;
@@ -415,6 +428,7 @@ int main(int argc, char** argv) {
       line["msg_bytes"] = absl::GetFlag(FLAGS_size);
       line["burst"] = absl::GetFlag(FLAGS_burst);
       line["buffers"] = absl::GetFlag(FLAGS_buffers);
+      line["gap_ms"] = absl::GetFlag(FLAGS_gap_ms);
       line["lanes"] = r.lanes;
       if (!r.error.empty()) {
         line["error"] = r.error;
