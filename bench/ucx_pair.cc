@@ -24,6 +24,7 @@
 //
 //   bazel run -c opt //bench:ucx_pair -- --tls=tcp --size=4194304 --rounds=3
 #include <sched.h>
+#include <sys/prctl.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <ucp/api/ucp.h>
@@ -231,7 +232,11 @@ int RunReceiver(bool cm, int fd, long expect) {
   const uint64_t n = what.size();
   if (!WriteAll(fd, &n, sizeof(n)) || !WriteAll(fd, what.data(), what.size())) return 1;
   close(fd);
-  while (r.landed < expect && !r.ucx.failed) ucp_worker_progress(r.ucx.worker);
+  const auto give_up =
+      std::chrono::steady_clock::now() + std::chrono::duration<double>(absl::GetFlag(FLAGS_timeout_s));
+  while (r.landed < expect && !r.ucx.failed && std::chrono::steady_clock::now() < give_up) {
+    ucp_worker_progress(r.ucx.worker);
+  }
   // Let the sender see its last completions before this process goes.
   const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(300);
   while (std::chrono::steady_clock::now() < until) ucp_worker_progress(r.ucx.worker);
@@ -274,6 +279,7 @@ Result Measure(bool cm) {
   const pid_t child = fork();
   if (child < 0) return {0, "", "fork failed"};
   if (child == 0) {
+    prctl(PR_SET_PDEATHSIG, SIGKILL);  // Never outlives the sender.
     close(pipe_fd[0]);
     _exit(RunReceiver(cm, pipe_fd[1], count + warm));
   }
