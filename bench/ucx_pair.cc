@@ -19,6 +19,9 @@
 //         keeps tcp's zero-copy rendezvous lane (rma_bw) under
 //         UCP_ERR_HANDLING_MODE_PEER, which address-connected tcp endpoints
 //         lose ("lanes" in each line says which lanes the sender got).
+// --gap_ms idles the sender between bursts (uncounted) and --evict_mb has
+// the receiver stream other memory after each landed burst, as a shard's
+// steps do between two pushes.
 // The cm line carries ratio_to_addr (its goodput over the addr line of the
 // same round), the baseline being the way optimus connects today.
 //
@@ -57,6 +60,10 @@ ABSL_FLAG(int, rounds, 3, "alternating rounds of addr and cm");
 ABSL_FLAG(double, gap_ms, 0,
           "idle time between bursts, not counted (the send direction idle, as while optimus "
           "pulls the next version between two pushes)");
+ABSL_FLAG(int64_t, evict_mb, 0,
+          "after each burst has landed, the receiver reads and writes this many MiB of other "
+          "memory, as a shard's steps stream the optimizer state between two pushes (use with "
+          "--gap_ms long enough to cover it, so that the sender's clock does not count it)");
 ABSL_FLAG(double, timeout_s, 120, "give up on a measurement after this long");
 
 namespace {
@@ -143,6 +150,7 @@ struct Receiver {
   long arrived = 0;
   long landed = 0;
   ucp_ep_h ep = nullptr;  // cm: the endpoint made from the connection request.
+  volatile float evict_sum = 0;
 };
 
 void OnLanded(void* request, ucs_status_t, size_t, void* arg) {
@@ -234,8 +242,22 @@ int RunReceiver(bool cm, int fd, long expect) {
   close(fd);
   const auto give_up =
       std::chrono::steady_clock::now() + std::chrono::duration<double>(absl::GetFlag(FLAGS_timeout_s));
+  // --evict_mb: a pass shaped like an optimizer step (read, update, write
+  // back) over memory the payloads do not use, once per landed burst.
+  std::vector<float> state(static_cast<size_t>(absl::GetFlag(FLAGS_evict_mb)) << 18, 1.0f);
+  const long burst = std::max(1, absl::GetFlag(FLAGS_burst));
+  long evicted_at = 0;
   while (r.landed < expect && !r.ucx.failed && std::chrono::steady_clock::now() < give_up) {
     ucp_worker_progress(r.ucx.worker);
+    if (!state.empty() && r.landed - evicted_at >= burst) {
+      evicted_at = r.landed - r.landed % burst;
+      float sum = 0;
+      for (float& x : state) {
+        x = x * 0.999f + 0.001f;
+        sum += x;
+      }
+      r.evict_sum = r.evict_sum + sum;  // Keeps the pass from being dropped.
+    }
   }
   // Let the sender see its last completions before this process goes.
   const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(300);
@@ -411,6 +433,10 @@ Result Measure(bool cm) {
 
 int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
+  if (absl::GetFlag(FLAGS_evict_mb) < 0 || absl::GetFlag(FLAGS_evict_mb) > (int64_t{1} << 20)) {
+    std::fprintf(stderr, "ucx_pair: --evict_mb must be 0 to 1048576\n");
+    return 2;
+  }
   g_pin = sched_getaffinity(0, sizeof(g_allowed), &g_allowed) == 0 && CPU_COUNT(&g_allowed) >= 2;
   const std::string tls = absl::GetFlag(FLAGS_tls);
   // What an optimus worker would run with; the environment wins where it
@@ -435,6 +461,7 @@ int main(int argc, char** argv) {
       line["burst"] = absl::GetFlag(FLAGS_burst);
       line["buffers"] = absl::GetFlag(FLAGS_buffers);
       line["gap_ms"] = absl::GetFlag(FLAGS_gap_ms);
+      line["evict_mb"] = absl::GetFlag(FLAGS_evict_mb);
       line["lanes"] = r.lanes;
       if (!r.error.empty()) {
         line["error"] = r.error;
