@@ -20,8 +20,9 @@
 //         UCP_ERR_HANDLING_MODE_PEER, which address-connected tcp endpoints
 //         lose ("lanes" in each line says which lanes the sender got).
 // --gap_ms idles the sender between bursts (uncounted) and --evict_mb has
-// the receiver stream other memory after each landed burst, as a shard's
-// steps do between two pushes.
+// the receiver (or, --evict_on=sender, the sender inside the gap) stream
+// other memory between bursts, as a shard's steps and a worker's pull do
+// between two pushes.
 // The cm line carries ratio_to_addr (its goodput over the addr line of the
 // same round), the baseline being the way optimus connects today.
 //
@@ -64,6 +65,9 @@ ABSL_FLAG(int64_t, evict_mb, 0,
           "after each burst has landed, the receiver reads and writes this many MiB of other "
           "memory, as a shard's steps stream the optimizer state between two pushes (use with "
           "--gap_ms long enough to cover it, so that the sender's clock does not count it)");
+ABSL_FLAG(std::string, evict_on, "receiver",
+          "which process makes the --evict_mb pass: receiver (after each landed burst) or "
+          "sender (before each burst after the first, inside the uncounted --gap_ms)");
 ABSL_FLAG(double, timeout_s, 120, "give up on a measurement after this long");
 
 namespace {
@@ -244,7 +248,9 @@ int RunReceiver(bool cm, int fd, long expect) {
       std::chrono::steady_clock::now() + std::chrono::duration<double>(absl::GetFlag(FLAGS_timeout_s));
   // --evict_mb: a pass shaped like an optimizer step (read, update, write
   // back) over memory the payloads do not use, once per landed burst.
-  std::vector<float> state(static_cast<size_t>(absl::GetFlag(FLAGS_evict_mb)) << 18, 1.0f);
+  std::vector<float> state(
+      absl::GetFlag(FLAGS_evict_on) == "receiver" ? static_cast<size_t>(absl::GetFlag(FLAGS_evict_mb)) << 18 : 0,
+      1.0f);
   const long burst = std::max(1, absl::GetFlag(FLAGS_burst));
   long evicted_at = 0;
   while (r.landed < expect && !r.ucx.failed && std::chrono::steady_clock::now() < give_up) {
@@ -355,6 +361,11 @@ Result Measure(bool cm) {
   std::vector<void*> in_flight;
   long sent = 0, done = 0;
   const std::chrono::duration<double, std::milli> gap(absl::GetFlag(FLAGS_gap_ms));
+  // --evict_on=sender: the pass runs at the start of each gap.
+  std::vector<float> sender_state(
+      absl::GetFlag(FLAGS_evict_on) == "sender" ? static_cast<size_t>(absl::GetFlag(FLAGS_evict_mb)) << 18 : 0,
+      1.0f);
+  volatile float evict_sum = 0;
   std::chrono::duration<double> idle(0);
   auto start = std::chrono::steady_clock::now();
   const auto deadline = start + std::chrono::duration<double>(absl::GetFlag(FLAGS_timeout_s));
@@ -367,6 +378,14 @@ Result Measure(bool cm) {
     if (in_flight.empty()) {
       if (gap.count() > 0 && sent > 0) {
         const auto idle_from = std::chrono::steady_clock::now();
+        if (!sender_state.empty()) {
+          float sum = 0;
+          for (float& x : sender_state) {
+            x = x * 0.999f + 0.001f;
+            sum += x;
+          }
+          evict_sum = evict_sum + sum;
+        }
         while (std::chrono::steady_clock::now() - idle_from < gap) ucp_worker_progress(u.worker);
         idle += std::chrono::steady_clock::now() - idle_from;
       }
@@ -437,6 +456,10 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "ucx_pair: --evict_mb must be 0 to 1048576\n");
     return 2;
   }
+  if (absl::GetFlag(FLAGS_evict_on) != "receiver" && absl::GetFlag(FLAGS_evict_on) != "sender") {
+    std::fprintf(stderr, "ucx_pair: --evict_on must be receiver or sender\n");
+    return 2;
+  }
   g_pin = sched_getaffinity(0, sizeof(g_allowed), &g_allowed) == 0 && CPU_COUNT(&g_allowed) >= 2;
   const std::string tls = absl::GetFlag(FLAGS_tls);
   // What an optimus worker would run with; the environment wins where it
@@ -462,6 +485,7 @@ int main(int argc, char** argv) {
       line["buffers"] = absl::GetFlag(FLAGS_buffers);
       line["gap_ms"] = absl::GetFlag(FLAGS_gap_ms);
       line["evict_mb"] = absl::GetFlag(FLAGS_evict_mb);
+      line["evict_on"] = absl::GetFlag(FLAGS_evict_on);
       line["lanes"] = r.lanes;
       if (!r.error.empty()) {
         line["error"] = r.error;

@@ -8,6 +8,7 @@
 #include <sys/wait.h>
 
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -45,34 +46,42 @@ TEST(UcxPairSmokeTest, TcpAddressEndpointsLackTheRendezvousLaneClientServerOnesH
   EXPECT_GT(cm.value("ratio_to_addr", 0.0), 0.0) << cm.dump();
 }
 
-// --evict_mb: the receiver streams other memory after each burst, and every
-// message still arrives; a negative size is refused before anything runs.
+// --evict_mb: either process streams other memory between bursts, and every
+// message still arrives; each line says where the pass ran.
 TEST(UcxPairSmokeTest, EvictionBetweenBurstsStillMovesEveryMessage) {
-  const std::string out = bench::RunBenchCommand(
-      bench::RunfilesRoot() +
-      "/bench/ucx_pair --tls=tcp --size=262144 --count=20 --burst=4 --buffers=4 --rounds=1 "
-      "--evict_mb=8 --gap_ms=5");
-  std::vector<nlohmann::json> lines;
-  for (absl::string_view l : absl::StrSplit(out, '\n', absl::SkipEmpty())) {
-    lines.push_back(nlohmann::json::parse(l, nullptr, /*allow_exceptions=*/false));
-    ASSERT_TRUE(lines.back().is_object()) << l;
-  }
-  ASSERT_EQ(lines.size(), 2u) << out;
-  for (const nlohmann::json& l : lines) {
-    EXPECT_FALSE(l.contains("error")) << l.dump();
-    EXPECT_EQ(l.value("evict_mb", 0), 8) << l.dump();
-    EXPECT_GT(l.value("gbps", 0.0), 0.0) << l.dump();
+  for (const std::string side : {"receiver", "sender"}) {
+    const std::string out = bench::RunBenchCommand(
+        bench::RunfilesRoot() +
+        "/bench/ucx_pair --tls=tcp --size=262144 --count=20 --burst=4 --buffers=4 --rounds=1 "
+        "--evict_mb=8 --gap_ms=5 --evict_on=" + side);
+    std::vector<nlohmann::json> lines;
+    for (absl::string_view l : absl::StrSplit(out, '\n', absl::SkipEmpty())) {
+      lines.push_back(nlohmann::json::parse(l, nullptr, /*allow_exceptions=*/false));
+      ASSERT_TRUE(lines.back().is_object()) << l;
+    }
+    ASSERT_EQ(lines.size(), 2u) << out;
+    for (const nlohmann::json& l : lines) {
+      EXPECT_FALSE(l.contains("error")) << l.dump();
+      EXPECT_EQ(l.value("evict_mb", 0), 8) << l.dump();
+      EXPECT_EQ(l.value("evict_on", ""), side) << l.dump();
+      EXPECT_GT(l.value("gbps", 0.0), 0.0) << l.dump();
+    }
   }
 }
 
-TEST(UcxPairSmokeTest, NegativeEvictionIsRefused) {
-  int status = 0;
-  const std::string out = bench::CommandOutput(
-      bench::RunfilesRoot() + "/bench/ucx_pair --evict_mb=-1 --rounds=1 2>&1", &status);
-  ASSERT_TRUE(WIFEXITED(status)) << out;
-  EXPECT_EQ(WEXITSTATUS(status), 2) << out;
-  EXPECT_NE(out.find("--evict_mb must be"), std::string::npos) << out;
-  EXPECT_EQ(out.find("\"bench\""), std::string::npos) << out;  // Nothing measured.
+// Bad eviction flags are refused with a clear message before anything runs.
+TEST(UcxPairSmokeTest, BadEvictionFlagsAreRefused) {
+  for (const auto& [flags, message] :
+       std::vector<std::pair<std::string, std::string>>{{"--evict_mb=-1", "--evict_mb must be"},
+                                                        {"--evict_on=both", "--evict_on must be"}}) {
+    int status = 0;
+    const std::string out = bench::CommandOutput(
+        bench::RunfilesRoot() + "/bench/ucx_pair --rounds=1 " + flags + " 2>&1", &status);
+    ASSERT_TRUE(WIFEXITED(status)) << out;
+    EXPECT_EQ(WEXITSTATUS(status), 2) << flags << ": " << out;
+    EXPECT_NE(out.find(message), std::string::npos) << out;
+    EXPECT_EQ(out.find("\"bench\""), std::string::npos) << out;  // Nothing measured.
+  }
 }
 
 }  // namespace
