@@ -74,6 +74,25 @@ namespace {
 
 constexpr uint16_t kAmId = 1;
 
+// --evict_mb's memory for the process named by --evict_on (empty in the
+// other one).
+std::vector<float> EvictionState(const char* side) {
+  if (absl::GetFlag(FLAGS_evict_on) != side) return {};
+  return std::vector<float>(static_cast<size_t>(absl::GetFlag(FLAGS_evict_mb)) << 18, 1.0f);
+}
+
+// One pass shaped like an optimizer step (read, update, write back); the
+// sum goes to a volatile so that the pass is not dropped.
+void EvictionPass(std::vector<float>& state) {
+  static volatile float sink = 0;
+  float sum = 0;
+  for (float& x : state) {
+    x = x * 0.999f + 0.001f;
+    sum += x;
+  }
+  sink = sink + sum;
+}
+
 struct Ucx {
   ucp_context_h context = nullptr;
   ucp_worker_h worker = nullptr;
@@ -154,7 +173,6 @@ struct Receiver {
   long arrived = 0;
   long landed = 0;
   ucp_ep_h ep = nullptr;  // cm: the endpoint made from the connection request.
-  volatile float evict_sum = 0;
 };
 
 void OnLanded(void* request, ucs_status_t, size_t, void* arg) {
@@ -248,21 +266,14 @@ int RunReceiver(bool cm, int fd, long expect) {
       std::chrono::steady_clock::now() + std::chrono::duration<double>(absl::GetFlag(FLAGS_timeout_s));
   // --evict_mb: a pass shaped like an optimizer step (read, update, write
   // back) over memory the payloads do not use, once per landed burst.
-  std::vector<float> state(
-      absl::GetFlag(FLAGS_evict_on) == "receiver" ? static_cast<size_t>(absl::GetFlag(FLAGS_evict_mb)) << 18 : 0,
-      1.0f);
+  std::vector<float> state = EvictionState("receiver");
   const long burst = std::max(1, absl::GetFlag(FLAGS_burst));
   long evicted_at = 0;
   while (r.landed < expect && !r.ucx.failed && std::chrono::steady_clock::now() < give_up) {
     ucp_worker_progress(r.ucx.worker);
     if (!state.empty() && r.landed - evicted_at >= burst) {
       evicted_at = r.landed - r.landed % burst;
-      float sum = 0;
-      for (float& x : state) {
-        x = x * 0.999f + 0.001f;
-        sum += x;
-      }
-      r.evict_sum = r.evict_sum + sum;  // Keeps the pass from being dropped.
+      EvictionPass(state);
     }
   }
   // Let the sender see its last completions before this process goes.
@@ -362,10 +373,7 @@ Result Measure(bool cm) {
   long sent = 0, done = 0;
   const std::chrono::duration<double, std::milli> gap(absl::GetFlag(FLAGS_gap_ms));
   // --evict_on=sender: the pass runs at the start of each gap.
-  std::vector<float> sender_state(
-      absl::GetFlag(FLAGS_evict_on) == "sender" ? static_cast<size_t>(absl::GetFlag(FLAGS_evict_mb)) << 18 : 0,
-      1.0f);
-  volatile float evict_sum = 0;
+  std::vector<float> sender_state = EvictionState("sender");
   std::chrono::duration<double> idle(0);
   auto start = std::chrono::steady_clock::now();
   const auto deadline = start + std::chrono::duration<double>(absl::GetFlag(FLAGS_timeout_s));
@@ -378,14 +386,7 @@ Result Measure(bool cm) {
     if (in_flight.empty()) {
       if (gap.count() > 0 && sent > 0) {
         const auto idle_from = std::chrono::steady_clock::now();
-        if (!sender_state.empty()) {
-          float sum = 0;
-          for (float& x : sender_state) {
-            x = x * 0.999f + 0.001f;
-            sum += x;
-          }
-          evict_sum = evict_sum + sum;
-        }
+        if (!sender_state.empty()) EvictionPass(sender_state);
         while (std::chrono::steady_clock::now() - idle_from < gap) ucp_worker_progress(u.worker);
         idle += std::chrono::steady_clock::now() - idle_from;
       }
