@@ -19,7 +19,6 @@
 #include <gtest/gtest.h>
 
 #include "absl/strings/match.h"
-#include "absl/strings/str_split.h"
 #include "bench/smoke_test_util.h"
 #include "common/json.h"
 
@@ -31,16 +30,6 @@ std::string RunBench(const std::string& args) {
   const std::string root = bench::RunfilesRoot();
   return bench::RunBenchCommand(root + "/bench/dataplane --bin_dir=" + root + " --work_dir=" +
                                 std::getenv("TEST_TMPDIR") + "/dataplane " + args);
-}
-
-std::vector<nlohmann::json> Lines(const std::string& out) {
-  std::vector<nlohmann::json> lines;
-  for (absl::string_view l : absl::StrSplit(out, '\n', absl::SkipEmpty())) {
-    nlohmann::json j = nlohmann::json::parse(l, nullptr, /*allow_exceptions=*/false);
-    EXPECT_TRUE(j.is_object()) << l;
-    if (j.is_object()) lines.push_back(std::move(j));
-  }
-  return lines;
 }
 
 double Num(const nlohmann::json& j, const char* key) {
@@ -80,7 +69,7 @@ TEST_F(DataplaneSmokeTest, WorkersAndServersRunOnCpusOfTheirOwn) {
   ASSERT_EQ(sched_getaffinity(0, sizeof(allowed), &allowed), 0);
   const bool split = CPU_COUNT(&allowed) >= 2;
   int cases = 0, clusters = 0;
-  for (const nlohmann::json& l : Lines(*out_)) {
+  for (const nlohmann::json& l : bench::JsonLines(*out_)) {
     const std::string placement = Str(l, "placement");
     EXPECT_EQ(absl::StartsWith(placement, "split: workers on CPUs "), split) << l.dump();
     if (l.contains("case")) ++cases;
@@ -109,7 +98,7 @@ TEST_F(DataplaneSmokeTest, CaseLinesNameTheTcpCongestionControl) {
   std::string want;
   std::getline(in, want);
   int cases = 0;
-  for (const nlohmann::json& l : Lines(*out_)) {
+  for (const nlohmann::json& l : bench::JsonLines(*out_)) {
     if (!l.contains("case")) continue;
     ++cases;
     EXPECT_EQ(Str(l, "tcp_congestion_control"), want) << l.dump();
@@ -118,7 +107,7 @@ TEST_F(DataplaneSmokeTest, CaseLinesNameTheTcpCongestionControl) {
 }
 
 TEST_F(DataplaneSmokeTest, EveryLineIsJsonAndNoCaseFailed) {
-  const std::vector<nlohmann::json> lines = Lines(*out_);
+  const std::vector<nlohmann::json> lines = bench::JsonLines(*out_);
   ASSERT_FALSE(lines.empty()) << *out_;
   for (const nlohmann::json& l : lines) {
     EXPECT_EQ(Str(l, "bench"), "dataplane") << l.dump();
@@ -131,7 +120,7 @@ TEST_F(DataplaneSmokeTest, EveryLineIsJsonAndNoCaseFailed) {
 TEST_F(DataplaneSmokeTest, GoodputLinesCarryEveryBaselineOnTheirTransport) {
   // (case, transport, W) -> line.
   std::map<std::tuple<std::string, std::string, int>, nlohmann::json> cases;
-  for (const nlohmann::json& l : Lines(*out_)) {
+  for (const nlohmann::json& l : bench::JsonLines(*out_)) {
     const std::string kase = Str(l, "case");
     if (kase != "push" && kase != "pull") continue;
     const auto key = std::make_tuple(kase, Str(l, "transport"), static_cast<int>(Num(l, "workers")));
@@ -210,7 +199,7 @@ TEST_F(DataplaneSmokeTest, GoodputLinesCarryEveryBaselineOnTheirTransport) {
 
 TEST_F(DataplaneSmokeTest, SmallTensorsAgainstOneTensorOfTheSameBytes) {
   int seen = 0;
-  for (const nlohmann::json& l : Lines(*out_)) {
+  for (const nlohmann::json& l : bench::JsonLines(*out_)) {
     if (Str(l, "case") != "small_tensors") continue;
     ++seen;
     EXPECT_EQ(Num(l, "tensors"), kSmallTensors) << l.dump();
@@ -224,7 +213,7 @@ TEST_F(DataplaneSmokeTest, SmallTensorsAgainstOneTensorOfTheSameBytes) {
 
 TEST_F(DataplaneSmokeTest, StagingPoolHoldsMemoryAtTheStateWhateverW) {
   int seen = 0;
-  for (const nlohmann::json& l : Lines(*out_)) {
+  for (const nlohmann::json& l : bench::JsonLines(*out_)) {
     if (Str(l, "case") != "staging") continue;
     ++seen;
     EXPECT_EQ(Num(l, "workers"), kStagingWorkers) << l.dump();

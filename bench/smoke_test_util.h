@@ -6,8 +6,13 @@
 #include <cstdio>
 #include <cstdlib>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include <gtest/gtest.h>
+
+#include "absl/strings/str_split.h"
+#include "common/json.h"
 
 namespace optimus {
 namespace bench {
@@ -36,6 +41,18 @@ inline std::string RunBenchCommand(const std::string& cmd) {
   std::string out = CommandOutput(cmd, &status);
   EXPECT_EQ(status, 0) << cmd;
   return out;
+}
+
+// A benchmark's JSON lines; a line that is not a JSON object fails the test
+// and is left out.
+inline std::vector<nlohmann::json> JsonLines(const std::string& out) {
+  std::vector<nlohmann::json> lines;
+  for (absl::string_view l : absl::StrSplit(out, '\n', absl::SkipEmpty())) {
+    nlohmann::json j = nlohmann::json::parse(l, nullptr, /*allow_exceptions=*/false);
+    EXPECT_TRUE(j.is_object()) << l;
+    if (j.is_object()) lines.push_back(std::move(j));
+  }
+  return lines;
 }
 
 }  // namespace bench

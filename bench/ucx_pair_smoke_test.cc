@@ -13,7 +13,6 @@
 
 #include <gtest/gtest.h>
 
-#include "absl/strings/str_split.h"
 #include "bench/smoke_test_util.h"
 #include "common/json.h"
 
@@ -24,11 +23,7 @@ TEST(UcxPairSmokeTest, TcpAddressEndpointsLackTheRendezvousLaneClientServerOnesH
   const std::string out = bench::RunBenchCommand(
       bench::RunfilesRoot() +
       "/bench/ucx_pair --tls=tcp --size=1048576 --count=50 --burst=4 --buffers=4 --rounds=1");
-  std::vector<nlohmann::json> lines;
-  for (absl::string_view l : absl::StrSplit(out, '\n', absl::SkipEmpty())) {
-    lines.push_back(nlohmann::json::parse(l, nullptr, /*allow_exceptions=*/false));
-    ASSERT_TRUE(lines.back().is_object()) << l;
-  }
+  const std::vector<nlohmann::json> lines = bench::JsonLines(out);
   ASSERT_EQ(lines.size(), 2u) << out;
   const nlohmann::json& addr = lines[0];
   const nlohmann::json& cm = lines[1];
@@ -54,11 +49,7 @@ TEST(UcxPairSmokeTest, EvictionBetweenBurstsStillMovesEveryMessage) {
         bench::RunfilesRoot() +
         "/bench/ucx_pair --tls=tcp --size=262144 --count=20 --burst=4 --buffers=4 --rounds=1 "
         "--evict_mb=8 --gap_ms=5 --evict_on=" + side);
-    std::vector<nlohmann::json> lines;
-    for (absl::string_view l : absl::StrSplit(out, '\n', absl::SkipEmpty())) {
-      lines.push_back(nlohmann::json::parse(l, nullptr, /*allow_exceptions=*/false));
-      ASSERT_TRUE(lines.back().is_object()) << l;
-    }
+    const std::vector<nlohmann::json> lines = bench::JsonLines(out);
     ASSERT_EQ(lines.size(), 2u) << out;
     for (const nlohmann::json& l : lines) {
       EXPECT_FALSE(l.contains("error")) << l.dump();
