@@ -62,9 +62,9 @@ ABSL_FLAG(double, gap_ms, 0,
           "idle time between bursts, not counted (the send direction idle, as while optimus "
           "pulls the next version between two pushes)");
 ABSL_FLAG(int64_t, evict_mb, 0,
-          "after each burst has landed, the receiver reads and writes this many MiB of other "
-          "memory, as a shard's steps stream the optimizer state between two pushes (use with "
-          "--gap_ms long enough to cover it, so that the sender's clock does not count it)");
+          "between bursts, the process named by --evict_on reads and writes this many MiB of "
+          "other memory, as a shard's steps stream the optimizer state between two pushes (use "
+          "with --gap_ms long enough to cover it, so that the sender's clock does not count it)");
 ABSL_FLAG(std::string, evict_on, "receiver",
           "which process makes the --evict_mb pass: receiver (after each landed burst) or "
           "sender (before each burst after the first, inside the uncounted --gap_ms)");
@@ -459,6 +459,12 @@ int main(int argc, char** argv) {
   }
   if (absl::GetFlag(FLAGS_evict_on) != "receiver" && absl::GetFlag(FLAGS_evict_on) != "sender") {
     std::fprintf(stderr, "ucx_pair: --evict_on must be receiver or sender\n");
+    return 2;
+  }
+  if (absl::GetFlag(FLAGS_evict_mb) > 0 && absl::GetFlag(FLAGS_evict_on) == "sender" &&
+      absl::GetFlag(FLAGS_gap_ms) <= 0) {
+    // The sender's pass runs inside the gap: without one it would never run.
+    std::fprintf(stderr, "ucx_pair: --evict_on=sender needs --gap_ms above 0\n");
     return 2;
   }
   g_pin = sched_getaffinity(0, sizeof(g_allowed), &g_allowed) == 0 && CPU_COUNT(&g_allowed) >= 2;

@@ -64,7 +64,9 @@ TEST(UcxPairSmokeTest, EvictionBetweenBurstsStillMovesEveryMessage) {
 TEST(UcxPairSmokeTest, BadEvictionFlagsAreRefused) {
   for (const auto& [flags, message] :
        std::vector<std::pair<std::string, std::string>>{{"--evict_mb=-1", "--evict_mb must be"},
-                                                        {"--evict_on=both", "--evict_on must be"}}) {
+                                                        {"--evict_on=both", "--evict_on must be"},
+                                                        {"--evict_mb=8 --evict_on=sender",
+                                                         "--evict_on=sender needs --gap_ms"}}) {
     int status = 0;
     const std::string out = bench::CommandOutput(
         bench::RunfilesRoot() + "/bench/ucx_pair --rounds=1 " + flags + " 2>&1", &status);
